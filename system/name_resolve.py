@@ -1,0 +1,315 @@
+"""Name resolution: where workers publish addresses, heartbeats, versions and store addresses.
+
+Keys are slash-separated paths under ``<exp>/<trial>/`` (see :mod:`system.names`). Two backends
+share one API: ``file`` (a directory, possibly on NFS: atomic write-then-rename, exclusive create
+by ``link``, no file locks, TTL via expiry timestamps checked on read) and ``redis`` (a real Redis
+server: native TTLs, SCAN not KEYS).
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from typing import Iterator
+
+from system.errors import ConfigError, NameEntryExists, NameEntryNotFound, NameResolveError
+
+
+class NameResolveBackend(str, enum.Enum):
+    FILE = "file"
+    REDIS = "redis"
+
+
+@dataclasses.dataclass
+class NameResolveConfig:
+    """Where workers find each other."""
+
+    type: NameResolveBackend = NameResolveBackend.FILE
+    """Backend: ``file`` (a directory, shared filesystem on a cluster) or ``redis``."""
+    file_root: str = ""
+    """Directory of the ``file`` backend; empty means ``<cluster.fileroot>/.name_resolve``."""
+    redis_host: str = "127.0.0.1"
+    """Redis server host (``redis`` backend)."""
+    redis_port: int = 6379
+    """Redis server port (``redis`` backend)."""
+    redis_db: int = 0
+    """Redis database number."""
+    redis_password: str = ""
+    """Redis password (empty: none)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.type, str):
+            try:
+                self.type = NameResolveBackend(self.type)
+            except ValueError:
+                raise ConfigError(
+                    f"name_resolve.type={self.type!r} is not one of "
+                    f"{[b.value for b in NameResolveBackend]}"
+                ) from None
+        if not 0 < self.redis_port < 65536:
+            raise ConfigError(f"name_resolve.redis_port={self.redis_port} is not a valid port")
+
+
+def _check_key(key: str) -> str:
+    key = key.strip("/")
+    parts = key.split("/")
+    if not key or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+        raise NameResolveError(f"invalid name-resolve key {key!r}")
+    return key
+
+
+class NameResolve(abc.ABC):
+    """The name-resolution API shared by all backends."""
+
+    def __init__(self) -> None:
+        self._keepalive: dict[str, tuple[str, float]] = {}
+        self._ka_lock = threading.Lock()
+        self._ka_thread: threading.Thread | None = None
+        self._ka_stop = threading.Event()
+
+    # --- backend primitives ---
+    @abc.abstractmethod
+    def _put(self, key: str, value: str, ttl: float | None, replace: bool) -> None: ...
+
+    @abc.abstractmethod
+    def _get(self, key: str) -> str | None: ...
+
+    @abc.abstractmethod
+    def _delete(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def _keys_under(self, prefix: str) -> Iterator[str]: ...
+
+    # --- public API ---
+    def add(self, key: str, value: str, *, replace: bool = False,
+            keepalive_ttl: float | None = None) -> None:
+        """Store ``value`` under ``key``. With ``keepalive_ttl`` the entry expires unless this
+        process keeps it alive (a background thread refreshes it every ``ttl/3`` seconds)."""
+        key = _check_key(key)
+        if keepalive_ttl is not None and keepalive_ttl <= 0:
+            raise NameResolveError(f"keepalive_ttl must be > 0, got {keepalive_ttl}")
+        self._put(key, str(value), keepalive_ttl, replace)
+        if keepalive_ttl is not None:
+            with self._ka_lock:
+                self._keepalive[key] = (str(value), keepalive_ttl)
+            self._ensure_keepalive_thread()
+
+    def get(self, key: str) -> str:
+        """The live value under ``key``; :class:`NameEntryNotFound` if absent or expired."""
+        value = self._get(_check_key(key))
+        if value is None:
+            raise NameEntryNotFound(key)
+        return value
+
+    def wait(self, key: str, timeout: float | None = None, poll: float = 0.05) -> str:
+        """Block until ``key`` exists; :class:`NameEntryNotFound` after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            value = self._get(_check_key(key))
+            if value is not None:
+                return value
+            if deadline is not None and time.monotonic() >= deadline:
+                raise NameEntryNotFound(f"{key} (waited {timeout:.1f}s)")
+            time.sleep(poll)
+
+    def find_subtree(self, prefix: str) -> list[str]:
+        """Sorted keys of live entries at or below ``prefix``."""
+        prefix = _check_key(prefix)
+        return sorted(k for k in self._keys_under(prefix) if self._get(k) is not None)
+
+    def get_subtree(self, prefix: str) -> dict[str, str]:
+        """``{key: value}`` of live entries at or below ``prefix``."""
+        out = {}
+        for k in sorted(self._keys_under(_check_key(prefix))):
+            v = self._get(k)
+            if v is not None:
+                out[k] = v
+        return out
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (and stop keeping it alive); :class:`NameEntryNotFound` if absent."""
+        key = _check_key(key)
+        with self._ka_lock:
+            self._keepalive.pop(key, None)
+        if not self._delete(key):
+            raise NameEntryNotFound(key)
+
+    def clear_subtree(self, prefix: str) -> int:
+        """Remove every key at or below ``prefix`` (e.g. a whole trial); returns how many."""
+        prefix = _check_key(prefix)
+        with self._ka_lock:
+            for k in [k for k in self._keepalive if k == prefix or k.startswith(prefix + "/")]:
+                del self._keepalive[k]
+        n = 0
+        for k in list(self._keys_under(prefix)):
+            n += int(self._delete(k))
+        return n
+
+    def close(self) -> None:
+        """Stop keep-alive refreshes (entries then expire on their own)."""
+        self._ka_stop.set()
+        if self._ka_thread is not None:
+            self._ka_thread.join(timeout=5)
+
+    # --- keep-alive ---
+    def _ensure_keepalive_thread(self) -> None:
+        if self._ka_thread is None or not self._ka_thread.is_alive():
+            self._ka_stop.clear()
+            self._ka_thread = threading.Thread(target=self._keepalive_loop, name="name-resolve-keepalive",
+                                               daemon=True)
+            self._ka_thread.start()
+
+    def _keepalive_loop(self) -> None:
+        while not self._ka_stop.is_set():
+            with self._ka_lock:
+                items = list(self._keepalive.items())
+                period = min((ttl for _, ttl in self._keepalive.values()), default=1.0) / 3
+            for key, (value, ttl) in items:
+                try:
+                    self._put(key, value, ttl, True)
+                except Exception:  # a transient backend error must not kill the refresher
+                    pass
+            self._ka_stop.wait(max(period, 0.02))
+
+
+class FileNameResolve(NameResolve):
+    """Directory backend. Each key is a directory holding an ``ENTRY`` JSON file
+    ``{"value": ..., "expires": unix_time|null}``; writes go to a temp file renamed into place."""
+
+    ENTRY = "ENTRY"
+
+    def __init__(self, root: str) -> None:
+        super().__init__()
+        self.root = os.path.abspath(root)
+        os.makedirs(self.root, exist_ok=True)
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/"), self.ENTRY)
+
+    def _put(self, key: str, value: str, ttl: float | None, replace: bool) -> None:
+        path = self._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        body = json.dumps({"value": value, "expires": None if ttl is None else time.time() + ttl})
+        with open(tmp, "w") as f:
+            f.write(body)
+        try:
+            if replace:
+                os.replace(tmp, path)
+                return
+            try:  # exclusive create: link() fails if the target exists (atomic on NFS too)
+                os.link(tmp, path)
+                return
+            except FileExistsError:
+                if self._read(path) is not None:
+                    raise NameEntryExists(key) from None
+                os.replace(tmp, path)  # the old entry had expired
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    @staticmethod
+    def _read(path: str) -> str | None:
+        try:
+            with open(path) as f:
+                entry = json.load(f)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (json.JSONDecodeError, OSError):
+            return None  # torn or foreign file: treat as absent
+        expires = entry.get("expires")
+        if expires is not None and time.time() > expires:
+            return None
+        return entry.get("value")
+
+    def _get(self, key: str) -> str | None:
+        return self._read(self._path(key))
+
+    def _delete(self, key: str) -> bool:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        # prune now-empty directories up to the root
+        d = os.path.dirname(path)
+        while d != self.root and d.startswith(self.root):
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+            d = os.path.dirname(d)
+        return True
+
+    def _keys_under(self, prefix: str) -> Iterator[str]:
+        top = os.path.join(self.root, *prefix.split("/"))
+        if not os.path.isdir(top):
+            return
+        for dirpath, _dirs, files in os.walk(top):
+            if self.ENTRY in files:
+                yield os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+
+    def wipe(self) -> None:
+        """Delete the whole backend directory (tests only)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class RedisNameResolve(NameResolve):
+    """Redis backend: ``SET NX PX`` for add, native TTLs, ``SCAN MATCH`` for subtrees."""
+
+    def __init__(self, host: str, port: int, db: int = 0, password: str = "",
+                 namespace: str = "rlsys") -> None:
+        super().__init__()
+        import redis  # only this backend needs the client
+
+        self._ns = namespace.rstrip(":") + ":"
+        self._r = redis.Redis(host=host, port=port, db=db, password=password or None,
+                              socket_timeout=10, socket_connect_timeout=10, decode_responses=True)
+        try:
+            self._r.ping()
+        except redis.RedisError as e:
+            raise NameResolveError(f"cannot reach redis at {host}:{port}: {e}") from e
+
+    def _k(self, key: str) -> str:
+        return self._ns + key
+
+    def _put(self, key: str, value: str, ttl: float | None, replace: bool) -> None:
+        px = None if ttl is None else max(1, int(ttl * 1000))
+        ok = self._r.set(self._k(key), value, px=px, nx=not replace)
+        if not ok:
+            raise NameEntryExists(key)
+
+    def _get(self, key: str) -> str | None:
+        return self._r.get(self._k(key))
+
+    def _delete(self, key: str) -> bool:
+        return bool(self._r.delete(self._k(key)))
+
+    def _keys_under(self, prefix: str) -> Iterator[str]:
+        exact = self._k(prefix)
+        if self._r.exists(exact):
+            yield prefix
+        pattern = _glob_escape(exact) + "/*"
+        for k in self._r.scan_iter(match=pattern, count=1000):
+            yield k[len(self._ns):]
+
+    def close(self) -> None:
+        super().close()
+        self._r.close()
+
+
+def _glob_escape(s: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in s)
+
+
+def make_name_resolve(cfg: NameResolveConfig, default_file_root: str) -> NameResolve:
+    """Build the backend named by ``cfg``."""
+    if cfg.type == NameResolveBackend.FILE:
+        return FileNameResolve(cfg.file_root or default_file_root)
+    return RedisNameResolve(cfg.redis_host, cfg.redis_port, cfg.redis_db, cfg.redis_password)

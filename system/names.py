@@ -1,0 +1,43 @@
+"""The name-resolution key layout of one trial: every key lives under ``<exp>/<trial>/``."""
+from __future__ import annotations
+
+
+def trial_root(exp: str, trial: str) -> str:
+    return f"{exp}/{trial}"
+
+
+def worker_address(exp: str, trial: str, kind: str, index: int) -> str:
+    """RPC address (``tcp://host:port``) a worker serves on."""
+    return f"{exp}/{trial}/worker/{kind}/{index}"
+
+
+def worker_addresses(exp: str, trial: str, kind: str | None = None) -> str:
+    return f"{exp}/{trial}/worker" + (f"/{kind}" if kind else "")
+
+
+def heartbeat(exp: str, trial: str, kind: str, index: int) -> str:
+    """Kept alive with a TTL while the worker lives."""
+    return f"{exp}/{trial}/heartbeat/{kind}/{index}"
+
+
+def heartbeats(exp: str, trial: str) -> str:
+    return f"{exp}/{trial}/heartbeat"
+
+
+def worker_error(exp: str, trial: str, kind: str, index: int) -> str:
+    """JSON ``{"type", "message", "traceback"}`` written by a worker that failed."""
+    return f"{exp}/{trial}/error/{kind}/{index}"
+
+
+def worker_errors(exp: str, trial: str) -> str:
+    return f"{exp}/{trial}/error"
+
+
+def stream(exp: str, trial: str, name: str) -> str:
+    """Address of a PULL endpoint (e.g. the master's trajectory stream)."""
+    return f"{exp}/{trial}/stream/{name}"
+
+
+def store(exp: str, trial: str, group: str) -> str:
+    """``host:port`` of the TCPStore that rendezvous a torch.distributed group."""
+    return f"{exp}/{trial}/store/{group}"

@@ -1,0 +1,122 @@
+"""Command-line parsing: ``exp=NAME trial=T [dotted.key=value ...] [--dry-run] [--help]``.
+
+Overrides are type-checked by OmegaConf against the experiment's structured config. Every mistake
+becomes one :class:`~system.errors.ConfigError` naming the key and the valid choices there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from system.config import ExperimentConfig, field_docs
+from system.errors import ConfigError
+
+
+@dataclasses.dataclass
+class CliArgs:
+    exp: str = ""
+    trial: str = ""
+    overrides: list[str] = dataclasses.field(default_factory=list)
+    dry_run: bool = False
+    help: bool = False
+    flags: dict[str, bool] = dataclasses.field(default_factory=dict)
+
+
+FLAGS = {"--dry-run": "dry_run", "--help": "help", "-h": "help"}
+
+
+def parse_cli(argv: Sequence[str], extra_flags: Sequence[str] = ()) -> CliArgs:
+    args = CliArgs()
+    for item in argv:
+        if item.startswith("-"):
+            if item in FLAGS:
+                setattr(args, FLAGS[item], True)
+            elif item in extra_flags:
+                args.flags[item] = True
+            else:
+                raise ConfigError(f"unknown flag {item!r}; valid: {sorted([*FLAGS, *extra_flags])}")
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"argument {item!r} is not key=value")
+        if key == "exp":
+            args.exp = value
+        elif key == "trial":
+            args.trial = value
+        else:
+            args.overrides.append(item)
+    if not args.help:
+        missing = [k for k in ("exp", "trial") if not getattr(args, k)]
+        if missing:
+            raise ConfigError(f"missing {' and '.join(k + '=...' for k in missing)} "
+                              "(usage: python -m system.launch exp=NAME trial=T [key=value ...])")
+    return args
+
+
+def _describe(node: DictConfig) -> str:
+    return ", ".join(str(k) for k in node.keys())
+
+
+def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> ExperimentConfig:
+    """``base`` with ``overrides`` applied, validated by every section's ``__post_init__``."""
+    conf = OmegaConf.structured(base)
+    for item in overrides:
+        key, _, raw = item.partition("=")
+        parts = key.split(".")
+        node: Any = conf
+        for depth, part in enumerate(parts):
+            where = ".".join(parts[:depth]) or "the top level"
+            if not isinstance(node, DictConfig):
+                raise ConfigError(f"unknown key {key!r}: {where!r} is a value, not a section")
+            if part not in node:
+                raise ConfigError(f"unknown key {key!r}: no {part!r} at {where}; "
+                                  f"valid keys there: {_describe(node)}")
+            node = node._get_node(part)
+        if isinstance(node, DictConfig):
+            if "type" in node:  # shorthand: scheduler=slurm means scheduler.type=slurm
+                key, node = key + ".type", node._get_node("type")
+            else:
+                raise ConfigError(f"{key!r} is a section; set one of its keys: {_describe(node)}")
+        try:
+            OmegaConf.update(conf, key, None if raw.lower() in ("null", "none") and
+                             _optional(node) else raw, merge=True)
+        except OmegaConfBaseException as e:
+            msg = str(e).splitlines()[0]
+            enum_type = getattr(node, "enum_type", None)
+            if enum_type is not None:
+                msg = f"valid values: {[m.value for m in enum_type]}"
+            raise ConfigError(f"bad value for {key}={raw!r}: {msg}") from None
+    try:
+        return OmegaConf.to_object(conf)  # runs every __post_init__
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, OmegaConfBaseException) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def _optional(node: Any) -> bool:
+    try:
+        return bool(node._is_optional())
+    except AttributeError:
+        return False
+
+
+def describe_config(cfg: Any, depth: int = 1, indent: str = "  ") -> list[str]:
+    """Lines ``key = default   doc`` for the fields of ``cfg`` (sections expanded ``depth`` deep)."""
+    lines: list[str] = []
+    docs = field_docs(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        doc = docs.get(f.name, "")
+        if dataclasses.is_dataclass(value):
+            lines.append(f"{indent}{f.name}: {doc}")
+            if depth > 0:
+                lines += describe_config(value, depth - 1, indent + "    ")
+        else:
+            shown = value.value if isinstance(value, enum.Enum) else value
+            lines.append(f"{indent}{f.name} = {shown!r}  {doc}".rstrip())
+    return lines

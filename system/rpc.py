@@ -1,0 +1,258 @@
+"""Control RPC and data streams over ZeroMQ, in the authenticated format of :mod:`system.wire`.
+
+- :class:`RpcServer` (ROUTER) dispatches ``{"id", "m", "a"}`` requests to an explicit table of
+  handlers and replies ``{"id", "ok", "r"}`` or ``{"id", "ok": False, "e": {type, message,
+  traceback}}``. A request that fails to parse, authenticate or exceeds the size limit is dropped
+  and counted in :attr:`RpcServer.drops`; the server keeps serving.
+- :class:`RpcClient` (DEALER) sends requests with ids; every call has a timeout
+  (:class:`~system.errors.RpcTimeout`) and remote exceptions come back as
+  :class:`~system.errors.RemoteError`.
+- :class:`StreamPusher` / :class:`StreamPuller` (PUSH/PULL) move trajectories and samples through
+  bounded queues (high-water marks, in messages).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+import traceback
+from typing import Any, Callable, Mapping
+
+import zmq
+
+from system.errors import ConfigError, RemoteError, RpcError, RpcTimeout
+from system.wire import Codec, DropCounters, DroppedMessage
+
+
+@dataclasses.dataclass
+class RpcConfig:
+    """Sockets of every worker."""
+
+    request_timeout: float = 30.0
+    """Default seconds to wait for a reply to a control call."""
+    max_message_bytes: int = 1 << 30
+    """Messages larger than this are dropped and counted (ZeroMQ itself disconnects a peer whose
+    single frame exceeds four times this)."""
+    stream_hwm: int = 64
+    """Bounded queue length (messages) of each stream socket, per side."""
+
+    def __post_init__(self) -> None:
+        if self.request_timeout <= 0:
+            raise ConfigError(f"rpc.request_timeout must be > 0, got {self.request_timeout}")
+        if self.max_message_bytes < 4096:
+            raise ConfigError(f"rpc.max_message_bytes must be >= 4096, got {self.max_message_bytes}")
+        if self.stream_hwm < 1:
+            raise ConfigError(f"rpc.stream_hwm must be >= 1, got {self.stream_hwm}")
+
+
+def _context() -> zmq.Context:
+    return zmq.Context.instance()
+
+
+def _bind_random(sock: zmq.Socket, host: str) -> str:
+    sock.bind(f"tcp://{host}:*")
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def _limit_frames(sock: zmq.Socket, max_message_bytes: int) -> None:
+    sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)
+
+
+Handler = Callable[..., Any]
+
+
+class RpcServer:
+    """A ROUTER socket serving a fixed table of handlers. Use from one thread:
+    either :meth:`serve_forever` in a thread of its own, or :meth:`poll_once` from a loop."""
+
+    def __init__(self, codec: Codec, host: str, handlers: Mapping[str, Handler]) -> None:
+        self._codec = codec
+        self._handlers = dict(handlers)
+        self._sock = _context().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        _limit_frames(self._sock, codec.max_message_bytes)
+        self.address = _bind_random(self._sock, host)
+        self.drops = DropCounters()
+        self.served = 0
+        self._lock = threading.Lock()
+
+    def poll_once(self, timeout: float) -> bool:
+        """Serve at most one request; returns whether one arrived."""
+        if not self._sock.poll(int(timeout * 1000)):
+            return False
+        frames = self._sock.recv_multipart(copy=False)
+        ident, body = frames[0].bytes, frames[1:]
+        try:
+            req = self._codec.decode(body)
+            if not isinstance(req, dict) or not isinstance(req.get("m"), str):
+                raise DroppedMessage("malformed", "request is not {id, m, a}")
+            args = req.get("a") or {}
+            if not isinstance(args, dict):
+                raise DroppedMessage("malformed", "request args are not a map")
+        except DroppedMessage as e:
+            with self._lock:
+                setattr(self.drops, e.reason, getattr(self.drops, e.reason) + 1)
+            return True
+        reply = self._dispatch(req.get("id"), req["m"], args)
+        try:
+            out = self._codec.encode(reply)
+        except Exception as e:  # the result could not be encoded: say so instead
+            out = self._codec.encode(_error_reply(req.get("id"), e))
+        self._sock.send_multipart([ident, *out], copy=False)
+        self.served += 1
+        return True
+
+    def _dispatch(self, req_id: Any, method: str, args: dict) -> dict:
+        handler = self._handlers.get(method)
+        if handler is None:
+            return {"id": req_id, "ok": False, "e": {
+                "type": "NoSuchMethod",
+                "message": f"no method {method!r}; valid: {sorted(self._handlers)}",
+                "traceback": ""}}
+        try:
+            return {"id": req_id, "ok": True, "r": handler(**args)}
+        except Exception as e:
+            return _error_reply(req_id, e)
+
+    def serve_forever(self, stop: threading.Event, poll: float = 0.1) -> None:
+        while not stop.is_set():
+            self.poll_once(poll)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+def _error_reply(req_id: Any, e: BaseException) -> dict:
+    return {"id": req_id, "ok": False, "e": {
+        "type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}}
+
+
+class RpcClient:
+    """A DEALER socket talking to one server. Not thread-safe: one thread per client.
+
+    :meth:`call` is a blocking round trip; :meth:`submit` + :meth:`result` let one thread keep
+    many calls in flight (on one or several clients)."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, codec: Codec, address: str, timeout: float = 30.0) -> None:
+        self._codec = codec
+        self.address = address
+        self.timeout = timeout
+        self._sock = _context().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        _limit_frames(self._sock, codec.max_message_bytes)
+        self._sock.connect(address)
+        self._replies: dict[int, dict] = {}
+        self._waiting: set[int] = set()
+        self.drops = DropCounters()
+
+    def submit(self, method: str, **args: Any) -> int:
+        req_id = next(self._ids)
+        self._sock.send_multipart(self._codec.encode({"id": req_id, "m": method, "a": args}),
+                                  copy=False)
+        self._waiting.add(req_id)
+        return req_id
+
+    def result(self, req_id: int, timeout: float | None = None) -> Any:
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        try:
+            while req_id not in self._replies:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+                    if req_id in self._replies:
+                        break
+                    raise RpcTimeout(f"no reply from {self.address} within {timeout:.1f}s")
+                self._receive_one()
+        finally:
+            self._waiting.discard(req_id)
+        reply = self._replies.pop(req_id)
+        if reply.get("ok"):
+            return reply.get("r")
+        err = reply.get("e") or {}
+        raise RemoteError(str(err.get("type", "Error")), str(err.get("message", "")),
+                          str(err.get("traceback", "")))
+
+    def _receive_one(self) -> None:
+        frames = self._sock.recv_multipart(copy=False)
+        try:
+            reply = self._codec.decode(frames)
+        except DroppedMessage as e:
+            setattr(self.drops, e.reason, getattr(self.drops, e.reason) + 1)
+            return
+        rid = reply.get("id") if isinstance(reply, dict) else None
+        if rid in self._waiting:  # replies to abandoned (timed-out) calls are discarded
+            self._replies[rid] = reply
+
+    def call(self, method: str, timeout: float | None = None, **args: Any) -> Any:
+        """One blocking round trip."""
+        return self.result(self.submit(method, **args), timeout)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class StreamPuller:
+    """The receiving end of a stream (PULL, binds). Many pushers may connect."""
+
+    def __init__(self, codec: Codec, host: str, hwm: int = 64) -> None:
+        self._codec = codec
+        self._sock = _context().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, hwm)
+        _limit_frames(self._sock, codec.max_message_bytes)
+        self.address = _bind_random(self._sock, host)
+        self.drops = DropCounters()
+        self.received = 0
+
+    def recv(self, timeout: float) -> Any | None:
+        """The next valid message, or ``None`` if none arrived within ``timeout`` seconds.
+        Invalid messages are dropped, counted, and waiting continues."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left < 0 or not self._sock.poll(max(0, int(left * 1000))):
+                return None
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                msg = self._codec.decode(frames)
+            except DroppedMessage as e:
+                setattr(self.drops, e.reason, getattr(self.drops, e.reason) + 1)
+                continue
+            self.received += 1
+            return msg
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class StreamPusher:
+    """The sending end of a stream (PUSH, connects). :meth:`send` blocks while the bounded
+    queue is full, up to ``timeout`` seconds, then raises :class:`RpcTimeout`."""
+
+    def __init__(self, codec: Codec, address: str, hwm: int = 64) -> None:
+        self._codec = codec
+        self.address = address
+        self._sock = _context().socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 2000)
+        self._sock.setsockopt(zmq.SNDHWM, hwm)
+        self._sock.connect(address)
+        self.sent = 0
+
+    def send(self, payload: Any, timeout: float = 30.0) -> None:
+        frames = self._codec.encode(payload)
+        self._sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
+        try:
+            self._sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise RpcTimeout(f"stream {self.address} stayed full for {timeout:.1f}s") from None
+        self.sent += 1
+
+    def close(self, linger: float = 2.0) -> None:
+        self._sock.close(linger=int(linger * 1000))
+
+
+__all__ = ["RpcConfig", "RpcServer", "RpcClient", "StreamPuller", "StreamPusher", "RpcError"]

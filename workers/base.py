@@ -1,0 +1,210 @@
+"""The worker base: register, heartbeat, serve control RPCs, run the experiment's role, report.
+
+A worker process (``python -m workers.run``) builds one :class:`Worker` subclass per kind. Its
+RPC server runs in a thread; the main thread waits for ``start``, runs the role function the
+experiment names for this kind, and then waits for ``stop``. An exception in the role is written
+(with its traceback text) under the worker's error key for the controller, and the process exits
+non-zero.
+"""
+from __future__ import annotations
+
+import enum
+import importlib
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from typing import Any, Callable, ClassVar
+
+from system import names
+from system.errors import WorkerFailure
+from system.name_resolve import NameResolveConfig, make_name_resolve
+from system.rpc import RpcClient, RpcConfig, RpcServer
+from system.trial import Bootstrap, read_secret
+from system.wire import Codec
+
+log = logging.getLogger("worker")
+
+
+class WorkerState(str, enum.Enum):
+    CREATED = "created"
+    CONFIGURED = "configured"
+    RUNNING = "running"
+    PAUSED = "paused"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    STOPPING = "stopping"
+
+
+class Worker:
+    """Base of every worker kind. Subclasses set :attr:`kind` and may add RPC handlers in
+    :meth:`rpc_handlers` (an explicit table, mirrored by the kind's client class)."""
+
+    kind: ClassVar[str] = ""
+
+    def __init__(self, boot: Bootstrap, index: int) -> None:
+        self.boot = boot
+        self.index = index
+        self.exp, self.trial = boot.exp, boot.trial
+        self.rpc_cfg = RpcConfig(**boot.rpc)
+        self.codec = Codec(read_secret(os.path.join(boot.trial_dir, "secret")),
+                           self.rpc_cfg.max_message_bytes)
+        self.name_resolve = make_name_resolve(NameResolveConfig(**boot.name_resolve),
+                                              boot.name_resolve_root)
+        self.host = boot.host
+        self.server = RpcServer(self.codec, self.host, self.rpc_handlers())
+        self.state = WorkerState.CREATED
+        self.config: dict[str, Any] = {}
+        self.result: dict[str, Any] = {}
+        self.started_at = time.time()
+        self._start = threading.Event()
+        self._stop = threading.Event()
+        self._unpaused = threading.Event()
+        self._unpaused.set()
+        self._serve_stop = threading.Event()
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}/{self.index}"
+
+    # --- the explicit RPC surface (see WorkerClient) ---
+    def rpc_handlers(self) -> dict[str, Callable[..., Any]]:
+        return {"configure": self.configure, "start": self.start, "pause": self.pause,
+                "resume": self.resume, "stop": self.stop, "ping": self.ping,
+                "report": self.report}
+
+    def configure(self, config: dict[str, Any]) -> None:
+        if self.state not in (WorkerState.CREATED, WorkerState.CONFIGURED):
+            raise RuntimeError(f"cannot configure a worker in state {self.state.value}")
+        self.config = config
+        self.on_configure(config)
+        self.state = WorkerState.CONFIGURED
+
+    def start(self) -> None:
+        if self.state != WorkerState.CONFIGURED:
+            raise RuntimeError(f"cannot start a worker in state {self.state.value}")
+        self.state = WorkerState.RUNNING
+        self._start.set()
+
+    def pause(self) -> None:
+        if self.state == WorkerState.RUNNING:
+            self._unpaused.clear()
+            self.state = WorkerState.PAUSED
+
+    def resume(self) -> None:
+        if self.state == WorkerState.PAUSED:
+            self.state = WorkerState.RUNNING
+            self._unpaused.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._unpaused.set()
+        if self.state not in (WorkerState.COMPLETED, WorkerState.FAILED):
+            self.state = WorkerState.STOPPING
+
+    def ping(self) -> dict[str, Any]:
+        return {"kind": self.kind, "index": self.index, "state": self.state.value,
+                "pid": os.getpid(), "host": socket.gethostname(),
+                "uptime": time.time() - self.started_at, "drops": self.server.drops.as_dict(),
+                "served": self.server.served, "progress": self.progress()}
+
+    def report(self) -> dict[str, Any]:
+        """What this worker did (the role's result and its counters)."""
+        return {"kind": self.kind, "index": self.index, "state": self.state.value,
+                "result": self.result, "drops": self.server.drops.as_dict()}
+
+    # --- hooks for subclasses and roles ---
+    def on_configure(self, config: dict[str, Any]) -> None:
+        """Kind-specific configuration (validate and keep what the role will need)."""
+
+    def progress(self) -> dict[str, Any]:
+        return {}
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def wait_unpaused(self, timeout: float | None = None) -> bool:
+        """Block while paused; returns False once a stop is requested."""
+        self._unpaused.wait(timeout)
+        return not self._stop.is_set()
+
+    def wait_stop(self, timeout: float | None = None) -> bool:
+        return self._stop.wait(timeout)
+
+    def client(self, address: str, timeout: float | None = None) -> RpcClient:
+        return RpcClient(self.codec, address, timeout or self.rpc_cfg.request_timeout)
+
+    def peers(self, kind: str | None = None) -> dict[str, str]:
+        """``{"kind/index": address}`` of registered workers (optionally of one kind)."""
+        prefix = names.worker_addresses(self.exp, self.trial, kind)
+        root = names.worker_addresses(self.exp, self.trial) + "/"
+        return {k[len(root):]: v for k, v in self.name_resolve.get_subtree(prefix).items()}
+
+    # --- lifecycle ---
+    def run(self) -> int:
+        """The process body; returns the exit code."""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+            signal.signal(sig, lambda *_: self.stop())
+        nr = self.name_resolve
+        nr.add(names.heartbeat(self.exp, self.trial, self.kind, self.index), str(os.getpid()),
+               replace=True, keepalive_ttl=self.boot.heartbeat_ttl)
+        serve = threading.Thread(target=self.server.serve_forever, args=(self._serve_stop,),
+                                 name="rpc-server", daemon=True)
+        serve.start()
+        nr.add(names.worker_address(self.exp, self.trial, self.kind, self.index),
+               self.server.address, replace=True)
+        log.info("%s registered at %s", self.name, self.server.address)
+        code = 0
+        try:
+            while not self._start.wait(0.1):
+                if self._stop.is_set():
+                    return 0
+            role = load_role(self.config["role"])
+            self.result = role(self) or {}
+            if self.state == WorkerState.RUNNING:
+                self.state = WorkerState.COMPLETED
+            log.info("%s role finished: %s", self.name, _short(self.result))
+            while not self._stop.wait(0.5):
+                pass
+        except Exception as e:
+            code = 1
+            self.state = WorkerState.FAILED
+            tb = traceback.format_exc()
+            log.error("%s failed:\n%s", self.name, tb)
+            try:
+                nr.add(names.worker_error(self.exp, self.trial, self.kind, self.index),
+                       json.dumps({"type": type(e).__name__, "message": str(e), "traceback": tb}),
+                       replace=True)
+            except Exception:
+                log.exception("could not report the failure")
+        finally:
+            self._serve_stop.set()
+            serve.join(timeout=5)
+            self.server.close()
+            for key in (names.heartbeat(self.exp, self.trial, self.kind, self.index),
+                        names.worker_address(self.exp, self.trial, self.kind, self.index)):
+                try:
+                    nr.delete(key)
+                except Exception:
+                    pass
+            nr.close()
+        return code
+
+
+def load_role(spec: str) -> Callable[[Worker], dict[str, Any] | None]:
+    """Import ``"module:function"``."""
+    module, _, func = spec.partition(":")
+    fn = getattr(importlib.import_module(module), func, None)
+    if fn is None:
+        raise WorkerFailure(f"role {spec!r} does not exist")
+    return fn
+
+
+def _short(obj: Any, n: int = 300) -> str:
+    s = repr(obj)
+    return s if len(s) <= n else s[:n] + "..."

@@ -1,0 +1,47 @@
+"""The master worker: runs the experiment's main loop and reports completion with its figures."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from system.errors import ConfigError
+from workers.base import Worker
+from workers.client import WorkerClient
+
+
+@dataclasses.dataclass
+class MasterConfig:
+    """The master worker (always exactly one)."""
+
+    peer_timeout: float = 10.0
+    """Seconds the master waits for a reply when it calls another worker."""
+    cpus: int = 1
+    """CPU cores the master's job asks for."""
+
+    def __post_init__(self) -> None:
+        if self.peer_timeout <= 0:
+            raise ConfigError(f"master.peer_timeout must be > 0, got {self.peer_timeout}")
+        if self.cpus < 1:
+            raise ConfigError(f"master.cpus must be >= 1, got {self.cpus}")
+
+
+class MasterWorker(Worker):
+    kind = "master"
+
+    def on_configure(self, config: dict[str, Any]) -> None:
+        self.master_cfg = MasterConfig(**config["worker"])
+        self._progress: dict[str, Any] = {}
+
+    def set_progress(self, **fields: Any) -> None:
+        """Figures shown in the launcher's progress line (read through ``ping``)."""
+        self._progress = dict(fields)
+
+    def progress(self) -> dict[str, Any]:
+        return getattr(self, "_progress", {})
+
+    def rpc_handlers(self) -> dict[str, Callable[..., Any]]:
+        return super().rpc_handlers()
+
+
+class MasterClient(WorkerClient):
+    """The master's RPC surface: the common control calls (its figures come in ``report``)."""

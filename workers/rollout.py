@@ -1,0 +1,43 @@
+"""Rollout workers: run agents and environments, call generation servers, push trajectories."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from system import names
+from system.errors import ConfigError
+from system.rpc import StreamPusher
+from workers.base import Worker
+from workers.client import WorkerClient
+
+
+@dataclasses.dataclass
+class RolloutWorkerConfig:
+    """Rollout workers (CPU processes)."""
+
+    count: int = 4
+    """How many rollout workers."""
+    push_timeout: float = 60.0
+    """Seconds a push may wait while the master's bounded queue is full."""
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise ConfigError(f"rollout.count must be >= 0, got {self.count}")
+        if self.push_timeout <= 0:
+            raise ConfigError(f"rollout.push_timeout must be > 0, got {self.push_timeout}")
+
+
+class RolloutWorker(Worker):
+    kind = "rollout"
+
+    def on_configure(self, config: dict[str, Any]) -> None:
+        self.rollout_cfg = RolloutWorkerConfig(**config["worker"])
+
+    def trajectory_stream(self, name: str = "trajectories", timeout: float = 60.0) -> StreamPusher:
+        """A pusher connected to the master's stream ``name`` (waits for it to be published)."""
+        address = self.name_resolve.wait(names.stream(self.exp, self.trial, name), timeout)
+        return StreamPusher(self.codec, address, self.rpc_cfg.stream_hwm)
+
+
+class RolloutClient(WorkerClient):
+    """The rollout worker's RPC surface (control calls)."""
