@@ -114,6 +114,7 @@ class Controller:
                 signal.signal(signal.SIGINT, old)
             summary["end_time"] = now_iso()
             summary["duration_s"] = round(time.time() - self._t0, 3)
+            summary["t0_epoch"] = self._t0
             summary["timeline_s"] = {k: round(v - self._t0, 3) for k, v in self.timeline.items()}
             write_json_atomic(self.paths.summary, summary)
         print(f"{summary['status']}: {self.paths.summary}", file=sys.stderr)

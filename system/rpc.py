@@ -59,6 +59,34 @@ def _limit_frames(sock: zmq.Socket, max_message_bytes: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)
 
 
+_COPY_BELOW = 1 << 16
+_SNDMORE = int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+
+
+def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
+    """Send a multipart message: small frames by copy (cheaper), large ones zero-copy."""
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        n = f.nbytes if isinstance(f, memoryview) else len(f)
+        sock.send(f, flags | (_SNDMORE if i < last else 0), copy=n < _COPY_BELOW)
+
+
+def recv_frames(sock: zmq.Socket, timeout: float) -> list[Any] | None:
+    """One multipart message, or ``None`` after ``timeout`` seconds. Small frames are copied
+    (cheaper than zero-copy frame objects); large ones are received without a copy."""
+    sock.setsockopt(zmq.RCVTIMEO, max(0, int(timeout * 1000)))
+    try:
+        first = sock.recv(copy=False)
+    except zmq.Again:
+        return None
+    frames: list[Any] = [first.bytes if len(first) < _COPY_BELOW else first]
+    while sock.getsockopt(_RCVMORE):
+        f = sock.recv(copy=False)
+        frames.append(f.bytes if len(f) < _COPY_BELOW else f)
+    return frames
+
+
 Handler = Callable[..., Any]
 
 
@@ -80,10 +108,12 @@ class RpcServer:
 
     def poll_once(self, timeout: float) -> bool:
         """Serve at most one request; returns whether one arrived."""
-        if not self._sock.poll(int(timeout * 1000)):
+        frames = recv_frames(self._sock, timeout)
+        if frames is None:
             return False
-        frames = self._sock.recv_multipart(copy=False)
-        ident, body = frames[0].bytes, frames[1:]
+        ident, body = frames[0], frames[1:]
+        if not isinstance(ident, bytes):
+            ident = ident.bytes
         try:
             req = self._codec.decode(body)
             if not isinstance(req, dict) or not isinstance(req.get("m"), str):
@@ -100,7 +130,7 @@ class RpcServer:
             out = self._codec.encode(reply)
         except Exception as e:  # the result could not be encoded: say so instead
             out = self._codec.encode(_error_reply(req.get("id"), e))
-        self._sock.send_multipart([ident, *out], copy=False)
+        send_frames(self._sock, [ident, *out])
         self.served += 1
         return True
 
@@ -151,8 +181,7 @@ class RpcClient:
 
     def submit(self, method: str, **args: Any) -> int:
         req_id = next(self._ids)
-        self._sock.send_multipart(self._codec.encode({"id": req_id, "m": method, "a": args}),
-                                  copy=False)
+        send_frames(self._sock, self._codec.encode({"id": req_id, "m": method, "a": args}))
         self._waiting.add(req_id)
         return req_id
 
@@ -161,12 +190,10 @@ class RpcClient:
         deadline = time.monotonic() + timeout
         try:
             while req_id not in self._replies:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
-                    if req_id in self._replies:
-                        break
+                frames = recv_frames(self._sock, deadline - time.monotonic())
+                if frames is None:
                     raise RpcTimeout(f"no reply from {self.address} within {timeout:.1f}s")
-                self._receive_one()
+                self._receive_one(frames)
         finally:
             self._waiting.discard(req_id)
         reply = self._replies.pop(req_id)
@@ -176,8 +203,7 @@ class RpcClient:
         raise RemoteError(str(err.get("type", "Error")), str(err.get("message", "")),
                           str(err.get("traceback", "")))
 
-    def _receive_one(self) -> None:
-        frames = self._sock.recv_multipart(copy=False)
+    def _receive_one(self, frames: list[Any]) -> None:
         try:
             reply = self._codec.decode(frames)
         except DroppedMessage as e:
@@ -213,10 +239,9 @@ class StreamPuller:
         Invalid messages are dropped, counted, and waiting continues."""
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            if left < 0 or not self._sock.poll(max(0, int(left * 1000))):
+            frames = recv_frames(self._sock, deadline - time.monotonic())
+            if frames is None:
                 return None
-            frames = self._sock.recv_multipart(copy=False)
             try:
                 msg = self._codec.decode(frames)
             except DroppedMessage as e:
@@ -246,7 +271,7 @@ class StreamPusher:
         frames = self._codec.encode(payload)
         self._sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
         try:
-            self._sock.send_multipart(frames, copy=False)
+            send_frames(self._sock, frames)
         except zmq.Again:
             raise RpcTimeout(f"stream {self.address} stayed full for {timeout:.1f}s") from None
         self.sent += 1

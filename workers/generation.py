@@ -26,9 +26,12 @@ class GenerationServerConfig:
 class GenerationServer(Worker):
     kind = "generation"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.requests = 0
+
     def on_configure(self, config: dict[str, Any]) -> None:
         self.gen_cfg = GenerationServerConfig(**config["worker"])
-        self.requests = 0
 
     def rpc_handlers(self) -> dict[str, Callable[..., Any]]:
         return {**super().rpc_handlers(), "echo": self.echo}
@@ -40,7 +43,7 @@ class GenerationServer(Worker):
         return {"tokens": tokens, "server": self.index, "requests": self.requests}
 
     def report(self) -> dict[str, Any]:
-        return {**super().report(), "requests": getattr(self, "requests", 0)}
+        return {**super().report(), "requests": self.requests}
 
 
 class GenerationClient(WorkerClient):

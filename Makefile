@@ -1,0 +1,17 @@
+# Every target sets up first (idempotent: scripts/setup.sh skips what is done).
+PY    := .venv/bin/python
+EXP   ?= smoke
+TRIAL ?= run-$(shell date +%Y%m%d-%H%M%S)
+
+.PHONY: setup run test bench
+setup:
+	@bash scripts/setup.sh
+
+run: setup
+	$(PY) -m system.launch exp=$(EXP) trial=$(TRIAL) $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q tests $(ARGS)
+
+bench: setup
+	$(PY) tests/benchmarks/control_plane.py

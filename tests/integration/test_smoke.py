@@ -1,0 +1,158 @@
+"""The smoke experiment end to end with real processes, and its failure paths."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from system import names
+from system.name_resolve import FileNameResolve
+from system.rpc import RpcClient
+from system.trial import read_secret
+from system.wire import Codec, new_secret
+from tests.conftest import REPO, launch_argv, read_summary, run_launch, trial_processes
+
+FAST = ["controller.heartbeat_ttl=2", "scheduler.stop_grace=3"]
+
+
+def _assert_nothing_left(fileroot: str, exp: str, trial: str) -> None:
+    trial_dir = os.path.join(fileroot, exp, trial)
+    deadline = time.time() + 5
+    while trial_processes(trial_dir) and time.time() < deadline:
+        time.sleep(0.1)
+    assert trial_processes(trial_dir) == []
+
+
+def test_smoke_end_to_end(fileroot):
+    r = run_launch("exp=smoke", "trial=e2e", f"cluster.fileroot={fileroot}", *FAST)
+    assert r.returncode == 0, r.stderr
+    s = read_summary(fileroot, "smoke", "e2e")
+    assert s["status"] == "completed"
+    assert s["workers"] == {"master": 1, "model": 2, "generation": 2, "rollout": 4}
+    res = s["results"]
+    assert res["trajectories_received"] == res["trajectories_valid"] == 400
+    assert res["per_rollout_worker"] == {str(i): 100 for i in range(4)}
+    assert res["generation_requests"] == 400
+    assert res["allreduce_ok"] is True and res["allreduce_values"] == [3.0, 3.0]
+    assert res["reports"] == 8 and res["ping_failures"] == 0 and res["dropped_messages"] == 0
+    trial_dir = os.path.join(fileroot, "smoke", "e2e")
+    assert oct(os.stat(os.path.join(trial_dir, "secret")).st_mode & 0o777) == "0o600"
+    assert len(read_secret(os.path.join(trial_dir, "secret"))) == 32
+    logs = sorted(os.listdir(os.path.join(trial_dir, "logs")))
+    assert logs == sorted([f"{k}-{i}.log" for k, n in s["workers"].items() for i in range(n)])
+    assert os.path.exists(os.path.join(trial_dir, "config.yaml"))
+    _assert_nothing_left(fileroot, "smoke", "e2e")
+    # every name-resolution key of the trial is gone
+    assert FileNameResolve(os.path.join(fileroot, ".name_resolve")).find_subtree("smoke/e2e") == []
+
+
+def test_smoke_with_redis_and_other_counts(fileroot, redis_server):
+    host, port = redis_server
+    r = run_launch("exp=smoke", "trial=redis", f"cluster.fileroot={fileroot}", "name_resolve=redis",
+                   f"name_resolve.redis_port={port}", "rollout.count=3", "model.count=3",
+                   "generation.count=1", "smoke.trajectories_per_worker=50", *FAST)
+    assert r.returncode == 0, r.stderr
+    res = read_summary(fileroot, "smoke", "redis")["results"]
+    assert res["trajectories_valid"] == 150 and res["allreduce_values"] == [6.0] * 3
+    _assert_nothing_left(fileroot, "smoke", "redis")
+
+
+@pytest.mark.parametrize("mode, how", [("kill", "SIGKILL"), ("stop", "heart-beating")])
+def test_crash_is_detected_named_and_cleaned_up(fileroot, mode, how):
+    trial = f"crash-{mode}"
+    t0 = time.time()
+    r = run_launch("exp=smoke", f"trial={trial}", f"cluster.fileroot={fileroot}",
+                   f"smoke.crash=rollout:1:1.0:{mode}", "smoke.min_duration=60", *FAST)
+    elapsed = time.time() - t0
+    assert r.returncode != 0
+    assert "rollout/1" in r.stderr and how in r.stderr and "rollout-1.log" in r.stderr
+    s = read_summary(fileroot, "smoke", trial)
+    assert s["status"] == "failed" and s["failure"]["worker"] == "rollout/1"
+    # detection within 10 s of the crash (the crash is 1 s after start)
+    detected = s["timeline_s"]["stopped"] - s["timeline_s"]["started"]
+    assert detected < 1.0 + 10 + 3 + 2, s["timeline_s"]
+    assert elapsed < 60
+    _assert_nothing_left(fileroot, "smoke", trial)
+
+
+def test_worker_exception_is_reported_with_traceback(fileroot):
+    # the master cannot receive 100,000 trajectories within 1 s: its role raises TimeoutError,
+    # which must reach the controller with the traceback text
+    r = run_launch("exp=smoke", "trial=exc", f"cluster.fileroot={fileroot}",
+                   "smoke.timeout=1", "smoke.min_duration=0", "rollout.count=1",
+                   "smoke.trajectories_per_worker=100000", *FAST)
+    assert r.returncode != 0
+    assert "master/0 raised TimeoutError" in r.stderr and "Traceback" in r.stderr
+    assert read_summary(fileroot, "smoke", "exc")["failure"]["worker"] == "master/0"
+    _assert_nothing_left(fileroot, "smoke", "exc")
+
+
+def test_ctrl_c_stops_everything(fileroot):
+    proc = subprocess.Popen(launch_argv("exp=smoke", "trial=ctrlc", f"cluster.fileroot={fileroot}",
+                                        "smoke.min_duration=120", *FAST),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    nr = FileNameResolve(os.path.join(fileroot, ".name_resolve"))
+    deadline = time.time() + 60
+    while len(nr.find_subtree("smoke/ctrlc/heartbeat")) < 9 and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    assert len(trial_processes(os.path.join(fileroot, "smoke", "ctrlc"))) == 9
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "interrupted" in err
+    assert read_summary(fileroot, "smoke", "ctrlc")["status"] == "interrupted"
+    _assert_nothing_left(fileroot, "smoke", "ctrlc")
+
+
+def test_registration_timeout_names_missing_workers(fileroot):
+    r = run_launch("exp=smoke", "trial=reg", f"cluster.fileroot={fileroot}",
+                   "controller.register_timeout=0.05", *FAST)
+    assert r.returncode != 0
+    assert "did not register within" in r.stderr
+    assert re.search(r"master/0: .*master-0\.log", r.stderr)
+    _assert_nothing_left(fileroot, "smoke", "reg")
+
+
+def test_bad_frames_to_live_worker_are_dropped_and_counted(fileroot):
+    proc = subprocess.Popen(launch_argv("exp=smoke", "trial=frames", f"cluster.fileroot={fileroot}",
+                                        "smoke.min_duration=8", "rpc.max_message_bytes=1048576",
+                                        *FAST),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        nr = FileNameResolve(os.path.join(fileroot, ".name_resolve"))
+        address = nr.wait(names.worker_address("smoke", "frames", "generation", 0), timeout=60)
+        secret = read_secret(os.path.join(fileroot, "smoke", "frames", "secret"))
+        codec = Codec(secret, 1 << 20)
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.connect(address)
+        raw.send_multipart([b"\x00"])                                          # truncated
+        raw.send_multipart([b"A" * 32, b"\x93\x01\x02", b"tail"])              # bad tag
+        raw.send_multipart(Codec(new_secret()).encode({"id": 1, "m": "ping"}))  # other secret
+        raw.send_multipart(codec.encode({"id": 2, "m": "echo",                  # oversized
+                                         "a": {"tokens": np.zeros(1 << 18)}}))
+        client = RpcClient(codec, address, timeout=10)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            drops = client.call("ping")["drops"]
+            if sum(drops.values()) >= 4:
+                break
+            time.sleep(0.1)
+        assert drops == {"malformed": 1, "unauthenticated": 2, "oversized": 1}
+        assert client.call("echo", tokens=np.arange(5))["server"] == 0  # still serving
+        raw.close(0)
+        client.close()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    s = read_summary(fileroot, "smoke", "frames")
+    assert s["status"] == "completed" and s["results"]["dropped_messages"] == 4
+    _assert_nothing_left(fileroot, "smoke", "frames")

@@ -1,0 +1,115 @@
+"""Name resolution, identical behaviour on the file and redis backends."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from system.errors import NameEntryExists, NameEntryNotFound, NameResolveError
+from system.name_resolve import FileNameResolve, RedisNameResolve
+
+
+@pytest.fixture(params=["file", "redis"])
+def nr(request, tmp_path):
+    if request.param == "file":
+        backend = FileNameResolve(str(tmp_path / "nr"))
+    else:
+        host, port = request.getfixturevalue("redis_server")
+        backend = RedisNameResolve(host, port, namespace=f"t{time.time_ns()}")
+    yield backend
+    backend.close()
+
+
+def test_add_get_replace(nr):
+    nr.add("e/t/a", "1")
+    assert nr.get("e/t/a") == "1"
+    with pytest.raises(NameEntryExists):
+        nr.add("e/t/a", "2")
+    nr.add("e/t/a", "2", replace=True)
+    assert nr.get("e/t/a") == "2"
+    with pytest.raises(NameEntryNotFound):
+        nr.get("e/t/missing")
+
+
+def test_prefix_keys_and_subtree(nr):
+    nr.add("e/t/worker", "root")
+    nr.add("e/t/worker/0", "a")
+    nr.add("e/t/worker/1", "b")
+    nr.add("e/t/workerX", "not-under")
+    nr.add("e/other/worker/0", "c")
+    assert nr.find_subtree("e/t/worker") == ["e/t/worker", "e/t/worker/0", "e/t/worker/1"]
+    assert nr.get_subtree("e/t/worker/") == {"e/t/worker": "root", "e/t/worker/0": "a",
+                                             "e/t/worker/1": "b"}
+    assert nr.find_subtree("e/nothing") == []
+
+
+def test_delete_and_clear(nr):
+    nr.add("e/t/x/1", "1")
+    nr.add("e/t/x/2", "2")
+    nr.add("e/u/x", "keep")
+    nr.delete("e/t/x/1")
+    with pytest.raises(NameEntryNotFound):
+        nr.delete("e/t/x/1")
+    assert nr.clear_subtree("e/t") == 1
+    assert nr.find_subtree("e/t") == []
+    assert nr.get("e/u/x") == "keep"
+
+
+def test_wait(nr):
+    with pytest.raises(NameEntryNotFound):
+        nr.wait("e/t/late", timeout=0.2)
+    threading.Timer(0.2, nr.add, args=("e/t/late", "here")).start()
+    assert nr.wait("e/t/late", timeout=5) == "here"
+
+
+def test_ttl_expires_without_keepalive(nr):
+    nr.add("e/t/hb", "x", keepalive_ttl=0.5)
+    nr.close()  # stop refreshing: the entry must expire by itself
+    assert nr.get("e/t/hb") == "x"
+    time.sleep(0.8)
+    with pytest.raises(NameEntryNotFound):
+        nr.get("e/t/hb")
+    assert nr.find_subtree("e/t") == []
+    nr.add("e/t/hb", "again")  # an expired entry does not block a new add
+    assert nr.get("e/t/hb") == "again"
+
+
+def test_keepalive_keeps_entry(nr):
+    nr.add("e/t/hb", "x", keepalive_ttl=0.4)
+    time.sleep(1.2)
+    assert nr.get("e/t/hb") == "x"
+
+
+def test_bad_keys_rejected(nr):
+    for key in ("", "a//b", "a/../b", "a/.hidden"):
+        with pytest.raises(NameResolveError):
+            nr.add(key, "v")
+
+
+def test_file_backend_two_instances_share_root(tmp_path):
+    a, b = FileNameResolve(str(tmp_path)), FileNameResolve(str(tmp_path))
+    a.add("e/t/k", "v")
+    assert b.get("e/t/k") == "v"
+    with pytest.raises(NameEntryExists):
+        b.add("e/t/k", "w")
+
+
+def test_file_backend_concurrent_exclusive_add(tmp_path):
+    """Of many racing ``add(replace=False)``, exactly one wins (exclusive create by link)."""
+    wins, losses = [], []
+
+    def attempt(i):
+        try:
+            FileNameResolve(str(tmp_path)).add("e/t/leader", str(i))
+            wins.append(i)
+        except NameEntryExists:
+            losses.append(i)
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1 and len(losses) == 15
+    assert FileNameResolve(str(tmp_path)).get("e/t/leader") == str(wins[0])
