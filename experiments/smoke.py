@@ -22,7 +22,7 @@ from system import names
 from system.config import ExperimentConfig
 from system.errors import ConfigError
 from system.rpc import StreamPuller
-from workers.client import WorkerClient, gather
+from workers.client import PeerClients, WorkerClient, gather
 
 KINDS = ("master", "model", "generation", "rollout")
 
@@ -162,7 +162,9 @@ def model_role(worker: Any) -> dict[str, Any]:
     n = worker.world_size
     expected = n * (n + 1) / 2
     return {"allreduce_ok": bool(torch.all(t == expected)), "allreduce_value": float(t[0]),
-            "expected": expected, "world_size": n, "tensor": t[:8]}
+            "expected": expected, "world_size": n, "tensor": t[:8],
+            "local_rank": worker.local_rank,
+            "gpus_on_node": int(os.environ.get("SLURM_GPUS_ON_NODE", 0))}
 
 
 def master_role(master: Any) -> dict[str, Any]:
@@ -172,40 +174,47 @@ def master_role(master: Any) -> dict[str, Any]:
     puller = StreamPuller(master.codec, master.host, master.rpc_cfg.stream_hwm)
     master.name_resolve.add(names.stream(master.exp, master.trial, "trajectories"),
                             puller.address, replace=True)
-    peers = {name: addr for name, addr in master.peers().items() if name != master.name}
-    clients = [WorkerClient(master.client(addr, master.master_cfg.peer_timeout), name)
-               for name, addr in sorted(peers.items())]
+    ping_timeout = min(master.master_cfg.peer_timeout, 2.0)
+    peers = PeerClients(master.peers, lambda a: master.client(a, master.master_cfg.peer_timeout),
+                        exclude=master.name)
     t0 = time.monotonic()
-    received = valid = nbytes = pings = ping_failures = 0
+    seen: set[tuple[int, int]] = set()
+    received = valid = duplicates = nbytes = pings = ping_failures = 0
     per_worker: dict[int, int] = {}
     next_ping = 0.0
     try:
-        while received < expected or time.monotonic() - t0 < cfg.min_duration:
+        while len(seen) < expected or time.monotonic() - t0 < cfg.min_duration:
             if not master.wait_unpaused():
                 raise RuntimeError("stopped before completion")
             if time.monotonic() - t0 > max(cfg.timeout, cfg.min_duration + 10):
-                raise TimeoutError(f"only {received}/{expected} trajectories within "
+                raise TimeoutError(f"only {len(seen)}/{expected} trajectories within "
                                    f"{cfg.timeout:.0f}s")
             msg = puller.recv(0.05)
             if msg is not None:
                 received += 1
-                tokens = msg["tokens"]
-                nbytes += tokens.nbytes + msg["logprobs"].nbytes
-                ok = (tokens.shape == (cfg.tokens_per_trajectory,) and tokens.dtype == np.int32
-                      and _checksum(tokens) == msg["checksum"])
-                valid += int(ok)
-                per_worker[msg["worker"]] = per_worker.get(msg["worker"], 0) + 1
+                key = (int(msg["worker"]), int(msg["seq"]))
+                if key in seen:  # a requeued rollout worker sends its trajectories again
+                    duplicates += 1
+                else:
+                    seen.add(key)
+                    tokens = msg["tokens"]
+                    nbytes += tokens.nbytes + msg["logprobs"].nbytes
+                    ok = (tokens.shape == (cfg.tokens_per_trajectory,)
+                          and tokens.dtype == np.int32 and _checksum(tokens) == msg["checksum"])
+                    valid += int(ok)
+                    per_worker[key[0]] = per_worker.get(key[0], 0) + 1
             if time.monotonic() >= next_ping:
-                results = gather(clients, "ping", master.master_cfg.peer_timeout)
+                peers.refresh()
+                results = gather(peers.all(), "ping", ping_timeout)
                 pings += len(results)
                 ping_failures += sum(isinstance(r, Exception) for r in results)
                 next_ping = time.monotonic() + cfg.ping_interval
-            master.set_progress(trajectories=received, total=expected)
-        _wait_peers_done(master, clients, cfg)
+            master.set_progress(trajectories=len(seen), total=expected)
+        _wait_peers_done(master, peers, cfg, ping_timeout)
+        clients = peers.all()
         reports = gather(clients, "report", master.master_cfg.peer_timeout)
     finally:
-        for c in clients:
-            c.close()
+        peers.close()
         puller.close()
     failed = {c.name: str(r) for c, r in zip(clients, reports) if isinstance(r, Exception)}
     if failed:
@@ -216,8 +225,9 @@ def master_role(master: Any) -> dict[str, Any]:
     drops = sum(sum(r["drops"].values()) for r in reports) + puller.drops.total
     return {
         "trajectories_expected": expected,
-        "trajectories_received": received,
+        "trajectories_received": len(seen),
         "trajectories_valid": valid,
+        "trajectories_duplicate": duplicates,
         "trajectory_bytes": nbytes,
         "per_rollout_worker": {str(k): v for k, v in sorted(per_worker.items())},
         "pings": pings,
@@ -226,21 +236,26 @@ def master_role(master: Any) -> dict[str, Any]:
         "generation_requests": gen_requests,
         "allreduce_ok": all(m["allreduce_ok"] for m in model) if model else None,
         "allreduce_values": [m["allreduce_value"] for m in model],
+        "model_gpus_on_node": [m["gpus_on_node"] for m in model],
+        "model_local_ranks": [m["local_rank"] for m in model],
         "dropped_messages": drops,
         "seconds": round(time.monotonic() - t0, 3),
     }
 
 
-def _wait_peers_done(master: Any, clients: list[WorkerClient], cfg: SmokeConfig) -> None:
+def _wait_peers_done(master: Any, peers: PeerClients, cfg: SmokeConfig, timeout: float) -> None:
     """Wait until every model and rollout worker finished its role (generation servers serve
     until stopped)."""
-    finite = [c for c in clients if c.name.split("/")[0] in ("model", "rollout")]
     deadline = time.monotonic() + cfg.timeout
-    while finite:
-        pings = gather(finite, "ping", master.master_cfg.peer_timeout)
-        finite = [c for c, p in zip(finite, pings)
-                  if isinstance(p, Exception) or p["state"] != "completed"]
-        if finite and time.monotonic() > deadline:
-            raise TimeoutError(f"workers did not finish: {[c.name for c in finite]}")
-        if finite and master.wait_stop(0.05):
+    while True:
+        peers.refresh()
+        finite = peers.of_kind("model", "rollout")
+        pings = gather(finite, "ping", timeout)
+        pending = [c.name for c, p in zip(finite, pings)
+                   if isinstance(p, Exception) or p["state"] != "completed"]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers did not finish: {pending}")
+        if master.wait_stop(0.05):
             raise RuntimeError("stopped before completion")

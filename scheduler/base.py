@@ -1,11 +1,17 @@
-"""The scheduler interface: submit worker groups, report job states, stop everything."""
+"""The scheduler interface: plan (pure) and schedule worker groups, report states, stop all.
+
+As in TorchX, ``submit = schedule(plan(group))``: :meth:`Scheduler.plan` returns a
+:class:`JobRequest` whose :meth:`~JobRequest.materialize` is the script or command text (what
+``--dry-run`` shows); only :meth:`Scheduler.schedule` and :meth:`Scheduler.stop_all` act.
+"""
 from __future__ import annotations
 
 import abc
 import dataclasses
 import enum
-from typing import Mapping, Sequence
+from typing import Mapping
 
+from scheduler.slurm_config import SlurmConfig
 from system.errors import ConfigError
 
 
@@ -31,12 +37,8 @@ class JobState(str, enum.Enum):
 
     @property
     def active(self) -> bool:
-        return self in (JobState.PENDING, JobState.RUNNING, JobState.REQUEUED)
-
-    @property
-    def failed(self) -> bool:
-        return self in (JobState.FAILED, JobState.CANCELLED, JobState.PREEMPTED, JobState.TIMEOUT,
-                        JobState.NODE_FAIL, JobState.OUT_OF_MEMORY)
+        """Still queued or running (UNKNOWN counts: absence of news is not a failure)."""
+        return self in (JobState.PENDING, JobState.RUNNING, JobState.REQUEUED, JobState.UNKNOWN)
 
 
 @dataclasses.dataclass
@@ -46,7 +48,9 @@ class SchedulerConfig:
     type: SchedulerKind = SchedulerKind.LOCAL
     """``local`` (subprocesses on this machine) or ``slurm`` (sbatch jobs)."""
     stop_grace: float = 5.0
-    """Seconds between the polite stop (SIGTERM) and SIGKILL."""
+    """Seconds between the polite stop (SIGTERM) and SIGKILL / forced cancel."""
+    slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
+    """Slurm job settings (used with ``scheduler=slurm``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.type, str) and not isinstance(self.type, SchedulerKind):
@@ -60,44 +64,59 @@ class SchedulerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class WorkerSpec:
-    """One worker process to start."""
+class GroupSpec:
+    """One worker group: ``count`` processes running ``argv``; worker ``i`` logs to
+    ``log_paths[i]``. The worker index is added by the scheduler (local: ``--index``; Slurm:
+    each task derives it from its environment)."""
 
     kind: str
-    index: int
-    argv: Sequence[str]
+    count: int
+    argv: tuple[str, ...]
     env: Mapping[str, str]
-    log_path: str
+    log_paths: tuple[str, ...]
 
-    @property
-    def name(self) -> str:
-        return f"{self.kind}/{self.index}"
+    def worker_names(self) -> tuple[str, ...]:
+        return tuple(f"{self.kind}/{i}" for i in range(self.count))
 
 
 @dataclasses.dataclass(frozen=True)
 class JobStatus:
-    """What a scheduler knows of one job (a worker, or a group of workers under Slurm)."""
+    """What a scheduler knows of one job (a local worker, or a whole group under Slurm)."""
 
     job_id: str
     state: JobState
     workers: tuple[str, ...]
     log_paths: tuple[str, ...]
     detail: str = ""
+    restarts: int = 0
+    """How many times the job was requeued (a restarted job's workers rejoin the trial)."""
+
+
+class JobRequest(abc.ABC):
+    """What :meth:`Scheduler.schedule` will submit; ``materialize()`` is its text."""
+
+    group: GroupSpec
+
+    @abc.abstractmethod
+    def materialize(self) -> str: ...
 
 
 class Scheduler(abc.ABC):
-    """Starts worker groups and tracks them. Only :meth:`submit` and :meth:`stop_all` have
-    side effects on the outside world."""
+    @abc.abstractmethod
+    def plan(self, group: GroupSpec) -> JobRequest:
+        """Pure: the request that would start ``group``."""
 
     @abc.abstractmethod
-    def submit(self, kind: str, workers: Sequence[WorkerSpec]) -> list[str]:
-        """Start every worker of one group; returns job ids."""
+    def schedule(self, request: JobRequest) -> list[str]:
+        """Start the request's workers; returns job ids."""
+
+    def submit(self, group: GroupSpec) -> list[str]:
+        return self.schedule(self.plan(group))
 
     @abc.abstractmethod
-    def poll(self) -> list[JobStatus]:
-        """Current state of every job submitted so far."""
+    def poll(self, fresh: bool = False) -> list[JobStatus]:
+        """Current state of every job submitted so far (``fresh``: bypass any caching)."""
 
     @abc.abstractmethod
     def stop_all(self, grace: float) -> None:
-        """Stop every job of the trial: polite signal, then kill after ``grace`` seconds.
-        Must leave nothing running."""
+        """Stop every job of the trial; must leave nothing running or queued."""

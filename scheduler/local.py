@@ -7,13 +7,14 @@ launching process dies without cleaning up, so even ``kill -9`` of launch leaves
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
+import shlex
 import signal
 import subprocess
 import time
-from typing import Sequence
 
-from scheduler.base import JobState, JobStatus, Scheduler, WorkerSpec
+from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
 from system.errors import SchedulerError
 
 _PR_SET_PDEATHSIG = 1
@@ -38,31 +39,58 @@ def exit_code_state(code: int | None) -> JobState:
     return JobState.FAILED
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalProcess:
+    name: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    log_path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalRequest(JobRequest):
+    group: GroupSpec
+    processes: tuple[LocalProcess, ...]
+
+    def materialize(self) -> str:
+        return "\n".join(
+            f"# {p.name} -> {p.log_path}\n"
+            + " ".join(f"{k}={shlex.quote(v)}" for k, v in p.env.items())
+            + " " + shlex.join(p.argv) for p in self.processes)
+
+
 class LocalScheduler(Scheduler):
     def __init__(self) -> None:
-        self._procs: dict[str, tuple[subprocess.Popen, WorkerSpec]] = {}
+        self._procs: dict[str, tuple[subprocess.Popen, LocalProcess]] = {}
         self._logs: list = []
 
-    def submit(self, kind: str, workers: Sequence[WorkerSpec]) -> list[str]:
+    def plan(self, group: GroupSpec) -> LocalRequest:
+        return LocalRequest(group, tuple(
+            LocalProcess(f"{group.kind}/{i}", (*group.argv, "--index", str(i)),
+                         {**group.env, "RLSYS_WORKER_INDEX": str(i)}, group.log_paths[i])
+            for i in range(group.count)))
+
+    def schedule(self, request: JobRequest) -> list[str]:
+        assert isinstance(request, LocalRequest)
         ids = []
-        for w in workers:
+        for w in request.processes:
             if w.name in self._procs:
                 raise SchedulerError(f"worker {w.name} was already submitted")
             os.makedirs(os.path.dirname(w.log_path), exist_ok=True)
             log = open(w.log_path, "ab", buffering=0)
             self._logs.append(log)
-            env = {**os.environ, **w.env}
             try:
                 proc = subprocess.Popen(list(w.argv), stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                        preexec_fn=_child_setup, close_fds=True)
+                                        stdin=subprocess.DEVNULL, env={**os.environ, **w.env},
+                                        start_new_session=True, preexec_fn=_child_setup,
+                                        close_fds=True)
             except OSError as e:
                 raise SchedulerError(f"cannot start {w.name}: {e}") from e
             self._procs[w.name] = (proc, w)
             ids.append(str(proc.pid))
         return ids
 
-    def poll(self) -> list[JobStatus]:
+    def poll(self, fresh: bool = False) -> list[JobStatus]:
         out = []
         for name, (proc, spec) in self._procs.items():
             code = proc.poll()

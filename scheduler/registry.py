@@ -1,16 +1,20 @@
 """Build the scheduler a config names."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from scheduler.base import Scheduler, SchedulerKind
-from system.errors import ConfigError
+
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def make_scheduler(cfg: Any) -> Scheduler:
-    if cfg.scheduler.type == SchedulerKind.LOCAL:
-        from scheduler.local import LocalScheduler
+def make_scheduler(cfg: Any, trial_dir: str) -> Scheduler:
+    if cfg.scheduler.type == SchedulerKind.SLURM:
+        from scheduler.slurm import SlurmScheduler
 
-        return LocalScheduler()
-    raise ConfigError(f"scheduler.type={cfg.scheduler.type.value!r} is not available yet; "
-                      "valid now: ['local']")
+        return SlurmScheduler(cfg.scheduler.slurm, cfg.exp, cfg.trial, trial_dir,
+                              cfg.scheduler.slurm.workdir or PROJECT_ROOT)
+    from scheduler.local import LocalScheduler
+
+    return LocalScheduler()

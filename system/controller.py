@@ -16,10 +16,10 @@ import time
 from typing import Any
 
 from experiments.registry import Experiment
-from scheduler.base import JobState, Scheduler, WorkerSpec
+from scheduler.base import GroupSpec, JobState, JobStatus, Scheduler
 from system import names
 from system.config import ExperimentConfig, plain
-from system.errors import RpcError, WorkerFailure
+from system.errors import RLSystemError, RpcError, WorkerFailure
 from system.name_resolve import NameResolve
 from system.progress import Progress
 from system.rpc import RpcClient
@@ -31,18 +31,14 @@ from workers.kinds import KINDS
 log = logging.getLogger("controller")
 
 
-def worker_specs(cfg: ExperimentConfig, paths: TrialPaths) -> dict[str, list[WorkerSpec]]:
-    """Every worker process of the trial, by kind in start order (pure)."""
-    counts = cfg.worker_counts()
-    specs: dict[str, list[WorkerSpec]] = {}
-    for kind in KINDS:
-        specs[kind] = [
-            WorkerSpec(kind, i, [sys.executable, "-m", "workers.run", "--trial-dir", paths.root,
-                                 "--kind", kind, "--index", str(i)],
-                       {"PYTHONUNBUFFERED": "1", "RLSYS_WORKER_INDEX": str(i)},
-                       paths.worker_log(kind, i))
-            for i in range(counts[kind])]
-    return specs
+def group_specs(cfg: ExperimentConfig, paths: TrialPaths) -> dict[str, GroupSpec]:
+    """Every worker group of the trial, by kind in start order (pure)."""
+    python = cfg.scheduler.slurm.python or sys.executable
+    return {kind: GroupSpec(kind, n, (python, "-m", "workers.run", "--trial-dir", paths.root,
+                                      "--kind", kind),
+                            {"PYTHONUNBUFFERED": "1"},
+                            tuple(paths.worker_log(kind, i) for i in range(n)))
+            for kind, n in ((k, cfg.worker_counts()[k]) for k in KINDS)}
 
 
 def worker_configs(cfg: ExperimentConfig, experiment: Experiment) -> dict[str, dict[str, Any]]:
@@ -73,9 +69,13 @@ class Controller:
         self.scheduler = scheduler
         self.nr = name_resolve
         self.codec = codec
-        self.specs = worker_specs(cfg, paths)
-        self.all_specs = {s.name: s for group in self.specs.values() for s in group}
+        self.groups = group_specs(cfg, paths)
+        self.logs = {name: g.log_paths[i] for g in self.groups.values()
+                     for i, name in enumerate(g.worker_names())}
         self.clients: dict[str, WorkerClient] = {}
+        self.addresses: dict[str, str] = {}
+        self.rejoining: dict[str, float] = {}  # worker -> deadline to register again
+        self._restarts: dict[str, int] = {}
         self.timeline: dict[str, float] = {}
         self.progress = Progress(f"{cfg.exp}/{cfg.trial}", cfg.controller.progress)
         self._t0 = time.time()
@@ -90,9 +90,9 @@ class Controller:
         self.timeline["start"] = self._t0
         try:
             self.nr.clear_subtree(names.trial_root(self.cfg.exp, self.cfg.trial))
-            for kind, group in self.specs.items():
-                if group:
-                    self.scheduler.submit(kind, group)
+            for group in self.groups.values():
+                if group.count:
+                    self.scheduler.submit(group)
             self.timeline["submitted"] = time.time()
             self._wait_registered()
             self._configure()
@@ -121,8 +121,8 @@ class Controller:
         return 0 if summary["status"] == "completed" else 1
 
     # --- phases ---
-    def _check_jobs(self, phase: str) -> None:
-        for st in self.scheduler.poll():
+    def _check_jobs(self, phase: str, statuses: list[JobStatus] | None = None) -> None:
+        for st in self.scheduler.poll() if statuses is None else statuses:
             if st.state.active:
                 continue
             worker = st.workers[0] if st.workers else "?"
@@ -133,21 +133,64 @@ class Controller:
                                 f"log: {logs}" + (f"\n--- last lines ---\n{tail}" if tail else ""),
                                 worker, st.log_paths[0] if st.log_paths else None)
 
+    def _note_restarts(self, statuses: list[JobStatus]) -> None:
+        """A requeued job's workers are rejoining: they will register again, at new addresses."""
+        for st in statuses:
+            if st.restarts > self._restarts.get(st.job_id, 0):
+                self._restarts[st.job_id] = st.restarts
+                deadline = time.monotonic() + self.cfg.scheduler.slurm.rejoin_timeout
+                for w in st.workers:
+                    self.rejoining[w] = deadline
+                    client = self.clients.pop(w, None)
+                    if client is not None:
+                        client.close()
+                print(f"\njob {st.job_id} ({', '.join(st.workers)}) was requeued "
+                      f"(restart {st.restarts}); waiting for its workers to rejoin",
+                      file=sys.stderr)
+
+    def _rejoin(self) -> None:
+        """Configure and start requeued workers once they registered again."""
+        if not self.rejoining:
+            return
+        prefix = names.worker_addresses(self.cfg.exp, self.cfg.trial)
+        found = {k[len(prefix) + 1:]: v for k, v in self.nr.get_subtree(prefix).items()}
+        back = [w for w in self.rejoining if w in found and found[w] != self.addresses.get(w)]
+        for w in list(self.rejoining):
+            if w not in back and time.monotonic() > self.rejoining[w]:
+                raise WorkerFailure(f"requeued worker {w} did not rejoin within "
+                                    f"{self.cfg.scheduler.slurm.rejoin_timeout:.0f}s; "
+                                    f"log: {self.logs[w]}", w, self.logs[w])
+        if not back:
+            return
+        configs = worker_configs(self.cfg, self.experiment)
+        clients = []
+        for w in back:
+            self.addresses[w] = found[w]
+            self.clients[w] = WorkerClient(RpcClient(self.codec, found[w],
+                                                     self.cfg.rpc.request_timeout), w)
+            clients.append(self.clients[w])
+        self._call_all(clients, "configure", [{"config": configs[c.name.split("/")[0]]}
+                                              for c in clients])
+        self._call_all(clients, "start")
+        for w in back:
+            del self.rejoining[w]
+        print(f"\nrejoined: {', '.join(back)}", file=sys.stderr)
+
     def _check_reported_errors(self) -> None:
         errors = self.nr.get_subtree(names.worker_errors(self.cfg.exp, self.cfg.trial))
         for key, value in errors.items():
             worker = "/".join(key.split("/")[-2:])
             info = json.loads(value)
-            spec = self.all_specs.get(worker)
+            log_path = self.logs.get(worker)
             raise WorkerFailure(
                 f"worker {worker} raised {info['type']}: {info['message']}\n{info['traceback']}"
-                f"log: {spec.log_path if spec else '?'}", worker, spec.log_path if spec else None)
+                f"log: {log_path or '?'}", worker, log_path)
 
     def _wait_registered(self) -> None:
         timeout = self.cfg.controller.register_timeout
         deadline = time.monotonic() + timeout
         prefix = names.worker_addresses(self.cfg.exp, self.cfg.trial)
-        expected = set(self.all_specs)
+        expected = set(self.logs)
         while True:
             found = {k[len(prefix) + 1:]: v for k, v in self.nr.get_subtree(prefix).items()}
             registered = expected & set(found)
@@ -158,28 +201,28 @@ class Controller:
             self._check_jobs("before registering")
             if time.monotonic() > deadline:
                 missing = sorted(expected - registered)
-                logs = "\n".join(f"  {w}: {self.all_specs[w].log_path}" for w in missing)
+                logs = "\n".join(f"  {w}: {self.logs[w]}" for w in missing)
                 raise WorkerFailure(f"{len(missing)} worker(s) did not register within "
                                     f"{timeout:.0f}s: {', '.join(missing)}\n{logs}", missing[0],
-                                    self.all_specs[missing[0]].log_path)
+                                    self.logs[missing[0]])
             time.sleep(0.02)
         self.timeline["registered"] = time.time()
         for name, address in found.items():
             if name in expected:
+                self.addresses[name] = address
                 self.clients[name] = WorkerClient(
                     RpcClient(self.codec, address, self.cfg.rpc.request_timeout), name)
 
     def _ordered(self, kinds: tuple[str, ...] = tuple(KINDS)) -> list[WorkerClient]:
-        return [self.clients[s.name] for k in kinds for s in self.specs[k]]
+        return [self.clients[w] for k in kinds for w in self.groups[k].worker_names()]
 
     def _call_all(self, clients: list[WorkerClient], method: str,
                   args: list[dict[str, Any]] | None = None) -> None:
         results = gather(clients, method, self.cfg.rpc.request_timeout, args)
         for c, r in zip(clients, results):
             if isinstance(r, Exception):
-                spec = self.all_specs[c.name]
                 raise WorkerFailure(f"{method} of worker {c.name} failed: {r}; log: "
-                                    f"{spec.log_path}", c.name, spec.log_path)
+                                    f"{self.logs[c.name]}", c.name, self.logs[c.name])
 
     def _configure(self) -> None:
         configs = worker_configs(self.cfg, self.experiment)
@@ -197,31 +240,42 @@ class Controller:
         cc = self.cfg.controller
         master = self.clients["master/0"]
         hb_prefix = names.heartbeats(self.cfg.exp, self.cfg.trial)
-        expected = set(self.all_specs)
         last_master_answer = time.monotonic()
         started = time.monotonic()
         while True:
             self._check_reported_errors()
-            self._check_jobs("before the trial completed")
+            statuses = self.scheduler.poll()
+            self._note_restarts(statuses)
+            self._check_jobs("before the trial completed", statuses)
+            self._rejoin()
             beating = {k[len(hb_prefix) + 1:] for k in self.nr.find_subtree(hb_prefix)}
-            dead = sorted(expected - beating)
+            dead = sorted(set(self.logs) - beating - set(self.rejoining))
+            if dead:  # a requeue may explain it: ask the scheduler afresh before judging
+                statuses = self.scheduler.poll(fresh=True)
+                self._note_restarts(statuses)
+                self._check_jobs("before the trial completed", statuses)
+                dead = [w for w in dead if w not in self.rejoining]
             if dead:
-                spec = self.all_specs[dead[0]]
                 raise WorkerFailure(
                     f"worker {', '.join(dead)} stopped heart-beating (no refresh within "
-                    f"{cc.heartbeat_ttl:.1f}s); log: {spec.log_path}", dead[0], spec.log_path)
-            try:
-                ping = master.ping(timeout=max(cc.poll_interval * 5, 1.0))
-                last_master_answer = time.monotonic()
-            except RpcError:
-                if time.monotonic() - last_master_answer > cc.heartbeat_ttl:
-                    spec = self.all_specs["master/0"]
-                    raise WorkerFailure(f"master does not answer; log: {spec.log_path}",
-                                        "master/0", spec.log_path) from None
-                ping = {}
+                    f"{cc.heartbeat_ttl:.1f}s); log: {self.logs[dead[0]]}", dead[0],
+                    self.logs[dead[0]])
+            if "master/0" in self.rejoining:
+                ping: dict[str, Any] = {}
+            else:
+                master = self.clients["master/0"]
+                try:
+                    ping = master.ping(timeout=max(cc.poll_interval * 5, 1.0))
+                    last_master_answer = time.monotonic()
+                except RpcError:
+                    if time.monotonic() - last_master_answer > cc.heartbeat_ttl:
+                        raise WorkerFailure(f"master does not answer; log: {self.logs['master/0']}",
+                                            "master/0", self.logs["master/0"]) from None
+                    ping = {}
             state = ping.get("state")
             prog = ping.get("progress") or {}
             self.progress.update(running=len(beating), state=state,
+                                 rejoining=len(self.rejoining) or None,
                                  **{k: (f"{v}/{prog['total']}" if k != "total" and "total" in prog
                                         else v) for k, v in prog.items() if k != "total"},
                                  time=f"{time.monotonic() - started:.1f}s")
@@ -239,9 +293,12 @@ class Controller:
             gather(clients, "stop", 2.0)
         deadline = time.monotonic() + self.cfg.scheduler.stop_grace
         while time.monotonic() < deadline and any(
-                s.state.active for s in self.scheduler.poll()):
+                s.state.active and s.state != JobState.UNKNOWN for s in self.scheduler.poll()):
             time.sleep(0.05)
-        self.scheduler.stop_all(self.cfg.scheduler.stop_grace)
+        try:
+            self.scheduler.stop_all(self.cfg.scheduler.stop_grace)
+        except RLSystemError as e:
+            print(f"\nerror while stopping: {e}", file=sys.stderr)
         for c in clients:
             c.close()
         try:
@@ -252,4 +309,4 @@ class Controller:
         self.timeline["stopped"] = time.time()
 
 
-__all__ = ["Controller", "worker_specs", "worker_configs", "JobState"]
+__all__ = ["Controller", "group_specs", "worker_configs"]

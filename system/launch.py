@@ -3,6 +3,8 @@
     python -m system.launch exp=smoke trial=t1                      # run it
     python -m system.launch exp=smoke trial=t1 rollout.count=8     # with overrides
     python -m system.launch exp=smoke trial=t1 --dry-run           # show what would run
+    python -m system.launch exp=smoke trial=t1 scheduler=slurm --test-only   # sbatch --test-only
+    python -m system.launch exp=smoke trial=t1 scheduler=slurm --detach      # controller as a job
     python -m system.launch --help                                 # experiments and keys
 
 Parses the overrides into the experiment's validated config, writes the trial directory
@@ -20,7 +22,7 @@ from omegaconf import OmegaConf
 
 from experiments.registry import all_experiments, get_experiment
 from system.config import ExperimentConfig
-from system.controller import Controller, worker_specs
+from system.controller import Controller, group_specs
 from system.errors import ConfigError, RLSystemError
 from system.name_resolve import make_name_resolve
 from system.overrides import apply_overrides, describe_config, parse_cli
@@ -30,7 +32,8 @@ from system.wire import Codec
 
 def help_text(exp: str = "") -> str:
     lines = [__doc__.strip().splitlines()[0], "",
-             "usage: python -m system.launch exp=NAME trial=T [key=value ...] [--dry-run] [--help]",
+             "usage: python -m system.launch exp=NAME trial=T [key=value ...] [--dry-run] "
+             "[--test-only] [--detach] [--help]",
              "", "experiments:"]
     lines += [f"  {e.name:<12} {e.doc.splitlines()[0] if e.doc else ''}"
               for e in all_experiments().values()]
@@ -46,38 +49,89 @@ def build_config(exp: str, trial: str, overrides: list[str]) -> ExperimentConfig
     return apply_overrides(base, overrides)
 
 
+EXTRA_FLAGS = ("--detach", "--test-only")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        args = parse_cli(argv)
+        args = parse_cli(argv, EXTRA_FLAGS)
         if args.help:
             print(help_text(args.exp))
             return 0
         cfg = build_config(args.exp, args.trial, args.overrides)
+        if args.flags and cfg.scheduler.type.value != "slurm":
+            raise ConfigError(f"{' and '.join(args.flags)} need scheduler=slurm")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     experiment = get_experiment(args.exp)
-    paths, secret = prepare_trial(cfg, experiment.name, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    if args.dry_run:
-        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        for group in worker_specs(cfg, paths).values():
-            for w in group:
-                print(f"# {w.name} -> {w.log_path}\n{shlex.join(w.argv)}")
-        print(f"dry run: nothing started; trial directory {paths.root}", file=sys.stderr)
-        return 0
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops like Ctrl-C
-    try:
-        from scheduler.registry import make_scheduler
+    resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    paths, secret = prepare_trial(cfg, experiment.name, resolved)
+    from scheduler.registry import make_scheduler
 
-        controller = Controller(cfg, experiment, paths, make_scheduler(cfg),
+    try:
+        scheduler = make_scheduler(cfg, paths.root)
+        if args.dry_run or "--test-only" in args.flags:
+            return dry_run(cfg, paths, scheduler, resolved, "--test-only" in args.flags)
+        if "--detach" in args.flags:
+            return detach(cfg, paths, [a for a in argv if a != "--detach"])
+        controller = Controller(cfg, experiment, paths, scheduler,
                                 make_name_resolve(cfg.name_resolve, _nr_root(cfg)),
                                 Codec(secret, cfg.rpc.max_message_bytes))
     except RLSystemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops like Ctrl-C
     return controller.run()
+
+
+def dry_run(cfg: ExperimentConfig, paths, scheduler, resolved: str, test_only: bool) -> int:
+    """Write and print every job script (Slurm) or command (local); submit nothing."""
+    print(resolved)
+    ok = True
+    for group in group_specs(cfg, paths).values():
+        if not group.count:
+            continue
+        request = scheduler.plan(group)
+        write = getattr(request, "write", None)
+        where = f" ({write()})" if write else ""
+        print(f"# ---- {group.kind}{where} ----\n{request.materialize()}")
+        if test_only:
+            good, out = scheduler.test_only(request)
+            ok &= good
+            print(f"# sbatch --test-only: {'ok' if good else 'REJECTED'}: {out}\n")
+    print(f"dry run: nothing submitted; trial directory {paths.root}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def detach(cfg: ExperimentConfig, paths, argv: list[str]) -> int:
+    """Submit the controller itself as a CPU job and return."""
+    import os
+
+    from scheduler.registry import PROJECT_ROOT
+    from scheduler.slurm import SlurmRequest, SlurmScheduler
+    from scheduler.slurm_render import render_controller_script
+
+    slurm = cfg.scheduler.slurm
+    python = slurm.python or sys.executable
+    script = render_controller_script(
+        exp=cfg.exp, trial=cfg.trial, slurm=slurm,
+        argv=[python, "-m", "system.launch", *argv, "controller.progress=false"],
+        env={"PYTHONUNBUFFERED": "1"}, logs_dir=paths.logs, workdir=slurm.workdir or PROJECT_ROOT)
+    sched = SlurmScheduler(slurm, cfg.exp, cfg.trial, paths.root, PROJECT_ROOT)
+    group = group_specs(cfg, paths)["master"]
+    request = SlurmRequest(group, os.path.join(paths.root, "jobs", "controller.sbatch"), script)
+    job_id = sched.schedule(request)[0]
+    print(f"submitted the controller of {cfg.exp}/{cfg.trial} as job {job_id}\n"
+          f"  follow:  tail -f {paths.logs}/controller.log\n"
+          f"  jobs:    squeue -n {cfg.exp}_{cfg.trial}:controller,{cfg.exp}_{cfg.trial}:master,"
+          f"{cfg.exp}_{cfg.trial}:model,{cfg.exp}_{cfg.trial}:generation,"
+          f"{cfg.exp}_{cfg.trial}:rollout\n"
+          f"  result:  {paths.summary}\n"
+          f"  stop:    scancel {job_id}   (the controller then cancels every worker job)")
+    return 0
 
 
 def _nr_root(cfg: ExperimentConfig) -> str:

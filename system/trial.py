@@ -69,7 +69,9 @@ class Bootstrap:
     trial: str
     experiment: str
     trial_dir: str
-    host: str
+    interface: str
+    """``cluster.interface``; empty: each worker picks its own node's address."""
+    scheduler: str
     name_resolve: dict[str, Any]
     name_resolve_root: str
     rpc: dict[str, Any]
@@ -122,7 +124,7 @@ def prepare_trial(cfg: Any, experiment_name: str, resolved_yaml: str) -> tuple[T
     nr_root = cfg.name_resolve.file_root or os.path.join(
         os.path.abspath(cfg.cluster.fileroot), ".name_resolve")
     Bootstrap(exp=cfg.exp, trial=cfg.trial, experiment=experiment_name, trial_dir=paths.root,
-              host=bind_host(cfg.cluster.interface, cfg.scheduler.type.value),
+              interface=cfg.cluster.interface, scheduler=cfg.scheduler.type.value,
               name_resolve=plain(cfg.name_resolve), name_resolve_root=nr_root,
               rpc=plain(cfg.rpc), heartbeat_ttl=cfg.controller.heartbeat_ttl).write(paths.bootstrap)
     return paths, secret

@@ -24,7 +24,7 @@ from system import names
 from system.errors import WorkerFailure
 from system.name_resolve import NameResolveConfig, make_name_resolve
 from system.rpc import RpcClient, RpcConfig, RpcServer
-from system.trial import Bootstrap, read_secret
+from system.trial import Bootstrap, bind_host, read_secret
 from system.wire import Codec
 
 log = logging.getLogger("worker")
@@ -46,16 +46,17 @@ class Worker:
 
     kind: ClassVar[str] = ""
 
-    def __init__(self, boot: Bootstrap, index: int) -> None:
+    def __init__(self, boot: Bootstrap, index: int, local_rank: int = 0) -> None:
         self.boot = boot
         self.index = index
+        self.local_rank = local_rank
         self.exp, self.trial = boot.exp, boot.trial
         self.rpc_cfg = RpcConfig(**boot.rpc)
         self.codec = Codec(read_secret(os.path.join(boot.trial_dir, "secret")),
                            self.rpc_cfg.max_message_bytes)
         self.name_resolve = make_name_resolve(NameResolveConfig(**boot.name_resolve),
                                               boot.name_resolve_root)
-        self.host = boot.host
+        self.host = bind_host(boot.interface, boot.scheduler)
         self.server = RpcServer(self.codec, self.host, self.rpc_handlers())
         self.state = WorkerState.CREATED
         self.config: dict[str, Any] = {}
@@ -66,6 +67,7 @@ class Worker:
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._serve_stop = threading.Event()
+        self.signalled: str | None = None  # the signal that stopped us, if any
 
     @property
     def name(self) -> str:
@@ -107,7 +109,8 @@ class Worker:
             self.state = WorkerState.STOPPING
 
     def ping(self) -> dict[str, Any]:
-        return {"kind": self.kind, "index": self.index, "state": self.state.value,
+        return {"kind": self.kind, "index": self.index, "local_rank": self.local_rank,
+                "state": self.state.value, "restart": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
                 "pid": os.getpid(), "host": socket.gethostname(),
                 "uptime": time.time() - self.started_at, "drops": self.server.drops.as_dict(),
                 "served": self.server.served, "progress": self.progress()}
@@ -123,6 +126,32 @@ class Worker:
 
     def progress(self) -> dict[str, Any]:
         return {}
+
+    def on_preempt(self) -> None:
+        """Called on SIGUSR2 (Slurm's warning before the time limit or preemption) before the
+        graceful stop: a worker with state saves it here (the master checkpoints)."""
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.signalled = signal.Signals(signum).name
+        log.warning("%s got %s: stopping", self.name, self.signalled)
+        if signum == signal.SIGUSR2:
+            try:
+                self.on_preempt()
+            except Exception:
+                log.exception("on_preempt failed")
+        self.stop()
+
+    def _requeue_if_preempted(self) -> None:
+        """After SIGUSR2 under Slurm with requeue on, task 0 requeues its job, whose workers
+        then rejoin the trial (the controller configures and starts them again)."""
+        if (self.signalled != "SIGUSR2" or os.environ.get("RLSYS_REQUEUE") != "1"
+                or "SLURM_JOB_ID" not in os.environ or os.environ.get("SLURM_PROCID", "0") != "0"):
+            return
+        import subprocess
+
+        job = os.environ["SLURM_JOB_ID"]
+        r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        log.warning("requeue of job %s: %s", job, "ok" if r.returncode == 0 else r.stderr.strip())
 
     @property
     def stopping(self) -> bool:
@@ -149,7 +178,7 @@ class Worker:
     def run(self) -> int:
         """The process body; returns the exit code."""
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
-            signal.signal(sig, lambda *_: self.stop())
+            signal.signal(sig, self._on_signal)
         nr = self.name_resolve
         nr.add(names.heartbeat(self.exp, self.trial, self.kind, self.index), str(os.getpid()),
                replace=True, keepalive_ttl=self.boot.heartbeat_ttl)
@@ -186,13 +215,18 @@ class Worker:
             self._serve_stop.set()
             serve.join(timeout=5)
             self.server.close()
-            for key in (names.heartbeat(self.exp, self.trial, self.kind, self.index),
-                        names.worker_address(self.exp, self.trial, self.kind, self.index)):
-                try:
-                    nr.delete(key)
-                except Exception:
-                    pass
+            # Stopped by the controller: remove our keys. Stopped by a signal (scancel,
+            # requeue, preemption): stop refreshing and let the heartbeat expire, so the
+            # controller sees the job's fate before it sees a dead worker.
+            if self.signalled is None:
+                for key in (names.heartbeat(self.exp, self.trial, self.kind, self.index),
+                            names.worker_address(self.exp, self.trial, self.kind, self.index)):
+                    try:
+                        nr.delete(key)
+                    except Exception:
+                        pass
             nr.close()
+            self._requeue_if_preempted()
         return code
 
 

@@ -1,7 +1,7 @@
 """Typed client side of the worker RPC surface shared by every kind."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from system.errors import RpcError
 from system.rpc import RpcClient
@@ -51,3 +51,39 @@ def gather(clients: Sequence[WorkerClient], method: str, timeout: float,
         except RpcError as e:
             out.append(e)
     return out
+
+
+class PeerClients:
+    """Clients of the trial's other workers, kept current as workers register again (a
+    requeued job's workers come back at new addresses)."""
+
+    def __init__(self, lookup: Callable[[], dict[str, str]], connect: Callable[[str], RpcClient],
+                 exclude: str = "") -> None:
+        self._lookup = lookup
+        self._connect = connect
+        self._exclude = exclude
+        self._clients: dict[str, WorkerClient] = {}
+        self._addresses: dict[str, str] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        for name, address in self._lookup().items():
+            if name == self._exclude or self._addresses.get(name) == address:
+                continue
+            old = self._clients.pop(name, None)
+            if old is not None:
+                old.close()
+            self._clients[name] = WorkerClient(self._connect(address), name)
+            self._addresses[name] = address
+
+    def all(self) -> list[WorkerClient]:
+        return [self._clients[n] for n in sorted(self._clients)]
+
+    def of_kind(self, *kinds: str) -> list[WorkerClient]:
+        return [c for c in self.all() if c.name.split("/")[0] in kinds]
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()
+        self._addresses.clear()

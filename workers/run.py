@@ -2,7 +2,8 @@
 
     python -m workers.run --trial-dir runs/smoke/t1 --kind rollout --index 3
 
-The index may be omitted under a scheduler that provides it (the Slurm task id).
+Under Slurm the index is omitted: each task derives its worker index (global rank) and local
+rank from the Slurm environment through submitit's ``JobEnvironment``.
 """
 from __future__ import annotations
 
@@ -21,12 +22,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kind", required=True, choices=sorted(KINDS))
     p.add_argument("--index", type=int, default=None)
     args = p.parse_args(argv)
-    index = args.index if args.index is not None else int(os.environ.get("RLSYS_WORKER_INDEX", 0))
+    index, local_rank = task_identity(args.index)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s {args.kind}/{index} %(levelname)s %(message)s")
     boot = Bootstrap.read(os.path.join(args.trial_dir, "bootstrap.json"))
-    worker = worker_class(args.kind)(boot, index)
+    worker = worker_class(args.kind)(boot, index, local_rank)
     return worker.run()
+
+
+def task_identity(index: int | None) -> tuple[int, int]:
+    """``(worker index, local rank)``: given explicitly (local scheduler), or from Slurm."""
+    if index is not None:
+        return index, 0
+    if "SLURM_JOB_ID" in os.environ:
+        import submitit
+
+        env = submitit.JobEnvironment()
+        return env.global_rank, env.local_rank
+    return int(os.environ.get("RLSYS_WORKER_INDEX", 0)), 0
 
 
 if __name__ == "__main__":

@@ -91,4 +91,4 @@ def test_cli_help_and_dry_run(fileroot):
     assert r.returncode == 0 and "experiments:" in r.stdout and "smoke" in r.stdout
     r = run_launch("exp=smoke", "trial=dry", f"cluster.fileroot={fileroot}", "--dry-run")
     assert r.returncode == 0, r.stderr
-    assert "workers.run" in r.stdout and "rollout/3" in r.stdout and "nothing started" in r.stderr
+    assert "workers.run" in r.stdout and "rollout/3" in r.stdout and "nothing submitted" in r.stderr

@@ -1,0 +1,136 @@
+"""Slurm settings: global ones and one :class:`SlurmGroupConfig` per worker group."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Dict, List
+
+from system.errors import ConfigError
+
+_MEM_RE = re.compile(r"^\d+[KMGT]?$")
+_TIME_RE = re.compile(r"^(\d+-)?\d+(:\d+){0,2}$|^\d+$")
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclasses.dataclass
+class SlurmGroupConfig:
+    """The job of one worker group (``scheduler.slurm.<group>.<key>``). Empty strings for
+    partition/account/qos/time inherit the global ``scheduler.slurm.<key>``."""
+
+    nodes: int = 1
+    """Nodes for the group's job."""
+    ntasks_per_node: int = 0
+    """Worker tasks per node (0: the group's count divided over its nodes, rounded up)."""
+    gpus_per_node: int = 0
+    """GPUs per node (``--gpus-per-node``); model workers pick theirs by local rank."""
+    cpus_per_task: int = 1
+    """CPU cores per worker task."""
+    mem: str = ""
+    """Memory per node, e.g. ``64G`` (empty: the partition's default)."""
+    partition: str = ""
+    """Partition (empty: the global one)."""
+    account: str = ""
+    """Account (empty: the global one)."""
+    qos: str = ""
+    """Quality of service (empty: the global one)."""
+    time: str = ""
+    """Time limit, e.g. ``04:00:00`` or ``2-00:00:00`` (empty: the global one)."""
+    exclusive: bool = False
+    """Request whole nodes (``--exclusive``)."""
+    constraint: str = ""
+    """Node features (``--constraint``)."""
+    nodelist: str = ""
+    """Run on these nodes (``--nodelist``)."""
+    exclude: str = ""
+    """Never run on these nodes (``--exclude``)."""
+    extra_sbatch: List[str] = dataclasses.field(default_factory=list)
+    """Site-specific directives, each without ``#SBATCH``, e.g. ``[--reservation=rl]``."""
+    setup: List[str] = dataclasses.field(default_factory=list)
+    """Shell lines run before the workers start (module loads, venv activation...)."""
+    env: Dict[str, str] = dataclasses.field(default_factory=dict)
+    """Environment variables exported to the workers."""
+    container_image: str = ""
+    """Pyxis/enroot image: adds ``--container-image`` to ``srun``."""
+    container_mounts: str = ""
+    """Pyxis mounts (``--container-mounts``), e.g. ``/data:/data``."""
+    apptainer_image: str = ""
+    """Apptainer image: the worker runs under ``apptainer exec [apptainer_args] IMAGE``."""
+    apptainer_args: str = "--nv"
+    """Extra arguments of ``apptainer exec``."""
+
+    def validate(self, where: str) -> None:
+        for key in ("nodes", "cpus_per_task"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{where}.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("ntasks_per_node", "gpus_per_node"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{where}.{key} must be >= 0, got {getattr(self, key)}")
+        if self.mem and not _MEM_RE.match(self.mem):
+            raise ConfigError(f"{where}.mem={self.mem!r} is not like 64G / 512M / 16000")
+        if self.time and not _TIME_RE.match(self.time):
+            raise ConfigError(f"{where}.time={self.time!r} is not [D-]HH:MM:SS or minutes")
+        if self.container_image and self.apptainer_image:
+            raise ConfigError(f"{where}: set container_image (pyxis) or apptainer_image, not both")
+        for k in self.env:
+            if not _ENV_RE.match(k):
+                raise ConfigError(f"{where}.env: {k!r} is not a valid variable name")
+        for line in self.extra_sbatch:
+            if "\n" in line or not line.strip().startswith("-"):
+                raise ConfigError(f"{where}.extra_sbatch: {line!r} must be one option like "
+                                  "--reservation=x (without #SBATCH)")
+
+    def __post_init__(self) -> None:
+        self.validate("scheduler.slurm.<group>")
+
+
+def _group(**kw: object) -> SlurmGroupConfig:
+    return SlurmGroupConfig(**kw)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass
+class SlurmConfig:
+    """Slurm jobs of a trial (``scheduler=slurm``)."""
+
+    partition: str = ""
+    """Default partition of every job (empty: the cluster's default)."""
+    account: str = ""
+    """Default account of every job."""
+    qos: str = ""
+    """Default quality of service of every job."""
+    time: str = ""
+    """Default time limit of every job (empty: the partition's)."""
+    signal_seconds: int = 120
+    """Seconds before the time limit at which workers get SIGUSR2 to stop gracefully."""
+    requeue: bool = True
+    """Jobs may be requeued (``--requeue``); a worker that got SIGUSR2 requeues its job."""
+    poll_interval: float = 2.0
+    """Seconds between ``squeue`` polls."""
+    rejoin_timeout: float = 900.0
+    """Seconds the controller waits for a requeued job's workers to register again."""
+    python: str = ""
+    """Python executable on the compute nodes (empty: the launcher's own)."""
+    workdir: str = ""
+    """Directory the workers start in (empty: this project's root)."""
+    master: SlurmGroupConfig = dataclasses.field(default_factory=SlurmGroupConfig)
+    """The master worker's job."""
+    model: SlurmGroupConfig = dataclasses.field(default_factory=SlurmGroupConfig)
+    """The model workers' job (set gpus_per_node on a GPU cluster)."""
+    generation: SlurmGroupConfig = dataclasses.field(default_factory=SlurmGroupConfig)
+    """The generation servers' job (set gpus_per_node on a GPU cluster)."""
+    rollout: SlurmGroupConfig = dataclasses.field(default_factory=SlurmGroupConfig)
+    """The rollout workers' job (CPU)."""
+    controller: SlurmGroupConfig = dataclasses.field(default_factory=SlurmGroupConfig)
+    """The controller's own job with ``--detach``."""
+
+    def __post_init__(self) -> None:
+        if self.signal_seconds < 0:
+            raise ConfigError(f"scheduler.slurm.signal_seconds must be >= 0, got {self.signal_seconds}")
+        if self.poll_interval <= 0:
+            raise ConfigError(f"scheduler.slurm.poll_interval must be > 0, got {self.poll_interval}")
+        if self.time and not _TIME_RE.match(self.time):
+            raise ConfigError(f"scheduler.slurm.time={self.time!r} is not [D-]HH:MM:SS or minutes")
+        for name in ("master", "model", "generation", "rollout", "controller"):
+            getattr(self, name).validate(f"scheduler.slurm.{name}")
+
+    def group(self, kind: str) -> SlurmGroupConfig:
+        return getattr(self, kind)
