@@ -92,7 +92,7 @@ class Controller:
             self.nr.clear_subtree(names.trial_root(self.cfg.exp, self.cfg.trial))
             for group in self.groups.values():
                 if group.count:
-                    self.scheduler.submit(group)
+                    summary.setdefault("jobs", {})[group.kind] = self.scheduler.submit(group)
             self.timeline["submitted"] = time.time()
             self._wait_registered()
             self._configure()
@@ -112,6 +112,8 @@ class Controller:
                 self._stop_all()
             finally:
                 signal.signal(signal.SIGINT, old)
+            if self._restarts:
+                summary["restarts"] = dict(self._restarts)
             summary["end_time"] = now_iso()
             summary["duration_s"] = round(time.time() - self._t0, 3)
             summary["t0_epoch"] = self._t0

@@ -9,7 +9,8 @@ import dataclasses
 import enum
 from typing import Any, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from system.config import ExperimentConfig, field_docs
@@ -76,14 +77,26 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
                 raise ConfigError(f"unknown key {key!r}: no {part!r} at {where}; "
                                   f"valid keys there: {_describe(node)}")
             node = node._get_node(part)
-        if isinstance(node, DictConfig):
+        value: Any = None if raw.lower() in ("null", "none") and _optional(node) else raw
+        if isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node)):
             if "type" in node:  # shorthand: scheduler=slurm means scheduler.type=slurm
                 key, node = key + ".type", node._get_node("type")
             else:
                 raise ConfigError(f"{key!r} is a section; set one of its keys: {_describe(node)}")
+        elif isinstance(node, (DictConfig, ListConfig)):  # a list or map value: YAML syntax
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"bad value for {key}={raw!r}: not YAML ({e})") from None
+            expected = list if isinstance(node, ListConfig) else dict
+            if not isinstance(value, expected):
+                raise ConfigError(f"bad value for {key}={raw!r}: expected a "
+                                  f"{'[list]' if expected is list else '{map}'}")
+            node_conf = OmegaConf.select(conf, key)
+            if node_conf is not None:  # replace, do not merge, a list or map
+                OmegaConf.update(conf, key, expected(), merge=False)
         try:
-            OmegaConf.update(conf, key, None if raw.lower() in ("null", "none") and
-                             _optional(node) else raw, merge=True)
+            OmegaConf.update(conf, key, value, merge=True)
         except OmegaConfBaseException as e:
             msg = str(e).splitlines()[0]
             enum_type = getattr(node, "enum_type", None)

@@ -84,3 +84,17 @@ def read_summary(fileroot: str, exp: str, trial: str) -> dict:
 @pytest.fixture
 def fileroot(tmp_path) -> str:
     return str(tmp_path / "runs")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real single-node Slurm (munge, slurmctld, slurmd, 4 fake GPUs) for the session."""
+    from slurm.testcluster.cluster import SlurmTestCluster
+
+    why = SlurmTestCluster.available()
+    if why:
+        pytest.skip(f"no Slurm here: {why} (scripts/setup.sh installs it as root)")
+    cluster = SlurmTestCluster(str(tmp_path_factory.mktemp("slurm")))
+    cluster.start()
+    yield cluster
+    cluster.stop()

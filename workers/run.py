@@ -35,9 +35,11 @@ def task_identity(index: int | None) -> tuple[int, int]:
     if index is not None:
         return index, 0
     if "SLURM_JOB_ID" in os.environ:
-        import submitit
+        # submitit's generic JobEnvironment() only recognises jobs its own executor submitted
+        # (SUBMITIT_EXECUTOR); its Slurm environment class reads the same SLURM_* variables.
+        from submitit.slurm.slurm import SlurmJobEnvironment
 
-        env = submitit.JobEnvironment()
+        env = SlurmJobEnvironment()
         return env.global_rank, env.local_rank
     return int(os.environ.get("RLSYS_WORKER_INDEX", 0)), 0
 

@@ -1,0 +1,181 @@
+"""Whole trials on a real single-node Slurm: submission, GPUs, cancellation, requeue, detach."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from system.name_resolve import FileNameResolve
+from tests.conftest import REPO, launch_argv, read_summary, run_launch
+
+SLURM = ["scheduler=slurm", "cluster.interface=127.0.0.1", "scheduler.slurm.poll_interval=0.5",
+         "scheduler.slurm.model.gpus_per_node=2", "controller.heartbeat_ttl=3",
+         "scheduler.stop_grace=3"]
+
+
+def squeue(env: dict, exp: str, trial: str) -> list[tuple[str, str, str]]:
+    names = ",".join(f"{exp}_{trial}:{k}" for k in ("controller", "master", "model", "generation",
+                                                      "rollout"))
+    r = subprocess.run(["squeue", "-h", "-n", names, "-o", "%i|%j|%T"], capture_output=True,
+                       text=True, env={**os.environ, **env}, check=True)
+    return [tuple(line.split("|")) for line in r.stdout.split()]
+
+
+def wait_for(cond, timeout: float, what: str, step: float = 0.25):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def job_of(env, exp, trial, kind) -> str:
+    return wait_for(lambda: next((j for j, n, _ in squeue(env, exp, trial)
+                                  if n.endswith(":" + kind)), None), 30, f"{kind} job")
+
+
+def heartbeats(fileroot: str, exp: str, trial: str) -> int:
+    return len(FileNameResolve(os.path.join(fileroot, ".name_resolve")).find_subtree(
+        f"{exp}/{trial}/heartbeat"))
+
+
+@pytest.fixture
+def odd_root(tmp_path) -> str:
+    return str(tmp_path / "runs it's \"odd\"")  # spaces and both quotes, all the way down
+
+
+def test_smoke_on_slurm(slurm_cluster, odd_root):
+    r = run_launch("exp=smoke", "trial=s1", f"cluster.fileroot={odd_root}", *SLURM,
+                   env=slurm_cluster.env)
+    assert r.returncode == 0, r.stderr
+    s = read_summary(odd_root, "smoke", "s1")
+    assert s["status"] == "completed" and s["scheduler"] == "slurm"
+    assert set(s["jobs"]) == {"master", "model", "generation", "rollout"}
+    res = s["results"]
+    assert res["trajectories_valid"] == 400 and res["allreduce_ok"] is True
+    assert res["model_gpus_on_node"] == [2, 2] and res["model_local_ranks"] == [0, 1]
+    trial = os.path.join(odd_root, "smoke", "s1")
+    assert sorted(os.listdir(os.path.join(trial, "jobs"))) == [
+        "generation.sbatch", "master.sbatch", "model.sbatch", "rollout.sbatch"]
+    logs = os.listdir(os.path.join(trial, "logs"))
+    for kind, n in s["workers"].items():
+        for i in range(n):
+            assert f"{kind}-{i}.log" in logs  # one log per task
+    assert squeue(slurm_cluster.env, "smoke", "s1") == []
+
+
+def test_scancel_of_a_worker_job_stops_the_trial(slurm_cluster, tmp_path):
+    root = str(tmp_path / "runs")
+    proc = subprocess.Popen(launch_argv("exp=smoke", "trial=cancel", f"cluster.fileroot={root}",
+                                        "smoke.min_duration=120", *SLURM),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **slurm_cluster.env})
+    try:
+        wait_for(lambda: heartbeats(root, "smoke", "cancel") == 9, 90, "9 heartbeats")
+        job = job_of(slurm_cluster.env, "smoke", "cancel", "generation")
+        subprocess.run(["scancel", job], check=True, env={**os.environ, **slurm_cluster.env})
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "generation/0, generation/1" in err and "CANCELLED" in err and "generation-0.log" in err
+    s = read_summary(root, "smoke", "cancel")
+    assert s["status"] == "failed" and s["failure"]["worker"] == "generation/0"
+    assert squeue(slurm_cluster.env, "smoke", "cancel") == []
+
+
+def test_ctrl_c_cancels_every_job(slurm_cluster, tmp_path):
+    root = str(tmp_path / "runs")
+    proc = subprocess.Popen(launch_argv("exp=smoke", "trial=intr", f"cluster.fileroot={root}",
+                                        "smoke.min_duration=120", *SLURM),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **slurm_cluster.env})
+    try:
+        wait_for(lambda: heartbeats(root, "smoke", "intr") == 9, 90, "9 heartbeats")
+        assert len(squeue(slurm_cluster.env, "smoke", "intr")) == 4
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and "interrupted" in err
+    assert squeue(slurm_cluster.env, "smoke", "intr") == []
+
+
+def test_preemption_signal_requeues_and_workers_rejoin(slurm_cluster, tmp_path):
+    """SIGUSR2 (as Slurm sends before a time limit) -> graceful stop -> the job requeues itself
+    -> its workers register again and the controller configures and starts them."""
+    root = str(tmp_path / "runs")
+    env = {**os.environ, **slurm_cluster.env}
+    proc = subprocess.Popen(launch_argv("exp=smoke", "trial=requeue", f"cluster.fileroot={root}",
+                                        "smoke.min_duration=25", *SLURM),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        wait_for(lambda: heartbeats(root, "smoke", "requeue") == 9, 90, "9 heartbeats")
+        job = job_of(slurm_cluster.env, "smoke", "requeue", "rollout")
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, env=env)
+
+        def requeued():
+            r = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                               text=True, env=env)
+            return "Restarts=1" in r.stdout and "JobState=PENDING" in r.stdout
+        wait_for(requeued, 60, "the job to requeue itself")
+        # Slurm holds a requeued job back (BeginTime) for a while; make it eligible now
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True,
+                       env=env)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "was requeued" in err and "rejoined: rollout/0" in err
+    s = read_summary(root, "smoke", "requeue")
+    assert s["status"] == "completed" and s["restarts"] == {job: 1}
+    res = s["results"]
+    assert res["trajectories_received"] == res["trajectories_valid"] == 400
+    # the restarted workers send everything again; what the master reads of it before it
+    # completes is recognised as duplicate and not counted twice
+    assert 0 < res["trajectories_duplicate"] <= 400
+    with open(os.path.join(root, "smoke", "requeue", "logs", "rollout-0.log")) as f:
+        log = f.read()
+    assert "got SIGUSR2" in log and "requeue of job" in log
+    assert squeue(slurm_cluster.env, "smoke", "requeue") == []
+
+
+def test_detach_submits_the_controller(slurm_cluster, tmp_path):
+    root = str(tmp_path / "runs")
+    r = run_launch("exp=smoke", "trial=det", f"cluster.fileroot={root}", *SLURM, "--detach",
+                   env=slurm_cluster.env)
+    assert r.returncode == 0, r.stderr
+    job = re.search(r"as job (\d+)", r.stdout).group(1)
+    assert "tail -f" in r.stdout and f"scancel {job}" in r.stdout
+    summary = os.path.join(root, "smoke", "det", "summary.json")
+    wait_for(lambda: os.path.exists(summary), 120, "the detached trial's summary")
+    assert read_summary(root, "smoke", "det")["status"] == "completed"
+    wait_for(lambda: squeue(slurm_cluster.env, "smoke", "det") == [], 60, "the queue to empty")
+
+
+def test_dry_run_and_test_only(slurm_cluster, tmp_path):
+    root = str(tmp_path / "runs")
+    r = run_launch("exp=smoke", "trial=dry", f"cluster.fileroot={root}", *SLURM, "--dry-run",
+                   env=slurm_cluster.env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("#SBATCH --job-name=") == 4 and "nothing submitted" in r.stderr
+    assert len(os.listdir(os.path.join(root, "smoke", "dry", "jobs"))) == 4
+    assert squeue(slurm_cluster.env, "smoke", "dry") == []
+    r = run_launch("exp=smoke", "trial=dry", f"cluster.fileroot={root}", *SLURM, "--test-only",
+                   env=slurm_cluster.env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("sbatch --test-only: ok") == 4
+    r = run_launch("exp=smoke", "trial=dry", f"cluster.fileroot={root}", *SLURM, "--test-only",
+                   "scheduler.slurm.rollout.partition=nosuch", env=slurm_cluster.env)
+    assert r.returncode == 1 and "REJECTED" in r.stdout
+    assert squeue(slurm_cluster.env, "smoke", "dry") == []

@@ -1,0 +1,129 @@
+"""Pure parts of the Slurm scheduler: rendering (golden files), state mapping, parsing."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from scheduler.base import JobState
+from scheduler.slurm import STATE_TABLE, map_state, parse_sbatch_parsable, parse_scontrol_job
+from scheduler.slurm_config import SlurmConfig, SlurmGroupConfig
+from scheduler.slurm_render import render_controller_script, render_worker_script, sbatch_quote
+from system.errors import ConfigError, SchedulerError
+from system.launch import build_config
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+ODD = "/shared/runs/it's a \"quoted\" dir"  # spaces, single and double quotes
+
+
+def check_golden(name: str, text: str) -> None:
+    path = os.path.join(GOLDEN, name)
+    if os.environ.get("UPDATE_GOLDEN"):
+        with open(path, "w") as f:
+            f.write(text)
+    with open(path) as f:
+        assert text == f.read(), f"{name} differs from its golden file (UPDATE_GOLDEN=1 rewrites)"
+    r = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+    assert r.returncode == 0, r.stderr
+
+
+def full_config() -> SlurmConfig:
+    return SlurmConfig(
+        partition="gpu", account="rl-team", qos="high", time="04:00:00", signal_seconds=300,
+        model=SlurmGroupConfig(
+            nodes=2, gpus_per_node=8, cpus_per_task=12, mem="480G", exclusive=True,
+            constraint="h100&ib", exclude="node[07-08]", extra_sbatch=["--reservation=rl"],
+            setup=["module load cuda/12.4", "source /opt/env/bin/activate"],
+            env={"NCCL_DEBUG": "WARN", "ODD": "a b 'c' \"d\""},
+            container_image="nvcr.io#nvidia/pytorch:24.05-py3",
+            container_mounts=f"{ODD}:/runs"),
+        rollout=SlurmGroupConfig(partition="cpu", time="1-00:00:00", cpus_per_task=4,
+                                 apptainer_image="/images/rl.sif", apptainer_args="--nv --cleanenv"),
+        controller=SlurmGroupConfig(partition="cpu", mem="4G"))
+
+
+def render(kind: str, count: int, slurm: SlurmConfig) -> str:
+    return render_worker_script(
+        exp="gsm8k", trial="t1", kind=kind, count=count, slurm=slurm,
+        argv=["/opt/py env/bin/python", "-m", "workers.run", "--trial-dir", f"{ODD}/gsm8k/t1",
+              "--kind", kind],
+        env={"PYTHONUNBUFFERED": "1", "RLSYS_REQUEUE": "1"}, logs_dir=f"{ODD}/gsm8k/t1/logs",
+        workdir="/home/a b/project")
+
+
+def test_golden_model_group_pyxis():
+    check_golden("model.sbatch", render("model", 16, full_config()))
+
+
+def test_golden_rollout_group_apptainer():
+    check_golden("rollout.sbatch", render("rollout", 6, full_config()))
+
+
+def test_golden_default_group():
+    check_golden("master.sbatch", render("master", 1, SlurmConfig()))
+
+
+def test_golden_controller():
+    check_golden("controller.sbatch", render_controller_script(
+        exp="gsm8k", trial="t1", slurm=full_config(),
+        argv=["/opt/py env/bin/python", "-m", "system.launch", "exp=gsm8k", "trial=t1",
+              f"cluster.fileroot={ODD}"],
+        env={"PYTHONUNBUFFERED": "1"}, logs_dir=f"{ODD}/gsm8k/t1/logs", workdir="/home/a b/p"))
+
+
+def test_sbatch_quote():
+    assert sbatch_quote('a "b" \\c') == '"a \\"b\\" \\\\c"'
+    with pytest.raises(ConfigError):
+        sbatch_quote("a\nb")
+
+
+def test_task_layout_errors():
+    with pytest.raises(ConfigError, match="cannot hold"):
+        render("model", 5, SlurmConfig(model=SlurmGroupConfig(nodes=2, ntasks_per_node=2)))
+    with pytest.raises(ConfigError, match="empty"):
+        render("model", 2, SlurmConfig(model=SlurmGroupConfig(nodes=3)))
+
+
+def test_unknown_and_bad_settings_are_clear():
+    with pytest.raises(ConfigError) as e:
+        build_config("smoke", "t", ["scheduler.slurm.model.gpus=2"])
+    for valid in ("gpus_per_node", "partition", "container_image", "extra_sbatch", "env"):
+        assert valid in str(e.value)
+    with pytest.raises(ConfigError, match="mem"):
+        build_config("smoke", "t", ["scheduler.slurm.model.mem=lots"])
+    with pytest.raises(ConfigError, match="extra_sbatch"):
+        build_config("smoke", "t", ["scheduler.slurm.model.extra_sbatch=[reservation]"])
+    cfg = build_config("smoke", "t", ["scheduler=slurm", "scheduler.slurm.model.gpus_per_node=4",
+                                      "scheduler.slurm.model.extra_sbatch=[--reservation=x]",
+                                      "scheduler.slurm.model.env={A: '1 2'}"])
+    assert cfg.scheduler.slurm.model.gpus_per_node == 4
+    assert cfg.scheduler.slurm.model.extra_sbatch == ["--reservation=x"]
+    assert cfg.scheduler.slurm.model.env == {"A": "1 2"}
+
+
+@pytest.mark.parametrize("raw, state", [
+    ("PENDING", JobState.PENDING), ("RUNNING", JobState.RUNNING),
+    ("COMPLETING", JobState.RUNNING), ("COMPLETED", JobState.COMPLETED),
+    ("CANCELLED by 0", JobState.CANCELLED), ("CANCELLED+", JobState.CANCELLED),
+    ("FAILED", JobState.FAILED), ("TIMEOUT", JobState.TIMEOUT),
+    ("PREEMPTED", JobState.PREEMPTED), ("NODE_FAIL", JobState.NODE_FAIL),
+    ("BOOT_FAIL", JobState.NODE_FAIL), ("OUT_OF_MEMORY", JobState.OUT_OF_MEMORY),
+    ("REQUEUED", JobState.REQUEUED), ("REQUEUE_HOLD", JobState.REQUEUED),
+    ("SOMETHING_NEW", JobState.UNKNOWN), ("", JobState.UNKNOWN)])
+def test_state_table(raw, state):
+    assert map_state(raw) == state
+
+
+def test_every_enum_value_is_reachable():
+    assert set(STATE_TABLE.values()) | {JobState.UNKNOWN} == set(JobState)
+
+
+def test_parsers():
+    assert parse_sbatch_parsable("1234\n") == "1234"
+    assert parse_sbatch_parsable("77;cluster2") == "77"
+    with pytest.raises(SchedulerError):
+        parse_sbatch_parsable("sbatch: error: oops")
+    info = parse_scontrol_job("JobId=12 JobName=a:b JobState=PENDING Reason=BeginTime "
+                              "Restarts=1 ExitCode=0:0")
+    assert info["JobState"] == "PENDING" and info["Restarts"] == "1" and info["JobName"] == "a:b"
