@@ -1,0 +1,222 @@
+"""The pure resharding planner: (training layout, generation layout, parameter specs) -> buckets
+of broadcasts.
+
+Global ranks: training ranks ``0..S-1`` (see :class:`~system.topology.TrainLayout`), then
+generation ranks ``S..S+D-1``. Every region a generation rank needs is sent once, by one
+training rank that holds it, in one broadcast to every generation rank that needs the same
+region (every replica, and every tp rank that holds it replicated). Senders are balanced by
+bytes across the data-parallel (and replicated tensor-parallel) copies, preferring one on a
+receiver's node. Regions sharing a sender and a receiver set are packed into flat buckets.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from system.param_specs import (Box, DstParam, ParamSpec, Split, box_shape, check_divisible,
+                                stage_of, tp_box, vllm_local_params, hf_local_params)
+from system.topology import GenLayout, LayoutError, TrainLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one receiver writes a transfer: ``box`` of its local parameter ``param``."""
+
+    rank: int
+    param: str
+    box: Box
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """``box`` of the full HF parameter ``param``, broadcast by ``sender``."""
+
+    param: str
+    box: Box
+    sender: int
+    placements: tuple[Placement, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for a, b in self.box:
+            n *= b - a
+        return n
+
+    @property
+    def receivers(self) -> tuple[int, ...]:
+        return tuple(sorted({p.rank for p in self.placements}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Transfers packed into one flat buffer and broadcast on the group ``members``."""
+
+    sender: int
+    members: tuple[int, ...]  # sorted; includes the sender
+    transfers: tuple[Transfer, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.transfers)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardPlan:
+    src: TrainLayout
+    dst: GenLayout
+    buckets: tuple[Bucket, ...]
+    itemsize: int
+
+    @property
+    def num_src(self) -> int:
+        return self.src.world_size
+
+    def dst_rank(self, replica: int, tp: int) -> int:
+        return self.num_src + self.dst.rank(replica, tp)
+
+    def for_rank(self, rank: int) -> list[Bucket]:
+        return [b for b in self.buckets if rank in b.members]
+
+    @property
+    def groups(self) -> list[tuple[int, ...]]:
+        """Distinct broadcast groups, sorted (creating them in this order cannot deadlock)."""
+        return sorted({b.members for b in self.buckets})
+
+    def bytes_received(self, rank: int) -> int:
+        return sum(b.numel for b in self.for_rank(rank) if b.sender != rank) * self.itemsize
+
+    def bytes_sent(self, rank: int) -> int:
+        return sum(b.numel for b in self.buckets if b.sender == rank) * self.itemsize
+
+
+def _split_dim(spec: ParamSpec) -> int | None:
+    if spec.split == Split.REPLICATED:
+        return None
+    return 1 if spec.split == Split.ROW else 0
+
+
+def _with(box: Box, dim: int, interval: tuple[int, int]) -> Box:
+    return box[:dim] + (interval,) + box[dim + 1:]
+
+
+def _units(spec: ParamSpec, need: Box, src_tp: int) -> list[tuple[Box, list[int]]]:
+    """Partition ``need`` into regions, each with the source tp ranks holding all of it."""
+    boxes = [tp_box(spec, src_tp, t) for t in range(src_tp)]
+    dim = _split_dim(spec)
+    if dim is None:
+        return [(need, list(range(src_tp)))]
+    lo, hi = need[dim]
+    cuts = sorted({lo, hi} | {c for b in boxes for c in b[dim] if lo < c < hi})
+    units: list[tuple[Box, list[int]]] = []
+    for a, b in zip(cuts, cuts[1:]):
+        holders = [t for t, bx in enumerate(boxes) if bx[dim][0] <= a and b <= bx[dim][1]]
+        if not holders:
+            raise AssertionError(f"no source holds {spec.name}[{a}:{b}]")
+        if units and units[-1][1] == holders:  # merge with the previous region
+            prev = units[-1][0]
+            units[-1] = (_with(prev, dim, (prev[dim][0], b)), holders)
+        else:
+            units.append((_with(need, dim, (a, b)), holders))
+    return units
+
+
+def _chunks(box: Box, max_numel: int) -> list[Box]:
+    """Split ``box`` along dim 0 so each chunk has at most ``max_numel`` elements (one row at
+    least)."""
+    shape = box_shape(box)
+    row = 1
+    for s in shape[1:]:
+        row *= s
+    rows = max(1, max_numel // max(row, 1))
+    lo, hi = box[0]
+    if hi - lo <= rows:
+        return [box]
+    return [((a, min(a + rows, hi)),) + box[1:] for a in range(lo, hi, rows)]
+
+
+def plan_reshard(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec], num_layers: int, *,
+                 itemsize: int = 4, bucket_bytes: int = 256 << 20, fused: bool = True,
+                 src_nodes: Sequence[str] | None = None, dst_nodes: Sequence[str] | None = None
+                 ) -> ReshardPlan:
+    """Plan the transfer of every parameter from ``src`` to ``dst``.
+
+    ``fused``: destinations hold vLLM's fused parameters (``qkv_proj``, ``gate_up_proj``);
+    otherwise HF-named shards. ``src_nodes``/``dst_nodes``: the node of each rank (for the
+    same-node preference); default: all on one node.
+    """
+    if max(src.tp, dst.tp) % min(src.tp, dst.tp):
+        raise LayoutError(f"tensor-parallel sizes do not divide each other: training tp={src.tp}, "
+                          f"generation tp={dst.tp}")
+    check_divisible(specs, src.tp, "training")
+    check_divisible(specs, dst.tp, "generation")
+    if src.pp > num_layers:
+        raise LayoutError(f"pp={src.pp} is more than the model's {num_layers} layers")
+    S = src.world_size
+    src_nodes = list(src_nodes or ["node0"] * S)
+    dst_nodes = list(dst_nodes or ["node0"] * dst.world_size)
+    by_name = {s.name: s for s in specs}
+    local = vllm_local_params if fused else hf_local_params
+
+    # 1. what each destination tp rank needs: (hf param, region) -> (holders, placements)
+    needs: dict[tuple[str, Box], tuple[list[int], list[Placement]]] = {}
+    for u in range(dst.tp):
+        params: list[DstParam] = local(specs, dst.tp, u)
+        for p in params:
+            for piece in p.pieces:
+                spec = by_name[piece.source]
+                for box, holders in _units(spec, piece.box, src.tp):
+                    # where the region lands in the local tensor
+                    local_box = tuple(
+                        (a - n0 + (piece.offset if d == piece.dim else 0),
+                         b - n0 + (piece.offset if d == piece.dim else 0))
+                        for d, ((a, b), (n0, _)) in enumerate(zip(box, piece.box)))
+                    entry = needs.setdefault((spec.name, box), (holders, []))
+                    for replica in range(dst.replicas):
+                        entry[1].append(Placement(S + dst.rank(replica, u), p.name, local_box))
+
+    # 2. one sender per region, balanced, same node preferred
+    load = [0] * S
+    transfers: list[Transfer] = []
+    for (name, box), (holder_tps, placements) in needs.items():
+        spec = by_name[name]
+        stage = stage_of(spec, num_layers, src.pp)
+        holders = [src.rank(d, t, stage) for t in holder_tps for d in range(src.dp)]
+        recv_nodes = {dst_nodes[p.rank - S] for p in placements}
+        near = [r for r in holders if src_nodes[r] in recv_nodes]
+        sender = min(near or holders, key=lambda r: (load[r], r))
+        numel = 1
+        for a, b in box:
+            numel *= b - a
+        load[sender] += numel
+        for chunk in _chunks(box, max(1, bucket_bytes // itemsize)):
+            transfers.append(Transfer(name, chunk, sender, tuple(
+                Placement(p.rank, p.param, _shift(p.box, box, chunk)) for p in placements)))
+
+    # 3. buckets: same sender and receivers, up to bucket_bytes, interleaved across senders
+    groups: dict[tuple[int, tuple[int, ...]], list[list[Transfer]]] = {}
+    cap = max(1, bucket_bytes // itemsize)
+    for t in transfers:
+        lists = groups.setdefault((t.sender, t.receivers), [[]])
+        if lists[-1] and sum(x.numel for x in lists[-1]) + t.numel > cap:
+            lists.append([])
+        lists[-1].append(t)
+    per_sender: dict[int, list[Bucket]] = {}
+    for (sender, receivers), lists in groups.items():
+        for ts in lists:
+            per_sender.setdefault(sender, []).append(
+                Bucket(sender, tuple(sorted({sender, *receivers})), tuple(ts)))
+    ordered: list[Bucket] = []
+    queues = [per_sender[s] for s in sorted(per_sender)]
+    while any(queues):
+        for q in queues:
+            if q:
+                ordered.append(q.pop(0))
+    return ReshardPlan(src, dst, tuple(ordered), itemsize)
+
+
+def _shift(local: Box, unit: Box, chunk: Box) -> Box:
+    """The part of ``local`` (the placement of ``unit``) that ``chunk`` (a sub-box of ``unit``
+    along dim 0) maps to."""
+    (l0, _), (u0, _), (c0, c1) = local[0], unit[0], chunk[0]
+    return ((l0 + c0 - u0, l0 + c1 - u0),) + local[1:]
