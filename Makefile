@@ -15,3 +15,4 @@ test: setup
 
 bench: setup
 	$(PY) tests/benchmarks/control_plane.py
+	$(PY) tests/benchmarks/reshard.py

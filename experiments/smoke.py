@@ -178,39 +178,25 @@ def master_role(master: Any) -> dict[str, Any]:
     peers = PeerClients(master.peers, lambda a: master.client(a, master.master_cfg.peer_timeout),
                         exclude=master.name)
     t0 = time.monotonic()
-    seen: set[tuple[int, int]] = set()
-    received = valid = duplicates = nbytes = pings = ping_failures = 0
-    per_worker: dict[int, int] = {}
+    inbox = _Inbox(puller, cfg)
+    pings = ping_failures = 0
     next_ping = 0.0
     try:
-        while len(seen) < expected or time.monotonic() - t0 < cfg.min_duration:
+        while len(inbox.seen) < expected or time.monotonic() - t0 < cfg.min_duration:
             if not master.wait_unpaused():
                 raise RuntimeError("stopped before completion")
             if time.monotonic() - t0 > max(cfg.timeout, cfg.min_duration + 10):
-                raise TimeoutError(f"only {len(seen)}/{expected} trajectories within "
+                raise TimeoutError(f"only {len(inbox.seen)}/{expected} trajectories within "
                                    f"{cfg.timeout:.0f}s")
-            msg = puller.recv(0.05)
-            if msg is not None:
-                received += 1
-                key = (int(msg["worker"]), int(msg["seq"]))
-                if key in seen:  # a requeued rollout worker sends its trajectories again
-                    duplicates += 1
-                else:
-                    seen.add(key)
-                    tokens = msg["tokens"]
-                    nbytes += tokens.nbytes + msg["logprobs"].nbytes
-                    ok = (tokens.shape == (cfg.tokens_per_trajectory,)
-                          and tokens.dtype == np.int32 and _checksum(tokens) == msg["checksum"])
-                    valid += int(ok)
-                    per_worker[key[0]] = per_worker.get(key[0], 0) + 1
+            inbox.take(0.05)
             if time.monotonic() >= next_ping:
                 peers.refresh()
                 results = gather(peers.all(), "ping", ping_timeout)
                 pings += len(results)
                 ping_failures += sum(isinstance(r, Exception) for r in results)
                 next_ping = time.monotonic() + cfg.ping_interval
-            master.set_progress(trajectories=len(seen), total=expected)
-        _wait_peers_done(master, peers, cfg, ping_timeout)
+            master.set_progress(trajectories=len(inbox.seen), total=expected)
+        _wait_peers_done(master, peers, cfg, ping_timeout, inbox)
         clients = peers.all()
         reports = gather(clients, "report", master.master_cfg.peer_timeout)
     finally:
@@ -225,11 +211,13 @@ def master_role(master: Any) -> dict[str, Any]:
     drops = sum(sum(r["drops"].values()) for r in reports) + puller.drops.total
     return {
         "trajectories_expected": expected,
-        "trajectories_received": len(seen),
-        "trajectories_valid": valid,
-        "trajectories_duplicate": duplicates,
-        "trajectory_bytes": nbytes,
-        "per_rollout_worker": {str(k): v for k, v in sorted(per_worker.items())},
+        "trajectories_received": len(inbox.seen),
+        "trajectories_valid": inbox.valid,
+        "trajectories_duplicate": inbox.duplicates,
+        "trajectory_bytes": inbox.nbytes,
+        "per_rollout_worker": {str(k): v for k, v in sorted(inbox.per_worker.items())},
+        "worker_restarts": {c.name: r["restart"] for c, r in zip(clients, reports)
+                            if r["restart"]},
         "pings": pings,
         "ping_failures": ping_failures,
         "reports": len(reports),
@@ -243,11 +231,39 @@ def master_role(master: Any) -> dict[str, Any]:
     }
 
 
-def _wait_peers_done(master: Any, peers: PeerClients, cfg: SmokeConfig, timeout: float) -> None:
+class _Inbox:
+    """The master's side of the trajectory stream: validates, and counts each (worker, seq) once
+    (a requeued rollout worker sends its trajectories again)."""
+
+    def __init__(self, puller: StreamPuller, cfg: SmokeConfig) -> None:
+        self.puller, self.cfg = puller, cfg
+        self.seen: set[tuple[int, int]] = set()
+        self.valid = self.duplicates = self.nbytes = 0
+        self.per_worker: dict[int, int] = {}
+
+    def take(self, timeout: float) -> None:
+        msg = self.puller.recv(timeout)
+        if msg is None:
+            return
+        key = (int(msg["worker"]), int(msg["seq"]))
+        if key in self.seen:
+            self.duplicates += 1
+            return
+        self.seen.add(key)
+        tokens = msg["tokens"]
+        self.nbytes += tokens.nbytes + msg["logprobs"].nbytes
+        self.valid += int(tokens.shape == (self.cfg.tokens_per_trajectory,)
+                          and tokens.dtype == np.int32 and _checksum(tokens) == msg["checksum"])
+        self.per_worker[key[0]] = self.per_worker.get(key[0], 0) + 1
+
+
+def _wait_peers_done(master: Any, peers: PeerClients, cfg: SmokeConfig, timeout: float,
+                     inbox: _Inbox) -> None:
     """Wait until every model and rollout worker finished its role (generation servers serve
-    until stopped)."""
+    until stopped), reading the stream meanwhile."""
     deadline = time.monotonic() + cfg.timeout
     while True:
+        inbox.take(0.0)
         peers.refresh()
         finite = peers.of_kind("model", "rollout")
         pings = gather(finite, "ping", timeout)
@@ -257,5 +273,6 @@ def _wait_peers_done(master: Any, peers: PeerClients, cfg: SmokeConfig, timeout:
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"workers did not finish: {pending}")
-        if master.wait_stop(0.05):
+        if master.stopping:
             raise RuntimeError("stopped before completion")
+        inbox.take(0.05)

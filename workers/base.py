@@ -118,6 +118,7 @@ class Worker:
     def report(self) -> dict[str, Any]:
         """What this worker did (the role's result and its counters)."""
         return {"kind": self.kind, "index": self.index, "state": self.state.value,
+                "restart": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
                 "result": self.result, "drops": self.server.drops.as_dict()}
 
     # --- hooks for subclasses and roles ---

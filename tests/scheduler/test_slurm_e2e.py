@@ -141,9 +141,10 @@ def test_preemption_signal_requeues_and_workers_rejoin(slurm_cluster, tmp_path):
     assert s["status"] == "completed" and s["restarts"] == {job: 1}
     res = s["results"]
     assert res["trajectories_received"] == res["trajectories_valid"] == 400
-    # the restarted workers send everything again; what the master reads of it before it
-    # completes is recognised as duplicate and not counted twice
-    assert 0 < res["trajectories_duplicate"] <= 400
+    # the restarted workers ran their role again (sending everything again); what the master
+    # reads of it is recognised as duplicate and never counted twice
+    assert res["worker_restarts"] == {f"rollout/{i}": 1 for i in range(4)}
+    assert res["trajectories_duplicate"] <= 400
     with open(os.path.join(root, "smoke", "requeue", "logs", "rollout-0.log")) as f:
         log = f.read()
     assert "got SIGUSR2" in log and "requeue of job" in log

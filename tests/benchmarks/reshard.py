@@ -1,0 +1,213 @@
+"""Resharding benchmark: ours vs the naive approach vs the link, side by side in one run.
+
+    .venv/bin/python tests/benchmarks/reshard.py [--src dp=2,tp=2,pp=1] [--dst tp=2,replicas=2]
+                                                 [--model medium] [--backend gloo|nccl]
+
+Prints ``name: value`` lines:
+- speedup_vs_naive: wall time of the naive approach (gather the full state dict on rank 0, then
+  broadcast tensor by tensor to every generation rank, which slices what it needs) / ours.
+- fraction_of_link: bytes received per generation rank per second by ours / the same figure for
+  one broadcast of a flat buffer of the same size on a group of the same ranks.
+- peak_extra_memory_fraction_*: the largest transfer buffers a rank holds at once / that rank's
+  parameter bytes (ours: in-flight buckets; naive: rank 0's full state dict).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from system.param_specs import box_shape, qwen2_specs, tp_box, vllm_local_params  # noqa: E402
+from system.reshard import MODELS, reference  # noqa: E402
+from system.reshard_exec import GroupFactory, ReshardExecutor, train_shard_boxes  # noqa: E402
+from system.reshard_plan import plan_reshard  # noqa: E402
+from system.topology import parse_gen_layout, parse_train_layout  # noqa: E402
+
+
+def _sl(box):
+    return tuple(slice(a, b) for a, b in box)
+
+
+def worker(rank, args, port, out):
+    torch.set_num_threads(1)
+    src, dst = parse_train_layout(args.src), parse_gen_layout(args.dst)
+    S, world = src.world_size, src.world_size + dst.world_size
+    shape = MODELS[args.model]
+    specs = qwen2_specs(shape)
+    dev = torch.device("cuda", rank % max(1, torch.cuda.device_count())) \
+        if args.backend == "nccl" else torch.device("cpu")
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=datetime.timedelta(seconds=600))
+    groups = GroupFactory(store, rank, args.backend, 600)
+    everyone = groups.get(tuple(range(world)))
+    plan = plan_reshard(src, dst, specs, shape.num_layers, bucket_bytes=args.bucket_mb << 20)
+    ex = ReshardExecutor(plan, rank, groups, device=dev)
+    by_name = {s.name: s for s in specs}
+    # this rank's own tensors
+    if rank < S:
+        boxes = train_shard_boxes(specs, src, rank, shape.num_layers)
+        shards = {n: reference(by_name[n], 0, torch.float32)[_sl(b)].clone().to(dev)
+                  for n, b in boxes.items()}
+        own_bytes = sum(t.numel() * 4 for t in shards.values())
+    else:
+        _, tp = dst.coord(rank - S)
+        params = vllm_local_params(specs, dst.tp, tp)
+        local = {p.name: torch.zeros(p.shape, device=dev) for p in params}
+        own_bytes = sum(t.numel() * 4 for t in local.values())
+
+    def barrier():
+        everyone.barrier().wait() if args.backend == "gloo" else everyone.allreduce(
+            [torch.zeros(1, device=dev)]).wait()
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    res = {"rank": rank, "own_bytes": own_bytes}
+    # --- ours ---
+    for i in range(args.repeat + 1):
+        barrier()
+        t = time.perf_counter()
+        stats = ex.run(src=shards, src_boxes=boxes) if rank < S else ex.run(dst=local)
+        sync()
+        barrier()
+        if i:  # first round is warm-up
+            res.setdefault("ours", []).append(time.perf_counter() - t)
+    res["ours_peak_buffer"] = stats.peak_buffer_bytes
+    res["ours_bytes_received"] = stats.bytes_received
+    # --- naive: gather full tensors on rank 0, broadcast each to every generation rank ---
+    root_members = tuple([0] + list(range(S, world)))
+    root_group = groups.get(root_members) if rank in root_members else None
+    tp0 = [src.rank(0, t, p) for p in range(src.pp) for t in range(src.tp)]
+    for i in range(args.repeat + 1):
+        barrier()
+        t = time.perf_counter()
+        peak = 0
+        full_cache = {}
+        for s in specs:  # 1. gather: rank 0 collects every tp shard of every stage
+            stage_ranks = [r for r in tp0 if src.coord(r).pp == _stage(s, shape, src)]
+            if rank == 0:
+                parts = []
+                for r in stage_ranks:
+                    box = tp_box(s, src.tp, src.coord(r).tp)
+                    if r == 0:
+                        parts.append((box, shards[s.name]))
+                    else:
+                        buf = torch.empty(box_shape(box), device=dev)
+                        everyone.recv([buf], r, 0).wait()
+                        parts.append((box, buf))
+                full = torch.empty(s.shape, device=dev)
+                for box, part in parts:
+                    full[_sl(box)] = part
+                full_cache[s.name] = full
+                peak += full.numel() * 4
+            elif rank in stage_ranks:
+                everyone.send([shards[s.name].contiguous()], 0, 0).wait()
+        for s in specs:  # 2. broadcast tensor by tensor
+            if rank == 0:
+                buf = full_cache[s.name]
+            elif rank >= S:
+                buf = torch.empty(s.shape, device=dev)
+            else:
+                continue
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            root_group.broadcast([buf], opts).wait()
+            if rank >= S:  # keep only this rank's shard
+                for p in params:
+                    for pc in p.pieces:
+                        if pc.source == s.name:
+                            n = box_shape(pc.box)[0]
+                            local[p.name][pc.offset:pc.offset + n] = buf[_sl(pc.box)]
+        sync()
+        barrier()
+        if i:
+            res.setdefault("naive", []).append(time.perf_counter() - t)
+        res["naive_peak_buffer"] = peak
+    # --- link: one flat broadcast of the same per-destination byte count ---
+    nbytes = plan.bytes_received(S)
+    flat = torch.ones(nbytes // 4, device=dev)
+    for i in range(args.repeat + 1):
+        barrier()
+        t = time.perf_counter()
+        if rank == 0 or rank >= S:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            root_group.broadcast([flat], opts).wait()
+        sync()
+        barrier()
+        if i:
+            res.setdefault("link", []).append(time.perf_counter() - t)
+    res["link_bytes"] = nbytes
+    out.put(res)
+
+
+def _stage(spec, shape, src):
+    from system.param_specs import stage_of
+
+    return stage_of(spec, shape.num_layers, src.pp)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--src", default="dp=2,tp=2,pp=1")
+    p.add_argument("--dst", default="tp=2,replicas=2")
+    p.add_argument("--model", default="medium", choices=sorted(MODELS))
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument("--bucket-mb", type=int, default=256)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    src, dst = parse_train_layout(args.src), parse_gen_layout(args.dst)
+    world = src.world_size + dst.world_size
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=600))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args, store.port, out)) for r in range(world)]
+    for pr in procs:
+        pr.start()
+    results = []
+    while len(results) < world:
+        try:
+            results.append(out.get(timeout=5))
+        except Exception:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"a benchmark rank failed (exit codes {dead})")
+    results.sort(key=lambda r: r["rank"])
+    for pr in procs:
+        pr.join()
+    S = src.world_size
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    ours = med(results[0]["ours"])
+    naive = med(results[0]["naive"])
+    link = med(results[0]["link"])
+    per_dst = results[S]["ours_bytes_received"]
+    print(f"layouts: {src} -> {dst}, model {args.model}, backend {args.backend}, "
+          f"{world} processes, bucket {args.bucket_mb} MiB")
+    print(f"bytes_per_generation_rank_MiB: {per_dst / 2**20:.1f}")
+    print(f"ours_s: {ours:.3f}")
+    print(f"naive_s: {naive:.3f}")
+    print(f"speedup_vs_naive: {naive / ours:.2f}")
+    print(f"ours_GBps_per_generation_rank: {per_dst / ours / 1e9:.3f}")
+    print(f"link_GBps_per_generation_rank: {results[0]['link_bytes'] / link / 1e9:.3f}")
+    print(f"fraction_of_link: {(per_dst / ours) / (results[0]['link_bytes'] / link):.2f}")
+    ours_frac = max(r["ours_peak_buffer"] / r["own_bytes"] for r in results)
+    print(f"peak_extra_memory_fraction_ours_max_rank: {ours_frac:.2f}")
+    print(f"peak_extra_memory_fraction_naive_rank0: "
+          f"{results[0]['naive_peak_buffer'] / results[0]['own_bytes']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
