@@ -163,7 +163,7 @@ def model_role(worker: Any) -> dict[str, Any]:
     expected = n * (n + 1) / 2
     return {"allreduce_ok": bool(torch.all(t == expected)), "allreduce_value": float(t[0]),
             "expected": expected, "world_size": n, "tensor": t[:8],
-            "local_rank": worker.local_rank,
+            "local_rank": worker.local_rank, "device": worker.device,
             "gpus_on_node": int(os.environ.get("SLURM_GPUS_ON_NODE", 0))}
 
 
@@ -226,6 +226,7 @@ def master_role(master: Any) -> dict[str, Any]:
         "allreduce_values": [m["allreduce_value"] for m in model],
         "model_gpus_on_node": [m["gpus_on_node"] for m in model],
         "model_local_ranks": [m["local_rank"] for m in model],
+        "model_devices": [m["device"] for m in model],
         "dropped_messages": drops,
         "seconds": round(time.monotonic() - t0, 3),
     }

@@ -51,19 +51,19 @@ def reference(spec: ParamSpec, seed: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(spec.shape, generator=g).to(dtype)
 
 
-def _rank_main(rank: int, src: TrainLayout, dst: GenLayout, shape: ModelShape, bucket_bytes: int,
-               dtype: torch.dtype, nr_root: str, seed: int, corrupt_rank: int | None,
-               out: Any) -> None:
+def _rank_main(rank: int, src: TrainLayout, dst: GenLayout, shape: ModelShape,
+               sizes: tuple[int, int], dtype: torch.dtype, nr_root: str, seed: int,
+               corrupt_rank: int | None, out: Any) -> None:
     try:
         if rank == corrupt_rank:
             seed += 1  # fault injection: this rank's shards are not the reference's
-        out.put((rank, _rank_body(rank, src, dst, shape, bucket_bytes, dtype, nr_root, seed)))
+        out.put((rank, _rank_body(rank, src, dst, shape, sizes, dtype, nr_root, seed)))
     except Exception as e:  # report, do not hang the parent
         out.put((rank, [f"rank {rank} failed: {type(e).__name__}: {e}"]))
 
 
-def _rank_body(rank: int, src: TrainLayout, dst: GenLayout, shape: ModelShape, bucket_bytes: int,
-               dtype: torch.dtype, nr_root: str, seed: int) -> list[str]:
+def _rank_body(rank: int, src: TrainLayout, dst: GenLayout, shape: ModelShape,
+               sizes: tuple[int, int], dtype: torch.dtype, nr_root: str, seed: int) -> list[str]:
     torch.set_num_threads(1)
     host, port = FileNameResolve(nr_root).wait(STORE_KEY, timeout=60).rsplit(":", 1)
     world = src.world_size + dst.world_size
@@ -72,7 +72,7 @@ def _rank_body(rank: int, src: TrainLayout, dst: GenLayout, shape: ModelShape, b
     specs = qwen2_specs(shape)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     plan = plan_reshard(src, dst, specs, shape.num_layers, itemsize=itemsize,
-                        bucket_bytes=bucket_bytes)
+                        bucket_bytes=sizes[0], direct_bytes=sizes[1])
     executor = ReshardExecutor(plan, rank, GroupFactory(store, rank, timeout=120), dtype=dtype)
     by_name = {s.name: s for s in specs}
     if rank < src.world_size:
@@ -99,7 +99,8 @@ def _rank_body(rank: int, src: TrainLayout, dst: GenLayout, shape: ModelShape, b
 
 
 def run_check(src: TrainLayout, dst: GenLayout, shape: ModelShape, *, bucket_bytes: int = 256 << 20,
-              dtype: torch.dtype = torch.float32, threads: bool = False, seed: int = 0,
+              direct_bytes: int = 1 << 20, dtype: torch.dtype = torch.float32,
+              threads: bool = False, seed: int = 0,
               timeout: float = 300, corrupt_rank: int | None = None
               ) -> tuple[list[str], dict[str, int]]:
     """Run the whole reshard with one process (or thread) per rank; returns the mismatches and
@@ -108,13 +109,13 @@ def run_check(src: TrainLayout, dst: GenLayout, shape: ModelShape, *, bucket_byt
     specs = qwen2_specs(shape)
     plan = plan_reshard(src, dst, specs, shape.num_layers,
                         itemsize=torch.empty(0, dtype=dtype).element_size(),
-                        bucket_bytes=bucket_bytes)  # validates layouts before anything starts
+                        bucket_bytes=bucket_bytes, direct_bytes=direct_bytes)  # validates first
     world = src.world_size + dst.world_size
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))
     with tempfile.TemporaryDirectory() as nr_root:
         FileNameResolve(nr_root).add(STORE_KEY, f"127.0.0.1:{store.port}")
-        args = (src, dst, shape, bucket_bytes, dtype, nr_root, seed, corrupt_rank)
+        args = (src, dst, shape, (bucket_bytes, direct_bytes), dtype, nr_root, seed, corrupt_rank)
         if threads:
             import queue
 
@@ -152,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--model", default="tiny", choices=sorted(MODELS))
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     c.add_argument("--bucket-mb", type=float, default=256.0)
+    c.add_argument("--direct-mb", type=float, default=1.0,
+                   help="regions at least this large are sent and received in place")
     c.add_argument("--threads", action="store_true", help="ranks as threads of one process")
     args = p.parse_args(argv)
     from system.errors import RLSystemError
@@ -160,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         src, dst = parse_train_layout(args.src), parse_gen_layout(args.dst)
         bad, fig = run_check(src, dst, MODELS[args.model],
                              bucket_bytes=int(args.bucket_mb * (1 << 20)),
+                             direct_bytes=int(args.direct_mb * (1 << 20)),
                              dtype=getattr(torch, args.dtype), threads=args.threads)
     except RLSystemError as e:
         print(f"error: {e}", file=sys.stderr)

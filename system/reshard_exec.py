@@ -98,19 +98,24 @@ class ReshardExecutor:
         by name, written in place)."""
         stats = ReshardStats()
         t0 = time.perf_counter()
-        pending: collections.deque[tuple[Bucket, torch.Tensor, Any]] = collections.deque()
+        pending: collections.deque[tuple[Bucket, torch.Tensor | None, Any, int]] = \
+            collections.deque()
         live = 0
         for bucket in self.buckets:
-            buf = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            buf, staged = self._buffer(bucket, src, src_boxes, dst)
             if bucket.sender == self.rank:
-                self._pack(bucket, buf, src, src_boxes)
+                if staged:
+                    self._pack(bucket, buf, src, src_boxes)
                 stats.bytes_sent += buf.numel() * buf.element_size()
             opts = dist.BroadcastOptions()
             opts.rootRank = bucket.members.index(bucket.sender)
             work = self._groups[bucket.members].broadcast([buf], opts)
-            pending.append((bucket, buf, work))
-            live += buf.numel() * buf.element_size()
+            extra = buf.numel() * buf.element_size() if staged else 0
+            pending.append((bucket, buf if staged else None, work, extra))
+            live += extra
             stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, live)
+            if not staged and bucket.sender != self.rank:
+                stats.bytes_received += buf.numel() * buf.element_size()
             while len(pending) > self.inflight:
                 live -= self._finish(*pending.popleft(), dst, stats)
         while pending:
@@ -120,6 +125,24 @@ class ReshardExecutor:
         stats.seconds = time.perf_counter() - t0
         stats.buckets = len(self.buckets)
         return stats
+
+    def _buffer(self, bucket: Bucket, src: Mapping[str, torch.Tensor] | None,
+                src_boxes: Mapping[str, Box] | None, dst: Mapping[str, torch.Tensor] | None
+                ) -> tuple[torch.Tensor, bool]:
+        """The tensor to broadcast: for a lone region, the sender's shard or the receiver's
+        parameter itself when that view is contiguous (no copies); else a new flat buffer."""
+        if len(bucket.transfers) == 1:
+            t = bucket.transfers[0]
+            view = None
+            if bucket.sender == self.rank and src is not None and src_boxes is not None:
+                view = src[t.param][_slices(t.box, src_boxes[t.param])]
+            elif dst is not None:
+                mine = [p for p in t.placements if p.rank == self.rank]
+                if len(mine) == 1:
+                    view = dst[mine[0].param][_slices(mine[0].box)]
+            if view is not None and view.is_contiguous() and view.dtype == self.dtype:
+                return view.view(-1), False
+        return torch.empty(bucket.numel, dtype=self.dtype, device=self.device), True
 
     def _pack(self, bucket: Bucket, buf: torch.Tensor, src: Mapping[str, torch.Tensor] | None,
               src_boxes: Mapping[str, Box] | None) -> None:
@@ -132,10 +155,12 @@ class ReshardExecutor:
             buf[off:off + n].view(region.shape).copy_(region)
             off += n
 
-    def _finish(self, bucket: Bucket, buf: torch.Tensor, work: Any,
+    def _finish(self, bucket: Bucket, buf: torch.Tensor | None, work: Any, extra: int,
                 dst: Mapping[str, torch.Tensor] | None, stats: ReshardStats) -> int:
+        """Wait for a broadcast; a receiver unpacks a staged bucket. Returns the staging bytes
+        released."""
         work.wait()
-        if bucket.sender != self.rank:
+        if buf is not None and bucket.sender != self.rank:
             if dst is None:
                 raise ValueError(f"rank {self.rank} receives but was given no destination")
             off = 0
@@ -147,4 +172,4 @@ class ReshardExecutor:
                         target.copy_(buf[off:off + n].view(target.shape))
                 off += n
             stats.bytes_received += buf.numel() * buf.element_size()
-        return buf.numel() * buf.element_size()
+        return extra

@@ -136,14 +136,16 @@ def _chunks(box: Box, max_numel: int) -> list[Box]:
 
 
 def plan_reshard(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec], num_layers: int, *,
-                 itemsize: int = 4, bucket_bytes: int = 256 << 20, fused: bool = True,
-                 src_nodes: Sequence[str] | None = None, dst_nodes: Sequence[str] | None = None
-                 ) -> ReshardPlan:
+                 itemsize: int = 4, bucket_bytes: int = 256 << 20, direct_bytes: int = 1 << 20,
+                 fused: bool = True, src_nodes: Sequence[str] | None = None,
+                 dst_nodes: Sequence[str] | None = None) -> ReshardPlan:
     """Plan the transfer of every parameter from ``src`` to ``dst``.
 
     ``fused``: destinations hold vLLM's fused parameters (``qkv_proj``, ``gate_up_proj``);
-    otherwise HF-named shards. ``src_nodes``/``dst_nodes``: the node of each rank (for the
-    same-node preference); default: all on one node.
+    otherwise HF-named shards. ``direct_bytes``: a region at least this large travels alone, so
+    that it can be sent from, and received into, the tensors themselves without packing.
+    ``src_nodes``/``dst_nodes``: the node of each rank (for the same-node preference); default:
+    all on one node.
     """
     if max(src.tp, dst.tp) % min(src.tp, dst.tp):
         raise LayoutError(f"tensor-parallel sizes do not divide each other: training tp={src.tp}, "
@@ -193,14 +195,21 @@ def plan_reshard(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec], n
             transfers.append(Transfer(name, chunk, sender, tuple(
                 Placement(p.rank, p.param, _shift(p.box, box, chunk)) for p in placements)))
 
-    # 3. buckets: same sender and receivers, up to bucket_bytes, interleaved across senders
+    # 3. buckets: same sender and receivers, up to bucket_bytes, interleaved across senders;
+    # large regions alone (sent and received in place)
     groups: dict[tuple[int, tuple[int, ...]], list[list[Transfer]]] = {}
     cap = max(1, bucket_bytes // itemsize)
     for t in transfers:
         lists = groups.setdefault((t.sender, t.receivers), [[]])
+        if t.numel * itemsize >= direct_bytes:
+            lists.insert(len(lists) - 1, [t])
+            continue
         if lists[-1] and sum(x.numel for x in lists[-1]) + t.numel > cap:
             lists.append([])
         lists[-1].append(t)
+    for lists in groups.values():
+        if not lists[-1]:
+            lists.pop()
     per_sender: dict[int, list[Bucket]] = {}
     for (sender, receivers), lists in groups.items():
         for ts in lists:

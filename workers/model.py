@@ -39,6 +39,17 @@ class ModelWorker(Worker):
         self.model_cfg = ModelWorkerConfig(**config["worker"])
         self.world_size = int(config["counts"]["model"])
 
+    @property
+    def device(self) -> str:
+        """This worker's device: under Slurm the job's GPUs are the visible ones
+        (``CUDA_VISIBLE_DEVICES`` set from the allocation) and each task takes the one at its
+        local rank; without GPUs, the CPU."""
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return f"cuda:{self.local_rank % torch.cuda.device_count()}"
+        return "cpu"
+
     def new_group(self, name: str) -> Any:
         """A gloo process group over all model workers (rank = worker index), rendezvoused
         through a TCPStore whose address rank 0 publishes under ``store/<name>``."""

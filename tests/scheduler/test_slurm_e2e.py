@@ -1,6 +1,7 @@
 """Whole trials on a real single-node Slurm: submission, GPUs, cancellation, requeue, detach."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -45,6 +46,22 @@ def heartbeats(fileroot: str, exp: str, trial: str) -> int:
         f"{exp}/{trial}/heartbeat"))
 
 
+@contextlib.contextmanager
+def running_trial(slurm_cluster, root: str, trial: str, *extra: str):
+    """A trial launched in the background, yielded once all 9 workers are heart-beating; the
+    launcher is killed on the way out if it is still running."""
+    proc = subprocess.Popen(launch_argv("exp=smoke", f"trial={trial}", f"cluster.fileroot={root}",
+                                        *extra, *SLURM),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **slurm_cluster.env})
+    try:
+        wait_for(lambda: heartbeats(root, "smoke", trial) == 9, 90, "9 heartbeats")
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 @pytest.fixture
 def odd_root(tmp_path) -> str:
     return str(tmp_path / "runs it's \"odd\"")  # spaces and both quotes, all the way down
@@ -72,18 +89,10 @@ def test_smoke_on_slurm(slurm_cluster, odd_root):
 
 def test_scancel_of_a_worker_job_stops_the_trial(slurm_cluster, tmp_path):
     root = str(tmp_path / "runs")
-    proc = subprocess.Popen(launch_argv("exp=smoke", "trial=cancel", f"cluster.fileroot={root}",
-                                        "smoke.min_duration=120", *SLURM),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **slurm_cluster.env})
-    try:
-        wait_for(lambda: heartbeats(root, "smoke", "cancel") == 9, 90, "9 heartbeats")
+    with running_trial(slurm_cluster, root, "cancel", "smoke.min_duration=120") as proc:
         job = job_of(slurm_cluster.env, "smoke", "cancel", "generation")
         subprocess.run(["scancel", job], check=True, env={**os.environ, **slurm_cluster.env})
         _, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode != 0
     assert "generation/0, generation/1" in err and "CANCELLED" in err and "generation-0.log" in err
     s = read_summary(root, "smoke", "cancel")
@@ -93,18 +102,10 @@ def test_scancel_of_a_worker_job_stops_the_trial(slurm_cluster, tmp_path):
 
 def test_ctrl_c_cancels_every_job(slurm_cluster, tmp_path):
     root = str(tmp_path / "runs")
-    proc = subprocess.Popen(launch_argv("exp=smoke", "trial=intr", f"cluster.fileroot={root}",
-                                        "smoke.min_duration=120", *SLURM),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **slurm_cluster.env})
-    try:
-        wait_for(lambda: heartbeats(root, "smoke", "intr") == 9, 90, "9 heartbeats")
+    with running_trial(slurm_cluster, root, "intr", "smoke.min_duration=120") as proc:
         assert len(squeue(slurm_cluster.env, "smoke", "intr")) == 4
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode != 0 and "interrupted" in err
     assert squeue(slurm_cluster.env, "smoke", "intr") == []
 
@@ -114,12 +115,7 @@ def test_preemption_signal_requeues_and_workers_rejoin(slurm_cluster, tmp_path):
     -> its workers register again and the controller configures and starts them."""
     root = str(tmp_path / "runs")
     env = {**os.environ, **slurm_cluster.env}
-    proc = subprocess.Popen(launch_argv("exp=smoke", "trial=requeue", f"cluster.fileroot={root}",
-                                        "smoke.min_duration=25", *SLURM),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
-    try:
-        wait_for(lambda: heartbeats(root, "smoke", "requeue") == 9, 90, "9 heartbeats")
+    with running_trial(slurm_cluster, root, "requeue", "smoke.min_duration=25") as proc:
         job = job_of(slurm_cluster.env, "smoke", "requeue", "rollout")
         subprocess.run(["scancel", "--signal=USR2", job], check=True, env=env)
 
@@ -132,9 +128,6 @@ def test_preemption_signal_requeues_and_workers_rejoin(slurm_cluster, tmp_path):
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True,
                        env=env)
         _, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, err
     assert "was requeued" in err and "rejoined: rollout/0" in err
     s = read_summary(root, "smoke", "requeue")

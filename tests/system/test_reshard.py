@@ -124,6 +124,19 @@ def test_reshard_bit_exact_over_gloo(src, dst_tp, replicas):
     assert fig["buckets"] > 1
 
 
+@pytest.mark.parametrize("src, dst", [((2, 2, 1), (2, 2)), ((1, 2, 2), (1, 2)),
+                                      ((2, 1, 2), (2, 1))])
+def test_regions_sent_and_received_in_place(src, dst):
+    """Large regions travel alone, from the sender's shard into the receiver's parameter
+    (row-split ones, not contiguous, are staged)."""
+    bad, _ = run_check(TrainLayout(*src), GenLayout(*dst), TINY, bucket_bytes=4096,
+                       direct_bytes=256, threads=True)
+    assert bad == []
+    plan = plan_reshard(TrainLayout(*src), GenLayout(*dst), qwen2_specs(TINY), 2,
+                        bucket_bytes=4096, direct_bytes=256)
+    assert sum(len(b.transfers) == 1 for b in plan.buckets) > len(plan.buckets) // 2
+
+
 def test_bf16_and_uneven_pipeline():
     shape = ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
                        num_heads=2, num_kv_heads=1, head_dim=16, tie_word_embeddings=True)
