@@ -1,0 +1,49 @@
+"""The (decoupled) PPO policy objective, token level.
+
+With asynchronous rollouts the behaviour policy (the weights that generated a token, possibly
+several versions old) differs from the proximal policy (the current weights before this step's
+update, whose log-probs the trainer recomputes). As in AReaL's decoupled PPO, the clipped ratio
+is taken against the proximal policy and the whole term is importance-weighted by
+``pi_prox / pi_behav`` (optionally capped), so stale samples stay usable without letting one
+update move far from the current policy.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, clip_eps: float = 0.2,
+                    prox_logp: torch.Tensor | None = None,
+                    behav_imp_weight_cap: float | None = None) -> tuple[torch.Tensor, dict]:
+    """Mean over masked tokens of the clipped surrogate. ``old_logp`` are the behaviour
+    log-probs; ``prox_logp`` the recomputed proximal ones (``None``: standard PPO)."""
+    mask = mask.float()
+    n = mask.sum().clamp(min=1.0)
+    anchor = old_logp if prox_logp is None else prox_logp
+    ratio = torch.exp(logp - anchor)
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    surrogate = torch.minimum(ratio * advantages, clipped * advantages)
+    weight = torch.ones_like(ratio)
+    if prox_logp is not None:
+        weight = torch.exp(prox_logp - old_logp).detach()
+        if behav_imp_weight_cap is not None:
+            weight = torch.where(weight > behav_imp_weight_cap, torch.zeros_like(weight), weight)
+    loss = -(weight * surrogate * mask).sum() / n
+    with torch.no_grad():
+        stats = {"clip_fraction": float(((ratio != clipped).float() * mask).sum() / n),
+                 "ratio_mean": float((ratio * mask).sum() / n),
+                 "behav_weight_mean": float((weight * mask).sum() / n)}
+    return loss, stats
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token KL estimate between the policy and the reference (Schulman's k1/k2/k3)."""
+    d = ref_logp - logp
+    if kind == "k1":
+        return -d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        return torch.exp(d) - 1 - d
+    raise ValueError(f"kl kind {kind!r} is not one of k1, k2, k3")
