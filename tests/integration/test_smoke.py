@@ -146,6 +146,14 @@ def test_bad_frames_to_live_worker_are_dropped_and_counted(fileroot):
             time.sleep(0.1)
         assert drops == {"malformed": 1, "unauthenticated": 2, "oversized": 1}
         assert client.call("echo", tokens=np.arange(5))["server"] == 0  # still serving
+        # the control surface: pause and resume a running worker
+        deadline = time.time() + 30
+        while client.call("ping")["state"] != "running" and time.time() < deadline:
+            time.sleep(0.1)
+        client.call("pause")
+        assert client.call("ping")["state"] == "paused"
+        client.call("resume")
+        assert client.call("ping")["state"] == "running"
         raw.close(0)
         client.close()
         out, err = proc.communicate(timeout=120)

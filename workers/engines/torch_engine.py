@@ -1,0 +1,164 @@
+"""The ``torch`` training engine: a transformers causal LM, data parallel with FSDP2.
+
+One engine per model worker (one device each). Across model workers the model is sharded with
+``fully_shard`` per decoder layer and on the whole model (gloo on CPU, NCCL on GPU); with one
+worker it is a plain module. AdamW with gradient clipping; float32 on CPU and bfloat16 on GPU
+(``dtype=auto``). Sequences are packed into micro-batches under a token budget; the loss is a
+token mean over the whole global batch, whatever the micro-batching and data-parallel split.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from system.errors import ConfigError
+
+
+@dataclasses.dataclass
+class TorchEngineConfig:
+    """The torch training engine of one model role (actor, reference, critic)."""
+
+    model_path: str = ""
+    """Local directory of a Hugging Face checkpoint (nothing is downloaded)."""
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.999
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one forward/backward (padded length x sequences)."""
+    dtype: str = "auto"
+    """Parameter dtype: auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"engine lr must be > 0, got {self.lr}")
+        if self.max_tokens_per_microbatch < 1:
+            raise ConfigError("engine max_tokens_per_microbatch must be >= 1")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"engine dtype={self.dtype!r} is not one of auto, float32, bfloat16")
+
+
+def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices grouped so that ``max length x count <= budget`` (a longer sequence goes alone),
+    longest first to keep padding low."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+# loss_fn(per-sequence token log-probs, indices of those sequences in the batch) -> summed loss
+LossFn = Callable[[list[torch.Tensor], list[int]], torch.Tensor]
+
+
+class TorchEngine:
+    def __init__(self, cfg: TorchEngineConfig, device: str = "cpu", world_size: int = 1) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if not cfg.model_path or not os.path.isdir(cfg.model_path):
+            raise ConfigError(f"engine model_path={cfg.model_path!r} is not a local directory")
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.world_size = world_size
+        dtype = (torch.bfloat16 if self.device.type == "cuda" else torch.float32) \
+            if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+        self.dtype = dtype
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype=dtype,
+                                                     local_files_only=True).to(self.device)
+        if world_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(self.device.type, (world_size,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+                                           betas=(cfg.beta1, cfg.beta2),
+                                           weight_decay=cfg.weight_decay)
+
+    def _forward_logprobs(self, seqs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Log-prob of each next token: ``len(seq) - 1`` values per sequence."""
+        n = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), n, dtype=torch.long, device=self.device)
+        mask = torch.zeros(len(seqs), n, dtype=torch.long, device=self.device)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = torch.as_tensor(s, device=self.device)
+            mask[i, :len(s)] = 1
+        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+        lp = torch.gather(F.log_softmax(logits[:, :-1], dim=-1), 2, ids[:, 1:, None])[..., 0]
+        return [lp[i, :len(s) - 1] for i, s in enumerate(seqs)]
+
+    def _groups(self, seqs: Sequence[torch.Tensor]) -> list[list[int]]:
+        """Micro-batches of this rank, padded with empty ones to the largest count over the
+        data-parallel ranks: every sharded forward is collective, so all ranks run as many."""
+        groups = microbatches([len(s) for s in seqs], self.cfg.max_tokens_per_microbatch)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            n = torch.tensor([len(groups)], device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+            groups += [[] for _ in range(int(n.item()) - len(groups))]
+        return groups
+
+    _PAD = torch.zeros(2, dtype=torch.long)  # the sequence an empty micro-batch runs
+
+    @torch.no_grad()
+    def logprobs(self, seqs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-token log-probs of every sequence (micro-batched), on the CPU. Collective over
+        the data-parallel ranks when sharded."""
+        self.model.eval()
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        for group in self._groups(seqs):
+            if not group:
+                self._forward_logprobs([self._PAD])
+                continue
+            for i, lp in zip(group, self._forward_logprobs([seqs[i] for i in group])):
+                out[i] = lp.cpu()
+        return out  # type: ignore[return-value]
+
+    def train_step(self, seqs: Sequence[torch.Tensor], loss_fn: LossFn, global_tokens: int
+                   ) -> dict[str, float]:
+        """One optimizer step. ``loss_fn`` returns the *sum* of token losses of its sequences;
+        it is divided by ``global_tokens`` (loss tokens of the whole batch over every data-parallel
+        rank), so the gradient is a token mean however the batch is split."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        # FSDP averages gradients over ranks: scale back to a sum over the global batch
+        scale = self.world_size / max(1, global_tokens)
+        for group in self._groups(seqs):
+            if not group:  # keep step with the other ranks; contributes no gradient
+                (self._forward_logprobs([self._PAD])[0].sum() * 0.0).backward()
+                continue
+            loss = loss_fn(self._forward_logprobs([seqs[i] for i in group]), group) * scale
+            loss.backward()
+            total += float(loss.detach()) / self.world_size
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.cfg.grad_clip if self.cfg.grad_clip > 0 else 1e30)
+        self.optimizer.step()
+        return {"loss": total, "grad_norm": float(grad_norm)}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full parameters in Hugging Face naming (gathered when sharded) for weight sync and
+        checkpoints."""
+        out = {}
+        for name, t in self.model.state_dict().items():
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t
+            out[name] = full.detach()
+        return out
