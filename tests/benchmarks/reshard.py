@@ -50,7 +50,7 @@ def worker(rank, args, port, out):
     groups = GroupFactory(store, rank, args.backend, 600)
     everyone = groups.get(tuple(range(world)))
     plan = plan_reshard(src, dst, specs, shape.num_layers, bucket_bytes=args.bucket_mb << 20)
-    ex = ReshardExecutor(plan, rank, groups, device=dev)
+    ex = ReshardExecutor(plan, rank, groups, device=dev, inflight=args.inflight)
     by_name = {s.name: s for s in specs}
     # this rank's own tensors
     if rank < S:
@@ -164,7 +164,8 @@ def main() -> None:
     p.add_argument("--model", default="medium", choices=sorted(MODELS))
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--bucket-mb", type=int, default=256)
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--inflight", type=int, default=2, help="broadcasts in flight per rank")
     args = p.parse_args()
     src, dst = parse_train_layout(args.src), parse_gen_layout(args.dst)
     world = src.world_size + dst.world_size
@@ -195,7 +196,7 @@ def main() -> None:
     link = med(results[0]["link"])
     per_dst = results[S]["ours_bytes_received"]
     print(f"layouts: {src} -> {dst}, model {args.model}, backend {args.backend}, "
-          f"{world} processes, bucket {args.bucket_mb} MiB")
+          f"{world} processes, bucket {args.bucket_mb} MiB, in flight {args.inflight}")
     print(f"bytes_per_generation_rank_MiB: {per_dst / 2**20:.1f}")
     print(f"ours_s: {ours:.3f}")
     print(f"naive_s: {naive:.3f}")
