@@ -151,11 +151,23 @@ class Controller:
                       file=sys.stderr)
 
     def _rejoin(self) -> None:
-        """Configure and start requeued workers once they registered again."""
-        if not self.rejoining:
-            return
+        """Configure and start requeued workers once they registered again. A worker that
+        registers at a new address was restarted, even if no poll caught its job pending (a
+        requeued job can be running again within a second)."""
         prefix = names.worker_addresses(self.cfg.exp, self.cfg.trial)
         found = {k[len(prefix) + 1:]: v for k, v in self.nr.get_subtree(prefix).items()}
+        moved = [w for w, a in found.items()
+                 if w in self.addresses and a != self.addresses[w] and w not in self.rejoining]
+        if moved:
+            self._note_restarts(self.scheduler.poll(fresh=True))  # records the restart count
+            deadline = time.monotonic() + self.cfg.scheduler.slurm.rejoin_timeout
+            for w in moved:
+                self.rejoining.setdefault(w, deadline)
+                client = self.clients.pop(w, None)
+                if client is not None:
+                    client.close()
+        if not self.rejoining:
+            return
         back = [w for w in self.rejoining if w in found and found[w] != self.addresses.get(w)]
         for w in list(self.rejoining):
             if w not in back and time.monotonic() > self.rejoining[w]:

@@ -51,7 +51,7 @@ def running_trial(slurm_cluster, root: str, trial: str, *extra: str):
     """A trial launched in the background, yielded once all 9 workers are heart-beating; the
     launcher is killed on the way out if it is still running."""
     proc = subprocess.Popen(launch_argv("exp=smoke", f"trial={trial}", f"cluster.fileroot={root}",
-                                        *extra, *SLURM),
+                                        *SLURM, *extra),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **slurm_cluster.env})
     try:
@@ -110,12 +110,18 @@ def test_ctrl_c_cancels_every_job(slurm_cluster, tmp_path):
     assert squeue(slurm_cluster.env, "smoke", "intr") == []
 
 
-def test_preemption_signal_requeues_and_workers_rejoin(slurm_cluster, tmp_path):
+@pytest.mark.parametrize("watch", ["default", "registration-only"])
+def test_preemption_signal_requeues_and_workers_rejoin(slurm_cluster, tmp_path, watch):
     """SIGUSR2 (as Slurm sends before a time limit) -> graceful stop -> the job requeues itself
-    -> its workers register again and the controller configures and starts them."""
+    -> its workers register again and the controller configures and starts them. With
+    ``registration-only`` the controller neither polls squeue nor loses a heartbeat in time, so
+    only the workers' new registrations can tell it (a requeued job may run again within a
+    second)."""
     root = str(tmp_path / "runs")
     env = {**os.environ, **slurm_cluster.env}
-    with running_trial(slurm_cluster, root, "requeue", "smoke.min_duration=25") as proc:
+    slow = ["scheduler.slurm.poll_interval=60", "controller.heartbeat_ttl=60"] \
+        if watch == "registration-only" else []
+    with running_trial(slurm_cluster, root, "requeue", "smoke.min_duration=25", *slow) as proc:
         job = job_of(slurm_cluster.env, "smoke", "requeue", "rollout")
         subprocess.run(["scancel", "--signal=USR2", job], check=True, env=env)
 
