@@ -23,8 +23,9 @@ from system.config import ExperimentConfig
 from system.errors import ConfigError
 from system.rpc import StreamPuller
 from workers.client import PeerClients, WorkerClient, gather
+from workers.kinds import KINDS as WORKER_KINDS
 
-KINDS = ("master", "model", "generation", "rollout")
+KINDS = tuple(WORKER_KINDS)
 
 
 @dataclasses.dataclass

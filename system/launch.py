@@ -26,7 +26,7 @@ from system.controller import Controller, group_specs
 from system.errors import ConfigError, RLSystemError
 from system.name_resolve import make_name_resolve
 from system.overrides import apply_overrides, describe_config, parse_cli
-from system.trial import prepare_trial
+from system.trial import name_resolve_root, prepare_trial
 from system.wire import Codec
 
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         if "--detach" in args.flags:
             return detach(cfg, paths, [a for a in argv if a != "--detach"])
         controller = Controller(cfg, experiment, paths, scheduler,
-                                make_name_resolve(cfg.name_resolve, _nr_root(cfg)),
+                                make_name_resolve(cfg.name_resolve, name_resolve_root(cfg)),
                                 Codec(secret, cfg.rpc.max_message_bytes))
     except RLSystemError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -132,13 +132,6 @@ def detach(cfg: ExperimentConfig, paths, argv: list[str]) -> int:
           f"  result:  {paths.summary}\n"
           f"  stop:    scancel {job_id}   (the controller then cancels every worker job)")
     return 0
-
-
-def _nr_root(cfg: ExperimentConfig) -> str:
-    import os
-
-    return cfg.name_resolve.file_root or os.path.join(os.path.abspath(cfg.cluster.fileroot),
-                                                      ".name_resolve")
 
 
 if __name__ == "__main__":

@@ -112,6 +112,13 @@ def bind_host(interface: str, scheduler: str) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def name_resolve_root(cfg: Any) -> str:
+    """Directory of the ``file`` name-resolution backend: ``name_resolve.file_root``, else
+    ``<cluster.fileroot>/.name_resolve``."""
+    return cfg.name_resolve.file_root or os.path.join(os.path.abspath(cfg.cluster.fileroot),
+                                                      ".name_resolve")
+
+
 def prepare_trial(cfg: Any, experiment_name: str, resolved_yaml: str) -> tuple[TrialPaths, bytes]:
     """Create the trial directory: resolved config, fresh secret (0600), bootstrap file."""
     from system.config import plain
@@ -121,10 +128,8 @@ def prepare_trial(cfg: Any, experiment_name: str, resolved_yaml: str) -> tuple[T
     with open(paths.config, "w") as f:
         f.write(resolved_yaml)
     secret = write_secret(paths.secret)
-    nr_root = cfg.name_resolve.file_root or os.path.join(
-        os.path.abspath(cfg.cluster.fileroot), ".name_resolve")
     Bootstrap(exp=cfg.exp, trial=cfg.trial, experiment=experiment_name, trial_dir=paths.root,
               interface=cfg.cluster.interface, scheduler=cfg.scheduler.type.value,
-              name_resolve=plain(cfg.name_resolve), name_resolve_root=nr_root,
+              name_resolve=plain(cfg.name_resolve), name_resolve_root=name_resolve_root(cfg),
               rpc=plain(cfg.rpc), heartbeat_ttl=cfg.controller.heartbeat_ttl).write(paths.bootstrap)
     return paths, secret

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 from system.errors import ConfigError
 from workers.base import Worker
@@ -38,9 +38,6 @@ class MasterWorker(Worker):
 
     def progress(self) -> dict[str, Any]:
         return getattr(self, "_progress", {})
-
-    def rpc_handlers(self) -> dict[str, Callable[..., Any]]:
-        return super().rpc_handlers()
 
 
 class MasterClient(WorkerClient):
