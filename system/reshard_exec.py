@@ -39,7 +39,9 @@ def train_shard_boxes(specs: list[ParamSpec], layout: TrainLayout, rank: int, nu
 
 
 class GroupFactory:
-    """Process groups over explicit sorted member lists of a global rank space."""
+    """Process groups over explicit sorted member lists of a global rank space. Give each rank
+    its own store client: a client blocked in ``wait`` holds its connection, so ranks (threads)
+    sharing one can starve each other's rendezvous."""
 
     def __init__(self, store: Any, rank: int, backend: str = "gloo",
                  timeout: float = 300.0, prefix: str = "reshard") -> None:

@@ -69,7 +69,11 @@ def update(llm, model, mode: str, tmp_path, src: TrainLayout) -> list[dict]:
         results["recv"] = llm.collective_rpc("rlsys_weight_sync_receive")
 
     def trainer_side(rank: int):
-        ex = ReshardExecutor(plan, rank, GroupFactory(store, rank, timeout=120))
+        # one store client per rank: a client blocked in wait() holds its connection, so ranks
+        # sharing one could starve each other's rendezvous
+        client = dist.TCPStore("127.0.0.1", store.port, world, is_master=False,
+                               timeout=datetime.timedelta(seconds=120))
+        ex = ReshardExecutor(plan, rank, GroupFactory(client, rank, timeout=120))
         boxes = train_shard_boxes(specs, src, rank, shape.num_layers)
         ex.run(src={n: state[n] for n in boxes}, src_boxes=boxes)
 
