@@ -135,6 +135,19 @@ class Controller:
                                 f"log: {logs}" + (f"\n--- last lines ---\n{tail}" if tail else ""),
                                 worker, st.log_paths[0] if st.log_paths else None)
 
+    def _settled(self, statuses: list[JobStatus]) -> list[JobStatus]:
+        """A requeued Slurm job can show a failed state (its batch script exits non-zero as the
+        requeue cancels its step) before it is pending again: with requeue on, give a job that
+        looks ended a few seconds and ask again before judging it."""
+        slurm = self.cfg.scheduler.slurm
+        if self.cfg.scheduler.type.value != "slurm" or not slurm.requeue:
+            return statuses
+        deadline = time.monotonic() + 5.0
+        while any(not s.state.active for s in statuses) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            statuses = self.scheduler.poll(fresh=True)
+        return statuses
+
     def _note_restarts(self, statuses: list[JobStatus]) -> None:
         """A requeued job's workers are rejoining: they will register again, at new addresses."""
         for st in statuses:
@@ -258,14 +271,14 @@ class Controller:
         started = time.monotonic()
         while True:
             self._check_reported_errors()
-            statuses = self.scheduler.poll()
+            statuses = self._settled(self.scheduler.poll())
             self._note_restarts(statuses)
             self._check_jobs("before the trial completed", statuses)
             self._rejoin()
             beating = {k[len(hb_prefix) + 1:] for k in self.nr.find_subtree(hb_prefix)}
             dead = sorted(set(self.logs) - beating - set(self.rejoining))
             if dead:  # a requeue may explain it: ask the scheduler afresh before judging
-                statuses = self.scheduler.poll(fresh=True)
+                statuses = self._settled(self.scheduler.poll(fresh=True))
                 self._note_restarts(statuses)
                 self._check_jobs("before the trial completed", statuses)
                 dead = [w for w in dead if w not in self.rejoining]
