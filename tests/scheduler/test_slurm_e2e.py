@@ -122,6 +122,10 @@ def test_preemption_signal_requeues_and_workers_rejoin(slurm_cluster, tmp_path, 
     slow = ["scheduler.slurm.poll_interval=60", "controller.heartbeat_ttl=60"] \
         if watch == "registration-only" else []
     with running_trial(slurm_cluster, root, "requeue", "smoke.min_duration=25", *slow) as proc:
+        # preempt mid-run: the master publishes its stream once every worker was started
+        # (preemption during start-up is not handled yet: see the README)
+        nr = FileNameResolve(os.path.join(root, ".name_resolve"))
+        nr.wait("smoke/requeue/stream/trajectories", timeout=90)
         job = job_of(slurm_cluster.env, "smoke", "requeue", "rollout")
         subprocess.run(["scancel", "--signal=USR2", job], check=True, env=env)
 
