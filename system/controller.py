@@ -45,7 +45,8 @@ def worker_configs(cfg: ExperimentConfig, experiment: Experiment) -> dict[str, d
     """What ``configure`` sends each kind: its own section, the experiment's, and the counts."""
     section = plain(getattr(cfg, experiment.section)) if experiment.section else {}
     return {kind: {"role": experiment.roles[kind], "worker": plain(getattr(cfg, kind)),
-                   "experiment": section, "counts": cfg.worker_counts()}
+                   "experiment": section, "counts": cfg.worker_counts(),
+                   "recover": getattr(cfg, "recover", "off")}
             for kind in KINDS}
 
 
@@ -98,6 +99,8 @@ class Controller:
             self._configure()
             self._start()
             summary["results"] = self._watch()
+            if isinstance(summary["results"], dict):  # the experiment's headline figures
+                summary.update(summary["results"].get("summary") or {})
             summary["status"] = "completed"
         except WorkerFailure as e:
             summary["failure"] = {"message": str(e), "worker": e.worker, "log": e.log_path}
@@ -303,8 +306,7 @@ class Controller:
             prog = ping.get("progress") or {}
             self.progress.update(running=len(beating), state=state,
                                  rejoining=len(self.rejoining) or None,
-                                 **{k: (f"{v}/{prog['total']}" if k != "total" and "total" in prog
-                                        else v) for k, v in prog.items() if k != "total"},
+                                 **prog,
                                  time=f"{time.monotonic() - started:.1f}s")
             if state == "completed":
                 self.timeline["completed"] = time.time()

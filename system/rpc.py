@@ -3,7 +3,9 @@
 - :class:`RpcServer` (ROUTER) dispatches ``{"id", "m", "a"}`` requests to an explicit table of
   handlers and replies ``{"id", "ok", "r"}`` or ``{"id", "ok": False, "e": {type, message,
   traceback}}``. A request that fails to parse, authenticate or exceeds the size limit is dropped
-  and counted in :attr:`RpcServer.drops`; the server keeps serving.
+  and counted in :attr:`RpcServer.drops`; the server keeps serving. A handler that returns a
+  :class:`concurrent.futures.Future` is answered when it completes (long calls such as
+  generation do not hold up the others).
 - :class:`RpcClient` (DEALER) sends requests with ids; every call has a timeout
   (:class:`~system.errors.RpcTimeout`) and remote exceptions come back as
   :class:`~system.errors.RemoteError`.
@@ -12,11 +14,14 @@
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
+import os
 import threading
 import time
 import traceback
+from concurrent.futures import Future
 from typing import Any, Callable, Mapping
 
 import zmq
@@ -105,10 +110,25 @@ class RpcServer:
         self.drops = DropCounters()
         self.served = 0
         self._lock = threading.Lock()
+        # deferred replies: a handler may return a Future; its reply is sent when it completes
+        # (other requests are served meanwhile). Completion wakes the poller through a pipe.
+        self._done: collections.deque[tuple[bytes, Any, Future]] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self.pending = 0
 
     def poll_once(self, timeout: float) -> bool:
-        """Serve at most one request; returns whether one arrived."""
-        frames = recv_frames(self._sock, timeout)
+        """Serve at most one request (and send the replies of deferred requests that have
+        completed); returns whether a request arrived."""
+        events = dict(self._poller.poll(max(0, int(timeout * 1000))))
+        if self._wake_r in events:
+            self._send_completed()
+        if self._sock not in events:
+            return False
+        frames = recv_frames(self._sock, 0)
         if frames is None:
             return False
         ident, body = frames[0], frames[1:]
@@ -126,13 +146,48 @@ class RpcServer:
                 setattr(self.drops, e.reason, getattr(self.drops, e.reason) + 1)
             return True
         reply = self._dispatch(req.get("id"), req["m"], args)
+        result = reply.get("r")
+        if isinstance(result, Future):
+            self._defer(ident, req.get("id"), result)
+            return True
+        self._reply(ident, reply)
+        return True
+
+    def _defer(self, ident: bytes, req_id: Any, fut: Future) -> None:
+        self.pending += 1
+
+        def done(f: Future) -> None:
+            self._done.append((ident, req_id, f))
+            os.write(self._wake_w, b"x")
+
+        fut.add_done_callback(done)
+
+    def _send_completed(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while self._done:
+            ident, req_id, fut = self._done.popleft()
+            self.pending -= 1
+            exc = fut.exception()
+            if exc is not None:
+                try:
+                    raise exc
+                except Exception as e:
+                    reply = _error_reply(req_id, e)
+            else:
+                reply = {"id": req_id, "ok": True, "r": fut.result()}
+            self._reply(ident, reply)
+
+    def _reply(self, ident: bytes, reply: dict) -> None:
         try:
             out = self._codec.encode(reply)
         except Exception as e:  # the result could not be encoded: say so instead
-            out = self._codec.encode(_error_reply(req.get("id"), e))
+            out = self._codec.encode(_error_reply(reply.get("id"), e))
         send_frames(self._sock, [ident, *out])
         self.served += 1
-        return True
 
     def _dispatch(self, req_id: Any, method: str, args: dict) -> dict:
         handler = self._handlers.get(method)
@@ -152,6 +207,11 @@ class RpcServer:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def _error_reply(req_id: Any, e: BaseException) -> dict:

@@ -115,6 +115,13 @@ class AdmissionController:
                 raise RuntimeError(f"version went back from {self._version} to {version}")
             self._version = version
 
+    def restore(self, version: int, consumed: int, buffered: int) -> None:
+        """Resume: ``consumed`` trajectories trained so far, ``buffered`` restored into the
+        buffer, nothing in flight."""
+        with self._lock:
+            self._version, self._consumed = version, consumed
+            self._accepted, self._running = consumed + buffered, 0
+
     def outstanding(self) -> int:
         """In flight plus buffered (accepted, not yet consumed)."""
         with self._lock:
@@ -130,6 +137,7 @@ class TrajectoryBuffer:
         self._items: list[tuple[int, int, object]] = []  # (version, arrival, item)
         self._arrivals = 0
         self.dropped = 0
+        self.last_dropped: list[object] = []
 
     def __len__(self) -> int:
         return len(self._items)
@@ -143,9 +151,14 @@ class TrajectoryBuffer:
         (the caller gives their slots back to admission)."""
         keep = [e for e in self._items if current_version - e[0] <= self.eta]
         n = len(self._items) - len(keep)
+        self.last_dropped = [e[2] for e in self._items if current_version - e[0] > self.eta]
         self._items = keep
         self.dropped += n
         return n
+
+    def items(self) -> list[tuple[object, int]]:
+        """Everything buffered, with versions (for checkpoints)."""
+        return [(item, v) for v, _, item in self._items]
 
     def take(self, n: int, current_version: int) -> list[tuple[object, int]] | None:
         """``n`` trajectories (with their versions), oldest version first, once ``n`` admissible

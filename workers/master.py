@@ -28,6 +28,20 @@ class MasterConfig:
 class MasterWorker(Worker):
     kind = "master"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.task_source: Any = None  # set by an RL role: hands rollout tasks out
+
+    def rpc_handlers(self) -> dict[str, Any]:
+        return {**super().rpc_handlers(), "next_task": self.next_task}
+
+    def next_task(self, worker: int, max_tasks: int = 1) -> dict[str, Any]:
+        """Rollout workers ask for work: ``{"tasks": [...]}``, ``{"wait": seconds}`` while
+        admission is closed, or ``{"done": True}``."""
+        if self.task_source is None:
+            return {"wait": 0.2}
+        return self.task_source.next_task(int(worker), int(max_tasks))
+
     def on_configure(self, config: dict[str, Any]) -> None:
         self.master_cfg = MasterConfig(**config["worker"])
         self._progress: dict[str, Any] = {}

@@ -66,19 +66,35 @@ LossFn = Callable[[list[torch.Tensor], list[int]], torch.Tensor]
 
 
 class TorchEngine:
-    def __init__(self, cfg: TorchEngineConfig, device: str = "cpu", world_size: int = 1) -> None:
-        from transformers import AutoModelForCausalLM
+    """``head="lm"``: a causal LM (actor, reference) whose outputs are per-token log-probs;
+    ``head="value"``: the same backbone with a scalar head per position (the PPO critic), whose
+    outputs are values. ``trainable=False`` (the reference) has no optimizer."""
+
+    def __init__(self, cfg: TorchEngineConfig, device: str = "cpu", world_size: int = 1,
+                 head: str = "lm", trainable: bool = True) -> None:
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         if not cfg.model_path or not os.path.isdir(cfg.model_path):
             raise ConfigError(f"engine model_path={cfg.model_path!r} is not a local directory")
+        if head not in ("lm", "value"):
+            raise ConfigError(f"engine head={head!r} is not one of lm, value")
         self.cfg = cfg
+        self.head = head
+        self.trainable = trainable
         self.device = torch.device(device)
         self.world_size = world_size
         dtype = (torch.bfloat16 if self.device.type == "cuda" else torch.float32) \
             if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
         self.dtype = dtype
-        model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype=dtype,
-                                                     local_files_only=True).to(self.device)
+        if head == "lm":
+            model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype=dtype,
+                                                         local_files_only=True)
+        else:
+            model = AutoModelForTokenClassification.from_pretrained(
+                cfg.model_path, num_labels=1, torch_dtype=dtype, local_files_only=True)
+        model = model.to(self.device)
+        if not trainable:
+            model.requires_grad_(False)
         if world_size > 1:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -90,10 +106,12 @@ class TorchEngine:
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
                                            betas=(cfg.beta1, cfg.beta2),
-                                           weight_decay=cfg.weight_decay)
+                                           weight_decay=cfg.weight_decay) if trainable else None
+        self.steps = 0
 
     def _forward_logprobs(self, seqs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Log-prob of each next token: ``len(seq) - 1`` values per sequence."""
+        """``lm``: log-prob of each next token (``len(seq) - 1`` values per sequence);
+        ``value``: the value at every position but the last (same length)."""
         n = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), n, dtype=torch.long, device=self.device)
         mask = torch.zeros(len(seqs), n, dtype=torch.long, device=self.device)
@@ -101,6 +119,8 @@ class TorchEngine:
             ids[i, :len(s)] = torch.as_tensor(s, device=self.device)
             mask[i, :len(s)] = 1
         logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+        if self.head == "value":
+            return [logits[i, :len(s) - 1, 0] for i, s in enumerate(seqs)]
         lp = torch.gather(F.log_softmax(logits[:, :-1], dim=-1), 2, ids[:, 1:, None])[..., 0]
         return [lp[i, :len(s) - 1] for i, s in enumerate(seqs)]
 
@@ -137,6 +157,8 @@ class TorchEngine:
         """One optimizer step. ``loss_fn`` returns the *sum* of token losses of its sequences;
         it is divided by ``global_tokens`` (loss tokens of the whole batch over every data-parallel
         rank), so the gradient is a token mean however the batch is split."""
+        if self.optimizer is None:
+            raise RuntimeError("this engine is not trainable (a reference model)")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -152,6 +174,7 @@ class TorchEngine:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.cfg.grad_clip if self.cfg.grad_clip > 0 else 1e30)
         self.optimizer.step()
+        self.steps += 1
         return {"loss": total, "grad_norm": float(grad_norm)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -162,3 +185,40 @@ class TorchEngine:
             full = t.full_tensor() if hasattr(t, "full_tensor") else t
             out[name] = full.detach()
         return out
+
+    def save(self, directory: str, rank: int) -> None:
+        """Rank 0 writes the model as a Hugging Face checkpoint (safetensors, loadable by
+        transformers and vLLM); every rank writes its own optimizer shard. Collective."""
+        state = self.full_state_dict()
+        if rank == 0:
+            self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+        if self.optimizer is not None:
+            sd = self.optimizer.state_dict()
+            for st in sd["state"].values():
+                for k, v in list(st.items()):
+                    if hasattr(v, "to_local"):
+                        st[k] = v.to_local()
+            torch.save({"optimizer": sd, "steps": self.steps},
+                       os.path.join(directory, f"optimizer.rank{rank}.pt"))
+
+    def load_optimizer(self, directory: str, rank: int) -> None:
+        """Restore this rank's optimizer shard written by :meth:`save` (the model itself is
+        loaded from the checkpoint directory at construction)."""
+        if self.optimizer is None:
+            return
+        blob = torch.load(os.path.join(directory, f"optimizer.rank{rank}.pt"),
+                          map_location=self.device, weights_only=False)
+        sd = blob["optimizer"]
+        params = list(self.model.parameters())
+        for idx, st in sd["state"].items():
+            p = params[int(idx)]
+            if hasattr(p, "device_mesh"):
+                from torch.distributed.tensor import DTensor
+
+                for k, v in list(st.items()):
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        st[k] = DTensor.from_local(v, p.device_mesh, p.placements,
+                                                   run_check=False, shape=p.shape,
+                                                   stride=p.stride())
+        self.optimizer.load_state_dict(sd)
+        self.steps = int(blob.get("steps", 0))

@@ -29,8 +29,9 @@ class WeightSyncExtension:
     """Methods added to vLLM's worker class (``self`` is the vLLM worker)."""
 
     def rlsys_weight_sync_init(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """Join the weight-update groups. ``spec``: ``store_key`` and ``name_resolve_root``
-        (where the trainer published its TCPStore), ``src`` / ``dst`` layouts as dicts,
+        """Join the weight-update groups. ``spec``: ``store_address`` (``host:port`` of the
+        trainer's TCPStore), or ``store_key`` and ``name_resolve_root`` (a file name-resolution
+        root where the trainer published it), ``src`` / ``dst`` layouts as dicts,
         ``replica`` (this engine's replica index), ``shape`` (a ModelShape dict), ``dtype``,
         ``bucket_bytes``, ``mode`` (``fast`` | ``load_weights``), ``backend``, ``timeout``."""
         import torch.distributed as dist
@@ -56,13 +57,14 @@ class WeightSyncExtension:
         plan = plan_reshard(src, plan_dst, specs, shape.num_layers,
                             itemsize=torch.empty(0, dtype=dtype).element_size(),
                             bucket_bytes=int(spec.get("bucket_bytes", 256 << 20)), fused=fused)
-        host, port = FileNameResolve(spec["name_resolve_root"]).wait(
-            spec["store_key"], timeout=spec.get("timeout", 300)).rsplit(":", 1)
+        address = spec.get("store_address") or FileNameResolve(spec["name_resolve_root"]).wait(
+            spec["store_key"], timeout=spec.get("timeout", 300))
+        host, port = address.rsplit(":", 1)
         store = dist.TCPStore(host, int(port), src.world_size + dst.world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=spec.get("timeout", 300)))
         device = next(self.model_runner.model.parameters()).device
         self._rlsys_sync = {
-            "mode": mode, "store": store, "dtype": dtype, "device": device,
+            "mode": mode, "tp": dst.tp, "store": store, "dtype": dtype, "device": device,
             "executor": ReshardExecutor(plan, rank, GroupFactory(
                 store, rank, spec.get("backend", "gloo"), spec.get("timeout", 300)),
                 device=device, dtype=dtype),
@@ -93,6 +95,10 @@ class WeightSyncExtension:
                 raise KeyError(f"vLLM has no parameter {p.name}")
             if tuple(param.shape) == tuple(p.shape):
                 targets[p.name] = param.data          # written in place
+            elif (state["tp"] == 1 and param.dim() == len(p.shape) and param.shape[0] > p.shape[0]
+                  and tuple(param.shape[1:]) == tuple(p.shape[1:])):
+                # vocabulary padded by vLLM (to a multiple of 64): the real rows come first
+                targets[p.name] = param.data[:p.shape[0]]
             elif param.numel() == 0:                  # repacked by vLLM's CPU GEMM dispatch
                 targets[p.name] = torch.empty(p.shape, dtype=state["dtype"],
                                               device=state["device"])

@@ -1,0 +1,176 @@
+"""Agents: how a prompt becomes trajectories through calls to a generation server.
+
+An agent's :meth:`episodes` returns generators (episodes). Each yields a :class:`GenRequest`,
+receives the list of samples the server returned, and finally returns its trajectories; the
+rollout worker drives many episodes at once, so their calls share the server's batch. A
+trajectory is ``{tokens, prompt_len, mask, logprobs, versions, finish}`` where the arrays after
+``prompt_len`` cover the completion: ``mask`` 1 for tokens the policy generated, 0 for tool
+output (which gets log-prob 0 and version -1 and is not trained on).
+
+- :class:`SingleTurnAgent`: one call with ``n`` samples (a group for GRPO).
+- :class:`CalculatorAgent`: multi-turn with a tool. When the model writes ``[expr]`` the turn
+  stops at ``]``; the agent evaluates ``expr`` (integers, + - * / and parentheses) and appends
+  the result as tool output; the model then continues, up to ``max_turns`` calls.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import operator
+from typing import Any, Generator, Sequence
+
+import numpy as np
+
+from system.errors import ConfigError
+
+Trajectory = dict[str, Any]
+Episode = Generator["GenRequest", list[dict], list[Trajectory]]
+
+
+@dataclasses.dataclass
+class GenRequest:
+    prompt: list[int]
+    n: int
+    sampling: dict[str, Any]
+
+
+@dataclasses.dataclass
+class AgentConfig:
+    """The agent that runs each prompt."""
+
+    kind: str = "single"
+    """single (one call, n samples) or calculator (multi-turn with a calculator tool)."""
+    max_new_tokens: int = 4
+    """Completion budget per trajectory (tool output included)."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts (evaluation is greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling of training rollouts."""
+    max_turns: int = 4
+    """Calculator agent: at most this many generation calls per trajectory."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("single", "calculator"):
+            raise ConfigError(f"agent.kind={self.kind!r} is not one of single, calculator")
+        if self.max_new_tokens < 1 or self.max_turns < 1:
+            raise ConfigError("agent.max_new_tokens and agent.max_turns must be >= 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError("agent.temperature must be >= 0 and agent.top_p in (0, 1]")
+
+
+def _traj(prompt: Sequence[int], parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]],
+          finish: str) -> Trajectory:
+    """Assemble from ``(tokens, logprobs, versions, mask_value)`` parts."""
+    toks = [np.asarray(p[0], dtype=np.int32) for p in parts]
+    comp = np.concatenate(toks) if toks else np.zeros(0, np.int32)
+    return {"tokens": np.concatenate([np.asarray(prompt, dtype=np.int32), comp]),
+            "prompt_len": len(prompt),
+            "mask": np.concatenate([np.full(len(t), p[3], np.int8) for t, p in zip(toks, parts)])
+            if parts else np.zeros(0, np.int8),
+            "logprobs": np.concatenate([np.asarray(p[1], np.float32) for p in parts])
+            if parts else np.zeros(0, np.float32),
+            "versions": np.concatenate([np.asarray(p[2], np.int32) for p in parts])
+            if parts else np.zeros(0, np.int32),
+            "finish": finish}
+
+
+class SingleTurnAgent:
+    def __init__(self, cfg: AgentConfig, tokenizer: Any = None) -> None:
+        self.cfg = cfg
+
+    def sampling(self, greedy: bool = False) -> dict[str, Any]:
+        return {"max_tokens": self.cfg.max_new_tokens,
+                "temperature": 0.0 if greedy else self.cfg.temperature,
+                "top_p": 1.0 if greedy else self.cfg.top_p}
+
+    def episodes(self, prompt: list[int], n: int, greedy: bool = False) -> list[Episode]:
+        return [self._one(prompt, n, greedy)]
+
+    def _one(self, prompt: list[int], n: int, greedy: bool) -> Episode:
+        samples = yield GenRequest(prompt, n, self.sampling(greedy))
+        return [_traj(prompt, [(s["tokens"], s["logprobs"], s["versions"], 1)], s["finish"])
+                for s in samples]
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.FloorDiv: operator.floordiv, ast.Div: operator.floordiv}
+
+
+def calculate(expr: str) -> int | None:
+    """Evaluate integer arithmetic safely (no names, calls or huge powers); ``None`` if invalid."""
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except (SyntaxError, ValueError):
+        return None
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            a, b = ev(node.left), ev(node.right)
+            if isinstance(node.op, (ast.Div, ast.FloorDiv)) and b == 0:
+                raise ZeroDivisionError
+            r = _OPS[type(node.op)](a, b)
+            if abs(r) > 10 ** 12:
+                raise OverflowError
+            return r
+        raise ValueError("unsupported")
+
+    try:
+        return ev(tree)
+    except (ValueError, ZeroDivisionError, OverflowError, RecursionError):
+        return None
+
+
+class CalculatorAgent(SingleTurnAgent):
+    """Multi-turn: the model may call the calculator with ``[expr]`` (see the module doc)."""
+
+    OPEN, CLOSE = "[", "]"
+
+    def __init__(self, cfg: AgentConfig, tokenizer: Any) -> None:
+        super().__init__(cfg)
+        self.tok = tokenizer
+        close = tokenizer.encode(self.CLOSE, add_special_tokens=False)
+        if len(close) != 1:
+            raise ConfigError(f"the calculator agent needs {self.CLOSE!r} to be one token")
+        self.close_id = close[0]
+
+    def episodes(self, prompt: list[int], n: int, greedy: bool = False) -> list[Episode]:
+        return [self._episode(prompt, greedy) for _ in range(n)]
+
+    def _episode(self, prompt: list[int], greedy: bool) -> Episode:
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] = []
+        used, finish = 0, "length"
+        for _ in range(self.cfg.max_turns):
+            left = self.cfg.max_new_tokens - used
+            if left <= 0:
+                break
+            sampling = {**self.sampling(greedy), "max_tokens": left,
+                        "stop_token_ids": [self.close_id]}
+            ids = list(prompt) + [int(t) for p in parts for t in p[0]]
+            s = (yield GenRequest(ids, 1, sampling))[0]
+            parts.append((s["tokens"], s["logprobs"], s["versions"], 1))
+            used += len(s["tokens"])
+            finish = s["finish"]
+            toks = [int(t) for t in s["tokens"]]
+            if not toks or toks[-1] != self.close_id:
+                break  # the model ended its answer (or ran out of budget)
+            text = self.tok.decode([int(t) for p in parts for t in p[0]])
+            call = text[text.rfind(self.OPEN) + 1:-1] if self.OPEN in text else ""
+            value = calculate(call) if call else None
+            out = self.tok.encode("?" if value is None else str(value), add_special_tokens=False)
+            out = out[:max(0, self.cfg.max_new_tokens - used)]
+            if not out:
+                break
+            parts.append((np.asarray(out, np.int32), np.zeros(len(out), np.float32),
+                          np.full(len(out), -1, np.int32), 0))
+            used += len(out)
+        return [_traj(prompt, parts, finish)]
+
+
+def make_agent(cfg: AgentConfig, tokenizer: Any) -> SingleTurnAgent:
+    return CalculatorAgent(cfg, tokenizer) if cfg.kind == "calculator" else SingleTurnAgent(cfg)

@@ -1,0 +1,90 @@
+"""Per-micro-batch loss functions the model workers run, built from a batch the master sent.
+
+A batch holds, per sequence: ``prompt_len`` and arrays over its completion tokens (``mask``: 1
+for tokens the policy generated, 0 for tool output; ``old_logp``: behaviour log-probs;
+``adv``: advantages; optionally ``prox_logp`` (decoupled PPO), ``ref_logp`` (KL in the loss),
+``old_values`` and ``returns`` (critic)). Every function returns the *sum* of token losses, as
+:meth:`~workers.engines.torch_engine.TorchEngine.train_step` expects.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+
+from experiments.algorithms.ppo import kl_penalty, ppo_policy_loss
+from system.errors import ConfigError
+
+
+@dataclasses.dataclass
+class ActorLossConfig:
+    """The policy objective."""
+
+    clip_eps: float = 0.2
+    """PPO ratio clip."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the reference model in the loss (0: no reference model)."""
+    kl_kind: str = "k3"
+    """KL estimator: k1, k2 or k3."""
+    behav_imp_weight_cap: float = 5.0
+    """Decoupled PPO: tokens whose pi_prox / pi_behav exceeds this are masked (0: no cap)."""
+
+    def __post_init__(self) -> None:
+        if self.clip_eps <= 0 or self.kl_coef < 0 or self.behav_imp_weight_cap < 0:
+            raise ConfigError("clip_eps must be > 0, kl_coef and behav_imp_weight_cap >= 0")
+        if self.kl_kind not in ("k1", "k2", "k3"):
+            raise ConfigError(f"kl_kind={self.kl_kind!r} is not one of k1, k2, k3")
+
+
+def _cat(batch: Sequence[dict[str, Any]], idx: Sequence[int], key: str) -> torch.Tensor:
+    return torch.cat([torch.as_tensor(batch[i][key], dtype=torch.float32) for i in idx])
+
+
+def _completion(outs: Sequence[torch.Tensor], batch: Sequence[dict[str, Any]],
+                idx: Sequence[int]) -> torch.Tensor:
+    """The outputs at the completion tokens (position p predicts token p + 1)."""
+    return torch.cat([o[int(batch[i]["prompt_len"]) - 1:] for o, i in zip(outs, idx)])
+
+
+def actor_loss(batch: Sequence[dict[str, Any]], cfg: ActorLossConfig, stats: dict[str, float]
+               ) -> Callable[[list[torch.Tensor], list[int]], torch.Tensor]:
+    def fn(logps: list[torch.Tensor], idx: list[int]) -> torch.Tensor:
+        logp = _completion(logps, batch, idx)
+        dev = logp.device
+        mask = _cat(batch, idx, "mask").to(dev)
+        old = _cat(batch, idx, "old_logp").to(dev)
+        adv = _cat(batch, idx, "adv").to(dev)
+        prox = _cat(batch, idx, "prox_logp").to(dev) if "prox_logp" in batch[idx[0]] else None
+        n = mask.sum()
+        loss, st = ppo_policy_loss(logp, old, adv, mask, cfg.clip_eps, prox,
+                                   cfg.behav_imp_weight_cap or None)
+        total = loss * n.clamp(min=1.0)
+        if cfg.kl_coef > 0 and "ref_logp" in batch[idx[0]]:
+            ref = _cat(batch, idx, "ref_logp").to(dev)
+            kl = (kl_penalty(logp, ref, cfg.kl_kind) * mask).sum()
+            total = total + cfg.kl_coef * kl
+            stats["kl_sum"] = stats.get("kl_sum", 0.0) + float(kl.detach())
+        for k, v in st.items():
+            stats[k + "_sum"] = stats.get(k + "_sum", 0.0) + v * float(n)
+        stats["tokens"] = stats.get("tokens", 0.0) + float(n)
+        return total
+    return fn
+
+
+def critic_loss(batch: Sequence[dict[str, Any]], value_clip: float, stats: dict[str, float]
+                ) -> Callable[[list[torch.Tensor], list[int]], torch.Tensor]:
+    """Clipped value regression (PPO): 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2)."""
+    def fn(values: list[torch.Tensor], idx: list[int]) -> torch.Tensor:
+        v = _completion(values, batch, idx)
+        dev = v.device
+        mask = _cat(batch, idx, "mask").to(dev)
+        ret = _cat(batch, idx, "returns").to(dev)
+        old = _cat(batch, idx, "old_values").to(dev)
+        clipped = old + (v - old).clamp(-value_clip, value_clip)
+        err = torch.maximum((v - ret) ** 2, (clipped - ret) ** 2)
+        loss = 0.5 * (err * mask).sum()
+        stats["value_loss_sum"] = stats.get("value_loss_sum", 0.0) + float(loss.detach())
+        stats["tokens"] = stats.get("tokens", 0.0) + float(mask.sum())
+        return loss
+    return fn

@@ -1,0 +1,145 @@
+"""Configuration of the RL experiments (``arith-tiny``, ``smollm2-arith``): the ``rl`` section."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from experiments.agents import AgentConfig
+from experiments.algorithms.objectives import ActorLossConfig
+from experiments.tasks import TaskConfig
+from scheduler.registry import PROJECT_ROOT
+from system.config import ExperimentConfig
+from system.errors import ConfigError
+from workers.engines.torch_engine import TorchEngineConfig
+from workers.engines.vllm_server import VllmConfig
+
+
+@dataclasses.dataclass
+class WeightSyncConfig:
+    """How new weights reach the generation servers."""
+
+    mode: str = "fast"
+    """fast (each vLLM rank receives its own shards in place) or load_weights (full tensors
+    through vLLM's loader)."""
+    bucket_mb: int = 256
+    """Flat bucket size of the resharding executor (MiB)."""
+    timeout: float = 300.0
+    """Seconds a weight-update group waits for its members."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("fast", "load_weights"):
+            raise ConfigError(f"weight_sync.mode={self.mode!r} is not one of fast, load_weights")
+        if self.bucket_mb < 1 or self.timeout <= 0:
+            raise ConfigError("weight_sync.bucket_mb must be >= 1 and timeout > 0")
+
+
+@dataclasses.dataclass
+class RLConfig:
+    """The RL loop."""
+
+    model_path: str = ""
+    """Local Hugging Face checkpoint of the policy (empty: the experiment's model under .models/)."""
+    algorithm: str = "grpo"
+    """grpo (group-normalised rewards, no critic) or ppo (critic + GAE)."""
+    mode: str = "async"
+    """async (rollouts run continuously, bounded staleness) or sync (generate, then train)."""
+    total_steps: int = 160
+    """Training steps of the run."""
+    batch_size: int = 16
+    """B: prompts per training step (each with group_size samples)."""
+    group_size: int = 8
+    """n: samples per prompt."""
+    max_head_offpolicyness: int = 1
+    """eta: the largest number of versions a trained sample's weights may lag (async mode)."""
+    sync_interval: int = 1
+    """Publish new weights to the generation servers every this many steps."""
+    decoupled_loss: bool = True
+    """Async mode: decoupled PPO objective with proximal log-probs recomputed by the trainer."""
+    eval_interval: int = 40
+    """Evaluate (greedy) on the held-out set every this many steps (0: only before and after)."""
+    save_interval: int = 0
+    """Checkpoint every this many steps (0: no checkpoints)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept on disk."""
+    tasks_per_request: int = 4
+    """Prompts a rollout worker takes from the master at once (its calls share the batch)."""
+    gamma: float = 1.0
+    """PPO: discount."""
+    lam: float = 1.0
+    """PPO: GAE lambda."""
+    value_clip: float = 0.2
+    """PPO: value clipping of the critic loss."""
+    critic_lr: float = 1e-4
+    """PPO: critic learning rate."""
+    seed: int = 1
+    """Seed of the prompt order and of the master's sampling."""
+    startup_timeout: float = 600.0
+    """Seconds to wait for engines to load (vLLM starts in about a minute on 2 cores)."""
+    call_timeout: float = 900.0
+    """Seconds a train / log-prob / weight-sync call may take."""
+    crash_at_step: int = 0
+    """Fault injection: the master fails right after this step (0: never); for resume tests."""
+    actor: TorchEngineConfig = dataclasses.field(
+        default_factory=lambda: TorchEngineConfig(lr=5e-4, max_tokens_per_microbatch=4096))
+    """The policy's training engine (model_path comes from rl.model_path)."""
+    loss: ActorLossConfig = dataclasses.field(default_factory=ActorLossConfig)
+    """The policy objective."""
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    """Prompts and rewards."""
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    """How rollouts run."""
+    vllm: VllmConfig = dataclasses.field(default_factory=VllmConfig)
+    """The generation servers' engines."""
+    weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
+    """Trainer -> generation server weight updates."""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ("grpo", "ppo"):
+            raise ConfigError(f"rl.algorithm={self.algorithm!r} is not one of grpo, ppo")
+        if self.mode not in ("async", "sync"):
+            raise ConfigError(f"rl.mode={self.mode!r} is not one of async, sync")
+        for key in ("total_steps", "batch_size", "group_size", "sync_interval",
+                    "tasks_per_request"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"rl.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("max_head_offpolicyness", "eval_interval", "save_interval", "crash_at_step"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"rl.{key} must be >= 0, got {getattr(self, key)}")
+        if self.algorithm == "grpo" and self.group_size < 2:
+            raise ConfigError("rl.group_size must be >= 2 for grpo (advantages are relative)")
+        if self.sync_interval - 1 > self.eta:
+            raise ConfigError(
+                f"rl.sync_interval={self.sync_interval} needs rl.max_head_offpolicyness >= "
+                f"{self.sync_interval - 1} (samples between syncs would all be too stale)"
+                + ("; sync mode trains on fresh samples only: use sync_interval=1"
+                   if self.mode == "sync" else ""))
+
+    @property
+    def eta(self) -> int:
+        """The staleness bound in force: 0 in sync mode."""
+        return 0 if self.mode == "sync" else self.max_head_offpolicyness
+
+
+@dataclasses.dataclass
+class RLExperimentConfig(ExperimentConfig):
+    """Root config of an RL experiment."""
+
+    recover: str = "off"
+    """off (start fresh) or resume (continue this exp/trial from its last checkpoint)."""
+    rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+    """The RL loop."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.recover not in ("off", "resume"):
+            raise ConfigError(f"recover={self.recover!r} is not one of off, resume")
+        if self.model.count < 1 or self.generation.count < 1 or self.rollout.count < 1:
+            raise ConfigError("RL needs model.count, generation.count and rollout.count >= 1")
+
+
+def resolve_model_path(rl: RLConfig, default: str) -> str:
+    path = rl.model_path or os.path.join(PROJECT_ROOT, ".models", default)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"rl.model_path={path!r} is not a model directory (run `make setup`, "
+                          f"which creates the experiment models under .models/)")
+    return os.path.abspath(path)

