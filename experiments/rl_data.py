@@ -24,7 +24,7 @@ class PromptCursor:
         self.seed = seed
         self.epoch = 0
         self.pos = 0
-        self.redo: list[int] = []
+        self.redo: list[tuple[int, int]] = []  # (prompt id, epoch) to hand out again first
         self._order = self._perm(0)
 
     def _perm(self, epoch: int) -> list[int]:
@@ -35,7 +35,8 @@ class PromptCursor:
     def next(self) -> tuple[int, int]:
         """``(prompt id, epoch)``."""
         if self.redo:
-            return self.redo.pop(0), self.epoch
+            pid, epoch = self.redo.pop(0)
+            return pid, epoch
         if self.pos >= len(self._order):
             self.epoch += 1
             self.pos = 0
@@ -44,16 +45,16 @@ class PromptCursor:
         self.pos += 1
         return pid, self.epoch
 
-    def give_back(self, pid: int) -> None:
-        """A prompt whose rollout was lost: hand it out again next."""
-        self.redo.append(pid)
+    def give_back(self, pid: int, epoch: int) -> None:
+        """A prompt whose rollout was lost: hand it out again next (in its own epoch)."""
+        self.redo.append((pid, epoch))
 
     def state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "pos": self.pos, "redo": list(self.redo)}
+        return {"epoch": self.epoch, "pos": self.pos, "redo": [list(r) for r in self.redo]}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
-        self.redo = [int(p) for p in state["redo"]]
+        self.redo = [(int(p), int(e)) for p, e in state["redo"]]
         self._order = self._perm(self.epoch)
 
 
@@ -118,13 +119,14 @@ class TaskSource:
             self.router.done(task["server"], self.group_size)
             self.admission.finish(Ticket(seq, task["version"]), accepted)
             if not accepted:
-                self.cursor.give_back(task["prompt_id"])
+                self.cursor.give_back(task["prompt_id"], task["epoch"])
             return task
 
-    def give_back(self, pids: list[int]) -> None:
+    def give_back(self, prompts: list[tuple[int, int]]) -> None:
+        """``(prompt id, epoch)`` of groups dropped before training."""
         with self._lock:
-            for p in pids:
-                self.cursor.give_back(p)
+            for pid, epoch in prompts:
+                self.cursor.give_back(pid, epoch)
 
     def stop(self) -> None:
         with self._lock:
@@ -135,6 +137,6 @@ class TaskSource:
         the checkpoint)."""
         with self._lock:
             st = self.cursor.state()
-            st["redo"] = [t["prompt_id"] for t in sorted(self.in_flight.values(),
-                                                         key=lambda t: t["seq"])] + st["redo"]
+            st["redo"] = [[t["prompt_id"], t["epoch"]] for t in sorted(
+                self.in_flight.values(), key=lambda t: t["seq"])] + st["redo"]
             return st

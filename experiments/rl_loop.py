@@ -358,9 +358,9 @@ def _next_batch(master: Any, puller: StreamPuller, source: TaskSource,
         buffer.put(msg, group_version(msg["trajs"], task["version"]))
 
 
-def buffer_dropped_ids(buffer: TrajectoryBuffer) -> list[int]:
-    """Prompt ids of the groups the last drop_stale removed (their prompts are redone)."""
-    return [int(item["prompt_id"]) for item in buffer.last_dropped]
+def buffer_dropped_ids(buffer: TrajectoryBuffer) -> list[tuple[int, int]]:
+    """(prompt id, epoch) of the groups the last drop_stale removed (they are redone)."""
+    return [(int(item["prompt_id"]), int(item["epoch"])) for item in buffer.last_dropped]
 
 
 def _train(cluster: Cluster, rl: RLConfig, batch: list[tuple[dict, int]], state: LoopState

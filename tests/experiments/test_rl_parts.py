@@ -27,9 +27,8 @@ def test_cursor_visits_every_prompt_once_per_epoch_with_give_backs():
         pid, epoch = c.next()
         assert epoch == 0
         if i % 3 == 0:
-            c.give_back(pid)  # lost: must come again, first
-            again, _ = c.next()
-            assert again == pid
+            c.give_back(pid, epoch)  # lost: must come again, first, in its epoch
+            assert c.next() == (pid, 0)
         seen.append(pid)
     assert sorted(seen) == list(range(10))
     pid, epoch = c.next()
@@ -124,7 +123,7 @@ def test_task_source_gives_lost_prompts_back_and_snapshots_in_flight():
     tasks = src.next_task(0, 3)["tasks"]
     assert len(tasks) == 3 and src.router.outstanding == [12]
     snap = src.snapshot()
-    assert snap["redo"][:3] == [t["prompt_id"] for t in tasks]
+    assert snap["redo"][:3] == [[t["prompt_id"], 0] for t in tasks]
     src.finish(tasks[0]["seq"], accepted=False)          # failed rollout: redo its prompt
     assert src.next_task(0, 1)["tasks"][0]["prompt_id"] == tasks[0]["prompt_id"]
     assert src.finish(999, accepted=True) is None          # unknown: ignored
