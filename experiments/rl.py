@@ -75,7 +75,7 @@ def encode_prompt(tok: Any, text: str, chat: bool) -> list[int]:
     if chat and getattr(tok, "chat_template", None):
         ids = tok.apply_chat_template([{"role": "user", "content": text}],
                                       add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # BatchEncoding
     ids = tok.encode(text, add_special_tokens=False)
     return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + list(ids)
 

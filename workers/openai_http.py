@@ -114,7 +114,7 @@ class OpenAIEndpoint:
         if getattr(self.tokenizer, "chat_template", None):
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                      tokenize=True)
-            if isinstance(ids, dict):
+            if hasattr(ids, "keys"):  # a BatchEncoding
                 ids = ids["input_ids"]
         else:  # a tokenizer without a template: plain concatenation of the contents
             ids = self.tokenizer.encode("".join(str(m.get("content", "")) for m in messages))

@@ -128,3 +128,44 @@ def test_stream_drops_bad_messages(codec):
     raw.close(0)
     good.close()
     puller.close()
+
+
+def test_deferred_replies_do_not_block_other_calls(codec):
+    """A handler returning a Future is answered when it completes; meanwhile other requests are
+    served (generation calls must not hold up each other or control calls)."""
+    from concurrent.futures import Future
+
+    pending: list[Future] = []
+
+    def slow() -> Future:
+        f: Future = Future()
+        pending.append(f)
+        return f
+
+    def failing() -> Future:
+        f: Future = Future()
+        f.set_exception(ValueError("bad input"))
+        return f
+
+    srv = RpcServer(codec, "127.0.0.1", {"slow": slow, "fast": lambda: "fast",
+                                         "failing": failing})
+    stop = threading.Event()
+    t = threading.Thread(target=srv.serve_forever, args=(stop,), daemon=True)
+    t.start()
+    c = RpcClient(codec, srv.address, 5.0)
+    try:
+        ids = [c.submit("slow") for _ in range(3)]
+        assert c.call("fast") == "fast"           # served while three slow calls wait
+        assert srv.pending == 3
+        for i, f in enumerate(pending):
+            f.set_result({"n": i, "t": np.arange(3)})
+        got = [c.result(i) for i in ids]
+        assert [g["n"] for g in got] == [0, 1, 2] and got[0]["t"].tolist() == [0, 1, 2]
+        with pytest.raises(RemoteError, match="bad input"):
+            c.call("failing")
+        assert srv.pending == 0
+    finally:
+        c.close()
+        stop.set()
+        t.join()
+        srv.close()

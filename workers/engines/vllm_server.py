@@ -74,6 +74,7 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -245,10 +246,11 @@ class GenerationEngine:
 
         s = seq.sampling
         left = s.max_tokens - len(seq.tokens)
-        stop = list(s.stop_token_ids) + ([self.eos] if self.eos is not None else [])
+        stop = list(s.stop_token_ids) + ([self.eos] if self.eos is not None and not s.ignore_eos
+                                         else [])
         params = SamplingParams(max_tokens=left, temperature=s.temperature, top_p=s.top_p,
                                 stop_token_ids=stop or None, logprobs=0, detokenize=False,
-                                output_kind=RequestOutputKind.DELTA)
+                                ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA)
         seq.rid = f"{seq.sid}.{seq.segments}"
         seq.segments += 1
         self._active[seq.rid] = seq

@@ -1,0 +1,234 @@
+"""RL benchmarks, each measured side by side with its baseline in one run.
+
+    .venv/bin/python tests/benchmarks/rl.py            # or: make bench
+    .venv/bin/python tests/benchmarks/rl.py --only generation,train
+
+Prints ``name: value`` lines:
+- generation_ratio: generated tokens/s through our serving path (a rollout-worker process ->
+  authenticated RPC -> the generation server's engine loop -> vLLM, with per-token log-probs and
+  versions) / raw ``vllm.LLM.generate`` on the same engine, prompts and sampling (target >= 0.85)
+- train_ratio: tokens/s of our train step (the torch engine, dp=1, the GRPO/PPO actor loss) / a
+  plain single-process transformers + AdamW loop with the same loss on the same batches
+  (target >= 0.85)
+- async_speedup: training samples/s of arith-tiny in async mode / sync mode (same steps, same
+  config otherwise; loop time, engine start-up excluded)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+from system.wire import new_secret  # noqa: E402
+
+MODEL = os.path.join(REPO, ".models", "arith-tiny")
+BIG = os.path.join(REPO, ".models", "smollm2-135m-instruct")
+SECRET = new_secret()
+
+
+# --- generation --------------------------------------------------------------------------------
+
+def _rollout_client(address: str, secret: bytes, prompts: list, n: int, max_tokens: int,
+                    go: mp.Event, q: mp.Queue) -> None:
+    """A rollout worker's side: all its generate calls in flight on one RPC client."""
+    from system.rpc import RpcClient
+    from system.wire import Codec
+
+    c = RpcClient(Codec(secret), address, 600)
+    sampling = {"max_tokens": max_tokens, "ignore_eos": True}
+    go.wait()
+    t0 = time.time()
+    ids = [c.submit("generate", prompt=p, n=n, sampling=sampling) for p in prompts]
+    tokens = sum(len(s["tokens"]) for i in ids for s in c.result(i))
+    q.put((tokens, t0, time.time()))
+    c.close()
+
+
+def generation(rounds: int = 3) -> dict[str, float]:
+    from concurrent.futures import Future
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from system.rpc import RpcServer
+    from system.wire import Codec
+    from workers.engines.vllm_server import GenerationEngine, Sampling, VllmConfig
+
+    llm = LLM(model=MODEL, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+              gpu_memory_utilization=0.2, max_model_len=128, seed=0,
+              worker_extension_cls="workers.engines.vllm_weight_sync.WeightSyncExtension")
+    prompts = [[1] + [3 + (i * 7 + k) % 10 for k in range(5)] for i in range(64)]
+    n, max_tokens = 4, 48
+    params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
+                            detokenize=False)
+    engine = GenerationEngine.from_llm(llm, VllmConfig(max_model_len=128), eos_token_id=2)
+
+    def handler(prompt: list, n: int, sampling: dict) -> Future:
+        return engine.submit(prompt, n, Sampling(**sampling))
+
+    server = RpcServer(Codec(SECRET), "127.0.0.1", {"generate": handler})
+    stop = threading.Event()
+    serve = threading.Thread(target=server.serve_forever, args=(stop,), daemon=True)
+    serve.start()
+
+    def raw() -> float:
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                            use_tqdm=False)
+        return sum(len(o.token_ids) for r in outs for o in r.outputs) / (time.perf_counter() - t0)
+
+    ctx = mp.get_context("spawn")
+
+    def ours(clients: int = 2) -> float:
+        """Two rollout-worker processes (spawned and connected before the clock starts)."""
+        q: mp.Queue = ctx.Queue()
+        go = ctx.Event()
+        share = [prompts[i::clients] for i in range(clients)]
+        ps = [ctx.Process(target=_rollout_client, args=(server.address, SECRET, s, n,
+                                                        max_tokens, go, q)) for s in share]
+        for p in ps:
+            p.start()
+        time.sleep(3.0)  # imports and connect
+        go.set()
+        got = [q.get(timeout=600) for _ in ps]
+        for p in ps:
+            p.join()
+        return sum(t for t, _, _ in got) / (max(e for _, _, e in got) - min(s for _, s, _ in got))
+
+    raw()  # warm-up (first batch compiles / allocates)
+    ours()
+    r_raw, r_ours = [], []
+    for _ in range(rounds):  # interleaved
+        r_raw.append(raw())
+        r_ours.append(ours())
+    stop.set()
+    serve.join()
+    server.close()
+    engine.close()
+    llm.llm_engine.engine_core.shutdown()
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"generation_ratio": med(r_ours) / med(r_raw),
+            "generation_tokens_per_s_ours": med(r_ours),
+            "generation_tokens_per_s_raw_vllm": med(r_raw)}
+
+
+# --- training ----------------------------------------------------------------------------------
+
+def train(steps: int = 5) -> dict[str, float]:
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from experiments.algorithms.objectives import ActorLossConfig, actor_loss
+    from experiments.algorithms.ppo import ppo_policy_loss
+    from workers.engines.torch_engine import TorchEngine, TorchEngineConfig
+
+    path = BIG if os.path.isdir(BIG) else MODEL
+    g = torch.Generator().manual_seed(0)
+    vocab = 1000 if path == BIG else 20
+    batches = []
+    for _ in range(steps + 1):
+        batch = []
+        for _ in range(16):
+            plen, clen = 24, int(torch.randint(16, 72, (1,), generator=g))
+            toks = torch.randint(3, vocab, (plen + clen,), generator=g)
+            batch.append({"tokens": toks.numpy(), "prompt_len": plen,
+                          "mask": torch.ones(clen).numpy(),
+                          "old_logp": (-torch.rand(clen, generator=g) * 3).numpy(),
+                          "adv": torch.randn(clen, generator=g).numpy()})
+        batches.append(batch)
+    n_tokens = [sum(len(b["tokens"]) for b in batch) for batch in batches]
+    loss_cfg = ActorLossConfig()
+    lr = 1e-6
+
+    def ours() -> float:
+        eng = TorchEngine(TorchEngineConfig(model_path=path, lr=lr,
+                                            max_tokens_per_microbatch=4096))
+        t = 0.0
+        for i, batch in enumerate(batches):
+            seqs = [torch.as_tensor(b["tokens"], dtype=torch.long) for b in batch]
+            gt = int(sum(b["mask"].sum() for b in batch))
+            t0 = time.perf_counter()
+            eng.train_step(seqs, actor_loss(batch, loss_cfg, {}), gt)
+            if i:  # the first step warms up
+                t += time.perf_counter() - t0
+        return sum(n_tokens[1:]) / t
+
+    def plain() -> float:
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        t = 0.0
+        for i, batch in enumerate(batches):
+            t0 = time.perf_counter()
+            L = max(len(b["tokens"]) for b in batch)
+            ids = torch.zeros(len(batch), L, dtype=torch.long)
+            att = torch.zeros(len(batch), L, dtype=torch.long)
+            for k, b in enumerate(batch):
+                ids[k, :len(b["tokens"])] = torch.as_tensor(b["tokens"])
+                att[k, :len(b["tokens"])] = 1
+            model.train()
+            opt.zero_grad()
+            logits = model(input_ids=ids, attention_mask=att).logits.float()
+            lp = torch.gather(F.log_softmax(logits[:, :-1], -1), 2, ids[:, 1:, None])[..., 0]
+            logp = torch.cat([lp[k, b["prompt_len"] - 1:len(b["tokens"]) - 1]
+                              for k, b in enumerate(batch)])
+            cat = lambda key: torch.cat([torch.as_tensor(b[key]) for b in batch])  # noqa: E731
+            loss, _ = ppo_policy_loss(logp, cat("old_logp"), cat("adv"), cat("mask"))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if i:
+                t += time.perf_counter() - t0
+        return sum(n_tokens[1:]) / t
+
+    r_plain, r_ours = [], []
+    for _ in range(2):  # interleaved
+        r_plain.append(plain())
+        r_ours.append(ours())
+    return {"train_ratio": max(r_ours) / max(r_plain), "train_tokens_per_s_ours": max(r_ours),
+            "train_tokens_per_s_plain": max(r_plain),
+            "train_model": os.path.basename(path)}
+
+
+# --- async vs sync -----------------------------------------------------------------------------
+
+def async_vs_sync(steps: int = 40) -> dict[str, float]:
+    out = {}
+    with tempfile.TemporaryDirectory() as root:
+        for mode in ("sync", "async"):
+            r = subprocess.run([sys.executable, "-m", "system.launch", "exp=arith-tiny",
+                                f"trial=bench-{mode}", f"cluster.fileroot={root}",
+                                f"rl.mode={mode}", f"rl.total_steps={steps}", "rl.eval_interval=0",
+                                "controller.progress=false"], cwd=REPO, capture_output=True,
+                               text=True, timeout=1200)
+            if r.returncode:
+                raise RuntimeError(f"{mode} run failed:\n{r.stderr[-2000:]}")
+            with open(os.path.join(root, "arith-tiny", f"bench-{mode}", "summary.json")) as f:
+                out[mode] = json.load(f)
+    return {"async_speedup": out["async"]["samples_per_s"] / out["sync"]["samples_per_s"],
+            "samples_per_s_async": out["async"]["samples_per_s"],
+            "samples_per_s_sync": out["sync"]["samples_per_s"],
+            "max_staleness_async": out["async"]["max_staleness_used"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--only", default="generation,train,async")
+    args = p.parse_args()
+    parts = {"generation": generation, "train": train, "async": async_vs_sync}
+    for name in args.only.split(","):
+        for k, v in parts[name]().items():
+            print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
