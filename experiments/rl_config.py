@@ -19,16 +19,18 @@ class WeightSyncConfig:
     """How new weights reach the generation servers."""
 
     mode: str = "fast"
-    """fast (each vLLM rank receives its own shards in place) or load_weights (full tensors
-    through vLLM's loader)."""
+    """fast (each vLLM rank receives its own shards in place), load_weights (full tensors over
+    the group, through vLLM's loader) or disk (the trainer writes safetensors under the trial
+    directory, the servers load them: the fallback when no group can form)."""
     bucket_mb: int = 256
     """Flat bucket size of the resharding executor (MiB)."""
     timeout: float = 300.0
     """Seconds a weight-update group waits for its members."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("fast", "load_weights"):
-            raise ConfigError(f"weight_sync.mode={self.mode!r} is not one of fast, load_weights")
+        if self.mode not in ("fast", "load_weights", "disk"):
+            raise ConfigError(f"weight_sync.mode={self.mode!r} is not one of fast, load_weights, "
+                              "disk")
         if self.bucket_mb < 1 or self.timeout <= 0:
             raise ConfigError("weight_sync.bucket_mb must be >= 1 and timeout > 0")
 

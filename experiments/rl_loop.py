@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import random
+import shutil
 import time
 from typing import Any
 
@@ -124,6 +125,8 @@ class Cluster:
         from transformers import AutoConfig
 
         ws = self.rl.weight_sync
+        if ws.mode == "disk":
+            return
         spec = {"src": {"dp": self.n_model, "tp": 1, "pp": 1},
                 "dst": {"tp": self.rl.vllm.tensor_parallel_size, "replicas": self.n_gen},
                 "shape": dataclasses.asdict(ModelShape.from_hf(AutoConfig.from_pretrained(path))),
@@ -138,6 +141,16 @@ class Cluster:
 
     def publish(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
+        if self.rl.weight_sync.mode == "disk":
+            directory = os.path.join(self.master.boot.trial_dir, "weights", f"v{version}")
+            self.on_models("save_weights", directory=directory)
+            ids = [g.rpc.submit("load_weights_from_disk", directory=directory, version=version)
+                   for g in self.gens]
+            for g, rid in zip(self.gens, ids):
+                g.rpc.result(rid, self.rl.call_timeout)
+            old = os.path.join(self.master.boot.trial_dir, "weights", f"v{version - 1}")
+            shutil.rmtree(old, ignore_errors=True)
+            return {"sync_seconds": time.perf_counter() - t0, "sync_bytes": 0.0}
         ids_g = [g.rpc.submit("update_weights", version=version) for g in self.gens]
         sent = self.on_models("send_weights")
         for g, rid in zip(self.gens, ids_g):

@@ -44,6 +44,7 @@ class GenerationServer(Worker):
     def rpc_handlers(self) -> dict[str, Callable[..., Any]]:
         return {**super().rpc_handlers(), "echo": self.echo, "generate": self.generate,
                 "weight_sync_init": self.weight_sync_init, "update_weights": self.update_weights,
+                "load_weights_from_disk": self.load_weights_from_disk,
                 "engine_stats": self.engine_stats}
 
     def open_engine(self, model_path: str, vllm_cfg: Any, eos_token_id: int | None) -> Any:
@@ -82,6 +83,12 @@ class GenerationServer(Worker):
         serve them as ``version``; in-flight requests are cut or finished first (vllm.interrupt)."""
         return self._engine().control(
             lambda llm: llm.collective_rpc("rlsys_weight_sync_receive"), version=int(version))
+
+    def load_weights_from_disk(self, directory: str, version: int) -> Future:
+        """The disk fallback of :meth:`update_weights`: load a safetensors checkpoint."""
+        return self._engine().control(
+            lambda llm: llm.collective_rpc("rlsys_load_from_disk", args=(directory,)),
+            version=int(version))
 
     def engine_stats(self) -> dict[str, Any]:
         e = self._engine()

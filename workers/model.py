@@ -59,7 +59,7 @@ class ModelWorker(Worker):
         return {**super().rpc_handlers(), "logprobs": self.logprobs, "values": self.values,
                 "train_actor": self.train_actor, "train_critic": self.train_critic,
                 "weight_sync_init": self.weight_sync_init, "send_weights": self.send_weights,
-                "save": self.save, "ready": self.ready, "engine_info": self.engine_info_}
+                "save": self.save, "save_weights": self.save_weights, "ready": self.ready, "engine_info": self.engine_info_}
 
     # --- set-up (the RL role, on the main thread, before it reports ready) ---
     def init_default_group(self) -> None:
@@ -174,6 +174,17 @@ class ModelWorker(Worker):
             return {"seconds": time.perf_counter() - t0, "bytes_sent": stats.bytes_sent}
         return self._run(send)
 
+    def save_weights(self, directory: str) -> Future:
+        """Write the actor as a Hugging Face safetensors checkpoint (rank 0; collective)."""
+        def save() -> dict[str, Any]:
+            state = self._engine("actor").full_state_dict()
+            if self.index == 0:
+                os.makedirs(directory, exist_ok=True)
+                self._engine("actor").model.save_pretrained(directory, state_dict=state,
+                                                            safe_serialization=True)
+            return {"rank": self.index}
+        return self._run(save)
+
     def save(self, directory: str) -> Future:
         """Write every engine under ``directory/<engine>/`` (model: rank 0, optimizer and RNG
         state: every rank). Collective."""
@@ -241,6 +252,7 @@ class ModelWorkerClient(WorkerClient):
 
     def submit(self, method: str, **args: Any) -> int:
         if method not in ("logprobs", "values", "train_actor", "train_critic",
-                          "weight_sync_init", "send_weights", "save", "ready", "engine_info"):
+                          "weight_sync_init", "send_weights", "save", "save_weights",
+                          "ready", "engine_info"):
             raise ValueError(f"model workers have no engine call {method!r}")
         return self.rpc.submit(method, **args)

@@ -67,7 +67,7 @@ def test_sync_ppo_multi_turn_calculator_two_trainers_with_reference(fileroot):
     r = run_launch("exp=arith-tiny", "trial=ppo", f"cluster.fileroot={fileroot}",
                    "rl.mode=sync", "rl.algorithm=ppo", "rl.agent.kind=calculator",
                    "rl.agent.max_new_tokens=8", "rl.group_size=2", "model.count=2",
-                   "rl.loss.kl_coef=0.01", "rl.total_steps=3", "rl.weight_sync.mode=load_weights",
+                   "rl.loss.kl_coef=0.01", "rl.total_steps=3", "rl.weight_sync.mode=disk",
                    *[a for a in SMALL if not a.startswith("rl.group_size")], timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     s = read_summary(fileroot, "arith-tiny", "ppo")

@@ -74,6 +74,26 @@ class WeightSyncExtension:
         return {"rank": rank, "tp_rank": tp_rank, "mode": mode,
                 "buckets": len(self._rlsys_sync["executor"].buckets)}
 
+    def rlsys_load_from_disk(self, directory: str) -> dict[str, Any]:
+        """The disk fallback: load a Hugging Face safetensors checkpoint (as the trainer wrote
+        it) through vLLM's own loader, in place."""
+        import glob
+        import os
+
+        from safetensors.torch import load_file
+
+        t0 = time.perf_counter()
+        files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no safetensors files in {directory}")
+
+        def tensors():
+            for f in files:
+                yield from load_file(f).items()
+
+        self.model_runner.reload_weights(weights_iterator=tensors())
+        return {"mode": "disk", "seconds": time.perf_counter() - t0, "files": len(files)}
+
     def rlsys_weight_sync_receive(self) -> dict[str, Any]:
         """Receive one full weight update (blocks until the trainer ranks have sent theirs)."""
         state = self._rlsys_sync
