@@ -11,6 +11,8 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
+
 from experiments.agents import GenRequest, make_agent
 from experiments.registry import register
 from experiments.rl_config import RLConfig, RLExperimentConfig, resolve_model_path
@@ -175,9 +177,13 @@ def run_episodes(episodes: list[tuple[Any, int]], clients: dict[int, Any],
 
 
 def score(trajs: list[dict], tok: Any, answer: Any, reward_fn: Any) -> None:
+    """Reward each trajectory on its final answer: the policy's last turn (after the last tool
+    output; for a single-turn agent, the whole completion)."""
     for t in trajs:
         comp = t["tokens"][t["prompt_len"]:]
-        t["reward"] = float(reward_fn(tok.decode([int(x) for x in comp],
+        tool = np.nonzero(t["mask"] == 0)[0]
+        final = comp[tool[-1] + 1:] if len(tool) else comp
+        t["reward"] = float(reward_fn(tok.decode([int(x) for x in final],
                                                  skip_special_tokens=True), answer))
 
 
