@@ -49,7 +49,8 @@ def worker(rank, args, port, out):
                           timeout=datetime.timedelta(seconds=600))
     groups = GroupFactory(store, rank, args.backend, 600)
     everyone = groups.get(tuple(range(world)))
-    plan = plan_reshard(src, dst, specs, shape.num_layers, bucket_bytes=args.bucket_mb << 20)
+    plan = plan_reshard(src, dst, specs, shape.num_layers, bucket_bytes=args.bucket_mb << 20,
+                        direct_bytes=int(args.direct_mb * (1 << 20)))
     ex = ReshardExecutor(plan, rank, groups, device=dev, inflight=args.inflight)
     by_name = {s.name: s for s in specs}
     # this rank's own tensors
@@ -166,6 +167,8 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--inflight", type=int, default=2, help="broadcasts in flight per rank")
+    p.add_argument("--direct-mb", type=float, default=1.0,
+                   help="regions at least this large travel alone, unpacked")
     args = p.parse_args()
     src, dst = parse_train_layout(args.src), parse_gen_layout(args.dst)
     world = src.world_size + dst.world_size
