@@ -57,12 +57,11 @@ def smollm2_arith() -> RLExperimentConfig:
 
 
 def rl_config(worker: Any) -> RLConfig:
+    """The ``rl`` section the controller sent, as a validated :class:`RLConfig`."""
     from omegaconf import OmegaConf
 
-    from experiments.rl_config import RLConfig as Cls
-
-    base = OmegaConf.structured(Cls)
-    return OmegaConf.to_object(OmegaConf.merge(base, worker.config["experiment"]))
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RLConfig),
+                                               worker.config["experiment"]))
 
 
 def model_path(worker: Any, rl: RLConfig) -> str:
