@@ -51,11 +51,11 @@ class AgentConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in ("single", "calculator"):
-            raise ConfigError(f"agent.kind={self.kind!r} is not one of single, calculator")
+            raise ConfigError(f"rl.agent.kind={self.kind!r} is not one of single, calculator")
         if self.max_new_tokens < 1 or self.max_turns < 1:
-            raise ConfigError("agent.max_new_tokens and agent.max_turns must be >= 1")
+            raise ConfigError("rl.agent.max_new_tokens and rl.agent.max_turns must be >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError("agent.temperature must be >= 0 and agent.top_p in (0, 1]")
+            raise ConfigError("rl.agent.temperature must be >= 0 and rl.agent.top_p in (0, 1]")
 
 
 def _traj(prompt: Sequence[int], parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]],

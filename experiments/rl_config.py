@@ -29,10 +29,10 @@ class WeightSyncConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ("fast", "load_weights", "disk"):
-            raise ConfigError(f"weight_sync.mode={self.mode!r} is not one of fast, load_weights, "
+            raise ConfigError(f"rl.weight_sync.mode={self.mode!r} is not one of fast, load_weights, "
                               "disk")
         if self.bucket_mb < 1 or self.timeout <= 0:
-            raise ConfigError("weight_sync.bucket_mb must be >= 1 and timeout > 0")
+            raise ConfigError("rl.weight_sync.bucket_mb must be >= 1 and timeout > 0")
 
 
 @dataclasses.dataclass
