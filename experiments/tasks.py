@@ -74,7 +74,8 @@ def load_prompts(path: str) -> list[Prompt]:
         if "prompt" not in r or "answer" not in r:
             raise ConfigError(f"{path}: row {i} lacks 'prompt' or 'answer'")
         pid = r.get("id")
-        out.append({"id": int(i if pid is None else pid), "prompt": str(r["prompt"]), "answer": r["answer"]})
+        out.append({"id": int(i if pid is None else pid), "prompt": str(r["prompt"]),
+                    "answer": r["answer"]})
     return out
 
 

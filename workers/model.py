@@ -59,7 +59,8 @@ class ModelWorker(Worker):
         return {**super().rpc_handlers(), "logprobs": self.logprobs, "values": self.values,
                 "train_actor": self.train_actor, "train_critic": self.train_critic,
                 "weight_sync_init": self.weight_sync_init, "send_weights": self.send_weights,
-                "save": self.save, "save_weights": self.save_weights, "ready": self.ready, "engine_info": self.engine_info_}
+                "save": self.save, "save_weights": self.save_weights, "ready": self.ready,
+                "engine_info": self.engine_info_}
 
     # --- set-up (the RL role, on the main thread, before it reports ready) ---
     def init_default_group(self) -> None:
