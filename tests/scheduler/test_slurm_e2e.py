@@ -126,6 +126,10 @@ def test_preemption_signal_requeues_and_workers_rejoin(slurm_cluster, tmp_path, 
         # (preemption during start-up is not handled yet: see the README)
         nr = FileNameResolve(os.path.join(root, ".name_resolve"))
         nr.wait("smoke/requeue/stream/trajectories", timeout=90)
+        # and let the job's srun step settle: a USR2 150 ms after its tasks started once left
+        # srun "waiting up to 7 seconds for job step to finish" and the requeued job FAILED
+        # (part of the start-up gap the README names)
+        time.sleep(3.0)
         job = job_of(slurm_cluster.env, "smoke", "requeue", "rollout")
         subprocess.run(["scancel", "--signal=USR2", job], check=True, env=env)
 
