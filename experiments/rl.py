@@ -18,7 +18,7 @@ from experiments.registry import register
 from experiments.rl_config import RLConfig, RLExperimentConfig, resolve_model_path
 from experiments.tasks import dataset, get_task
 from system import names
-from workers.engines.torch_engine import TorchEngineConfig
+from workers.engines.configs import TorchEngineConfig
 
 log = logging.getLogger("rl")
 

@@ -10,7 +10,7 @@ from experiments.tasks import TaskConfig
 from scheduler.registry import PROJECT_ROOT
 from system.config import ExperimentConfig
 from system.errors import ConfigError
-from workers.engines.torch_engine import TorchEngineConfig
+from workers.engines.configs import TorchEngineConfig
 from workers.engines.vllm_server import VllmConfig
 
 

@@ -9,12 +9,12 @@ for tokens the policy generated, 0 for tool output; ``old_logp``: behaviour log-
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
-
-from experiments.algorithms.ppo import kl_penalty, ppo_policy_loss
 from system.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where the losses run (model workers), not by the launcher
+    import torch
 
 
 @dataclasses.dataclass
@@ -38,17 +38,23 @@ class ActorLossConfig:
 
 
 def _cat(batch: Sequence[dict[str, Any]], idx: Sequence[int], key: str) -> torch.Tensor:
+    import torch
+
     return torch.cat([torch.as_tensor(batch[i][key], dtype=torch.float32) for i in idx])
 
 
 def _completion(outs: Sequence[torch.Tensor], batch: Sequence[dict[str, Any]],
                 idx: Sequence[int]) -> torch.Tensor:
     """The outputs at the completion tokens (position p predicts token p + 1)."""
+    import torch
+
     return torch.cat([o[int(batch[i]["prompt_len"]) - 1:] for o, i in zip(outs, idx)])
 
 
 def actor_loss(batch: Sequence[dict[str, Any]], cfg: ActorLossConfig, stats: dict[str, float]
                ) -> Callable[[list[torch.Tensor], list[int]], torch.Tensor]:
+    from experiments.algorithms.ppo import kl_penalty, ppo_policy_loss
+
     def fn(logps: list[torch.Tensor], idx: list[int]) -> torch.Tensor:
         logp = _completion(logps, batch, idx)
         dev = logp.device
@@ -75,6 +81,8 @@ def actor_loss(batch: Sequence[dict[str, Any]], cfg: ActorLossConfig, stats: dic
 def critic_loss(batch: Sequence[dict[str, Any]], value_clip: float, stats: dict[str, float]
                 ) -> Callable[[list[torch.Tensor], list[int]], torch.Tensor]:
     """Clipped value regression (PPO): 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2)."""
+    import torch
+
     def fn(values: list[torch.Tensor], idx: list[int]) -> torch.Tensor:
         v = _completion(values, batch, idx)
         dev = v.device

@@ -8,7 +8,6 @@ token mean over the whole global batch, whatever the micro-batching and data-par
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Callable, Sequence
 
@@ -16,36 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from system.errors import ConfigError
-
-
-@dataclasses.dataclass
-class TorchEngineConfig:
-    """The torch training engine of one model role (actor, reference, critic)."""
-
-    model_path: str = ""
-    """Local directory of a Hugging Face checkpoint (nothing is downloaded)."""
-    lr: float = 1e-5
-    """AdamW learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    beta1: float = 0.9
-    """AdamW beta1."""
-    beta2: float = 0.999
-    """AdamW beta2."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this (0: no clipping)."""
-    max_tokens_per_microbatch: int = 8192
-    """Token budget of one forward/backward (padded length x sequences)."""
-    dtype: str = "auto"
-    """Parameter dtype: auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16."""
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"engine lr must be > 0, got {self.lr}")
-        if self.max_tokens_per_microbatch < 1:
-            raise ConfigError("engine max_tokens_per_microbatch must be >= 1")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"engine dtype={self.dtype!r} is not one of auto, float32, bfloat16")
+from workers.engines.configs import TorchEngineConfig
 
 
 def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
