@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from system.name_resolve import FileNameResolve
 from system.param_specs import ModelShape, ParamSpec, qwen2_specs, vllm_local_params
-from system.reshard_exec import GroupFactory, ReshardExecutor, train_shard_boxes
+from system.reshard_exec import GroupFactory, ReshardExecutor, ReshardStats, train_shard_boxes
 from system.reshard_plan import plan_reshard
 from system.topology import GenLayout, TrainLayout, parse_gen_layout, parse_train_layout
 
@@ -52,18 +52,19 @@ def reference(spec: ParamSpec, seed: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _rank_main(rank: int, src: TrainLayout, dst: GenLayout, shape: ModelShape,
-               sizes: tuple[int, int], dtype: torch.dtype, nr_root: str, seed: int,
+               sizes: tuple[int, int, int | None], dtype: torch.dtype, nr_root: str, seed: int,
                corrupt_rank: int | None, out: Any) -> None:
     try:
         if rank == corrupt_rank:
             seed += 1  # fault injection: this rank's shards are not the reference's
-        out.put((rank, _rank_body(rank, src, dst, shape, sizes, dtype, nr_root, seed)))
+        out.put((rank, *_rank_body(rank, src, dst, shape, sizes, dtype, nr_root, seed)))
     except Exception as e:  # report, do not hang the parent
-        out.put((rank, [f"rank {rank} failed: {type(e).__name__}: {e}"]))
+        out.put((rank, [f"rank {rank} failed: {type(e).__name__}: {e}"], None))
 
 
 def _rank_body(rank: int, src: TrainLayout, dst: GenLayout, shape: ModelShape,
-               sizes: tuple[int, int], dtype: torch.dtype, nr_root: str, seed: int) -> list[str]:
+               sizes: tuple[int, int, int | None], dtype: torch.dtype, nr_root: str, seed: int
+               ) -> tuple[list[str], ReshardStats]:
     torch.set_num_threads(1)
     host, port = FileNameResolve(nr_root).wait(STORE_KEY, timeout=60).rsplit(":", 1)
     world = src.world_size + dst.world_size
@@ -73,18 +74,18 @@ def _rank_body(rank: int, src: TrainLayout, dst: GenLayout, shape: ModelShape,
     itemsize = torch.empty(0, dtype=dtype).element_size()
     plan = plan_reshard(src, dst, specs, shape.num_layers, itemsize=itemsize,
                         bucket_bytes=sizes[0], direct_bytes=sizes[1])
-    executor = ReshardExecutor(plan, rank, GroupFactory(store, rank, timeout=120), dtype=dtype)
+    executor = ReshardExecutor(plan, rank, GroupFactory(store, rank, timeout=120), dtype=dtype,
+                               lanes=sizes[2])
     by_name = {s.name: s for s in specs}
     if rank < src.world_size:
         boxes = train_shard_boxes(specs, src, rank, shape.num_layers)
         shards = {n: reference(by_name[n], seed, dtype)[tuple(slice(a, b) for a, b in box)].clone()
                   for n, box in boxes.items()}
-        executor.run(src=shards, src_boxes=boxes)
-        return []
+        return [], executor.run(src=shards, src_boxes=boxes)
     _, tp = dst.coord(rank - src.world_size)
     params = vllm_local_params(specs, dst.tp, tp)
     local = {p.name: torch.full(p.shape, float("nan"), dtype=dtype) for p in params}
-    executor.run(dst=local)
+    stats = executor.run(dst=local)
     bad = []
     for p in params:
         want = torch.cat([reference(by_name[pc.source], seed, dtype)[
@@ -95,12 +96,12 @@ def _rank_body(rank: int, src: TrainLayout, dst: GenLayout, shape: ModelShape,
                 if got.shape == want.shape else "shape"
             bad.append(f"rank {rank} (generation tp {tp}) {p.name} {tuple(got.shape)}: "
                        f"max abs diff {diff}")
-    return bad
+    return bad, stats
 
 
 def run_check(src: TrainLayout, dst: GenLayout, shape: ModelShape, *, bucket_bytes: int = 256 << 20,
               direct_bytes: int = 1 << 20, dtype: torch.dtype = torch.float32,
-              threads: bool = False, seed: int = 0,
+              lanes: int | None = None, threads: bool = False, seed: int = 0,
               timeout: float = 300, corrupt_rank: int | None = None
               ) -> tuple[list[str], dict[str, int]]:
     """Run the whole reshard with one process (or thread) per rank; returns the mismatches and
@@ -115,7 +116,8 @@ def run_check(src: TrainLayout, dst: GenLayout, shape: ModelShape, *, bucket_byt
                           timeout=datetime.timedelta(seconds=timeout))
     with tempfile.TemporaryDirectory() as nr_root:
         FileNameResolve(nr_root).add(STORE_KEY, f"127.0.0.1:{store.port}")
-        args = (src, dst, shape, (bucket_bytes, direct_bytes), dtype, nr_root, seed, corrupt_rank)
+        args = (src, dst, shape, (bucket_bytes, direct_bytes, lanes), dtype, nr_root, seed,
+                corrupt_rank)
         if threads:
             import queue
 
@@ -129,9 +131,13 @@ def run_check(src: TrainLayout, dst: GenLayout, shape: ModelShape, *, bucket_byt
         for r in runners:
             r.start()
         bad: list[str] = []
+        stats: dict[int, ReshardStats] = {}
         try:
             for _ in range(world):
-                bad += out.get(timeout=timeout)[1]
+                rank, errors, st = out.get(timeout=timeout)
+                bad += errors
+                if st is not None:
+                    stats[rank] = st
         finally:
             for r in runners:
                 r.join(timeout=10)
@@ -139,7 +145,12 @@ def run_check(src: TrainLayout, dst: GenLayout, shape: ModelShape, *, bucket_byt
                     r.kill()
     figures = {"tensors_per_dst_rank": len(vllm_local_params(specs, dst.tp, 0)),
                "buckets": len(plan.buckets), "groups": len(plan.groups),
-               "bytes_per_dst_rank": plan.bytes_received(src.world_size)}
+               "bytes_per_dst_rank": plan.bytes_received(src.world_size),
+               # the most any rank copied through staging buffers (packing + unpacking)
+               "max_bytes_staged": max((st.bytes_packed + st.bytes_unpacked
+                                        for st in stats.values()), default=0),
+               "max_bytes_unpacked": max((st.bytes_unpacked for st in stats.values()),
+                                         default=0)}
     return bad, figures
 
 
@@ -174,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"ok: {src} -> {dst}, model {args.model}: {fig['tensors_per_dst_rank']} tensors per "
           f"generation rank bit-exact, {fig['bytes_per_dst_rank'] / 2**20:.2f} MiB each, "
-          f"{fig['buckets']} buckets on {fig['groups']} groups")
+          f"{fig['buckets']} buckets on {fig['groups']} groups, "
+          f"{fig['max_bytes_unpacked'] / 2**20:.2f} MiB unpacked on the busiest receiver")
     return 0
 
 

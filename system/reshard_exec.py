@@ -1,12 +1,15 @@
 """The resharding executor: runs one rank's part of a :class:`~system.reshard_plan.ReshardPlan`.
 
 Process groups are built from one TCPStore (whose address the caller publishes in name
-resolution), one group per distinct broadcast member set, each through its own ``PrefixStore``,
-so trainer ranks and vLLM workers (which each have their own default group) can share them.
-Buckets run in the plan's global order with a small window of asynchronous broadcasts in
+resolution), one group per distinct broadcast member set and lane, each through its own
+``PrefixStore``, so trainer ranks and vLLM workers (which each have their own default group) can
+share them. Buckets run in the plan's global order with a window of asynchronous broadcasts in
 flight: packing the next bucket overlaps the current transfer, and since every rank issues its
-operations in the same global order no collective can wait on another. Receivers copy each
-region straight from the bucket into their own parameter storage.
+operations in the same global order no collective can wait on another. On gloo, consecutive
+broadcasts among the same ranks alternate between two lanes (their own TCP connections), so one's
+rendezvous overlaps the other's bytes. Nothing is copied where it need not be: a lone region is
+sent from the sender's shard itself, and a receiver takes a run straight into its parameter;
+only packed leftovers are copied out of a staging buffer.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from system.param_specs import Box, ParamSpec, stage_of, tp_box
-from system.reshard_plan import Bucket, ReshardPlan
+from system.reshard_plan import Bucket, ReshardPlan, flat_range
 from system.topology import TrainLayout
 
 
@@ -50,11 +53,14 @@ class GroupFactory:
         self.backend = backend
         self.timeout = datetime.timedelta(seconds=timeout)
         self.prefix = prefix
-        self._groups: dict[tuple[int, ...], Any] = {}
+        self._groups: dict[tuple[tuple[int, ...], int], Any] = {}
 
-    def get(self, members: tuple[int, ...]) -> Any:
-        if members not in self._groups:
-            sub = dist.PrefixStore(f"{self.prefix}/{'-'.join(map(str, members))}", self.store)
+    def get(self, members: tuple[int, ...], lane: int = 0) -> Any:
+        """The group of ``members``; ``lane`` > 0 gives further groups of the same members (their
+        own connections), so that several broadcasts among them can be on the wire at once."""
+        if (members, lane) not in self._groups:
+            key = f"{self.prefix}/{'-'.join(map(str, members))}" + (f"/lane{lane}" if lane else "")
+            sub = dist.PrefixStore(key, self.store)
             idx, size = members.index(self.rank), len(members)
             if self.backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
@@ -62,8 +68,8 @@ class GroupFactory:
                 pg = dist.ProcessGroupNCCL(sub, idx, size, opts)
             else:
                 pg = dist.ProcessGroupGloo(sub, idx, size, self.timeout)
-            self._groups[members] = pg
-        return self._groups[members]
+            self._groups[(members, lane)] = pg
+        return self._groups[(members, lane)]
 
 
 @dataclasses.dataclass
@@ -73,6 +79,8 @@ class ReshardStats:
     bytes_received: int = 0
     buckets: int = 0
     peak_buffer_bytes: int = 0
+    bytes_packed: int = 0    # copied into staging buffers before sending
+    bytes_unpacked: int = 0  # received into staging buffers, then copied into place
 
 
 class ReshardExecutor:
@@ -81,7 +89,7 @@ class ReshardExecutor:
 
     def __init__(self, plan: ReshardPlan, rank: int, groups: GroupFactory,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 inflight: int = 2) -> None:
+                 inflight: int = 4, lanes: int | None = None) -> None:
         if torch.empty(0, dtype=dtype).element_size() != plan.itemsize:
             raise ValueError(f"dtype {dtype} does not match the plan's itemsize {plan.itemsize}")
         self.plan = plan
@@ -89,8 +97,22 @@ class ReshardExecutor:
         self.device = torch.device(device)
         self.dtype = dtype
         self.inflight = max(1, inflight)
-        self.buckets = plan.for_rank(rank)
-        self._groups = {m: groups.get(m) for m in plan.groups if rank in m}
+        # gloo: consecutive broadcasts among the same ranks alternate between two lanes (two
+        # sets of TCP connections), so one's rendezvous and copies overlap the other's transfer;
+        # NCCL runs one communicator's operations in order on its stream: one lane
+        self.lanes = lanes if lanes is not None else (2 if groups.backend == "gloo" else 1)
+        if self.lanes < 1:
+            raise ValueError(f"lanes must be at least 1, got {self.lanes}")
+        count: collections.Counter[tuple[int, ...]] = collections.Counter()
+        self.buckets: list[tuple[Bucket, int]] = []
+        for b in plan.buckets:  # the lane of a bucket: its index among its members' buckets
+            lane = count[b.members] % self.lanes
+            count[b.members] += 1
+            if rank in b.members:
+                self.buckets.append((b, lane))
+        # created in one global sorted order on every rank: no two ranks wait on each other
+        self._groups = {(m, lane): groups.get(m, lane) for m in plan.groups if rank in m
+                        for lane in range(min(self.lanes, count[m]))}
 
     def run(self, src: Mapping[str, torch.Tensor] | None = None,
             src_boxes: Mapping[str, Box] | None = None,
@@ -103,15 +125,16 @@ class ReshardExecutor:
         pending: collections.deque[tuple[Bucket, torch.Tensor | None, Any, int]] = \
             collections.deque()
         live = 0
-        for bucket in self.buckets:
+        for bucket, lane in self.buckets:
             buf, staged = self._buffer(bucket, src, src_boxes, dst)
             if bucket.sender == self.rank:
                 if staged:
                     self._pack(bucket, buf, src, src_boxes)
+                    stats.bytes_packed += buf.numel() * buf.element_size()
                 stats.bytes_sent += buf.numel() * buf.element_size()
             opts = dist.BroadcastOptions()
             opts.rootRank = bucket.members.index(bucket.sender)
-            work = self._groups[bucket.members].broadcast([buf], opts)
+            work = self._groups[(bucket.members, lane)].broadcast([buf], opts)
             extra = buf.numel() * buf.element_size() if staged else 0
             pending.append((bucket, buf if staged else None, work, extra))
             live += extra
@@ -131,20 +154,40 @@ class ReshardExecutor:
     def _buffer(self, bucket: Bucket, src: Mapping[str, torch.Tensor] | None,
                 src_boxes: Mapping[str, Box] | None, dst: Mapping[str, torch.Tensor] | None
                 ) -> tuple[torch.Tensor, bool]:
-        """The tensor to broadcast: for a lone region, the sender's shard or the receiver's
-        parameter itself when that view is contiguous (no copies); else a new flat buffer."""
-        if len(bucket.transfers) == 1:
-            t = bucket.transfers[0]
-            view = None
-            if bucket.sender == self.rank and src is not None and src_boxes is not None:
+        """The tensor to broadcast, without copies where it can be: the sender's shard itself
+        for a lone contiguous region; on a receiver, the range of its own parameter that a run
+        of regions fills back to back. Else a new flat buffer (packed or unpacked)."""
+        view = None
+        if bucket.sender == self.rank:
+            if len(bucket.transfers) == 1 and src is not None and src_boxes is not None:
+                t = bucket.transfers[0]
                 view = src[t.param][_slices(t.box, src_boxes[t.param])]
-            elif dst is not None:
-                mine = [p for p in t.placements if p.rank == self.rank]
-                if len(mine) == 1:
-                    view = dst[mine[0].param][_slices(mine[0].box)]
-            if view is not None and view.is_contiguous() and view.dtype == self.dtype:
-                return view.view(-1), False
+        elif dst is not None:
+            view = self._run_view(bucket, dst)
+        if view is not None and view.is_contiguous() and view.dtype == self.dtype:
+            return view.view(-1), False
         return torch.empty(bucket.numel, dtype=self.dtype, device=self.device), True
+
+    def _run_view(self, bucket: Bucket, dst: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """This receiver's part of ``bucket`` as one slice of one of its parameters, if the
+        bucket's regions land there back to back."""
+        name, start, end = None, None, None
+        for t in bucket.transfers:
+            mine = [p for p in t.placements if p.rank == self.rank]
+            if len(mine) != 1 or (name is not None and mine[0].param != name):
+                return None
+            name = mine[0].param
+            target = dst[name]
+            if not target.is_contiguous():
+                return None
+            rng = flat_range(mine[0].box, tuple(target.shape))
+            if rng is None or (end is not None and rng[0] != end):
+                return None
+            start = rng[0] if start is None else start
+            end = rng[1]
+        if name is None or start is None or end is None:
+            return None
+        return dst[name].view(-1)[start:end]
 
     def _pack(self, bucket: Bucket, buf: torch.Tensor, src: Mapping[str, torch.Tensor] | None,
               src_boxes: Mapping[str, Box] | None) -> None:
@@ -174,4 +217,5 @@ class ReshardExecutor:
                         target.copy_(buf[off:off + n].view(target.shape))
                 off += n
             stats.bytes_received += buf.numel() * buf.element_size()
+            stats.bytes_unpacked += buf.numel() * buf.element_size()
         return extra

@@ -6,7 +6,12 @@ generation ranks ``S..S+D-1``. Every region a generation rank needs is sent once
 training rank that holds it, in one broadcast to every generation rank that needs the same
 region (every replica, and every tp rank that holds it replicated). Senders are balanced by
 bytes across the data-parallel (and replicated tensor-parallel) copies, preferring one on a
-receiver's node. Regions sharing a sender and a receiver set are packed into flat buckets.
+receiver's node; every region of one local parameter from the same holders gets the same sender.
+
+Consecutive regions that land back to back in one local parameter of every receiver (q, k, v
+into vLLM's ``qkv_proj``) form a *run*: one broadcast, received straight into that parameter and
+packed only by its sender. A run (or lone region) of at least ``direct_bytes`` travels alone;
+smaller ones sharing a sender and a receiver set are packed together into flat buckets.
 """
 from __future__ import annotations
 
@@ -162,9 +167,12 @@ def plan_reshard(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec], n
 
     # 1. what each destination tp rank needs: (hf param, region) -> (holders, placements)
     needs: dict[tuple[str, Box], tuple[list[int], list[Placement]]] = {}
+    shapes: dict[tuple[int, str], tuple[int, ...]] = {}  # (receiver, local param) -> shape
     for u in range(dst.tp):
         params: list[DstParam] = local(specs, dst.tp, u)
         for p in params:
+            for replica in range(dst.replicas):
+                shapes[(S + dst.rank(replica, u), p.name)] = p.shape
             for piece in p.pieces:
                 spec = by_name[piece.source]
                 for box, holders in _units(spec, piece.box, src.tp):
@@ -177,16 +185,21 @@ def plan_reshard(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec], n
                     for replica in range(dst.replicas):
                         entry[1].append(Placement(S + dst.rank(replica, u), p.name, local_box))
 
-    # 2. one sender per region, balanced, same node preferred
+    # 2. one sender per region, balanced, same node preferred; all regions of one local
+    # parameter from the same holders get the same sender, so they can form one run
     load = [0] * S
+    chosen: dict[tuple[str, int, tuple[int, ...]], int] = {}
     transfers: list[Transfer] = []
     for (name, box), (holder_tps, placements) in needs.items():
         spec = by_name[name]
         stage = stage_of(spec, num_layers, src.pp)
-        holders = [src.rank(d, t, stage) for t in holder_tps for d in range(src.dp)]
-        recv_nodes = {dst_nodes[p.rank - S] for p in placements}
-        near = [r for r in holders if src_nodes[r] in recv_nodes]
-        sender = min(near or holders, key=lambda r: (load[r], r))
+        key = (placements[0].param, stage, tuple(holder_tps))
+        if key not in chosen:
+            holders = [src.rank(d, t, stage) for t in holder_tps for d in range(src.dp)]
+            recv_nodes = {dst_nodes[p.rank - S] for p in placements}
+            near = [r for r in holders if src_nodes[r] in recv_nodes]
+            chosen[key] = min(near or holders, key=lambda r: (load[r], r))
+        sender = chosen[key]
         numel = 1
         for a, b in box:
             numel *= b - a
@@ -195,26 +208,38 @@ def plan_reshard(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec], n
             transfers.append(Transfer(name, chunk, sender, tuple(
                 Placement(p.rank, p.param, _shift(p.box, box, chunk)) for p in placements)))
 
-    # 3. buckets: same sender and receivers, up to bucket_bytes, interleaved across senders;
-    # large regions alone (sent and received in place)
-    groups: dict[tuple[int, tuple[int, ...]], list[list[Transfer]]] = {}
+    # 3. runs: consecutive regions (each under direct_bytes) that land back to back in one
+    # local parameter of every receiver; a run is received in place, packed by its sender
     cap = max(1, bucket_bytes // itemsize)
+    runs: dict[tuple[int, tuple[int, ...]], list[list[Transfer]]] = {}
     for t in transfers:
-        lists = groups.setdefault((t.sender, t.receivers), [[]])
-        if t.numel * itemsize >= direct_bytes:
-            lists.insert(len(lists) - 1, [t])
-            continue
-        if lists[-1] and sum(x.numel for x in lists[-1]) + t.numel > cap:
-            lists.append([])
-        lists[-1].append(t)
-    for lists in groups.values():
-        if not lists[-1]:
-            lists.pop()
+        rs = runs.setdefault((t.sender, t.receivers), [])
+        last = rs[-1] if rs else None
+        if (last is not None and max(t.numel, last[-1].numel) * itemsize < direct_bytes
+                and sum(x.numel for x in last) + t.numel <= cap
+                and _follows(last[-1], t, shapes)):
+            last.append(t)
+        else:
+            rs.append([t])
+
+    # 4. buckets: a run of at least direct_bytes travels alone; smaller runs from one sender to
+    # one receiver set are packed together, up to bucket_bytes
     per_sender: dict[int, list[Bucket]] = {}
-    for (sender, receivers), lists in groups.items():
-        for ts in lists:
-            per_sender.setdefault(sender, []).append(
-                Bucket(sender, tuple(sorted({sender, *receivers})), tuple(ts)))
+    for (sender, receivers), rs in runs.items():
+        members = tuple(sorted({sender, *receivers}))
+        out = per_sender.setdefault(sender, [])
+        packed: list[Transfer] = []
+        for run in rs:
+            n = sum(x.numel for x in run)
+            if n * itemsize >= direct_bytes:
+                out.append(Bucket(sender, members, tuple(run)))
+                continue
+            if packed and sum(x.numel for x in packed) + n > cap:
+                out.append(Bucket(sender, members, tuple(packed)))
+                packed = []
+            packed.extend(run)
+        if packed:
+            out.append(Bucket(sender, members, tuple(packed)))
     ordered: list[Bucket] = []
     queues = [per_sender[s] for s in sorted(per_sender)]
     while any(queues):
@@ -222,6 +247,34 @@ def plan_reshard(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec], n
             if q:
                 ordered.append(q.pop(0))
     return ReshardPlan(src, dst, tuple(ordered), itemsize)
+
+
+def flat_range(box: Box, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """The flat element range ``box`` covers in a contiguous tensor of ``shape``, or None when
+    it is not one range (it cuts a trailing dimension)."""
+    row = 1
+    for d in range(1, len(shape)):
+        if box[d] != (0, shape[d]):
+            return None
+        row *= shape[d]
+    return box[0][0] * row, box[0][1] * row
+
+
+def _follows(prev: Transfer, t: Transfer, shapes: dict[tuple[int, str], tuple[int, ...]]
+             ) -> bool:
+    """Whether, on every receiver, ``t`` lands right after ``prev`` in the same parameter."""
+    before = {p.rank: p for p in prev.placements}
+    if len(before) != len(prev.placements) or len(t.placements) != len(before):
+        return False
+    for p in t.placements:
+        q = before.get(p.rank)
+        if q is None or q.param != p.param:
+            return False
+        a = flat_range(q.box, shapes[(q.rank, q.param)])
+        b = flat_range(p.box, shapes[(p.rank, p.param)])
+        if a is None or b is None or a[1] != b[0]:
+            return False
+    return True
 
 
 def _shift(local: Box, unit: Box, chunk: Box) -> Box:

@@ -51,7 +51,8 @@ def worker(rank, args, port, out):
     everyone = groups.get(tuple(range(world)))
     plan = plan_reshard(src, dst, specs, shape.num_layers, bucket_bytes=args.bucket_mb << 20,
                         direct_bytes=int(args.direct_mb * (1 << 20)))
-    ex = ReshardExecutor(plan, rank, groups, device=dev, inflight=args.inflight)
+    ex = ReshardExecutor(plan, rank, groups, device=dev, inflight=args.inflight,
+                         lanes=args.lanes)
     by_name = {s.name: s for s in specs}
     # this rank's own tensors
     if rank < S:
@@ -74,24 +75,19 @@ def worker(rank, args, port, out):
             torch.cuda.synchronize(dev)
 
     res = {"rank": rank, "own_bytes": own_bytes}
-    # --- ours ---
-    for i in range(args.repeat + 1):
-        barrier()
-        t = time.perf_counter()
-        stats = ex.run(src=shards, src_boxes=boxes) if rank < S else ex.run(dst=local)
-        sync()
-        barrier()
-        if i:  # first round is warm-up
-            res.setdefault("ours", []).append(time.perf_counter() - t)
-    res["ours_peak_buffer"] = stats.peak_buffer_bytes
-    res["ours_bytes_received"] = stats.bytes_received
-    # --- naive: gather full tensors on rank 0, broadcast each to every generation rank ---
     root_members = tuple([0] + list(range(S, world)))
     root_group = groups.get(root_members) if rank in root_members else None
     tp0 = [src.rank(0, t, p) for p in range(src.pp) for t in range(src.tp)]
-    for i in range(args.repeat + 1):
-        barrier()
-        t = time.perf_counter()
+    nbytes = plan.bytes_received(S)
+    flat = torch.ones(nbytes // 4, device=dev)
+
+    def ours():
+        stats = ex.run(src=shards, src_boxes=boxes) if rank < S else ex.run(dst=local)
+        res["ours_peak_buffer"] = stats.peak_buffer_bytes
+        res["ours_bytes_received"] = stats.bytes_received
+
+    def naive():
+        # gather full tensors on rank 0, broadcast each to every generation rank
         peak = 0
         full_cache = {}
         for s in specs:  # 1. gather: rank 0 collects every tp shard of every stage
@@ -129,25 +125,26 @@ def worker(rank, args, port, out):
                         if pc.source == s.name:
                             n = box_shape(pc.box)[0]
                             local[p.name][pc.offset:pc.offset + n] = buf[_sl(pc.box)]
-        sync()
-        barrier()
-        if i:
-            res.setdefault("naive", []).append(time.perf_counter() - t)
         res["naive_peak_buffer"] = peak
-    # --- link: one flat broadcast of the same per-destination byte count ---
-    nbytes = plan.bytes_received(S)
-    flat = torch.ones(nbytes // 4, device=dev)
-    for i in range(args.repeat + 1):
-        barrier()
-        t = time.perf_counter()
+
+    def link():
+        # one flat broadcast of the same per-destination byte count, from rank 0
         if rank == 0 or rank >= S:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             root_group.broadcast([flat], opts).wait()
-        sync()
-        barrier()
-        if i:
-            res.setdefault("link", []).append(time.perf_counter() - t)
+
+    # rounds interleave the three, so a slow patch of the machine hits all of them alike;
+    # the first round is warm-up
+    for i in range(args.repeat + 1):
+        for name, fn in (("ours", ours), ("naive", naive), ("link", link)):
+            barrier()
+            t = time.perf_counter()
+            fn()
+            sync()
+            barrier()
+            if i:
+                res.setdefault(name, []).append(time.perf_counter() - t)
     res["link_bytes"] = nbytes
     out.put(res)
 
@@ -165,8 +162,10 @@ def main() -> None:
     p.add_argument("--model", default="medium", choices=sorted(MODELS))
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--bucket-mb", type=int, default=256)
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--inflight", type=int, default=2, help="broadcasts in flight per rank")
+    p.add_argument("--repeat", type=int, default=11)
+    p.add_argument("--inflight", type=int, default=4, help="broadcasts in flight per rank")
+    p.add_argument("--lanes", type=int, default=None,
+                   help="groups per member set (default: 2 on gloo, 1 on nccl)")
     p.add_argument("--direct-mb", type=float, default=1.0,
                    help="regions at least this large travel alone, unpacked")
     args = p.parse_args()
@@ -199,7 +198,8 @@ def main() -> None:
     link = med(results[0]["link"])
     per_dst = results[S]["ours_bytes_received"]
     print(f"layouts: {src} -> {dst}, model {args.model}, backend {args.backend}, "
-          f"{world} processes, bucket {args.bucket_mb} MiB, in flight {args.inflight}")
+          f"{world} processes, bucket {args.bucket_mb} MiB, in flight {args.inflight}, "
+          f"lanes {args.lanes or ('2' if args.backend == 'gloo' else '1')}")
     print(f"bytes_per_generation_rank_MiB: {per_dst / 2**20:.1f}")
     print(f"ours_s: {ours:.3f}")
     print(f"naive_s: {naive:.3f}")
