@@ -115,9 +115,11 @@ class Cluster:
         for o in outs:
             for k, v in o.items():
                 stats[k] = stats.get(k, 0.0) + float(v)
-        for k in ("loss", "grad_norm", "seconds"):
+        # each rank's loss is already its share of the global token mean, so the sum is the
+        # loss; the others are per-rank figures, averaged
+        for k in ("grad_norm", "seconds"):
             if k in stats:
-                stats[k] /= 1 if k == "loss" else len(outs)
+                stats[k] /= len(outs)
         return stats
 
     # --- weights ---
@@ -351,8 +353,8 @@ def _next_batch(master: Any, puller: StreamPuller, source: TaskSource,
     while True:
         dropped = buffer.drop_stale(state.step)
         if dropped:
-            admission.discard(dropped)
-            source.give_back(buffer_dropped_ids(buffer))
+            admission.discard(len(dropped))
+            source.give_back([(int(g["prompt_id"]), int(g["epoch"])) for g in dropped])
         got = buffer.take(rl.batch_size, state.step)
         if got is not None:
             return got
@@ -369,11 +371,6 @@ def _next_batch(master: Any, puller: StreamPuller, source: TaskSource,
             continue
         msg["epoch"] = task["epoch"]
         buffer.put(msg, group_version(msg["trajs"], task["version"]))
-
-
-def buffer_dropped_ids(buffer: TrajectoryBuffer) -> list[tuple[int, int]]:
-    """(prompt id, epoch) of the groups the last drop_stale removed (they are redone)."""
-    return [(int(item["prompt_id"]), int(item["epoch"])) for item in buffer.last_dropped]
 
 
 def _train(cluster: Cluster, rl: RLConfig, batch: list[tuple[dict, int]], state: LoopState

@@ -137,7 +137,6 @@ class TrajectoryBuffer:
         self._items: list[tuple[int, int, object]] = []  # (version, arrival, item)
         self._arrivals = 0
         self.dropped = 0
-        self.last_dropped: list[object] = []
 
     def __len__(self) -> int:
         return len(self._items)
@@ -146,15 +145,13 @@ class TrajectoryBuffer:
         self._items.append((version, self._arrivals, item))
         self._arrivals += 1
 
-    def drop_stale(self, current_version: int) -> int:
-        """Remove what is more than ``eta`` versions behind ``current_version``; returns how many
-        (the caller gives their slots back to admission)."""
-        keep = [e for e in self._items if current_version - e[0] <= self.eta]
-        n = len(self._items) - len(keep)
-        self.last_dropped = [e[2] for e in self._items if current_version - e[0] > self.eta]
-        self._items = keep
-        self.dropped += n
-        return n
+    def drop_stale(self, current_version: int) -> list[object]:
+        """Remove what is more than ``eta`` versions behind ``current_version`` and return it
+        (the caller gives the slots back to admission and redoes the prompts)."""
+        stale = [e[2] for e in self._items if current_version - e[0] > self.eta]
+        self._items = [e for e in self._items if current_version - e[0] <= self.eta]
+        self.dropped += len(stale)
+        return stale
 
     def items(self) -> list[tuple[object, int]]:
         """Everything buffered, with versions (for checkpoints)."""

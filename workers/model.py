@@ -22,7 +22,6 @@ from typing import Any, Callable
 from system import names
 from system.errors import ConfigError
 from workers.base import Worker
-from workers.client import WorkerClient
 
 
 @dataclasses.dataclass
@@ -246,14 +245,3 @@ def _tensors(seqs: list) -> list:
 
     return [torch.as_tensor(s, dtype=torch.long) for s in seqs]
 
-
-class ModelWorkerClient(WorkerClient):
-    """The model worker's RPC surface. Engine calls are collective over the data-parallel
-    ranks: submit them to every model worker, then collect (``self.rpc.result``)."""
-
-    def submit(self, method: str, **args: Any) -> int:
-        if method not in ("logprobs", "values", "train_actor", "train_critic",
-                          "weight_sync_init", "send_weights", "save", "save_weights",
-                          "ready", "engine_info"):
-            raise ValueError(f"model workers have no engine call {method!r}")
-        return self.rpc.submit(method, **args)

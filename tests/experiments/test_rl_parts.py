@@ -94,7 +94,7 @@ def test_staleness_admission_with_several_rollout_workers(b, eta, workers, deman
                 for seq, v in arrived:
                     src.finish(seq, accepted=True)
                     buf.put(seq, v)
-                n = buf.drop_stale(step)
+                n = len(buf.drop_stale(step))
                 if n:
                     adm.discard(n)
                 batch = buf.take(b, step)

@@ -54,7 +54,7 @@ def test_no_trained_sample_exceeds_eta(eta):
             if accepted:
                 buffer.put(t, t.version)
         else:  # a training step on version v, then publish v + 1
-            ctl.discard(buffer.drop_stale(ctl.version))
+            ctl.discard(len(buffer.drop_stale(ctl.version)))
             batch = buffer.take(B, ctl.version)
             if batch is not None:
                 ctl.consumed(B)
@@ -73,7 +73,7 @@ def test_buffer_serves_oldest_first_and_drops_stale():
         buf.put(item, version)
     with pytest.raises(RuntimeError):  # b (version 1) is stale at version 3
         buf.take(2, 3)
-    assert buf.drop_stale(3) == 1 and buf.dropped == 1
+    assert buf.drop_stale(3) == ["b"] and buf.dropped == 1
     assert buf.take(2, 3) == [("c", 2), ("a", 3)]
     assert buf.take(2, 3) is None and len(buf) == 1
 
