@@ -234,6 +234,9 @@ def rollout_role(worker: Any) -> dict[str, Any]:
             except Exception as e:  # a server failed or was cut off: give the tasks back
                 log.exception("rollout failed")
                 results, error = [], f"{type(e).__name__}: {e}"
+                # look the servers up again next time: one requeued by Slurm registers anew
+                for server in {t["server"] for t in tasks}:
+                    gens.pop(server).close()
             for k, t in enumerate(tasks):
                 trajs = [tr for i, r in enumerate(results) if owner[i] == k for tr in r]
                 if not error:
