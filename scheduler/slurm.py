@@ -108,7 +108,7 @@ class SlurmScheduler(Scheduler):
     def plan(self, group: GroupSpec) -> SlurmRequest:
         script = render_worker_script(
             exp=self.exp, trial=self.trial, kind=group.kind, count=group.count, slurm=self.slurm,
-            argv=group.argv, env={**group.env, "RLSYS_REQUEUE": str(int(self.slurm.requeue))},
+            argv=group.argv, env=group.env,
             logs_dir=os.path.dirname(group.log_paths[0]), workdir=self.workdir)
         return SlurmRequest(group, os.path.join(self.trial_dir, "jobs", f"{group.kind}.sbatch"),
                             script)

@@ -102,7 +102,8 @@ class SlurmConfig:
     signal_seconds: int = 120
     """Seconds before the time limit at which workers get SIGUSR2 to stop gracefully."""
     requeue: bool = True
-    """Jobs may be requeued (``--requeue``); a worker that got SIGUSR2 requeues its job."""
+    """Jobs may be requeued (``--requeue``): after a worker got SIGUSR2, its job's batch script
+    requeues the job once srun has returned, and the workers rejoin the trial."""
     poll_interval: float = 2.0
     """Seconds between ``squeue`` polls."""
     rejoin_timeout: float = 900.0

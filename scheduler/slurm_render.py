@@ -74,6 +74,7 @@ def render_worker_script(*, exp: str, trial: str, kind: str, count: int, slurm: 
         batch_log=os.path.join(logs_dir, f"slurm-{kind}-%j.log"),
         task_log=os.path.join(logs_dir, f"{kind}-%t.log"),
         signal_seconds=slurm.signal_seconds, requeue=slurm.requeue,
+        requeue_mark=os.path.join(logs_dir, f".requeue-{kind}"),
         env={**env, **group.env}, workdir=workdir,
         command=" ".join(shell_quote(a) for a in argv), **_inherit(group, slurm))
 

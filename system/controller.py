@@ -139,9 +139,9 @@ class Controller:
                                 worker, st.log_paths[0] if st.log_paths else None)
 
     def _settled(self, statuses: list[JobStatus]) -> list[JobStatus]:
-        """A requeued Slurm job can show a failed state (its batch script exits non-zero as the
-        requeue cancels its step) before it is pending again: with requeue on, give a job that
-        looks ended a few seconds and ask again before judging it."""
+        """A requeued Slurm job can briefly show an ended state (its batch script is killed by
+        the requeue) before it is pending again: with requeue on, give a job that looks ended a
+        few seconds and ask again before judging it."""
         slurm = self.cfg.scheduler.slurm
         if self.cfg.scheduler.type.value != "slurm" or not slurm.requeue:
             return statuses

@@ -143,16 +143,19 @@ class Worker:
         self.stop()
 
     def _requeue_if_preempted(self) -> None:
-        """After SIGUSR2 under Slurm with requeue on, task 0 requeues its job, whose workers
-        then rejoin the trial (the controller configures and starts them again)."""
-        if (self.signalled != "SIGUSR2" or os.environ.get("RLSYS_REQUEUE") != "1"
-                or "SLURM_JOB_ID" not in os.environ or os.environ.get("SLURM_PROCID", "0") != "0"):
+        """After SIGUSR2 under Slurm with requeue on, ask for a requeue of the job: create the
+        file its batch script checks once srun has returned (it then runs ``scontrol requeue``;
+        the workers rejoin the trial, and the controller configures and starts them again)."""
+        mark = os.environ.get("RLSYS_REQUEUE_MARK")
+        if self.signalled != "SIGUSR2" or not mark:
             return
-        import subprocess
-
-        job = os.environ["SLURM_JOB_ID"]
-        r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-        log.warning("requeue of job %s: %s", job, "ok" if r.returncode == 0 else r.stderr.strip())
+        try:
+            with open(mark, "a"):
+                pass
+            log.warning("requeue of job %s requested (%s)", os.environ.get("SLURM_JOB_ID"), mark)
+        except OSError as e:
+            log.error("could not request the requeue of job %s: %s",
+                      os.environ.get("SLURM_JOB_ID"), e)
 
     @property
     def stopping(self) -> bool:

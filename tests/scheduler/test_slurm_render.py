@@ -48,7 +48,7 @@ def render(kind: str, count: int, slurm: SlurmConfig) -> str:
         exp="gsm8k", trial="t1", kind=kind, count=count, slurm=slurm,
         argv=["/opt/py env/bin/python", "-m", "workers.run", "--trial-dir", f"{ODD}/gsm8k/t1",
               "--kind", kind],
-        env={"PYTHONUNBUFFERED": "1", "RLSYS_REQUEUE": "1"}, logs_dir=f"{ODD}/gsm8k/t1/logs",
+        env={"PYTHONUNBUFFERED": "1"}, logs_dir=f"{ODD}/gsm8k/t1/logs",
         workdir="/home/a b/project")
 
 
