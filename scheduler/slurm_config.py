@@ -108,6 +108,9 @@ class SlurmConfig:
     """Seconds between ``squeue`` polls."""
     rejoin_timeout: float = 900.0
     """Seconds the controller waits for a requeued job's workers to register again."""
+    requeue_grace: float = 30.0
+    """Seconds the controller waits, after a worker failed a start-up call (configure, start),
+    for its job to show a requeue before it fails the trial."""
     python: str = ""
     """Python executable on the compute nodes (empty: the launcher's own)."""
     workdir: str = ""
@@ -126,6 +129,8 @@ class SlurmConfig:
     def __post_init__(self) -> None:
         if self.signal_seconds < 0:
             raise ConfigError(f"scheduler.slurm.signal_seconds must be >= 0, got {self.signal_seconds}")
+        if self.requeue_grace < 0:
+            raise ConfigError(f"scheduler.slurm.requeue_grace must be >= 0, got {self.requeue_grace}")
         if self.poll_interval <= 0:
             raise ConfigError(f"scheduler.slurm.poll_interval must be > 0, got {self.poll_interval}")
         if self.time and not _TIME_RE.match(self.time):

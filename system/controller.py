@@ -77,6 +77,7 @@ class Controller:
         self.addresses: dict[str, str] = {}
         self.rejoining: dict[str, float] = {}  # worker -> deadline to register again
         self._restarts: dict[str, int] = {}
+        self._incarnation: dict[str, int] = {}  # worker -> restart count it was configured at
         self.timeline: dict[str, float] = {}
         self.progress = Progress(f"{cfg.exp}/{cfg.trial}", cfg.controller.progress)
         self._t0 = time.time()
@@ -158,6 +159,8 @@ class Controller:
                 self._restarts[st.job_id] = st.restarts
                 deadline = time.monotonic() + self.cfg.scheduler.slurm.rejoin_timeout
                 for w in st.workers:
+                    if self._incarnation.get(w, -1) >= st.restarts:
+                        continue  # already configured in its new incarnation (start-up)
                     self.rejoining[w] = deadline
                     client = self.clients.pop(w, None)
                     if client is not None:
@@ -228,7 +231,7 @@ class Controller:
             if registered == expected:
                 break
             self._check_reported_errors()
-            self._check_jobs("before registering")
+            self._check_jobs("before registering", self._settled(self.scheduler.poll()))
             if time.monotonic() > deadline:
                 missing = sorted(expected - registered)
                 logs = "\n".join(f"  {w}: {self.logs[w]}" for w in missing)
@@ -244,15 +247,41 @@ class Controller:
                     RpcClient(self.codec, address, self.cfg.rpc.request_timeout), name)
 
     def _ordered(self, kinds: tuple[str, ...] = tuple(KINDS)) -> list[WorkerClient]:
-        return [self.clients[w] for k in kinds for w in self.groups[k].worker_names()]
+        """Clients of every worker of ``kinds``, in order, but those rejoining after a requeue
+        (configured and started by :meth:`_rejoin` once they registered again)."""
+        return [self.clients[w] for k in kinds for w in self.groups[k].worker_names()
+                if w not in self.rejoining]
 
     def _call_all(self, clients: list[WorkerClient], method: str,
-                  args: list[dict[str, Any]] | None = None) -> None:
+                  args: list[dict[str, Any]] | None = None) -> list[Any]:
+        """Call ``method`` on every client at once. A failure fails the trial unless the
+        worker's job was requeued (preempted during start-up): it rejoins later instead."""
         results = gather(clients, method, self.cfg.rpc.request_timeout, args)
+        if method == "configure":  # first: a worker configured in its new incarnation is current
+            for c, r in zip(clients, results):
+                if isinstance(r, dict):
+                    self._incarnation[c.name] = int(r.get("restart", 0))
         for c, r in zip(clients, results):
-            if isinstance(r, Exception):
+            if isinstance(r, Exception) and not self._requeued(c.name):
                 raise WorkerFailure(f"{method} of worker {c.name} failed: {r}; log: "
                                     f"{self.logs[c.name]}", c.name, self.logs[c.name])
+        return results
+
+    def _requeued(self, worker: str) -> bool:
+        """Whether ``worker``'s job was requeued, asking the scheduler for up to
+        ``scheduler.slurm.requeue_grace`` seconds (the batch script requeues once srun has
+        returned, after every task's graceful stop)."""
+        slurm = self.cfg.scheduler.slurm
+        if self.cfg.scheduler.type.value != "slurm" or not slurm.requeue:
+            return False
+        deadline = time.monotonic() + slurm.requeue_grace
+        while True:
+            self._note_restarts(self.scheduler.poll(fresh=True))
+            if worker in self.rejoining:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
 
     def _configure(self) -> None:
         configs = worker_configs(self.cfg, self.experiment)
@@ -268,7 +297,6 @@ class Controller:
 
     def _watch(self) -> dict[str, Any]:
         cc = self.cfg.controller
-        master = self.clients["master/0"]
         hb_prefix = names.heartbeats(self.cfg.exp, self.cfg.trial)
         last_master_answer = time.monotonic()
         started = time.monotonic()

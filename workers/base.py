@@ -79,12 +79,15 @@ class Worker:
                 "resume": self.resume, "stop": self.stop, "ping": self.ping,
                 "report": self.report}
 
-    def configure(self, config: dict[str, Any]) -> None:
+    def configure(self, config: dict[str, Any]) -> dict[str, int]:
+        """Returns this worker's incarnation (its job's restart count), so the controller can
+        tell a worker it already configured from one that is yet to rejoin."""
         if self.state not in (WorkerState.CREATED, WorkerState.CONFIGURED):
             raise RuntimeError(f"cannot configure a worker in state {self.state.value}")
         self.config = config
         self.on_configure(config)
         self.state = WorkerState.CONFIGURED
+        return {"restart": int(os.environ.get("SLURM_RESTART_COUNT", 0))}
 
     def start(self) -> None:
         if self.state != WorkerState.CONFIGURED:

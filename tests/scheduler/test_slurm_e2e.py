@@ -47,15 +47,15 @@ def heartbeats(fileroot: str, exp: str, trial: str) -> int:
 
 
 @contextlib.contextmanager
-def running_trial(slurm_cluster, root: str, trial: str, *extra: str):
-    """A trial launched in the background, yielded once all 9 workers are heart-beating; the
-    launcher is killed on the way out if it is still running."""
+def running_trial(slurm_cluster, root: str, trial: str, *extra: str, ready: int = 9):
+    """A trial launched in the background, yielded once ``ready`` workers (default: all 9) are
+    heart-beating; the launcher is killed on the way out if it is still running."""
     proc = subprocess.Popen(launch_argv("exp=smoke", f"trial={trial}", f"cluster.fileroot={root}",
                                         *SLURM, *extra),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **slurm_cluster.env})
     try:
-        wait_for(lambda: heartbeats(root, "smoke", trial) == 9, 90, "9 heartbeats")
+        wait_for(lambda: heartbeats(root, "smoke", trial) >= ready, 90, f"{ready} heartbeats")
         yield proc
     finally:
         if proc.poll() is None:
@@ -141,6 +141,31 @@ def test_preemption_signal_requeues_and_workers_rejoin(slurm_cluster, tmp_path, 
     assert squeue(slurm_cluster.env, "smoke", "requeue") == []
 
 
+def test_preemption_during_start_up_rejoins(slurm_cluster, tmp_path):
+    """USR2 to the rollout job while the trial is still starting (its first worker has just
+    registered; the controller is registering or configuring): the job requeues, and whether
+    the controller meets the new incarnation while configuring or later, the trial completes
+    with every trajectory."""
+    root = str(tmp_path / "runs")
+    # the master's job begins 8 s late, so the controller is still waiting for it to register
+    # when the rollout workers stop; it then configures them at their old, dead addresses (3 s
+    # timeout) while their requeued job is held back, and must treat that as a requeue
+    proc, err, job = _preempt_rollout_job(
+        slurm_cluster, root, "early",
+        ['scheduler.slurm.master.extra_sbatch=["--begin=now+8"]', "rpc.request_timeout=3"],
+        when="startup", hold=16.0)
+    assert proc.returncode == 0, err
+    s = read_summary(root, "smoke", "early")
+    assert s["status"] == "completed" and s["restarts"] == {job: 1}
+    res = s["results"]
+    assert res["trajectories_received"] == res["trajectories_valid"] == 400
+    rejoined = " ".join(line for line in err.splitlines() if line.startswith("rejoined:"))
+    assert all(f"rollout/{i}" in rejoined for i in range(4)), err
+    with open(os.path.join(root, "smoke", "early", "logs", f"slurm-rollout-{job}.log")) as f:
+        assert "requeue (a worker was preempted)" in f.read()
+    assert squeue(slurm_cluster.env, "smoke", "early") == []
+
+
 def test_detach_submits_the_controller(slurm_cluster, tmp_path):
     root = str(tmp_path / "runs")
     r = run_launch("exp=smoke", "trial=det", f"cluster.fileroot={root}", *SLURM, "--detach",
@@ -172,16 +197,20 @@ def test_dry_run_and_test_only(slurm_cluster, tmp_path):
     assert squeue(slurm_cluster.env, "smoke", "dry") == []
 
 
-def _preempt_rollout_job(slurm_cluster, root: str, trial: str, extra: list[str]):
-    """Run the smoke trial, USR2 its rollout job mid-run, make the requeued job eligible at once,
-    and wait for the launcher: ``(process, stderr, job id)``."""
+def _preempt_rollout_job(slurm_cluster, root: str, trial: str, extra: list[str],
+                         when: str = "running", hold: float = 2.0):
+    """Run the smoke trial, USR2 its rollout job (``running``: mid-run; ``startup``: as soon as
+    its first worker registered), make the requeued job eligible ``hold`` seconds after the
+    requeue, and wait for the launcher: ``(process, stderr, job id)``."""
     env = {**os.environ, **slurm_cluster.env}
-    with running_trial(slurm_cluster, root, trial, "smoke.min_duration=25", *extra) as proc:
-        # preempt mid-run: the master publishes its stream once every worker was started
-        # (preemption during start-up is not handled yet: see the README)
+    with running_trial(slurm_cluster, root, trial, "smoke.min_duration=25", *extra,
+                       ready=9 if when == "running" else 0) as proc:
         nr = FileNameResolve(os.path.join(root, ".name_resolve"))
-        nr.wait(f"smoke/{trial}/stream/trajectories", timeout=90)
-        time.sleep(3.0)  # and let the job's srun step settle
+        if when == "running":  # the master publishes its stream once every worker was started
+            nr.wait(f"smoke/{trial}/stream/trajectories", timeout=90)
+            time.sleep(3.0)  # and let the job's srun step settle
+        else:
+            nr.wait(f"smoke/{trial}/worker/rollout/0", timeout=90)
         job = job_of(slurm_cluster.env, "smoke", trial, "rollout")
         subprocess.run(["scancel", "--signal=USR2", job], check=True, env=env)
 
@@ -193,7 +222,7 @@ def _preempt_rollout_job(slurm_cluster, root: str, trial: str, extra: list[str])
         # Slurm holds a requeued job back (BeginTime) for a while; make it eligible, but not
         # within the second of the kill: slurmd refuses a job whose credential was revoked in
         # the same second ("Job credential revoked"), and the job then ends FAILED
-        time.sleep(2.0)
+        time.sleep(hold)
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True,
                        env=env)
         _, err = proc.communicate(timeout=180)
