@@ -195,15 +195,13 @@ class Controller:
                                     f"log: {self.logs[w]}", w, self.logs[w])
         if not back:
             return
-        configs = worker_configs(self.cfg, self.experiment)
         clients = []
         for w in back:
             self.addresses[w] = found[w]
             self.clients[w] = WorkerClient(RpcClient(self.codec, found[w],
                                                      self.cfg.rpc.request_timeout), w)
             clients.append(self.clients[w])
-        self._call_all(clients, "configure", [{"config": configs[c.name.split("/")[0]]}
-                                              for c in clients])
+        self._configure_all(clients)
         self._call_all(clients, "start")
         for w in back:
             del self.rejoining[w]
@@ -252,20 +250,28 @@ class Controller:
         return [self.clients[w] for k in kinds for w in self.groups[k].worker_names()
                 if w not in self.rejoining]
 
-    def _call_all(self, clients: list[WorkerClient], method: str,
-                  args: list[dict[str, Any]] | None = None) -> list[Any]:
-        """Call ``method`` on every client at once. A failure fails the trial unless the
-        worker's job was requeued (preempted during start-up): it rejoins later instead."""
-        results = gather(clients, method, self.cfg.rpc.request_timeout, args)
-        if method == "configure":  # first: a worker configured in its new incarnation is current
-            for c, r in zip(clients, results):
-                if isinstance(r, dict):
-                    self._incarnation[c.name] = int(r.get("restart", 0))
+    def _call_all(self, clients: list[WorkerClient], method: str) -> None:
+        """Call ``method`` on every client at once (see :meth:`_check`)."""
+        self._check(clients, method, gather(clients, method, self.cfg.rpc.request_timeout))
+
+    def _configure_all(self, clients: list[WorkerClient]) -> None:
+        """Configure every client at once; record the incarnation each answers from (before
+        judging failures: a worker configured in its new incarnation is not waited for)."""
+        configs = worker_configs(self.cfg, self.experiment)
+        results = gather(clients, "configure", self.cfg.rpc.request_timeout,
+                         [{"config": configs[c.name.split("/")[0]]} for c in clients])
+        for c, r in zip(clients, results):
+            if isinstance(r, dict):
+                self._incarnation[c.name] = int(r.get("restart", 0))
+        self._check(clients, "configure", results)
+
+    def _check(self, clients: list[WorkerClient], method: str, results: list[Any]) -> None:
+        """A failed call fails the trial unless the worker's job was requeued (preempted during
+        start-up): it rejoins later instead."""
         for c, r in zip(clients, results):
             if isinstance(r, Exception) and not self._requeued(c.name):
                 raise WorkerFailure(f"{method} of worker {c.name} failed: {r}; log: "
                                     f"{self.logs[c.name]}", c.name, self.logs[c.name])
-        return results
 
     def _requeued(self, worker: str) -> bool:
         """Whether ``worker``'s job was requeued, asking the scheduler for up to
@@ -284,10 +290,7 @@ class Controller:
             time.sleep(0.5)
 
     def _configure(self) -> None:
-        configs = worker_configs(self.cfg, self.experiment)
-        clients = self._ordered()
-        self._call_all(clients, "configure",
-                       [{"config": configs[c.name.split("/")[0]]} for c in clients])
+        self._configure_all(self._ordered())
         self.timeline["configured"] = time.time()
 
     def _start(self) -> None:

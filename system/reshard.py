@@ -52,18 +52,18 @@ def reference(spec: ParamSpec, seed: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _rank_main(rank: int, src: TrainLayout, dst: GenLayout, shape: ModelShape,
-               sizes: tuple[int, int, int | None], dtype: torch.dtype, nr_root: str, seed: int,
+               opts: tuple[int, int, int | None], dtype: torch.dtype, nr_root: str, seed: int,
                corrupt_rank: int | None, out: Any) -> None:
     try:
         if rank == corrupt_rank:
             seed += 1  # fault injection: this rank's shards are not the reference's
-        out.put((rank, *_rank_body(rank, src, dst, shape, sizes, dtype, nr_root, seed)))
+        out.put((rank, *_rank_body(rank, src, dst, shape, opts, dtype, nr_root, seed)))
     except Exception as e:  # report, do not hang the parent
         out.put((rank, [f"rank {rank} failed: {type(e).__name__}: {e}"], None))
 
 
 def _rank_body(rank: int, src: TrainLayout, dst: GenLayout, shape: ModelShape,
-               sizes: tuple[int, int, int | None], dtype: torch.dtype, nr_root: str, seed: int
+               opts: tuple[int, int, int | None], dtype: torch.dtype, nr_root: str, seed: int
                ) -> tuple[list[str], ReshardStats]:
     torch.set_num_threads(1)
     host, port = FileNameResolve(nr_root).wait(STORE_KEY, timeout=60).rsplit(":", 1)
@@ -73,9 +73,9 @@ def _rank_body(rank: int, src: TrainLayout, dst: GenLayout, shape: ModelShape,
     specs = qwen2_specs(shape)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     plan = plan_reshard(src, dst, specs, shape.num_layers, itemsize=itemsize,
-                        bucket_bytes=sizes[0], direct_bytes=sizes[1])
+                        bucket_bytes=opts[0], direct_bytes=opts[1])
     executor = ReshardExecutor(plan, rank, GroupFactory(store, rank, timeout=120), dtype=dtype,
-                               lanes=sizes[2])
+                               lanes=opts[2])
     by_name = {s.name: s for s in specs}
     if rank < src.world_size:
         boxes = train_shard_boxes(specs, src, rank, shape.num_layers)
