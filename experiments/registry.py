@@ -1,15 +1,35 @@
-"""The experiment registry: ``exp=NAME`` names a function returning the root config."""
+"""What an experiment is: a named config factory and the role each worker kind plays in it.
+
+The experiments themselves are listed in :mod:`experiments.catalog`.
+"""
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from typing import Callable, Mapping
+from typing import Any, Callable, TypeVar
 
-from system.config import ExperimentConfig
-from system.errors import ConfigError
+from system.launcher.config import ExperimentConfig
+from workers.base import Worker
+from workers.generation import GenerationServer
+from workers.master import MasterWorker
+from workers.model import ModelWorker
+from workers.rollout import RolloutWorker
 
-# modules that register experiments; imported on first lookup
-EXPERIMENT_MODULES = ("experiments.smoke", "experiments.rl")
+W = TypeVar("W", bound=Worker)
+Role = Callable[[W], "dict[str, Any] | None"]
+"""What a worker runs after ``start``: returns its result (sent back in ``report``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    """The role of every worker kind."""
+
+    master: Callable[[MasterWorker], dict[str, Any] | None]
+    model: Callable[[ModelWorker], dict[str, Any] | None]
+    generation: Callable[[GenerationServer], dict[str, Any] | None]
+    rollout: Callable[[RolloutWorker], dict[str, Any] | None]
+
+    def of(self, kind: str) -> Callable[[Any], dict[str, Any] | None]:
+        return getattr(self, kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,39 +37,14 @@ class Experiment:
     """A named experiment: its config factory and the role each worker kind plays in it."""
 
     name: str
-    doc: str
     make_config: Callable[[], ExperimentConfig]
-    roles: Mapping[str, str]
-    """``kind -> "module:function"`` run by that kind's workers after ``start``."""
+    roles: Roles
     section: str | None = None
     """The experiment's own config section, sent to every worker."""
 
-
-_REGISTRY: dict[str, Experiment] = {}
-
-
-def register(name: str, roles: Mapping[str, str], section: str | None = None
-             ) -> Callable[[Callable[[], ExperimentConfig]], Callable[[], ExperimentConfig]]:
-    def deco(fn: Callable[[], ExperimentConfig]) -> Callable[[], ExperimentConfig]:
-        if name in _REGISTRY:
-            raise ValueError(f"experiment {name!r} registered twice")
-        _REGISTRY[name] = Experiment(name, (fn.__doc__ or "").strip(), fn, dict(roles), section)
-        return fn
-    return deco
+    @property
+    def doc(self) -> str:
+        return (self.make_config.__doc__ or "").strip()
 
 
-def _load() -> None:
-    for module in EXPERIMENT_MODULES:
-        importlib.import_module(module)
 
-
-def all_experiments() -> dict[str, Experiment]:
-    _load()
-    return dict(sorted(_REGISTRY.items()))
-
-
-def get_experiment(name: str) -> Experiment:
-    exps = all_experiments()
-    if name not in exps:
-        raise ConfigError(f"unknown experiment exp={name!r}; valid: {sorted(exps)}")
-    return exps[name]

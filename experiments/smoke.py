@@ -17,13 +17,19 @@ from typing import Any
 
 import numpy as np
 
-from experiments.registry import register
+from experiments.registry import Experiment, Roles
 from system import names
-from system.config import ExperimentConfig
+from system.launcher.config import ExperimentConfig
 from system.errors import ConfigError
 from system.rpc import StreamPuller
-from workers.client import PeerClients, WorkerClient, gather
+from workers.base import Worker
+from workers.client import collect_settled
+from workers.generation import GenerationClient, GenerationServer
 from workers.kinds import KINDS as WORKER_KINDS
+from workers.master import MasterWorker
+from workers.model import ModelWorker
+from workers.peers import PeerClients
+from workers.rollout import RolloutWorker
 
 KINDS = tuple(WORKER_KINDS)
 
@@ -90,10 +96,6 @@ class SmokeExperimentConfig(ExperimentConfig):
                               f"{self.worker_counts()[spec[0]]} {spec[0]} worker(s)")
 
 
-ROLES = {kind: f"experiments.smoke:{kind}_role" for kind in KINDS}
-
-
-@register("smoke", roles=ROLES, section="smoke")
 def smoke() -> SmokeExperimentConfig:
     """Control-plane smoke test: real processes, sockets, streams and a gloo all-reduce; no model."""
     return SmokeExperimentConfig()
@@ -101,7 +103,7 @@ def smoke() -> SmokeExperimentConfig:
 
 # --- roles -------------------------------------------------------------------------------------
 
-def _cfg(worker: Any) -> SmokeConfig:
+def _cfg(worker: Worker) -> SmokeConfig:
     cfg = SmokeConfig(**worker.config["experiment"])
     spec = cfg.crash_spec()
     if spec and spec[0] == worker.kind and spec[1] == worker.index:
@@ -117,20 +119,20 @@ def _checksum(tokens: np.ndarray) -> int:
     return int(tokens.astype(np.int64).sum())
 
 
-def rollout_role(worker: Any) -> dict[str, Any]:
+def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
     cfg = _cfg(worker)
     pusher = worker.trajectory_stream()
     gens = sorted(worker.peers("generation").items())
-    clients = [worker.client(addr) for _, addr in gens]
+    clients = [GenerationClient(worker.client(addr), name) for name, addr in gens]
     rng = np.random.default_rng(worker.index)
     sent = echoed = 0
     try:
         for seq in range(cfg.trajectories_per_worker):
-            if not worker.wait_unpaused():
+            if worker.stopping:
                 break
             tokens = rng.integers(0, 32000, cfg.tokens_per_trajectory, dtype=np.int32)
             if clients:
-                reply = clients[seq % len(clients)].call("echo", tokens=tokens)
+                reply = clients[seq % len(clients)].echo(tokens).result()
                 if not np.array_equal(reply["tokens"], tokens):
                     raise RuntimeError("generation server echoed different tokens")
                 echoed += 1
@@ -147,13 +149,13 @@ def rollout_role(worker: Any) -> dict[str, Any]:
     return {"sent": sent, "echoed": echoed}
 
 
-def generation_role(worker: Any) -> dict[str, Any]:
+def generation_role(worker: GenerationServer) -> dict[str, Any]:
     _cfg(worker)
     worker.wait_stop()  # serves echo requests from its RPC thread until stopped
     return {"requests": worker.requests}
 
 
-def model_role(worker: Any) -> dict[str, Any]:
+def model_role(worker: ModelWorker) -> dict[str, Any]:
     import torch
 
     cfg = _cfg(worker)
@@ -168,7 +170,7 @@ def model_role(worker: Any) -> dict[str, Any]:
             "gpus_on_node": int(os.environ.get("SLURM_GPUS_ON_NODE", 0))}
 
 
-def master_role(master: Any) -> dict[str, Any]:
+def master_role(master: MasterWorker) -> dict[str, Any]:
     cfg = _cfg(master)
     counts: dict[str, int] = master.config["counts"]
     expected = counts["rollout"] * cfg.trajectories_per_worker
@@ -184,7 +186,7 @@ def master_role(master: Any) -> dict[str, Any]:
     next_ping = 0.0
     try:
         while len(inbox.seen) < expected or time.monotonic() - t0 < cfg.min_duration:
-            if not master.wait_unpaused():
+            if master.stopping:
                 raise RuntimeError("stopped before completion")
             if time.monotonic() - t0 > max(cfg.timeout, cfg.min_duration + 10):
                 raise TimeoutError(f"only {len(inbox.seen)}/{expected} trajectories within "
@@ -192,14 +194,14 @@ def master_role(master: Any) -> dict[str, Any]:
             inbox.take(0.05)
             if time.monotonic() >= next_ping:
                 peers.refresh()
-                results = gather(peers.all(), "ping", ping_timeout)
+                results = collect_settled([c.ping() for c in peers.all()], ping_timeout)
                 pings += len(results)
                 ping_failures += sum(isinstance(r, Exception) for r in results)
                 next_ping = time.monotonic() + cfg.ping_interval
             master.set_progress(trajectories=f"{len(inbox.seen)}/{expected}")
         _wait_peers_done(master, peers, cfg, ping_timeout, inbox)
         clients = peers.all()
-        reports = gather(clients, "report", master.master_cfg.peer_timeout)
+        reports = collect_settled([c.report() for c in clients], master.master_cfg.peer_timeout)
     finally:
         peers.close()
         puller.close()
@@ -259,7 +261,7 @@ class _Inbox:
         self.per_worker[key[0]] = self.per_worker.get(key[0], 0) + 1
 
 
-def _wait_peers_done(master: Any, peers: PeerClients, cfg: SmokeConfig, timeout: float,
+def _wait_peers_done(master: MasterWorker, peers: PeerClients, cfg: SmokeConfig, timeout: float,
                      inbox: _Inbox) -> None:
     """Wait until every model and rollout worker finished its role (generation servers serve
     until stopped), reading the stream meanwhile."""
@@ -268,7 +270,7 @@ def _wait_peers_done(master: Any, peers: PeerClients, cfg: SmokeConfig, timeout:
         inbox.take(0.0)
         peers.refresh()
         finite = peers.of_kind("model", "rollout")
-        pings = gather(finite, "ping", timeout)
+        pings = collect_settled([c.ping() for c in finite], timeout)
         pending = [c.name for c, p in zip(finite, pings)
                    if isinstance(p, Exception) or p["state"] != "completed"]
         if not pending:
@@ -278,3 +280,8 @@ def _wait_peers_done(master: Any, peers: PeerClients, cfg: SmokeConfig, timeout:
         if master.stopping:
             raise RuntimeError("stopped before completion")
         inbox.take(0.05)
+
+
+SMOKE = Experiment("smoke", smoke, Roles(master=master_role, model=model_role,
+                                         generation=generation_role, rollout=rollout_role),
+                   section="smoke")

@@ -11,13 +11,6 @@ import dataclasses
 import enum
 from typing import Mapping
 
-from scheduler.slurm_config import SlurmConfig
-from system.errors import ConfigError
-
-
-class SchedulerKind(str, enum.Enum):
-    LOCAL = "local"
-    SLURM = "slurm"
 
 
 class JobState(str, enum.Enum):
@@ -39,28 +32,6 @@ class JobState(str, enum.Enum):
     def active(self) -> bool:
         """Still queued or running (UNKNOWN counts: absence of news is not a failure)."""
         return self in (JobState.PENDING, JobState.RUNNING, JobState.REQUEUED, JobState.UNKNOWN)
-
-
-@dataclasses.dataclass
-class SchedulerConfig:
-    """How worker jobs are started."""
-
-    type: SchedulerKind = SchedulerKind.LOCAL
-    """``local`` (subprocesses on this machine) or ``slurm`` (sbatch jobs)."""
-    stop_grace: float = 5.0
-    """Seconds between the polite stop (SIGTERM) and SIGKILL / forced cancel."""
-    slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
-    """Slurm job settings (used with ``scheduler=slurm``)."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.type, str) and not isinstance(self.type, SchedulerKind):
-            try:
-                self.type = SchedulerKind(self.type)
-            except ValueError:
-                raise ConfigError(f"scheduler.type={self.type!r} is not one of "
-                                  f"{[k.value for k in SchedulerKind]}") from None
-        if self.stop_grace < 0:
-            raise ConfigError(f"scheduler.stop_grace must be >= 0, got {self.stop_grace}")
 
 
 @dataclasses.dataclass(frozen=True)

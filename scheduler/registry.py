@@ -1,12 +1,12 @@
 """Build the scheduler a config names."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from scheduler.base import Scheduler, SchedulerKind
+from scheduler.base import Scheduler
+from scheduler.config import SchedulerKind
+from system.paths import PROJECT_ROOT
 
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_scheduler(cfg: Any, trial_dir: str) -> Scheduler:

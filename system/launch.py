@@ -20,13 +20,13 @@ import sys
 
 from omegaconf import OmegaConf
 
-from experiments.registry import all_experiments, get_experiment
-from system.config import ExperimentConfig
-from system.controller import Controller, group_specs
+from experiments.catalog import all_experiments, get_experiment
+from system.launcher.config import ExperimentConfig
+from system.launcher.controller import Controller, group_specs
 from system.errors import ConfigError, RLSystemError
 from system.name_resolve import make_name_resolve
-from system.overrides import apply_overrides, describe_config, parse_cli
-from system.trial import name_resolve_root, prepare_trial
+from system.launcher.overrides import apply_overrides, describe_config, parse_cli
+from system.launcher.trial_dir import name_resolve_root, prepare_trial
 from system.wire import Codec
 
 
@@ -110,7 +110,7 @@ def detach(cfg: ExperimentConfig, paths, argv: list[str]) -> int:
     """Submit the controller itself as a CPU job and return."""
     import os
 
-    from scheduler.registry import PROJECT_ROOT
+    from system.paths import PROJECT_ROOT
     from scheduler.slurm import SlurmRequest, SlurmScheduler
     from scheduler.slurm_render import render_controller_script
 

@@ -255,10 +255,6 @@ class FileNameResolve(NameResolve):
             if self.ENTRY in files:
                 yield os.path.relpath(dirpath, self.root).replace(os.sep, "/")
 
-    def wipe(self) -> None:
-        """Delete the whole backend directory (tests only)."""
-        shutil.rmtree(self.root, ignore_errors=True)
-
 
 class RedisNameResolve(NameResolve):
     """Redis backend: ``SET NX PX`` for add, native TTLs, ``SCAN MATCH`` for subtrees."""

@@ -41,3 +41,8 @@ def stream(exp: str, trial: str, name: str) -> str:
 def store(exp: str, trial: str, group: str) -> str:
     """``host:port`` of the TCPStore that rendezvous a torch.distributed group."""
     return f"{exp}/{trial}/store/{group}"
+
+
+def http_address(exp: str, trial: str, index: int) -> str:
+    """``http://host:port`` of generation server ``index``'s OpenAI-compatible endpoint."""
+    return f"{exp}/{trial}/http/{index}"

@@ -292,7 +292,6 @@ class StreamPuller:
         _limit_frames(self._sock, codec.max_message_bytes)
         self.address = _bind_random(self._sock, host)
         self.drops = DropCounters()
-        self.received = 0
 
     def recv(self, timeout: float) -> Any | None:
         """The next valid message, or ``None`` if none arrived within ``timeout`` seconds.
@@ -307,7 +306,6 @@ class StreamPuller:
             except DroppedMessage as e:
                 setattr(self.drops, e.reason, getattr(self.drops, e.reason) + 1)
                 continue
-            self.received += 1
             return msg
 
     def close(self) -> None:
@@ -325,7 +323,6 @@ class StreamPusher:
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.connect(address)
-        self.sent = 0
 
     def send(self, payload: Any, timeout: float = 30.0) -> None:
         frames = self._codec.encode(payload)
@@ -334,7 +331,6 @@ class StreamPusher:
             send_frames(self._sock, frames)
         except zmq.Again:
             raise RpcTimeout(f"stream {self.address} stayed full for {timeout:.1f}s") from None
-        self.sent += 1
 
     def close(self, linger: float = 2.0) -> None:
         self._sock.close(linger=int(linger * 1000))

@@ -1,15 +1,15 @@
-"""The worker base: register, heartbeat, serve control RPCs, run the experiment's role, report.
+"""The worker base: register, heartbeat, serve control RPCs, run a role, report.
 
-A worker process (``python -m workers.run``) builds one :class:`Worker` subclass per kind. Its
-RPC server runs in a thread; the main thread waits for ``start``, runs the role function the
-experiment names for this kind, and then waits for ``stop``. An exception in the role is written
-(with its traceback text) under the worker's error key for the controller, and the process exits
-non-zero.
+A worker process (``python -m system.launcher.run_worker``) builds one :class:`Worker` subclass
+per kind and calls :meth:`Worker.run` with the role the experiment gives that kind. The RPC
+server runs in a thread; the main thread waits for ``start``, runs the role, and then waits for
+``stop``. An exception in the role is written (with its traceback text) under the worker's error
+key for the controller, and the process exits non-zero. What a role hands to its worker (engines,
+a task source, an HTTP endpoint) goes through typed methods of the kind's class.
 """
 from __future__ import annotations
 
 import enum
-import importlib
 import json
 import logging
 import os
@@ -21,11 +21,11 @@ import traceback
 from typing import Any, Callable, ClassVar
 
 from system import names
-from system.errors import WorkerFailure
 from system.name_resolve import NameResolveConfig, make_name_resolve
 from system.rpc import RpcClient, RpcConfig, RpcServer
-from system.trial import Bootstrap, bind_host, read_secret
+from system.bootstrap import Bootstrap, bind_host, read_secret
 from system.wire import Codec
+from workers.schema import ConfigureReply, PingReply, WorkerReport, WorkerSetup
 
 log = logging.getLogger("worker")
 
@@ -34,7 +34,6 @@ class WorkerState(str, enum.Enum):
     CREATED = "created"
     CONFIGURED = "configured"
     RUNNING = "running"
-    PAUSED = "paused"
     COMPLETED = "completed"
     FAILED = "failed"
     STOPPING = "stopping"
@@ -59,13 +58,11 @@ class Worker:
         self.host = bind_host(boot.interface, boot.scheduler)
         self.server = RpcServer(self.codec, self.host, self.rpc_handlers())
         self.state = WorkerState.CREATED
-        self.config: dict[str, Any] = {}
+        self.config: WorkerSetup = {"worker": {}, "experiment": {}, "counts": {}, "recover": "off"}
         self.result: dict[str, Any] = {}
         self.started_at = time.time()
         self._start = threading.Event()
         self._stop = threading.Event()
-        self._unpaused = threading.Event()
-        self._unpaused.set()
         self._serve_stop = threading.Event()
         self.signalled: str | None = None  # the signal that stopped us, if any
 
@@ -75,11 +72,10 @@ class Worker:
 
     # --- the explicit RPC surface (see WorkerClient) ---
     def rpc_handlers(self) -> dict[str, Callable[..., Any]]:
-        return {"configure": self.configure, "start": self.start, "pause": self.pause,
-                "resume": self.resume, "stop": self.stop, "ping": self.ping,
-                "report": self.report}
+        return {"configure": self.configure, "start": self.start, "stop": self.stop,
+                "ping": self.ping, "report": self.report}
 
-    def configure(self, config: dict[str, Any]) -> dict[str, int]:
+    def configure(self, config: WorkerSetup) -> ConfigureReply:
         """Returns this worker's incarnation (its job's restart count), so the controller can
         tell a worker it already configured from one that is yet to rejoin."""
         if self.state not in (WorkerState.CREATED, WorkerState.CONFIGURED):
@@ -95,37 +91,26 @@ class Worker:
         self.state = WorkerState.RUNNING
         self._start.set()
 
-    def pause(self) -> None:
-        if self.state == WorkerState.RUNNING:
-            self._unpaused.clear()
-            self.state = WorkerState.PAUSED
-
-    def resume(self) -> None:
-        if self.state == WorkerState.PAUSED:
-            self.state = WorkerState.RUNNING
-            self._unpaused.set()
-
     def stop(self) -> None:
         self._stop.set()
-        self._unpaused.set()
         if self.state not in (WorkerState.COMPLETED, WorkerState.FAILED):
             self.state = WorkerState.STOPPING
 
-    def ping(self) -> dict[str, Any]:
+    def ping(self) -> PingReply:
         return {"kind": self.kind, "index": self.index, "local_rank": self.local_rank,
                 "state": self.state.value, "restart": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
                 "pid": os.getpid(), "host": socket.gethostname(),
                 "uptime": time.time() - self.started_at, "drops": self.server.drops.as_dict(),
                 "served": self.server.served, "progress": self.progress()}
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> WorkerReport:
         """What this worker did (the role's result and its counters)."""
         return {"kind": self.kind, "index": self.index, "state": self.state.value,
                 "restart": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
                 "result": self.result, "drops": self.server.drops.as_dict()}
 
     # --- hooks for subclasses and roles ---
-    def on_configure(self, config: dict[str, Any]) -> None:
+    def on_configure(self, config: WorkerSetup) -> None:
         """Kind-specific configuration (validate and keep what the role will need)."""
 
     def progress(self) -> dict[str, Any]:
@@ -164,11 +149,6 @@ class Worker:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
-    def wait_unpaused(self, timeout: float | None = None) -> bool:
-        """Block while paused; returns False once a stop is requested."""
-        self._unpaused.wait(timeout)
-        return not self._stop.is_set()
-
     def wait_stop(self, timeout: float | None = None) -> bool:
         return self._stop.wait(timeout)
 
@@ -182,8 +162,9 @@ class Worker:
         return {k[len(root):]: v for k, v in self.name_resolve.get_subtree(prefix).items()}
 
     # --- lifecycle ---
-    def run(self) -> int:
-        """The process body; returns the exit code."""
+    def run(self, role: Callable[[Any], dict[str, Any] | None]) -> int:
+        """The process body: register, serve, run ``role(self)`` once started; returns the exit
+        code."""
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
             signal.signal(sig, self._on_signal)
         nr = self.name_resolve
@@ -200,7 +181,6 @@ class Worker:
             while not self._start.wait(0.1):
                 if self._stop.is_set():
                     return 0
-            role = load_role(self.config["role"])
             self.result = role(self) or {}
             if self.state == WorkerState.RUNNING:
                 self.state = WorkerState.COMPLETED
@@ -235,15 +215,6 @@ class Worker:
             nr.close()
             self._requeue_if_preempted()
         return code
-
-
-def load_role(spec: str) -> Callable[[Worker], dict[str, Any] | None]:
-    """Import ``"module:function"``."""
-    module, _, func = spec.partition(":")
-    fn = getattr(importlib.import_module(module), func, None)
-    if fn is None:
-        raise WorkerFailure(f"role {spec!r} does not exist")
-    return fn
 
 
 def _short(obj: Any, n: int = 300) -> str:

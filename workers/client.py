@@ -1,10 +1,51 @@
-"""Typed client side of the worker RPC surface shared by every kind."""
+"""The client side of the worker RPC surface: typed calls that return a :class:`Pending`.
+
+Every client method sends its request at once and returns a :class:`Pending` handle, so one call
+is ``client.ping().result(timeout)`` and a fan-out over many workers is
+``collect([c.ping() for c in clients], timeout)``: every request is on the wire before the first
+reply is awaited. Each worker kind has a client class next to its worker class that mirrors the
+kind's :meth:`~workers.base.Worker.rpc_handlers` table; no call site names a method by string.
+"""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Generic, Sequence, TypeVar, cast
 
 from system.errors import RpcError
 from system.rpc import RpcClient
+from workers.schema import ConfigureReply, PingReply, WorkerReport, WorkerSetup
+
+T = TypeVar("T")
+
+
+class Pending(Generic[T]):
+    """One request in flight; :meth:`result` waits for its reply (raising what the call
+    raised: :class:`~system.errors.RpcTimeout`, :class:`~system.errors.RemoteError`...)."""
+
+    def __init__(self, rpc: RpcClient, method: str, args: dict[str, Any]) -> None:
+        self.method = method
+        self._rpc = rpc
+        self._id = rpc.submit(method, **args)
+
+    def result(self, timeout: float | None = None) -> T:
+        return cast(T, self._rpc.result(self._id, timeout))
+
+
+def collect(pending: Sequence[Pending[T]], timeout: float | None = None) -> list[T]:
+    """Every reply, in order; the first failure raises (after the earlier replies arrived)."""
+    return [p.result(timeout) for p in pending]
+
+
+def collect_settled(pending: Sequence[Pending[T]], timeout: float | None = None
+                    ) -> list[T | RpcError]:
+    """Every reply, or the :class:`RpcError` its call raised (the caller decides what a failure
+    means)."""
+    out: list[T | RpcError] = []
+    for p in pending:
+        try:
+            out.append(p.result(timeout))
+        except RpcError as e:
+            out.append(e)
+    return out
 
 
 class WorkerClient:
@@ -14,76 +55,27 @@ class WorkerClient:
         self.rpc = rpc
         self.name = name
 
-    def configure(self, config: dict[str, Any], timeout: float | None = None) -> None:
-        self.rpc.call("configure", timeout, config=config)
+    @property
+    def kind(self) -> str:
+        return self.name.split("/")[0]
 
-    def start(self, timeout: float | None = None) -> None:
-        self.rpc.call("start", timeout)
+    def _call(self, method: str, **args: Any) -> Pending[Any]:
+        return Pending(self.rpc, method, args)
 
-    def pause(self, timeout: float | None = None) -> None:
-        self.rpc.call("pause", timeout)
+    def configure(self, setup: WorkerSetup) -> Pending[ConfigureReply]:
+        return self._call("configure", config=setup)
 
-    def resume(self, timeout: float | None = None) -> None:
-        self.rpc.call("resume", timeout)
+    def start(self) -> Pending[None]:
+        return self._call("start")
 
-    def stop(self, timeout: float | None = None) -> None:
-        self.rpc.call("stop", timeout)
+    def stop(self) -> Pending[None]:
+        return self._call("stop")
 
-    def ping(self, timeout: float | None = None) -> dict[str, Any]:
-        return self.rpc.call("ping", timeout)
+    def ping(self) -> Pending[PingReply]:
+        return self._call("ping")
 
-    def report(self, timeout: float | None = None) -> dict[str, Any]:
-        return self.rpc.call("report", timeout)
+    def report(self) -> Pending[WorkerReport]:
+        return self._call("report")
 
     def close(self) -> None:
         self.rpc.close()
-
-
-def gather(clients: Sequence[WorkerClient], method: str, timeout: float,
-           args: Sequence[dict[str, Any]] | None = None) -> list[Any]:
-    """Call ``method`` on every client at once; each entry is the result or the
-    :class:`RpcError` it raised (the caller decides what a failure means)."""
-    ids = [c.rpc.submit(method, **(args[i] if args else {})) for i, c in enumerate(clients)]
-    out: list[Any] = []
-    for c, rid in zip(clients, ids):
-        try:
-            out.append(c.rpc.result(rid, timeout))
-        except RpcError as e:
-            out.append(e)
-    return out
-
-
-class PeerClients:
-    """Clients of the trial's other workers, kept current as workers register again (a
-    requeued job's workers come back at new addresses)."""
-
-    def __init__(self, lookup: Callable[[], dict[str, str]], connect: Callable[[str], RpcClient],
-                 exclude: str = "") -> None:
-        self._lookup = lookup
-        self._connect = connect
-        self._exclude = exclude
-        self._clients: dict[str, WorkerClient] = {}
-        self._addresses: dict[str, str] = {}
-        self.refresh()
-
-    def refresh(self) -> None:
-        for name, address in self._lookup().items():
-            if name == self._exclude or self._addresses.get(name) == address:
-                continue
-            old = self._clients.pop(name, None)
-            if old is not None:
-                old.close()
-            self._clients[name] = WorkerClient(self._connect(address), name)
-            self._addresses[name] = address
-
-    def all(self) -> list[WorkerClient]:
-        return [self._clients[n] for n in sorted(self._clients)]
-
-    def of_kind(self, *kinds: str) -> list[WorkerClient]:
-        return [c for c in self.all() if c.name.split("/")[0] in kinds]
-
-    def close(self) -> None:
-        for c in self._clients.values():
-            c.close()
-        self._clients.clear()
-        self._addresses.clear()

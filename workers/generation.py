@@ -1,8 +1,9 @@
 """Generation servers: one per generation replica; serve rollout workers' requests.
 
-The RL role opens a :class:`~workers.engines.vllm_server.GenerationEngine` (vLLM) and an
-OpenAI-compatible HTTP endpoint; the RPC surface below then serves generation (answered when the
-samples are done, other calls are served meanwhile) and in-place weight updates.
+A role opens a :class:`~workers.engines.vllm_server.GenerationEngine` (vLLM) with
+:meth:`GenerationServer.open_engine` and an OpenAI-compatible HTTP endpoint with
+:meth:`GenerationServer.serve_http`; the RPC surface below then serves generation (answered
+when the samples are done, other calls are served meanwhile) and in-place weight updates.
 """
 from __future__ import annotations
 
@@ -12,9 +13,14 @@ from typing import Any, Callable
 
 import numpy as np
 
+from system import names
 from system.errors import ConfigError
+from system.reshard.spec import WeightSyncSpec
 from workers.base import Worker
-from workers.client import WorkerClient
+from workers.client import Pending, WorkerClient
+from workers.engines.openai_http import OpenAIEndpoint
+from workers.engines.vllm_server import GenerationEngine, Sampling, VllmConfig
+from workers.schema import EngineStats, Sample, SamplingParams, WorkerReport, WorkerSetup
 
 
 @dataclasses.dataclass
@@ -35,10 +41,10 @@ class GenerationServer(Worker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.requests = 0
-        self.engine: Any = None  # a GenerationEngine once the role opened one
-        self.http: Any = None
+        self.engine: GenerationEngine | None = None
+        self.http: OpenAIEndpoint | None = None
 
-    def on_configure(self, config: dict[str, Any]) -> None:
+    def on_configure(self, config: WorkerSetup) -> None:
         self.gen_cfg = GenerationServerConfig(**config["worker"])
 
     def rpc_handlers(self) -> dict[str, Callable[..., Any]]:
@@ -47,35 +53,51 @@ class GenerationServer(Worker):
                 "load_weights_from_disk": self.load_weights_from_disk,
                 "engine_stats": self.engine_stats}
 
-    def open_engine(self, model_path: str, vllm_cfg: Any, eos_token_id: int | None) -> Any:
-        from workers.engines.vllm_server import GenerationEngine
-
+    # --- what a role installs ---
+    def open_engine(self, model_path: str, vllm_cfg: VllmConfig, eos_token_id: int | None
+                    ) -> GenerationEngine:
         self.engine = GenerationEngine(model_path, vllm_cfg, eos_token_id)
         return self.engine
 
-    def _engine(self) -> Any:
+    def serve_http(self, tokenizer: Any, model_name: str) -> OpenAIEndpoint:
+        """Open the OpenAI-compatible endpoint on this server's engine and publish its address
+        under ``http/<index>``."""
+        self.http = OpenAIEndpoint(self._engine(), tokenizer, model_name, self.host)
+        self.name_resolve.add(names.http_address(self.exp, self.trial, self.index),
+                              self.http.address, replace=True)
+        return self.http
+
+    def close(self) -> None:
+        """Close the endpoint and the engine (the role's last step)."""
+        if self.http is not None:
+            self.http.close()
+        if self.engine is not None:
+            self.engine.close()
+
+    def _engine(self) -> GenerationEngine:
         if self.engine is None:
             raise RuntimeError("this generation server has no engine (yet)")
         return self.engine
 
-    def generate(self, prompt: list[int], n: int = 1, sampling: dict | None = None) -> Future:
-        """``n`` samples of ``prompt`` (token ids): a list of ``{tokens, logprobs, versions,
-        segments, finish}``, each token tagged with the weight version that produced it."""
-        from workers.engines.vllm_server import Sampling
-
+    # --- RPC handlers ---
+    def generate(self, prompt: list[int], n: int = 1,
+                 sampling: SamplingParams | None = None) -> Future:
+        """``n`` samples of ``prompt`` (token ids): a list of :class:`~workers.schema.Sample`,
+        each token tagged with the weight version that produced it."""
         self.requests += 1
-        return self._engine().submit([int(t) for t in prompt], int(n), Sampling(**(sampling or {})))
+        return self._engine().submit([int(t) for t in prompt], int(n),
+                                     Sampling(**(sampling or {})))
 
     def weight_sync_init(self, spec: dict[str, Any]) -> Future:
-        """Join the trainer's weight-update groups (``spec`` as for the vLLM extension, with
-        this server's replica index filled in here)."""
-        from system import names
+        """Join the trainer's weight-update groups as replica ``index`` (the spec is a
+        :class:`~system.reshard.spec.WeightSyncSpec` on the wire)."""
+        sync = WeightSyncSpec.from_wire(spec)
 
         def init(llm: Any) -> Any:
             key = names.store(self.exp, self.trial, "weight_sync")
-            address = self.name_resolve.wait(key, float(spec.get("timeout", 300)))
-            full = {**spec, "replica": self.index, "store_address": address}
-            return llm.collective_rpc("rlsys_weight_sync_init", args=(full,))
+            address = self.name_resolve.wait(key, sync.timeout)
+            return llm.collective_rpc("rlsys_weight_sync_init",
+                                      args=(sync.to_wire(), self.index, address))
         return self._engine().control(init)
 
     def update_weights(self, version: int) -> Future:
@@ -90,9 +112,9 @@ class GenerationServer(Worker):
             lambda llm: llm.collective_rpc("rlsys_load_from_disk", args=(directory,)),
             version=int(version))
 
-    def engine_stats(self) -> dict[str, Any]:
+    def engine_stats(self) -> EngineStats:
         e = self._engine()
-        return {**e.stats, "version": e.version, "load": e.load(),
+        return {**e.stats, "version": e.version, "load": e.load(),  # type: ignore[typeddict-item]
                 "http": self.http.address if self.http else None}
 
     def echo(self, tokens: np.ndarray) -> dict[str, Any]:
@@ -104,8 +126,9 @@ class GenerationServer(Worker):
     def progress(self) -> dict[str, Any]:
         return {"version": self.engine.version} if self.engine is not None else {}
 
-    def report(self) -> dict[str, Any]:
-        out = {**super().report(), "requests": self.requests}
+    def report(self) -> WorkerReport:
+        out = super().report()
+        out["requests"] = self.requests
         if self.engine is not None:
             out["engine"] = {**self.engine.stats, "version": self.engine.version}
         return out
@@ -114,18 +137,21 @@ class GenerationServer(Worker):
 class GenerationClient(WorkerClient):
     """The generation server's RPC surface."""
 
-    def echo(self, tokens: np.ndarray, timeout: float | None = None) -> dict[str, Any]:
-        return self.rpc.call("echo", timeout, tokens=tokens)
+    def echo(self, tokens: np.ndarray) -> Pending[dict[str, Any]]:
+        return self._call("echo", tokens=tokens)
 
-    def submit_generate(self, prompt: list[int], n: int, sampling: dict) -> int:
-        """Start a generation call; collect it with ``self.rpc.result(id, timeout)``."""
-        return self.rpc.submit("generate", prompt=prompt, n=n, sampling=sampling)
+    def generate(self, prompt: list[int], n: int, sampling: SamplingParams
+                 ) -> Pending[list[Sample]]:
+        return self._call("generate", prompt=prompt, n=n, sampling=sampling)
 
-    def weight_sync_init(self, spec: dict[str, Any], timeout: float | None = None) -> Any:
-        return self.rpc.call("weight_sync_init", timeout, spec=spec)
+    def weight_sync_init(self, spec: WeightSyncSpec) -> Pending[list[dict[str, Any]]]:
+        return self._call("weight_sync_init", spec=spec.to_wire())
 
-    def update_weights(self, version: int, timeout: float | None = None) -> Any:
-        return self.rpc.call("update_weights", timeout, version=version)
+    def update_weights(self, version: int) -> Pending[Any]:
+        return self._call("update_weights", version=version)
 
-    def engine_stats(self, timeout: float | None = None) -> dict[str, Any]:
-        return self.rpc.call("engine_stats", timeout)
+    def load_weights_from_disk(self, directory: str, version: int) -> Pending[Any]:
+        return self._call("load_weights_from_disk", directory=directory, version=version)
+
+    def engine_stats(self) -> Pending[EngineStats]:
+        return self._call("engine_stats")

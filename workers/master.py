@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Protocol
 
 from system.errors import ConfigError
 from workers.base import Worker
-from workers.client import WorkerClient
+from workers.client import Pending, WorkerClient
+from workers.schema import TaskReply, WorkerSetup
 
 
 @dataclasses.dataclass
@@ -25,34 +26,48 @@ class MasterConfig:
             raise ConfigError(f"master.cpus must be >= 1, got {self.cpus}")
 
 
+class TaskSource(Protocol):
+    """What hands rollout tasks out (the RL loop's admission-controlled source)."""
+
+    def next_task(self, worker: int, max_tasks: int) -> TaskReply: ...
+
+
 class MasterWorker(Worker):
     kind = "master"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.task_source: Any = None  # set by an RL role: hands rollout tasks out
+        self._task_source: TaskSource | None = None
+        self._progress: dict[str, Any] = {}
 
-    def rpc_handlers(self) -> dict[str, Any]:
+    def rpc_handlers(self) -> dict[str, Callable[..., Any]]:
         return {**super().rpc_handlers(), "next_task": self.next_task}
 
-    def next_task(self, worker: int, max_tasks: int = 1) -> dict[str, Any]:
+    def serve_tasks(self, source: TaskSource | None) -> None:
+        """Hand rollout tasks out from ``source`` from now on (None: rollout workers wait)."""
+        self._task_source = source
+
+    def next_task(self, worker: int, max_tasks: int = 1) -> TaskReply:
         """Rollout workers ask for work: ``{"tasks": [...]}``, ``{"wait": seconds}`` while
         admission is closed, or ``{"done": True}``."""
-        if self.task_source is None:
+        source = self._task_source
+        if source is None:
             return {"wait": 0.2}
-        return self.task_source.next_task(int(worker), int(max_tasks))
+        return source.next_task(int(worker), int(max_tasks))
 
-    def on_configure(self, config: dict[str, Any]) -> None:
+    def on_configure(self, config: WorkerSetup) -> None:
         self.master_cfg = MasterConfig(**config["worker"])
-        self._progress: dict[str, Any] = {}
 
     def set_progress(self, **fields: Any) -> None:
         """Figures shown in the launcher's progress line (read through ``ping``)."""
         self._progress = dict(fields)
 
     def progress(self) -> dict[str, Any]:
-        return getattr(self, "_progress", {})
+        return self._progress
 
 
 class MasterClient(WorkerClient):
-    """The master's RPC surface: the common control calls (its figures come in ``report``)."""
+    """The master's RPC surface: the control calls, and the rollout workers' ``next_task``."""
+
+    def next_task(self, worker: int, max_tasks: int) -> Pending[TaskReply]:
+        return self._call("next_task", worker=worker, max_tasks=max_tasks)

@@ -1,8 +1,9 @@
 """Model workers: one per device, hosting training engines (actor, reference, critic).
 
-Also owns the rendezvous of torch.distributed groups among model workers: a TCPStore started by
-rank 0 whose ``host:port`` is published in name resolution, so groups form without a fixed port
-and independently of any default process group.
+A role installs the engines and the loss functions with :meth:`ModelWorker.install` (losses
+come from the experiment's algorithms: a worker never imports an experiment). Groups among
+model workers rendezvous through :mod:`system.rendezvous` (rank 0 hosts the store), so they form
+without a fixed port and independently of any default process group.
 
 Engine calls (log-probs, train steps, weight sync, checkpoints) run on one engine thread and
 are answered when done (deferred RPC replies), so the worker keeps answering control calls while
@@ -17,11 +18,21 @@ import os
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from system import names
 from system.errors import ConfigError
+from system.rendezvous import host_store, lookup_store
+from system.reshard.spec import WeightSyncSpec
 from workers.base import Worker
+from workers.client import Pending, WorkerClient
+from workers.schema import EngineInfo, TrainItem, TrainStats, WeightsSent, WorkerSetup
+
+if TYPE_CHECKING:  # torch is imported by the model worker process, not by the launcher
+    import numpy as np
+    import torch
+
+    from workers.engines.torch_engine import LossFn, TorchEngine
 
 
 @dataclasses.dataclass
@@ -40,17 +51,39 @@ class ModelWorkerConfig:
             raise ConfigError(f"model.group_timeout must be > 0, got {self.group_timeout}")
 
 
+class ActorLoss(Protocol):
+    """Builds the per-micro-batch loss of a train step from the batch, the objective's config
+    (plain values, as the master sent it) and a dict the loss adds its statistics to."""
+
+    def __call__(self, batch: Sequence[TrainItem], cfg: dict[str, Any],
+                 stats: dict[str, float]) -> "LossFn": ...
+
+
+class CriticLoss(Protocol):
+    def __call__(self, batch: Sequence[TrainItem], value_clip: float,
+                 stats: dict[str, float]) -> "LossFn": ...
+
+
+@dataclasses.dataclass
+class _WeightSync:
+    executor: Any
+    boxes: dict[str, Any]
+    store: Any
+
+
 class ModelWorker(Worker):
     kind = "model"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.engines: dict[str, Any] = {}   # "actor" | "ref" | "critic" -> TorchEngine
+        self.engines: dict[str, TorchEngine] = {}   # "actor" | "ref" | "critic"
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="engine")
-        self._sync: Any = None
-        self.engine_info: dict[str, Any] = {}
+        self._sync: _WeightSync | None = None
+        self._stores: list[Any] = []                # keep every group's store alive
+        self._actor_loss: ActorLoss | None = None
+        self._critic_loss: CriticLoss | None = None
 
-    def on_configure(self, config: dict[str, Any]) -> None:
+    def on_configure(self, config: WorkerSetup) -> None:
         self.model_cfg = ModelWorkerConfig(**config["worker"])
         self.world_size = int(config["counts"]["model"])
 
@@ -59,9 +92,9 @@ class ModelWorker(Worker):
                 "train_actor": self.train_actor, "train_critic": self.train_critic,
                 "weight_sync_init": self.weight_sync_init, "send_weights": self.send_weights,
                 "save": self.save, "save_weights": self.save_weights, "ready": self.ready,
-                "engine_info": self.engine_info_}
+                "engine_info": self.engine_info}
 
-    # --- set-up (the RL role, on the main thread, before it reports ready) ---
+    # --- set-up (the role, on the main thread, before it reports ready) ---
     def init_default_group(self) -> None:
         """The default process group over all model workers (FSDP2's mesh needs it)."""
         import torch.distributed as dist
@@ -77,15 +110,25 @@ class ModelWorker(Worker):
                                     world_size=self.world_size,
                                     timeout=datetime.timedelta(seconds=self.model_cfg.group_timeout))
 
+    def install(self, engines: "dict[str, TorchEngine]", actor_loss: ActorLoss,
+                critic_loss: CriticLoss | None = None) -> None:
+        """Serve ``engines`` (``actor``, and optionally ``ref`` and ``critic``) with these loss
+        functions; the worker is ``ready`` from now on."""
+        if "actor" not in engines:
+            raise ValueError(f"install needs an actor engine, got {sorted(engines)}")
+        self._actor_loss, self._critic_loss = actor_loss, critic_loss
+        self.engines = dict(engines)
+
     def ready(self) -> bool:
         return bool(self.engines)
 
-    def engine_info_(self) -> dict[str, Any]:
+    def engine_info(self) -> EngineInfo:
         """The actor's dtype and the collective backend (for the weight-sync spec)."""
-        self._engine("actor")
-        return dict(self.engine_info)
+        actor = self._engine("actor")
+        return {"dtype": str(actor.dtype).replace("torch.", ""),
+                "backend": "nccl" if self.device.startswith("cuda") else "gloo"}
 
-    def _engine(self, which: str) -> Any:
+    def _engine(self, which: str) -> "TorchEngine":
         if which not in self.engines:
             raise RuntimeError(f"no {which!r} engine on {self.name} (have {sorted(self.engines)})")
         return self.engines[which]
@@ -103,74 +146,58 @@ class ModelWorker(Worker):
         eng = self._engine("critic")
         return self._run(lambda: [t.numpy() for t in eng.logprobs(_tensors(seqs))])
 
-    def train_actor(self, batch: list[dict], global_tokens: int, loss: dict) -> Future:
-        from experiments.algorithms.objectives import ActorLossConfig, actor_loss
+    def train_actor(self, batch: list[TrainItem], global_tokens: int, loss: dict[str, Any]
+                    ) -> Future:
+        eng, make_loss = self._engine("actor"), self._actor_loss
+        assert make_loss is not None  # installed with the engines
 
-        eng, cfg = self._engine("actor"), ActorLossConfig(**loss)
-
-        def step() -> dict[str, float]:
+        def step() -> TrainStats:
             stats: dict[str, float] = {}
             t0 = time.perf_counter()
             out = eng.train_step(_tensors([b["tokens"] for b in batch]),
-                                 actor_loss(batch, cfg, stats), global_tokens)
-            return {**out, **stats, "seconds": time.perf_counter() - t0,
+                                 make_loss(batch, loss, stats), global_tokens)
+            return {**out, **stats, "seconds": time.perf_counter() - t0,  # type: ignore
                     "train_tokens": float(sum(len(b["tokens"]) for b in batch))}
         return self._run(step)
 
-    def train_critic(self, batch: list[dict], global_tokens: int, value_clip: float) -> Future:
-        from experiments.algorithms.objectives import critic_loss
+    def train_critic(self, batch: list[TrainItem], global_tokens: int, value_clip: float
+                     ) -> Future:
+        eng, make_loss = self._engine("critic"), self._critic_loss
+        if make_loss is None:
+            raise RuntimeError(f"{self.name} has no critic loss installed")
 
-        eng = self._engine("critic")
-
-        def step() -> dict[str, float]:
+        def step() -> TrainStats:
             stats: dict[str, float] = {}
             out = eng.train_step(_tensors([b["tokens"] for b in batch]),
-                                 critic_loss(batch, value_clip, stats), global_tokens)
-            return {**out, **stats}
+                                 make_loss(batch, value_clip, stats), global_tokens)
+            return {**out, **stats}  # type: ignore[typeddict-item]
         return self._run(step)
 
+    # --- weights ---
     def weight_sync_init(self, spec: dict[str, Any]) -> Future:
-        """Join the weight-update groups as a source rank (rank 0 starts the TCPStore and
-        publishes it under ``store/weight_sync``; the generation servers' vLLM workers join)."""
-        return self._run(lambda: self._weight_sync_init(spec))
+        """Join the weight-update groups as a source rank (rank 0 hosts the TCPStore under
+        ``store/weight_sync``; the generation servers' vLLM workers join)."""
+        sync = WeightSyncSpec.from_wire(spec)
 
-    def _weight_sync_init(self, spec: dict[str, Any]) -> dict[str, Any]:
-        from system.param_specs import ModelShape, qwen2_specs
-        from system.reshard_exec import GroupFactory, ReshardExecutor, train_shard_boxes
-        from system.reshard_plan import plan_reshard
-        from system.topology import GenLayout, TrainLayout
-
-        src, dst = TrainLayout(**spec["src"]), GenLayout(**spec["dst"])
-        shape = ModelShape(**spec["shape"])
-        specs = qwen2_specs(shape)
-        world = src.world_size + dst.world_size
-        store = self._store("weight_sync", world)
-        eng = self._engine("actor")
-        fused = spec.get("mode", "fast") == "fast"
-        plan_dst = dst if fused else GenLayout(tp=1, replicas=dst.world_size)
-        plan = plan_reshard(src, plan_dst, specs, shape.num_layers,
-                            itemsize=eng.dtype.itemsize,
-                            bucket_bytes=int(spec.get("bucket_bytes", 256 << 20)), fused=fused)
-        groups = GroupFactory(store, self.index, spec.get("backend", "gloo"),
-                              spec.get("timeout", 300))
-        self._sync = {"executor": ReshardExecutor(plan, self.index, groups, device=eng.device,
-                                                  dtype=eng.dtype),
-                      "boxes": train_shard_boxes(specs, src, self.index, shape.num_layers),
-                      "store": store}
-        return {"rank": self.index, "buckets": len(self._sync["executor"].buckets)}
+        def init() -> dict[str, Any]:
+            store = self._store("weight_sync", sync.world_size)
+            executor = sync.executor(self.index, store, self._engine("actor").device)
+            self._sync = _WeightSync(executor, sync.src_boxes(self.index), store)
+            return {"rank": self.index, "buckets": len(executor.buckets)}
+        return self._run(init)
 
     def send_weights(self) -> Future:
         """Send this rank's planned share of the actor's current weights (collective with the
         other model workers and every generation server's ``update_weights``)."""
-        if self._sync is None:
+        sync = self._sync
+        if sync is None:
             raise RuntimeError("weight_sync_init was not called")
 
-        def send() -> dict[str, Any]:
+        def send() -> WeightsSent:
             t0 = time.perf_counter()
             full = self._engine("actor").full_state_dict()  # FSDP: all-gather (collective)
-            boxes = self._sync["boxes"]
-            stats = self._sync["executor"].run(src={n: full[n].contiguous() for n in boxes},
-                                               src_boxes=boxes)
+            stats = sync.executor.run(src={n: full[n].contiguous() for n in sync.boxes},
+                                      src_boxes=sync.boxes)
             return {"seconds": time.perf_counter() - t0, "bytes_sent": stats.bytes_sent}
         return self._run(send)
 
@@ -202,21 +229,15 @@ class ModelWorker(Worker):
             return {"rank": self.index}
         return self._run(save)
 
+    # --- groups ---
     def _store(self, name: str, world: int | None = None) -> Any:
-        """A TCPStore for group ``name``: rank 0 hosts it and publishes its address."""
-        import torch.distributed as dist
-
+        """The TCPStore of group ``name``: rank 0 hosts it under ``store/<name>``."""
         world = world or self.world_size
         key = names.store(self.exp, self.trial, name)
-        timeout = datetime.timedelta(seconds=self.model_cfg.group_timeout)
-        if self.index == 0:
-            store = dist.TCPStore(self.host, 0, world, is_master=True, wait_for_workers=False,
-                                  timeout=timeout)
-            self.name_resolve.add(key, f"{self.host}:{store.port}", replace=True)
-        else:
-            host, port = self.name_resolve.wait(key, self.model_cfg.group_timeout).rsplit(":", 1)
-            store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timeout)
-        self._stores = getattr(self, "_stores", []) + [store]  # keep the store alive
+        timeout = self.model_cfg.group_timeout
+        store = (host_store(self.name_resolve, key, self.host, world, timeout) if self.index == 0
+                 else lookup_store(self.name_resolve, key, world, timeout))
+        self._stores.append(store)
         return store
 
     @property
@@ -231,8 +252,7 @@ class ModelWorker(Worker):
         return "cpu"
 
     def new_group(self, name: str) -> Any:
-        """A gloo process group over all model workers (rank = worker index), rendezvoused
-        through a TCPStore whose address rank 0 publishes under ``store/<name>``."""
+        """A gloo process group over all model workers (rank = worker index)."""
         import torch.distributed as dist
 
         store = self._store(name)
@@ -245,3 +265,41 @@ def _tensors(seqs: list) -> list:
 
     return [torch.as_tensor(s, dtype=torch.long) for s in seqs]
 
+
+class ModelClient(WorkerClient):
+    """The model worker's RPC surface. Every data-parallel rank must receive the same sequence
+    of collective calls: call them on all model workers together."""
+
+    def logprobs(self, seqs: "list[np.ndarray]", which: str = "actor"
+                 ) -> "Pending[list[np.ndarray]]":
+        return self._call("logprobs", seqs=seqs, which=which)
+
+    def values(self, seqs: "list[np.ndarray]") -> "Pending[list[np.ndarray]]":
+        return self._call("values", seqs=seqs)
+
+    def train_actor(self, batch: list[TrainItem], global_tokens: int, loss: dict[str, Any]
+                    ) -> Pending[TrainStats]:
+        return self._call("train_actor", batch=batch, global_tokens=global_tokens, loss=loss)
+
+    def train_critic(self, batch: list[TrainItem], global_tokens: int, value_clip: float
+                     ) -> Pending[TrainStats]:
+        return self._call("train_critic", batch=batch, global_tokens=global_tokens,
+                          value_clip=value_clip)
+
+    def weight_sync_init(self, spec: WeightSyncSpec) -> Pending[dict[str, Any]]:
+        return self._call("weight_sync_init", spec=spec.to_wire())
+
+    def send_weights(self) -> Pending[WeightsSent]:
+        return self._call("send_weights")
+
+    def save(self, directory: str) -> Pending[dict[str, Any]]:
+        return self._call("save", directory=directory)
+
+    def save_weights(self, directory: str) -> Pending[dict[str, Any]]:
+        return self._call("save_weights", directory=directory)
+
+    def ready(self) -> Pending[bool]:
+        return self._call("ready")
+
+    def engine_info(self) -> Pending[EngineInfo]:
+        return self._call("engine_info")

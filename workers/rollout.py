@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from system import names
 from system.errors import ConfigError
 from system.rpc import StreamPusher
 from workers.base import Worker
 from workers.client import WorkerClient
+from workers.schema import WorkerSetup
 
 
 @dataclasses.dataclass
@@ -30,7 +30,7 @@ class RolloutWorkerConfig:
 class RolloutWorker(Worker):
     kind = "rollout"
 
-    def on_configure(self, config: dict[str, Any]) -> None:
+    def on_configure(self, config: WorkerSetup) -> None:
         self.rollout_cfg = RolloutWorkerConfig(**config["worker"])
 
     def trajectory_stream(self, name: str = "trajectories", timeout: float = 60.0) -> StreamPusher:
@@ -40,4 +40,5 @@ class RolloutWorker(Worker):
 
 
 class RolloutClient(WorkerClient):
-    """The rollout worker's RPC surface (control calls)."""
+    """The rollout worker's RPC surface: only the control calls (it is a client of the master
+    and of the generation servers, and serves nothing else)."""

@@ -185,7 +185,7 @@ def startup(root: str) -> tuple[float, float]:
     t = time.time()
     procs = []
     for kind, count in STARTUP_COUNTS.items():
-        code = "import workers.run, " + ", ".join(KIND_MODULES[kind])
+        code = "import system.launcher.run_worker, " + ", ".join(KIND_MODULES[kind])
         procs += [subprocess.Popen([sys.executable, "-c", code], cwd=REPO) for _ in range(count)]
     for p in procs:
         assert p.wait() == 0

@@ -26,11 +26,11 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from system.param_specs import box_shape, qwen2_specs, tp_box, vllm_local_params  # noqa: E402
-from system.reshard import MODELS, reference  # noqa: E402
-from system.reshard_exec import GroupFactory, ReshardExecutor, train_shard_boxes  # noqa: E402
-from system.reshard_plan import plan_reshard  # noqa: E402
-from system.topology import parse_gen_layout, parse_train_layout  # noqa: E402
+from system.reshard.params import box_shape, qwen2_specs, tp_box, vllm_local_params  # noqa: E402
+from system.reshard.check import MODELS, reference  # noqa: E402
+from system.reshard.executor import GroupFactory, ReshardExecutor, train_shard_boxes  # noqa: E402
+from system.reshard.plan import plan_reshard  # noqa: E402
+from system.reshard.layout import parse_gen_layout, parse_train_layout  # noqa: E402
 
 
 def _sl(box):
@@ -150,7 +150,7 @@ def worker(rank, args, port, out):
 
 
 def _stage(spec, shape, src):
-    from system.param_specs import stage_of
+    from system.reshard.params import stage_of
 
     return stage_of(spec, shape.num_layers, src.pp)
 

@@ -128,8 +128,8 @@ def train(steps: int = 5) -> dict[str, float]:
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from experiments.algorithms.objectives import ActorLossConfig, actor_loss
-    from experiments.algorithms.ppo import ppo_policy_loss
+    from experiments.rl.algorithms.objectives import ActorLossConfig, actor_loss
+    from experiments.rl.algorithms.ppo import ppo_policy_loss
     from workers.engines.torch_engine import TorchEngine, TorchEngineConfig
 
     path = BIG if os.path.isdir(BIG) else MODEL

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.algorithms.advantages import gae, grpo_advantages
-from experiments.algorithms.ppo import kl_penalty, ppo_policy_loss
+from experiments.rl.algorithms.advantages import gae, grpo_advantages
+from experiments.rl.algorithms.ppo import kl_penalty, ppo_policy_loss
 
 
 def test_grpo_advantages():

@@ -10,14 +10,14 @@ import threading
 import numpy as np
 import pytest
 
-from experiments.agents import AgentConfig, CalculatorAgent, SingleTurnAgent, calculate
-from experiments.rl_config import RLConfig
-from experiments.rl_data import PromptCursor, Router, TaskSource
-from experiments.tasks import (TaskConfig, dataset, first_int_reward, last_int_reward,
+from experiments.rl.agents import AgentConfig, CalculatorAgent, SingleTurnAgent, calculate
+from experiments.rl.config import RLConfig
+from experiments.rl.data import PromptCursor, Router, TaskSource
+from experiments.rl.tasks import (TaskConfig, dataset, first_int_reward, last_int_reward,
                                load_prompts)
-from system.checkpoint import CheckpointDir
+from experiments.rl.checkpoint import CheckpointDir
 from system.errors import ConfigError
-from workers.admission import AdmissionConfig, AdmissionController, TrajectoryBuffer
+from experiments.rl.admission import AdmissionConfig, AdmissionController, TrajectoryBuffer
 
 
 def test_cursor_visits_every_prompt_once_per_epoch_with_give_backs():
@@ -258,7 +258,7 @@ def test_checkpoint_dir_is_atomic(tmp_path):
 
 
 def test_ppo_advantages_whitened_over_policy_tokens():
-    from experiments.rl_loop import advantages_grpo, advantages_ppo
+    from experiments.rl.shaping import advantages_grpo, advantages_ppo
 
     trajs = [{"prompt_len": 2, "mask": np.array([1, 1, 0, 1], np.float32), "reward": 1.0},
              {"prompt_len": 2, "mask": np.array([1, 1], np.float32), "reward": 0.0}]
@@ -271,7 +271,7 @@ def test_ppo_advantages_whitened_over_policy_tokens():
 
 
 def test_reward_reads_the_final_turn():
-    from experiments.rl import score
+    from experiments.rl.episodes import score
 
     tok = CharTok()
     prompt = [1] + tok.encode("3*4=")

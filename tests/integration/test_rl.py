@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from scheduler.registry import PROJECT_ROOT
+from system.paths import PROJECT_ROOT
 from tests.conftest import read_summary, run_launch, trial_processes
 
 pytestmark = pytest.mark.skipif(

@@ -15,7 +15,8 @@ import zmq
 from system import names
 from system.name_resolve import FileNameResolve
 from system.rpc import RpcClient
-from system.trial import read_secret
+from workers.generation import GenerationClient
+from system.bootstrap import read_secret
 from system.wire import Codec, new_secret
 from tests.conftest import REPO, launch_argv, read_summary, run_launch, trial_processes
 
@@ -145,15 +146,9 @@ def test_bad_frames_to_live_worker_are_dropped_and_counted(fileroot):
                 break
             time.sleep(0.1)
         assert drops == {"malformed": 1, "unauthenticated": 2, "oversized": 1}
-        assert client.call("echo", tokens=np.arange(5))["server"] == 0  # still serving
-        # the control surface: pause and resume a running worker
-        deadline = time.time() + 30
-        while client.call("ping")["state"] != "running" and time.time() < deadline:
-            time.sleep(0.1)
-        client.call("pause")
-        assert client.call("ping")["state"] == "paused"
-        client.call("resume")
-        assert client.call("ping")["state"] == "running"
+        gen = GenerationClient(client, "generation/0")
+        assert gen.echo(np.arange(5)).result()["server"] == 0  # still serving
+        assert gen.ping().result()["kind"] == "generation"
         raw.close(0)
         client.close()
         out, err = proc.communicate(timeout=120)

@@ -46,7 +46,7 @@ def full_config() -> SlurmConfig:
 def render(kind: str, count: int, slurm: SlurmConfig) -> str:
     return render_worker_script(
         exp="gsm8k", trial="t1", kind=kind, count=count, slurm=slurm,
-        argv=["/opt/py env/bin/python", "-m", "workers.run", "--trial-dir", f"{ODD}/gsm8k/t1",
+        argv=["/opt/py env/bin/python", "-m", "system.launcher.run_worker", "--trial-dir", f"{ODD}/gsm8k/t1",
               "--kind", kind],
         env={"PYTHONUNBUFFERED": "1"}, logs_dir=f"{ODD}/gsm8k/t1/logs",
         workdir="/home/a b/project")

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.registry import get_experiment
-from scheduler.base import SchedulerKind
-from system.config import field_docs
+from experiments.catalog import get_experiment
+from scheduler.config import SchedulerKind
+from system.structs import field_docs
 from system.errors import ConfigError
 from system.launch import build_config, help_text
 from system.name_resolve import NameResolveBackend
-from system.overrides import parse_cli
+from system.launcher.overrides import parse_cli
 from tests.conftest import run_launch
 
 
@@ -91,4 +91,4 @@ def test_cli_help_and_dry_run(fileroot):
     assert r.returncode == 0 and "experiments:" in r.stdout and "smoke" in r.stdout
     r = run_launch("exp=smoke", "trial=dry", f"cluster.fileroot={fileroot}", "--dry-run")
     assert r.returncode == 0, r.stderr
-    assert "workers.run" in r.stdout and "rollout/3" in r.stdout and "nothing submitted" in r.stderr
+    assert "system.launcher.run_worker" in r.stdout and "rollout/3" in r.stdout and "nothing submitted" in r.stderr

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from system.errors import ConfigError
-from workers.admission import AdmissionConfig, AdmissionController, TrajectoryBuffer
+from experiments.rl.admission import AdmissionConfig, AdmissionController, TrajectoryBuffer
 
 
 @pytest.mark.parametrize("batch, eta, workers, want_each", [

@@ -15,10 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from system.param_specs import ModelShape, qwen2_specs
-from system.reshard_exec import GroupFactory, ReshardExecutor, train_shard_boxes
-from system.reshard_plan import plan_reshard
-from system.topology import GenLayout, TrainLayout
+from system.reshard.layout import GenLayout, TrainLayout
+from system.reshard.params import ModelShape
+from system.reshard.spec import WeightSyncSpec
 from workers.engines.torch_engine import TorchEngine, TorchEngineConfig
 from workers.engines.vllm_server import GenerationEngine, Sampling, VllmConfig, segments_of
 
@@ -47,22 +46,20 @@ def _perturb(actor: TorchEngine) -> None:
 def _sync(engine: GenerationEngine, actor: TorchEngine, version: int, tmp_path) -> dict:
     """The real weight path: the actor's state dict, planned and sent over a gloo group into the
     engine's vLLM worker, run as one of the engine loop's control tasks."""
-    shape = ModelShape.from_hf(actor.model.config)
-    specs = qwen2_specs(shape)
-    src, dst = TrainLayout(dp=1), GenLayout(1, 1)
+    spec = WeightSyncSpec(TrainLayout(dp=1), GenLayout(1, 1),
+                          ModelShape.from_hf(actor.model.config), "float32", "gloo", "fast",
+                          1 << 20, 120)
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=120))
-    spec = {"store_address": f"127.0.0.1:{store.port}", "src": dataclasses.asdict(src),
-            "dst": dataclasses.asdict(dst), "replica": 0, "shape": dataclasses.asdict(shape),
-            "dtype": "float32", "mode": "fast", "bucket_bytes": 1 << 20, "timeout": 120}
-    init = engine.control(lambda llm: llm.collective_rpc("rlsys_weight_sync_init", args=(spec,)))
-    plan = plan_reshard(src, dst, specs, shape.num_layers, bucket_bytes=1 << 20, fused=True)
-    ex = ReshardExecutor(plan, 0, GroupFactory(store, 0, timeout=120))
+    address = f"127.0.0.1:{store.port}"
+    init = engine.control(lambda llm: llm.collective_rpc("rlsys_weight_sync_init",
+                                                         args=(spec.to_wire(), 0, address)))
+    ex = spec.executor(0, store)
     init.result(120)
     recv = engine.control(lambda llm: llm.collective_rpc("rlsys_weight_sync_receive"),
                           version=version)
     state = actor.full_state_dict()
-    boxes = train_shard_boxes(specs, src, 0, shape.num_layers)
+    boxes = spec.src_boxes(0)
     ex.run(src={n: state[n].contiguous() for n in boxes}, src_boxes=boxes)
     return recv.result(120)[0]
 
@@ -135,7 +132,7 @@ def test_openai_endpoint(engine, tiny_model_dir):
     from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from workers.openai_http import OpenAIEndpoint
+    from workers.engines.openai_http import OpenAIEndpoint
 
     tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

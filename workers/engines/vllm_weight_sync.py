@@ -2,7 +2,7 @@
 
 Mixed into vLLM's worker with ``LLM(..., worker_extension_cls=
 "workers.engines.vllm_weight_sync.WeightSyncExtension")`` and driven from the engine side with
-``llm.collective_rpc("rlsys_weight_sync_init", args=(spec,))`` and
+``llm.collective_rpc("rlsys_weight_sync_init", args=(spec, replica, store_address))`` and
 ``llm.collective_rpc("rlsys_weight_sync_receive")`` (blocking: the trainer ranks run their half
 concurrently).
 
@@ -18,61 +18,49 @@ Two ways to land the weights:
 """
 from __future__ import annotations
 
-import datetime
+import dataclasses
 import time
 from typing import Any
 
 import torch
 
+from system.rendezvous import join_store
+from system.reshard.params import DstParam
+from system.reshard.spec import WeightSyncSpec
+
+
+@dataclasses.dataclass
+class _SyncState:
+    """What one vLLM worker keeps between updates."""
+
+    spec: WeightSyncSpec
+    params: list[DstParam]
+    executor: Any
+    store: Any
+    dtype: torch.dtype
+    device: torch.device
+
 
 class WeightSyncExtension:
     """Methods added to vLLM's worker class (``self`` is the vLLM worker)."""
 
-    def rlsys_weight_sync_init(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """Join the weight-update groups. ``spec``: ``store_address`` (``host:port`` of the
-        trainer's TCPStore), or ``store_key`` and ``name_resolve_root`` (a file name-resolution
-        root where the trainer published it), ``src`` / ``dst`` layouts as dicts,
-        ``replica`` (this engine's replica index), ``shape`` (a ModelShape dict), ``dtype``,
-        ``bucket_bytes``, ``mode`` (``fast`` | ``load_weights``), ``backend``, ``timeout``."""
-        import torch.distributed as dist
-
-        from system.name_resolve import FileNameResolve
-        from system.param_specs import (ModelShape, hf_local_params, qwen2_specs,
-                                        vllm_local_params)
-        from system.reshard_exec import GroupFactory, ReshardExecutor
-        from system.reshard_plan import plan_reshard
-        from system.topology import GenLayout, TrainLayout
-
+    def rlsys_weight_sync_init(self, spec: dict[str, Any], replica: int, store_address: str
+                               ) -> dict[str, Any]:
+        """Join the weight-update groups as generation replica ``replica``: ``spec`` is a
+        :class:`~system.reshard.spec.WeightSyncSpec` on the wire, ``store_address`` the
+        ``host:port`` of the trainer's TCPStore."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        src, dst = TrainLayout(**spec["src"]), GenLayout(**spec["dst"])
-        shape = ModelShape(**spec["shape"])
-        dtype = getattr(torch, spec.get("dtype", "float32"))
-        mode = spec.get("mode", "fast")
+        sync = WeightSyncSpec.from_wire(spec)
         tp_rank = get_tensor_model_parallel_rank()
-        specs = qwen2_specs(shape)
-        fused = mode == "fast"
-        plan_dst = dst if fused else GenLayout(tp=1, replicas=dst.world_size)
-        rank = src.world_size + dst.rank(spec["replica"], tp_rank)
-        plan = plan_reshard(src, plan_dst, specs, shape.num_layers,
-                            itemsize=torch.empty(0, dtype=dtype).element_size(),
-                            bucket_bytes=int(spec.get("bucket_bytes", 256 << 20)), fused=fused)
-        address = spec.get("store_address") or FileNameResolve(spec["name_resolve_root"]).wait(
-            spec["store_key"], timeout=spec.get("timeout", 300))
-        host, port = address.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), src.world_size + dst.world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=spec.get("timeout", 300)))
+        rank = sync.gen_rank(replica, tp_rank)
+        store = join_store(store_address, sync.world_size, sync.timeout)
         device = next(self.model_runner.model.parameters()).device
-        self._rlsys_sync = {
-            "mode": mode, "tp": dst.tp, "store": store, "dtype": dtype, "device": device,
-            "executor": ReshardExecutor(plan, rank, GroupFactory(
-                store, rank, spec.get("backend", "gloo"), spec.get("timeout", 300)),
-                device=device, dtype=dtype),
-            "params": (vllm_local_params(specs, dst.tp, tp_rank) if fused
-                       else hf_local_params(specs, 1, 0)),
-        }
-        return {"rank": rank, "tp_rank": tp_rank, "mode": mode,
-                "buckets": len(self._rlsys_sync["executor"].buckets)}
+        self._rlsys_sync = _SyncState(sync, sync.dst_params(tp_rank),
+                                      sync.executor(rank, store, device), store,
+                                      getattr(torch, sync.dtype), device)
+        return {"rank": rank, "tp_rank": tp_rank, "mode": sync.mode,
+                "buckets": len(self._rlsys_sync.executor.buckets)}
 
     def rlsys_load_from_disk(self, directory: str) -> dict[str, Any]:
         """The disk fallback: load a Hugging Face safetensors checkpoint (as the trainer wrote
@@ -96,38 +84,37 @@ class WeightSyncExtension:
 
     def rlsys_weight_sync_receive(self) -> dict[str, Any]:
         """Receive one full weight update (blocks until the trainer ranks have sent theirs)."""
-        state = self._rlsys_sync
+        state: _SyncState = self._rlsys_sync
         model = self.model_runner.model
         t0 = time.perf_counter()
-        if state["mode"] == "load_weights":
-            full = {p.name: torch.empty(p.shape, dtype=state["dtype"], device=state["device"])
-                    for p in state["params"]}
-            stats = state["executor"].run(dst=full)
+        if state.spec.mode == "load_weights":
+            full = {p.name: torch.empty(p.shape, dtype=state.dtype, device=state.device)
+                    for p in state.params}
+            stats = state.executor.run(dst=full)
             self.model_runner.reload_weights(weights_iterator=iter(full.items()))
             return {"mode": "load_weights", "seconds": time.perf_counter() - t0,
                     "bytes_received": stats.bytes_received, "transfer_seconds": stats.seconds}
         live = dict(model.named_parameters())
         targets: dict[str, torch.Tensor] = {}
         repack: list[str] = []
-        for p in state["params"]:
+        for p in state.params:
             param = live.get(p.name)
             if param is None:
                 raise KeyError(f"vLLM has no parameter {p.name}")
             if tuple(param.shape) == tuple(p.shape):
                 targets[p.name] = param.data          # written in place
-            elif (state["tp"] == 1 and param.dim() == len(p.shape) and param.shape[0] > p.shape[0]
+            elif (state.spec.dst.tp == 1 and param.dim() == len(p.shape) and param.shape[0] > p.shape[0]
                   and tuple(param.shape[1:]) == tuple(p.shape[1:])):
                 # vocabulary padded by vLLM (to a multiple of 64): the real rows come first
                 targets[p.name] = param.data[:p.shape[0]]
             elif param.numel() == 0:                  # repacked by vLLM's CPU GEMM dispatch
-                targets[p.name] = torch.empty(p.shape, dtype=state["dtype"],
-                                              device=state["device"])
+                targets[p.name] = torch.empty(p.shape, dtype=state.dtype, device=state.device)
                 repack.append(p.name)
             else:
                 raise ValueError(f"{p.name}: vLLM holds {tuple(param.shape)}, the plan expects "
                                  f"{tuple(p.shape)}; use mode=load_weights")
         with torch.no_grad():
-            stats = state["executor"].run(dst=targets)
+            stats = state.executor.run(dst=targets)
             self._rlsys_repack(model, repack, targets)
         return {"mode": "fast", "seconds": time.perf_counter() - t0, "repacked": len(repack),
                 "bytes_received": stats.bytes_received, "transfer_seconds": stats.seconds}

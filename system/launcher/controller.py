@@ -18,15 +18,18 @@ from typing import Any
 from experiments.registry import Experiment
 from scheduler.base import GroupSpec, JobState, JobStatus, Scheduler
 from system import names
-from system.config import ExperimentConfig, plain
+from system.launcher.config import ExperimentConfig
+from system.structs import plain
 from system.errors import RLSystemError, RpcError, WorkerFailure
 from system.name_resolve import NameResolve
-from system.progress import Progress
+from system.launcher.progress import Progress
 from system.rpc import RpcClient
-from system.trial import TrialPaths, now_iso, write_json_atomic
+from system.launcher.trial_dir import now_iso, write_json_atomic
+from system.paths import TrialPaths
 from system.wire import Codec
-from workers.client import WorkerClient, gather
-from workers.kinds import KINDS
+from workers.client import WorkerClient, collect_settled
+from workers.kinds import KINDS, client_for
+from workers.schema import WorkerSetup
 
 log = logging.getLogger("controller")
 
@@ -34,19 +37,18 @@ log = logging.getLogger("controller")
 def group_specs(cfg: ExperimentConfig, paths: TrialPaths) -> dict[str, GroupSpec]:
     """Every worker group of the trial, by kind in start order (pure)."""
     python = cfg.scheduler.slurm.python or sys.executable
-    return {kind: GroupSpec(kind, n, (python, "-m", "workers.run", "--trial-dir", paths.root,
+    return {kind: GroupSpec(kind, n, (python, "-m", "system.launcher.run_worker", "--trial-dir", paths.root,
                                       "--kind", kind),
                             {"PYTHONUNBUFFERED": "1"},
                             tuple(paths.worker_log(kind, i) for i in range(n)))
             for kind, n in ((k, cfg.worker_counts()[k]) for k in KINDS)}
 
 
-def worker_configs(cfg: ExperimentConfig, experiment: Experiment) -> dict[str, dict[str, Any]]:
+def worker_configs(cfg: ExperimentConfig, experiment: Experiment) -> dict[str, WorkerSetup]:
     """What ``configure`` sends each kind: its own section, the experiment's, and the counts."""
     section = plain(getattr(cfg, experiment.section)) if experiment.section else {}
-    return {kind: {"role": experiment.roles[kind], "worker": plain(getattr(cfg, kind)),
-                   "experiment": section, "counts": cfg.worker_counts(),
-                   "recover": getattr(cfg, "recover", "off")}
+    return {kind: {"worker": plain(getattr(cfg, kind)), "experiment": section,
+                   "counts": cfg.worker_counts(), "recover": getattr(cfg, "recover", "off")}
             for kind in KINDS}
 
 
@@ -198,11 +200,11 @@ class Controller:
         clients = []
         for w in back:
             self.addresses[w] = found[w]
-            self.clients[w] = WorkerClient(RpcClient(self.codec, found[w],
-                                                     self.cfg.rpc.request_timeout), w)
+            self.clients[w] = client_for(w, RpcClient(self.codec, found[w],
+                                                      self.cfg.rpc.request_timeout))
             clients.append(self.clients[w])
         self._configure_all(clients)
-        self._call_all(clients, "start")
+        self._start_all(clients)
         for w in back:
             del self.rejoining[w]
         print(f"\nrejoined: {', '.join(back)}", file=sys.stderr)
@@ -241,8 +243,8 @@ class Controller:
         for name, address in found.items():
             if name in expected:
                 self.addresses[name] = address
-                self.clients[name] = WorkerClient(
-                    RpcClient(self.codec, address, self.cfg.rpc.request_timeout), name)
+                self.clients[name] = client_for(
+                    name, RpcClient(self.codec, address, self.cfg.rpc.request_timeout))
 
     def _ordered(self, kinds: tuple[str, ...] = tuple(KINDS)) -> list[WorkerClient]:
         """Clients of every worker of ``kinds``, in order, but those rejoining after a requeue
@@ -250,19 +252,20 @@ class Controller:
         return [self.clients[w] for k in kinds for w in self.groups[k].worker_names()
                 if w not in self.rejoining]
 
-    def _call_all(self, clients: list[WorkerClient], method: str) -> None:
-        """Call ``method`` on every client at once (see :meth:`_check`)."""
-        self._check(clients, method, gather(clients, method, self.cfg.rpc.request_timeout))
+    def _start_all(self, clients: list[WorkerClient]) -> None:
+        """Start every client at once (see :meth:`_check`)."""
+        self._check(clients, "start", collect_settled([c.start() for c in clients],
+                                                      self.cfg.rpc.request_timeout))
 
     def _configure_all(self, clients: list[WorkerClient]) -> None:
         """Configure every client at once; record the incarnation each answers from (before
         judging failures: a worker configured in its new incarnation is not waited for)."""
         configs = worker_configs(self.cfg, self.experiment)
-        results = gather(clients, "configure", self.cfg.rpc.request_timeout,
-                         [{"config": configs[c.name.split("/")[0]]} for c in clients])
+        results = collect_settled([c.configure(configs[c.kind]) for c in clients],
+                                  self.cfg.rpc.request_timeout)
         for c, r in zip(clients, results):
             if isinstance(r, dict):
-                self._incarnation[c.name] = int(r.get("restart", 0))
+                self._incarnation[c.name] = int(r["restart"])
         self._check(clients, "configure", results)
 
     def _check(self, clients: list[WorkerClient], method: str, results: list[Any]) -> None:
@@ -294,8 +297,8 @@ class Controller:
         self.timeline["configured"] = time.time()
 
     def _start(self) -> None:
-        self._call_all(self._ordered(tuple(k for k in KINDS if k != "master")), "start")
-        self._call_all(self._ordered(("master",)), "start")
+        self._start_all(self._ordered(tuple(k for k in KINDS if k != "master")))
+        self._start_all(self._ordered(("master",)))
         self.timeline["started"] = time.time()
 
     def _watch(self) -> dict[str, Any]:
@@ -326,7 +329,7 @@ class Controller:
             else:
                 master = self.clients["master/0"]
                 try:
-                    ping = master.ping(timeout=max(cc.poll_interval * 5, 1.0))
+                    ping = master.ping().result(max(cc.poll_interval * 5, 1.0))
                     last_master_answer = time.monotonic()
                 except RpcError:
                     if time.monotonic() - last_master_answer > cc.heartbeat_ttl:
@@ -341,7 +344,7 @@ class Controller:
                                  time=f"{time.monotonic() - started:.1f}s")
             if state == "completed":
                 self.timeline["completed"] = time.time()
-                return master.report()["result"]
+                return master.report().result()["result"]
             if cc.timeout and time.monotonic() - started > cc.timeout:
                 raise WorkerFailure(f"trial did not complete within controller.timeout="
                                     f"{cc.timeout:.0f}s")
@@ -350,7 +353,7 @@ class Controller:
     def _stop_all(self) -> None:
         clients = list(self.clients.values())
         if clients:
-            gather(clients, "stop", 2.0)
+            collect_settled([c.stop() for c in clients], 2.0)
         deadline = time.monotonic() + self.cfg.scheduler.stop_grace
         while time.monotonic() < deadline and any(
                 s.state.active and s.state != JobState.UNKNOWN for s in self.scheduler.poll()):

@@ -13,7 +13,8 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from system.config import ExperimentConfig, field_docs
+from system.launcher.config import ExperimentConfig
+from system.structs import field_docs
 from system.errors import ConfigError
 
 

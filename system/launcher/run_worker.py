@@ -1,6 +1,7 @@
-"""Entry point of every worker process.
+"""Entry point of every worker process: the worker kind's class, running the role its
+experiment gives that kind.
 
-    python -m workers.run --trial-dir runs/smoke/t1 --kind rollout --index 3
+    python -m system.launcher.run_worker --trial-dir runs/smoke/t1 --kind rollout --index 3
 
 Under Slurm the index is omitted: each task derives its worker index (global rank) and local
 rank from the Slurm environment through submitit's ``JobEnvironment``.
@@ -12,7 +13,8 @@ import logging
 import os
 import sys
 
-from system.trial import Bootstrap
+from experiments.catalog import get_experiment
+from system.bootstrap import Bootstrap
 from workers.kinds import KINDS, worker_class
 
 
@@ -26,8 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s {args.kind}/{index} %(levelname)s %(message)s")
     boot = Bootstrap.read(os.path.join(args.trial_dir, "bootstrap.json"))
+    role = get_experiment(boot.experiment).roles.of(args.kind)
     worker = worker_class(args.kind)(boot, index, local_rank)
-    return worker.run()
+    return worker.run(role)
 
 
 def task_identity(index: int | None) -> tuple[int, int]:

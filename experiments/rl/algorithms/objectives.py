@@ -53,7 +53,7 @@ def _completion(outs: Sequence[torch.Tensor], batch: Sequence[dict[str, Any]],
 
 def actor_loss(batch: Sequence[dict[str, Any]], cfg: ActorLossConfig, stats: dict[str, float]
                ) -> Callable[[list[torch.Tensor], list[int]], torch.Tensor]:
-    from experiments.algorithms.ppo import kl_penalty, ppo_policy_loss
+    from experiments.rl.algorithms.ppo import kl_penalty, ppo_policy_loss
 
     def fn(logps: list[torch.Tensor], idx: list[int]) -> torch.Tensor:
         logp = _completion(logps, batch, idx)

@@ -66,11 +66,6 @@ class AdmissionController:
     def version(self) -> int:
         return self._version
 
-    def capacity(self) -> int:
-        """How many more rollouts may start now."""
-        with self._lock:
-            return self._capacity()
-
     def _capacity(self) -> int:
         eta, b = self.cfg.max_head_offpolicyness, self.cfg.batch_size
         cap = (self._version + eta + 1) * b - (self._accepted + self._running)

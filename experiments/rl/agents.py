@@ -22,16 +22,18 @@ from typing import Any, Generator, Sequence
 import numpy as np
 
 from system.errors import ConfigError
+from workers.schema import Sample, SamplingParams, Trajectory
 
-Trajectory = dict[str, Any]
-Episode = Generator["GenRequest", list[dict], list[Trajectory]]
+Episode = Generator["GenRequest", list[Sample], list[Trajectory]]
 
 
 @dataclasses.dataclass
 class GenRequest:
+    """One call an episode asks for: ``n`` samples of ``prompt`` on its generation server."""
+
     prompt: list[int]
     n: int
-    sampling: dict[str, Any]
+    sampling: SamplingParams
 
 
 @dataclasses.dataclass
@@ -78,7 +80,7 @@ class SingleTurnAgent:
     def __init__(self, cfg: AgentConfig, tokenizer: Any = None) -> None:
         self.cfg = cfg
 
-    def sampling(self, greedy: bool = False) -> dict[str, Any]:
+    def sampling(self, greedy: bool = False) -> SamplingParams:
         return {"max_tokens": self.cfg.max_new_tokens,
                 "temperature": 0.0 if greedy else self.cfg.temperature,
                 "top_p": 1.0 if greedy else self.cfg.top_p}

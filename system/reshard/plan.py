@@ -1,7 +1,7 @@
 """The pure resharding planner: (training layout, generation layout, parameter specs) -> buckets
 of broadcasts.
 
-Global ranks: training ranks ``0..S-1`` (see :class:`~system.topology.TrainLayout`), then
+Global ranks: training ranks ``0..S-1`` (see :class:`~system.reshard.layout.TrainLayout`), then
 generation ranks ``S..S+D-1``. Every region a generation rank needs is sent once, by one
 training rank that holds it, in one broadcast to every generation rank that needs the same
 region (every replica, and every tp rank that holds it replicated). Senders are balanced by
@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from system.param_specs import (Box, DstParam, ParamSpec, Split, box_shape, check_divisible,
+from system.reshard.params import (Box, DstParam, ParamSpec, Split, box_shape, check_divisible,
                                 stage_of, tp_box, vllm_local_params, hf_local_params)
-from system.topology import GenLayout, LayoutError, TrainLayout
+from system.reshard.layout import GenLayout, LayoutError, TrainLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +76,6 @@ class ReshardPlan:
     @property
     def num_src(self) -> int:
         return self.src.world_size
-
-    def dst_rank(self, replica: int, tp: int) -> int:
-        return self.num_src + self.dst.rank(replica, tp)
 
     def for_rank(self, rank: int) -> list[Bucket]:
         return [b for b in self.buckets if rank in b.members]

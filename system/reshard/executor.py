@@ -1,4 +1,4 @@
-"""The resharding executor: runs one rank's part of a :class:`~system.reshard_plan.ReshardPlan`.
+"""The resharding executor: runs one rank's part of a :class:`~system.reshard.plan.ReshardPlan`.
 
 Process groups are built from one TCPStore (whose address the caller publishes in name
 resolution), one group per distinct broadcast member set and lane, each through its own
@@ -22,23 +22,14 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from system.param_specs import Box, ParamSpec, stage_of, tp_box
-from system.reshard_plan import Bucket, ReshardPlan, flat_range
-from system.topology import TrainLayout
+from system.reshard.params import Box
+from system.reshard.plan import Bucket, ReshardPlan, flat_range
 
 
 def _slices(box: Box, origin: Box | None = None) -> tuple[slice, ...]:
     if origin is None:
         return tuple(slice(a, b) for a, b in box)
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
-
-
-def train_shard_boxes(specs: list[ParamSpec], layout: TrainLayout, rank: int, num_layers: int
-                      ) -> dict[str, Box]:
-    """The box of every full parameter that training ``rank`` holds (its pp stage, tp shard)."""
-    c = layout.coord(rank)
-    return {s.name: tp_box(s, layout.tp, c.tp) for s in specs
-            if stage_of(s, num_layers, layout.pp) == c.pp}
 
 
 class GroupFactory:

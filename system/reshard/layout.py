@@ -40,11 +40,6 @@ class TrainLayout:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
-    def check_world(self, world_size: int) -> None:
-        if world_size != self.world_size:
-            raise LayoutError(f"training layout dp={self.dp} x tp={self.tp} x pp={self.pp} = "
-                              f"{self.world_size} ranks, but the world has {world_size}")
-
     def coord(self, rank: int) -> TrainCoord:
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} outside {self}")
@@ -73,11 +68,6 @@ class GenLayout:
     @property
     def world_size(self) -> int:
         return self.tp * self.replicas
-
-    def check_world(self, world_size: int) -> None:
-        if world_size != self.world_size:
-            raise LayoutError(f"generation layout tp={self.tp} x replicas={self.replicas} = "
-                              f"{self.world_size} ranks, but the world has {world_size}")
 
     def coord(self, rank: int) -> tuple[int, int]:
         """``(replica, tp)``."""

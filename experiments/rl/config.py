@@ -4,11 +4,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from experiments.agents import AgentConfig
-from experiments.algorithms.objectives import ActorLossConfig
-from experiments.tasks import TaskConfig
-from scheduler.registry import PROJECT_ROOT
-from system.config import ExperimentConfig
+from experiments.rl.agents import AgentConfig
+from experiments.rl.algorithms.objectives import ActorLossConfig
+from experiments.rl.tasks import TaskConfig
+from system.paths import PROJECT_ROOT
+from system.launcher.config import ExperimentConfig
 from system.errors import ConfigError
 from workers.engines.configs import TorchEngineConfig
 from workers.engines.vllm_server import VllmConfig

@@ -13,7 +13,8 @@ import random
 import threading
 from typing import Any
 
-from workers.admission import AdmissionController
+from experiments.rl.admission import AdmissionController, Ticket
+from workers.schema import Task, TaskReply
 
 
 class PromptCursor:
@@ -84,13 +85,12 @@ class TaskSource:
                  group_size: int) -> None:
         self.admission, self.cursor, self.router = admission, cursor, router
         self.group_size = group_size
-        self.in_flight: dict[int, dict[str, Any]] = {}
+        self.in_flight: dict[int, Task] = {}
         self.done = False
-        self.issued = 0
         self._lock = threading.Lock()
 
-    def next_task(self, worker: int, max_tasks: int) -> dict[str, Any]:
-        tasks = []
+    def next_task(self, worker: int, max_tasks: int) -> TaskReply:
+        tasks: list[Task] = []
         with self._lock:
             if self.done:
                 return {"done": True}
@@ -99,19 +99,16 @@ class TaskSource:
                 if ticket is None:
                     break
                 pid, epoch = self.cursor.next()
-                task = {"seq": ticket.seq, "version": ticket.version, "prompt_id": pid,
-                        "epoch": epoch, "server": self.router.pick(self.group_size),
-                        "worker": worker}
+                task: Task = {"seq": ticket.seq, "version": ticket.version, "prompt_id": pid,
+                              "epoch": epoch, "server": self.router.pick(self.group_size),
+                              "worker": worker}
                 self.in_flight[ticket.seq] = task
                 tasks.append(task)
-                self.issued += 1
         return {"tasks": tasks} if tasks else {"wait": 0.05}
 
-    def finish(self, seq: int, accepted: bool) -> dict[str, Any] | None:
+    def finish(self, seq: int, accepted: bool) -> Task | None:
         """A group came back (or failed). Returns its task, or None for an unknown seq (a
         duplicate, or from before a restart)."""
-        from workers.admission import Ticket
-
         with self._lock:
             task = self.in_flight.pop(seq, None)
             if task is None:

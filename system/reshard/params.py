@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Iterator, Sequence
+from typing import Sequence
 
-from system.topology import LayoutError
+from system.reshard.layout import LayoutError, TrainLayout
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension
 
@@ -217,6 +217,9 @@ def hf_local_params(specs: Sequence[ParamSpec], tp: int, rank: int) -> list[DstP
             for s in specs]
 
 
-def iter_boxes(specs: Sequence[ParamSpec]) -> Iterator[tuple[ParamSpec, Box]]:
-    for s in specs:
-        yield s, tuple((0, n) for n in s.shape)
+def train_shard_boxes(specs: list[ParamSpec], layout: TrainLayout, rank: int, num_layers: int
+                      ) -> dict[str, Box]:
+    """The box of every full parameter that training ``rank`` holds (its pp stage, tp shard)."""
+    c = layout.coord(rank)
+    return {s.name: tp_box(s, layout.tp, c.tp) for s in specs
+            if stage_of(s, num_layers, layout.pp) == c.pp}

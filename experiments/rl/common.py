@@ -1,0 +1,55 @@
+"""What every RL role needs: its validated ``rl`` section, the model, tokenizer and prompts."""
+from __future__ import annotations
+
+from typing import Any
+
+from experiments.rl.config import RLConfig, resolve_model_path
+from experiments.rl.tasks import Prompt, dataset, get_task
+from workers.base import Worker
+from workers.schema import Trajectory
+
+DEFAULT_MODEL = {"arith-tiny": "arith-tiny", "smollm2-arith": "smollm2-135m-instruct"}
+"""The model under ``.models/`` each experiment trains when ``rl.model_path`` is empty."""
+
+
+def rl_config(worker: Worker) -> RLConfig:
+    """The ``rl`` section the controller sent, as a validated :class:`RLConfig`."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RLConfig),
+                                               worker.config["experiment"]))
+
+
+def model_path(worker: Worker, rl: RLConfig) -> str:
+    return resolve_model_path(rl, DEFAULT_MODEL.get(worker.boot.experiment, "arith-tiny"))
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def encode_prompt(tok: Any, text: str, chat: bool) -> list[int]:
+    if chat and getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}],
+                                      add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # BatchEncoding
+    ids = tok.encode(text, add_special_tokens=False)
+    return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + list(ids)
+
+
+def eval_prompts(rl: RLConfig, tok: Any) -> list[tuple[Prompt, list[int]]]:
+    task = get_task(rl.task)
+    return [(p, encode_prompt(tok, p["prompt"], task.chat)) for p in dataset(rl.task, "eval")]
+
+
+def group_version(trajs: list[Trajectory], fallback: int) -> int:
+    """The oldest weight version that produced a policy token of the group."""
+    vs = [int(t["versions"][t["mask"] == 1].min()) for t in trajs
+          if len(t["versions"]) and (t["mask"] == 1).any()]
+    return min(vs) if vs else fallback
+
+
+__all__ = ["DEFAULT_MODEL", "encode_prompt", "eval_prompts", "group_version", "load_tokenizer",
+           "model_path", "rl_config"]

@@ -1,0 +1,45 @@
+"""Driving agent episodes against generation servers, and scoring what they produce."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from experiments.rl.agents import Episode, GenRequest
+from workers.client import Pending
+from workers.generation import GenerationClient
+from workers.schema import Sample, Trajectory
+
+
+def run_episodes(episodes: Sequence[tuple[Episode, int]], clients: dict[int, GenerationClient],
+                 timeout: float) -> list[list[Trajectory]]:
+    """Drive episodes (``(generator, server)``) together: every round submits each live
+    episode's request to its server, then feeds back the samples. Returns each episode's
+    trajectories."""
+    results: list[list[Trajectory] | None] = [None] * len(episodes)
+    pending: dict[int, GenRequest] = {i: next(ep) for i, (ep, _) in enumerate(episodes)}
+    while pending:
+        calls: dict[int, Pending[list[Sample]]] = {
+            i: clients[episodes[i][1]].generate(r.prompt, r.n, r.sampling)
+            for i, r in pending.items()}
+        nxt: dict[int, GenRequest] = {}
+        for i, call in calls.items():
+            samples = call.result(timeout)
+            try:
+                nxt[i] = episodes[i][0].send(samples)
+            except StopIteration as stop:
+                results[i] = stop.value
+        pending = nxt
+    return results  # type: ignore[return-value]
+
+
+def score(trajs: list[Trajectory], tok: Any, answer: Any,
+          reward_fn: Callable[[str, Any], float]) -> None:
+    """Reward each trajectory on its final answer: the policy's last turn (after the last tool
+    output; for a single-turn agent, the whole completion)."""
+    for t in trajs:
+        comp = t["tokens"][t["prompt_len"]:]
+        tool = np.nonzero(t["mask"] == 0)[0]
+        final = comp[tool[-1] + 1:] if len(tool) else comp
+        t["reward"] = float(reward_fn(tok.decode([int(x) for x in final],
+                                                 skip_special_tokens=True), answer))

@@ -1,0 +1,33 @@
+"""Greedy evaluation on the held-out prompts, through the generation servers."""
+from __future__ import annotations
+
+from typing import Any
+
+from experiments.rl.agents import Episode, SingleTurnAgent
+from experiments.rl.config import RLConfig
+from experiments.rl.data import Router
+from experiments.rl.episodes import run_episodes, score
+from experiments.rl.tasks import Prompt, get_task
+from workers.generation import GenerationClient
+
+
+def evaluate(gens: list[GenerationClient], rl: RLConfig, tok: Any, agent: SingleTurnAgent,
+             router: Router, prompts: list[tuple[Prompt, list[int]]]) -> float:
+    """Greedy accuracy on the held-out prompts (rewards in [0, 1])."""
+    if not prompts:
+        return float("nan")
+    task = get_task(rl.task)
+    episodes: list[tuple[Episode, int]] = []
+    for _, ids in prompts:
+        server = router.pick()
+        episodes += [(ep, server) for ep in agent.episodes(ids, 1, greedy=True)]
+    try:
+        results = run_episodes(episodes, dict(enumerate(gens)), rl.call_timeout)
+    finally:
+        for _, server in episodes:
+            router.done(server)
+    total = 0.0
+    for (p, _), trajs in zip(prompts, results):
+        score(trajs, tok, p["answer"], task.reward)
+        total += trajs[0]["reward"]
+    return total / len(prompts)

@@ -1,0 +1,190 @@
+"""The master's RL loop, one step at a time.
+
+Per step: take B groups from the buffer (admission keeps rollouts within eta versions, the
+buffer drops any that still got too old), compute proximal / reference log-probs and advantages,
+train, publish weights every ``sync_interval`` steps, evaluate every ``eval_interval`` steps and
+checkpoint every ``save_interval`` steps. Sync mode is the same loop with eta = 0: no rollout may
+start before the weights it must use are published, so every batch is generated, then trained.
+:func:`experiments.rl.roles.master.master_role` drives it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+
+from experiments.rl.admission import AdmissionConfig, AdmissionController, TrajectoryBuffer
+from experiments.rl.agents import make_agent
+from experiments.rl.checkpoint import CheckpointDir
+from experiments.rl.cluster import Cluster
+from experiments.rl.common import eval_prompts, group_version, load_tokenizer, model_path
+from experiments.rl.config import RLConfig
+from experiments.rl.data import PromptCursor, Router, TaskSource
+from experiments.rl.evaluate import evaluate
+from experiments.rl.metrics import MetricsLog
+from experiments.rl.state import Admitted, LoopState, load_state, save_state
+from experiments.rl.tasks import dataset
+from experiments.rl.train_step import train_step
+from system import names
+from system.rpc import StreamPuller
+from workers.master import MasterWorker
+
+log = logging.getLogger("rl-master")
+
+
+class RLLoop:
+    """Everything the master's loop holds: state, admission, buffer, prompts, workers."""
+
+    def __init__(self, master: MasterWorker, rl: RLConfig) -> None:
+        self.master, self.rl = master, rl
+        self.path = model_path(master, rl)
+        self.tok = load_tokenizer(self.path)
+        self.trial_dir = master.boot.trial_dir
+        self.ckpt = CheckpointDir(os.path.join(self.trial_dir, "checkpoints"),
+                                  rl.keep_checkpoints)
+        random.seed(rl.seed)
+        np.random.seed(rl.seed)
+        self.resumed_from = self.ckpt.latest() if master.config["recover"] == "resume" else None
+        self.state = (load_state(self.ckpt.path(self.resumed_from))
+                      if self.resumed_from is not None else LoopState())
+        self.metrics = MetricsLog(self.trial_dir, resume=self.resumed_from is not None)
+        self.metrics.truncate(self.state.step)
+        self.admission = AdmissionController(AdmissionConfig(rl.batch_size, rl.eta))
+        self.buffer = TrajectoryBuffer(rl.eta)
+        for item, version in self.state.buffer:
+            self.buffer.put(item, version)
+        self.admission.restore(self.state.step, self.state.consumed, len(self.state.buffer))
+        cursor = PromptCursor([p["id"] for p in dataset(rl.task, "train")], rl.seed)
+        if self.state.cursor:
+            cursor.restore(self.state.cursor)
+        self.cluster = Cluster(master, rl)
+        self.router = Router(self.cluster.n_gen)
+        self.source = TaskSource(self.admission, cursor, self.router, rl.group_size)
+        self.puller = StreamPuller(master.codec, master.host, master.rpc_cfg.stream_hwm)
+        master.name_resolve.add(names.stream(master.exp, master.trial, "trajectories"),
+                                self.puller.address, replace=True)
+        self.agent = make_agent(rl.agent, self.tok)
+        self.held_out = eval_prompts(rl, self.tok)
+        self.samples_at_start = self.state.consumed * rl.group_size
+        self.t_loop = time.monotonic()
+
+    def start(self) -> None:
+        """Wait for the engines, join the weight-sync groups, give the servers a restored
+        checkpoint's weights, evaluate once, and open admission."""
+        self.cluster.wait_ready(self.rl.startup_timeout)
+        info = self.cluster.on_models(lambda c: c.engine_info())[0]
+        self.cluster.init_weight_sync(self.path, info)
+        if self.state.step > 0:  # the servers loaded the base model: give them the checkpoint's
+            self.cluster.publish(self.state.step)
+        if self.state.eval_before is None:
+            self.master.set_progress(phase="evaluating")
+            self.state.eval_before = self.evaluate()
+            self.metrics.log(0, eval_accuracy=self.state.eval_before)
+        self.t_loop = time.monotonic()
+        self.master.serve_tasks(self.source)  # rollouts begin
+
+    def evaluate(self) -> float:
+        return evaluate(self.cluster.gens, self.rl, self.tok, self.agent, self.router,
+                        self.held_out)
+
+    def step(self) -> None:
+        """One training step, from taking a batch to the checkpoint."""
+        rl, state = self.rl, self.state
+        t0 = time.monotonic()
+        batch = self.next_batch()
+        t_wait = time.monotonic() - t0
+        stats = train_step(self.cluster, rl, batch, state)
+        state.step += 1
+        state.consumed += rl.batch_size
+        self.admission.consumed(rl.batch_size)
+        sync = self.cluster.publish(state.step) if (
+            state.step % rl.sync_interval == 0 or state.step == rl.total_steps) else {}
+        self.admission.set_version(state.step)
+        acc = self.evaluate() if ((rl.eval_interval and state.step % rl.eval_interval == 0)
+                                  or state.step == rl.total_steps) else None
+        row = {**stats, **sync, "wait_seconds": t_wait, "step_seconds": time.monotonic() - t0,
+               "buffered": len(self.buffer), "in_flight": len(self.source.in_flight),
+               "dropped_stale": self.buffer.dropped, "samples_per_s": self.samples_per_s()}
+        if acc is not None:
+            row["eval_accuracy"] = acc
+        self.metrics.log(state.step, **row)
+        self.master.set_progress(
+            step=f"{state.step}/{rl.total_steps}", reward=f"{row['reward']:.3f}",
+            samples_s=f"{row['samples_per_s']:.1f}",
+            staleness=f"{row['staleness_max']}/{rl.eta}", version=state.step,
+            eval=None if acc is None else f"{acc:.3f}")
+        if rl.save_interval and state.step % rl.save_interval == 0:
+            self.checkpoint()
+        if rl.crash_at_step and state.step == rl.crash_at_step and self.resumed_from is None:
+            raise RuntimeError(f"injected failure after step {state.step} (rl.crash_at_step)")
+
+    def samples_per_s(self) -> float:
+        done = self.state.consumed * self.rl.group_size - self.samples_at_start
+        return done / max(time.monotonic() - self.t_loop, 1e-9)
+
+    def next_batch(self) -> list[tuple[Admitted, int]]:
+        """Read the trajectory stream until B admissible groups are buffered; take them."""
+        while True:
+            dropped: list[Admitted] = self.buffer.drop_stale(self.state.step)  # type: ignore
+            if dropped:
+                self.admission.discard(len(dropped))
+                self.source.give_back([(int(a.group["prompt_id"]), a.epoch) for a in dropped])
+            got = self.buffer.take(self.rl.batch_size, self.state.step)
+            if got is not None:
+                return got  # type: ignore[return-value]
+            if self.master.stopping:
+                raise RuntimeError("stopped during training")
+            msg = self.puller.recv(0.5)
+            if msg is None:
+                continue
+            task = self.source.finish(int(msg["seq"]), accepted=not msg["failed"])
+            if task is None:
+                continue  # a duplicate or a leftover from before a restart
+            if msg["failed"]:
+                log.warning("rollout of prompt %s failed: %s", msg["prompt_id"], msg["error"])
+                continue
+            self.buffer.put(Admitted(msg, task["epoch"]),
+                            group_version(msg["trajs"], task["version"]))
+
+    def checkpoint(self) -> None:
+        state = self.state
+        staging = self.ckpt.staging(state.step)
+        self.cluster.on_models(lambda c: c.save(staging))
+        state.cursor = self.source.snapshot()
+        state.buffer = self.buffer.items()  # type: ignore[assignment]
+        save_state(staging, state)
+        self.ckpt.commit(state.step, {"consumed": state.consumed, "buffered": len(state.buffer),
+                                      "cursor": {k: v for k, v in state.cursor.items()
+                                                 if k != "redo"}})
+        state.buffer = []
+        log.info("checkpoint at step %d", state.step)
+
+    def close(self) -> None:
+        self.source.stop()
+        self.master.serve_tasks(None)
+        self.puller.close()
+        self.cluster.close()
+
+    def summary(self, t_start: float, loop_seconds: float) -> dict[str, Any]:
+        """The run's headline figures (the controller copies them into ``summary.json``)."""
+        rl, state = self.rl, self.state
+        rewards = [r for _, r in self.metrics.series("reward")]
+        plot = self.metrics.plot(os.path.join(self.trial_dir, "reward.png"),
+                                 f"{self.master.boot.experiment} ({rl.mode}, {rl.algorithm})")
+        self.metrics.close()
+        first3 = float(np.mean(rewards[:3])) if rewards else float("nan")
+        last3 = float(np.mean(rewards[-3:])) if rewards else float("nan")
+        return {"reward_first3": first3, "reward_last3": last3, "reward_gain": last3 - first3,
+                "eval_accuracy_before": state.eval_before,
+                "eval_accuracy_after": self.metrics.series("eval_accuracy")[-1][1],
+                "mode": rl.mode, "algorithm": rl.algorithm,
+                "max_staleness_used": state.max_staleness, "max_head_offpolicyness": rl.eta,
+                "steps": state.step, "resumed_from_step": self.resumed_from,
+                "samples_per_s": (state.consumed * rl.group_size - self.samples_at_start)
+                / max(loop_seconds, 1e-9),
+                "loop_seconds": loop_seconds, "total_seconds": time.monotonic() - t_start,
+                "plot": plot, "tensorboard": os.path.join(self.trial_dir, "tensorboard")}

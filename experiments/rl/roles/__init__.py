@@ -1,0 +1,1 @@
+"""The role each worker kind plays in an RL experiment."""

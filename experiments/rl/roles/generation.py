@@ -1,0 +1,20 @@
+"""Generation servers: open vLLM and the OpenAI-compatible endpoint, serve until stopped."""
+from __future__ import annotations
+
+from typing import Any
+
+from experiments.rl.common import load_tokenizer, model_path, rl_config
+from workers.generation import GenerationServer
+
+
+def generation_role(worker: GenerationServer) -> dict[str, Any]:
+    rl = rl_config(worker)
+    path = model_path(worker, rl)
+    tok = load_tokenizer(path)
+    engine = worker.open_engine(path, rl.vllm, tok.eos_token_id)
+    worker.serve_http(tok, worker.boot.experiment)
+    try:
+        worker.wait_stop()
+    finally:
+        worker.close()
+    return {"requests": worker.requests, "engine": dict(engine.stats), "version": engine.version}

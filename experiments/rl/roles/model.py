@@ -1,0 +1,53 @@
+"""Model workers: load the actor (and reference, critic) engines, install them, serve."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Sequence
+
+from experiments.rl.algorithms.objectives import ActorLossConfig, actor_loss, critic_loss
+from experiments.rl.checkpoint import CheckpointDir
+from experiments.rl.common import model_path, rl_config
+from workers.model import ModelWorker
+from workers.schema import TrainItem
+
+
+def _actor_loss(batch: Sequence[TrainItem], cfg: dict[str, Any], stats: dict[str, float]) -> Any:
+    return actor_loss(batch, ActorLossConfig(**cfg), stats)
+
+
+def model_role(worker: ModelWorker) -> dict[str, Any]:
+    from workers.engines.torch_engine import TorchEngine
+
+    rl = rl_config(worker)
+    path = model_path(worker, rl)
+    resume_dir = resume_dir_of(worker)
+    worker.init_default_group()
+    actor_path = os.path.join(resume_dir, "actor") if resume_dir else path
+    actor = TorchEngine(dataclasses.replace(rl.actor, model_path=actor_path), worker.device,
+                        worker.world_size)
+    engines = {"actor": actor}
+    if rl.loss.kl_coef > 0:
+        engines["ref"] = TorchEngine(dataclasses.replace(rl.actor, model_path=path),
+                                     worker.device, worker.world_size, trainable=False)
+    if rl.algorithm == "ppo":
+        critic_path = os.path.join(resume_dir, "critic") if resume_dir else path
+        engines["critic"] = TorchEngine(
+            dataclasses.replace(rl.actor, model_path=critic_path, lr=rl.critic_lr),
+            worker.device, worker.world_size, head="value")
+    if resume_dir:
+        for which, eng in engines.items():
+            if which != "ref":
+                eng.load_optimizer(os.path.join(resume_dir, which), worker.index)
+    worker.install(engines, actor_loss=_actor_loss, critic_loss=critic_loss)
+    worker.wait_stop()
+    return {"engines": sorted(engines), "steps": actor.steps}
+
+
+def resume_dir_of(worker: ModelWorker) -> str | None:
+    """The latest checkpoint's directory when resuming (``recover=resume``)."""
+    if worker.config["recover"] != "resume":
+        return None
+    ckpt = CheckpointDir(os.path.join(worker.boot.trial_dir, "checkpoints"))
+    step = ckpt.latest()
+    return ckpt.path(step) if step is not None else None

@@ -1,0 +1,118 @@
+"""Rollout workers: take tasks from the master, run the agent against the server the master
+picked, score the samples and stream each group to the master."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from experiments.rl.agents import Episode, make_agent
+from experiments.rl.common import encode_prompt, load_tokenizer, model_path, rl_config
+from experiments.rl.config import RLConfig
+from experiments.rl.episodes import run_episodes, score
+from experiments.rl.tasks import dataset, get_task
+from system import names
+from system.errors import RpcTimeout
+from workers.generation import GenerationClient
+from workers.master import MasterClient
+from workers.rollout import RolloutWorker
+from workers.schema import GroupMessage, Task, Trajectory
+
+log = logging.getLogger("rl-rollout")
+
+
+class _Rollouts:
+    """One rollout worker's tasks: its agent, prompts, and clients of the master and servers."""
+
+    def __init__(self, worker: RolloutWorker, rl: RLConfig) -> None:
+        self.worker, self.rl = worker, rl
+        self.tok = load_tokenizer(model_path(worker, rl))
+        self.task = get_task(rl.task)
+        self.prompts = {p["id"]: p for p in dataset(rl.task, "train")}
+        self.agent = make_agent(rl.agent, self.tok)
+        self.encoded: dict[int, list[int]] = {}
+        self.gens: dict[int, GenerationClient] = {}
+        addr = worker.name_resolve.wait(
+            names.worker_address(worker.exp, worker.trial, "master", 0), 60)
+        self.master = MasterClient(worker.client(addr, 30.0), "master/0")
+        self.pusher = worker.trajectory_stream()
+
+    def server(self, index: int) -> GenerationClient:
+        if index not in self.gens:
+            w = self.worker
+            addr = w.name_resolve.wait(names.worker_address(w.exp, w.trial, "generation", index),
+                                       60)
+            self.gens[index] = GenerationClient(w.client(addr, self.rl.call_timeout),
+                                                f"generation/{index}")
+        return self.gens[index]
+
+    def run(self, tasks: list[Task]) -> tuple[list[list[Trajectory]], list[int], str]:
+        """Every task's episodes, driven together: (results, owning task per episode, error)."""
+        episodes: list[tuple[Episode, int]] = []
+        owner: list[int] = []
+        for k, t in enumerate(tasks):
+            self.server(t["server"])
+            pid = t["prompt_id"]
+            if pid not in self.encoded:
+                self.encoded[pid] = encode_prompt(self.tok, self.prompts[pid]["prompt"],
+                                                  self.task.chat)
+            for ep in self.agent.episodes(self.encoded[pid], self.rl.group_size):
+                episodes.append((ep, t["server"]))
+                owner.append(k)
+        try:
+            return run_episodes(episodes, self.gens, self.rl.call_timeout), owner, ""
+        except Exception as e:  # a server failed or was cut off: give the tasks back
+            log.exception("rollout failed")
+            # look the servers up again next time: one requeued by Slurm registers anew
+            for server in {t["server"] for t in tasks}:
+                self.gens.pop(server).close()
+            return [], owner, f"{type(e).__name__}: {e}"
+
+    def group(self, k: int, t: Task, results: list[list[Trajectory]], owner: list[int],
+              error: str) -> GroupMessage:
+        trajs = [tr for i, r in enumerate(results) if owner[i] == k for tr in r]
+        if not error:
+            score(trajs, self.tok, self.prompts[t["prompt_id"]]["answer"], self.task.reward)
+        return {"seq": t["seq"], "prompt_id": t["prompt_id"], "worker": self.worker.index,
+                "server": t["server"], "trajs": trajs, "failed": bool(error), "error": error}
+
+    def push(self, msg: GroupMessage) -> bool:
+        """Push, retrying while the master's queue is full; gives up once stopping."""
+        while True:
+            try:
+                self.pusher.send(msg, timeout=1.0)
+                return True
+            except RpcTimeout:
+                if self.worker.stopping:
+                    return False
+
+    def close(self) -> None:
+        self.master.close()
+        for c in self.gens.values():
+            c.close()
+        self.pusher.close(linger=0.5)
+
+
+def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
+    rl = rl_config(worker)
+    r = _Rollouts(worker, rl)
+    done = groups = failed = 0
+    try:
+        while not worker.stopping:
+            reply = r.master.next_task(worker.index, rl.tasks_per_request).result()
+            if reply.get("done"):
+                done = 1
+                break
+            if "wait" in reply:
+                time.sleep(float(reply["wait"]))
+                continue
+            tasks = reply["tasks"]
+            results, owner, error = r.run(tasks)
+            for k, t in enumerate(tasks):
+                if not r.push(r.group(k, t, results, owner, error)):
+                    break
+                groups += 1
+                failed += bool(error)
+    finally:
+        r.close()
+    return {"groups": groups, "failed": failed, "finished": bool(done)}

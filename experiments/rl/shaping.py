@@ -1,0 +1,38 @@
+"""Advantage shaping on the master: from a batch's rewards (and values) to per-token advantages."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from experiments.rl.algorithms.advantages import gae, grpo_advantages
+from experiments.rl.config import RLConfig
+from workers.schema import Trajectory
+
+
+def advantages_grpo(trajs: list[Trajectory], n: int) -> list[np.ndarray]:
+    rewards = torch.tensor([t["reward"] for t in trajs])
+    adv = grpo_advantages(rewards, n)
+    return [np.full(len(t["mask"]), float(a), np.float32) for t, a in zip(trajs, adv)]
+
+
+def advantages_ppo(trajs: list[Trajectory], values: list[np.ndarray], rl: RLConfig
+                   ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Token rewards (the score on the last policy token, minus the KL penalty folded into the
+    loss), GAE over policy tokens, whitened advantages; returns (advantages, returns)."""
+    t_max = max(len(t["mask"]) for t in trajs)
+    r = torch.zeros(len(trajs), t_max)
+    v = torch.zeros(len(trajs), t_max)
+    m = torch.zeros(len(trajs), t_max)
+    for i, t in enumerate(trajs):
+        k = len(t["mask"])
+        m[i, :k] = torch.as_tensor(t["mask"], dtype=torch.float32)
+        v[i, :k] = torch.as_tensor(values[i][t["prompt_len"] - 1:], dtype=torch.float32)
+        pol = np.nonzero(t["mask"])[0]
+        if len(pol):
+            r[i, pol[-1]] = t["reward"]
+    adv, ret = gae(r, v, m, rl.gamma, rl.lam)
+    sel = adv[m > 0]
+    if sel.numel() > 1:
+        adv = (adv - sel.mean()) / (sel.std() + 1e-6) * m
+    return ([adv[i, :len(t["mask"])].numpy() for i, t in enumerate(trajs)],
+            [ret[i, :len(t["mask"])].numpy() for i, t in enumerate(trajs)])

@@ -1,0 +1,74 @@
+"""One training step on the master: from a batch of groups to trained weights and figures."""
+from __future__ import annotations
+
+import numpy as np
+
+from experiments.rl.cluster import Cluster
+from experiments.rl.config import RLConfig
+from experiments.rl.shaping import advantages_grpo, advantages_ppo
+from experiments.rl.state import Admitted, LoopState
+from workers.schema import TrainItem, TrainStats, Trajectory
+
+
+def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]],
+               state: LoopState) -> dict[str, object]:
+    """Proximal / reference log-probs, advantages (and the critic for PPO), the actor's step;
+    returns the step's figures."""
+    staleness = [state.step - v for _, v in batch]
+    state.max_staleness = max([state.max_staleness, *staleness])
+    state.history.append([[int(a.group["prompt_id"]), a.epoch] for a, _ in batch])
+    trajs = [t for a, _ in batch for t in a.group["trajs"]]
+    items = train_items(cluster, rl, trajs)
+    stats: dict[str, object] = {}
+    if rl.algorithm == "grpo":
+        advs = advantages_grpo(trajs, rl.group_size)
+    else:
+        seqs = [t["tokens"] for t in trajs]
+        values = cluster.per_token(seqs, "critic")
+        advs, returns = advantages_ppo(trajs, values, rl)
+        for it, v, r in zip(items, values, returns):
+            it["old_values"] = v[it["prompt_len"] - 1:]
+            it["returns"] = r
+        critic = cluster.train(items, critic=True)
+        stats["value_loss"] = critic.get("value_loss_sum", 0.0) / max(critic.get("tokens", 1), 1)
+    for it, a in zip(items, advs):
+        it["adv"] = a
+    out = cluster.train(items)
+    return {**stats, **step_figures(rl, trajs, out, staleness)}
+
+
+def train_items(cluster: Cluster, rl: RLConfig, trajs: list[Trajectory]) -> list[TrainItem]:
+    """The batch as the model workers train on it, with proximal (decoupled async loss) and
+    reference (KL) log-probs over the completion tokens."""
+    seqs = [t["tokens"] for t in trajs]
+    items: list[TrainItem] = [{"tokens": t["tokens"], "prompt_len": int(t["prompt_len"]),
+                               "mask": t["mask"].astype(np.float32), "old_logp": t["logprobs"]}
+                              for t in trajs]
+    if rl.mode == "async" and rl.decoupled_loss:
+        for it, lp in zip(items, cluster.per_token(seqs, "actor")):
+            it["prox_logp"] = lp[it["prompt_len"] - 1:]
+    if rl.loss.kl_coef > 0:
+        for it, lp in zip(items, cluster.per_token(seqs, "ref")):
+            it["ref_logp"] = lp[it["prompt_len"] - 1:]
+    return items
+
+
+def step_figures(rl: RLConfig, trajs: list[Trajectory], out: TrainStats,
+                 staleness: list[int]) -> dict[str, object]:
+    tokens = max(out.get("tokens", 1.0), 1.0)
+    seconds = out.get("seconds", 0.0)
+    gen_tokens = int(sum(int(t["mask"].sum()) for t in trajs))
+    return {
+        "reward": float(np.mean([t["reward"] for t in trajs])),
+        "loss": out["loss"], "grad_norm": out["grad_norm"],
+        "clip_fraction": out.get("clip_fraction_sum", 0.0) / tokens,
+        "behav_weight_mean": out.get("behav_weight_mean_sum", 0.0) / tokens,
+        "kl": out.get("kl_sum", 0.0) / tokens if rl.loss.kl_coef > 0 else None,
+        "train_seconds": seconds,
+        "train_tokens_per_s": out.get("train_tokens", 0.0) / max(seconds or 1e-9, 1e-9),
+        "gen_tokens": gen_tokens,
+        "completion_len": gen_tokens / max(len(trajs), 1),
+        "staleness_max": max(staleness), "staleness_mean": float(np.mean(staleness)),
+        "versions": sorted({int(v) for t in trajs for v in t["versions"] if v >= 0}),
+        "cut_samples": sum(len({int(v) for v in t["versions"] if v >= 0}) > 1 for t in trajs),
+    }

@@ -1,0 +1,46 @@
+"""Where things live: this project's root and every path of one trial directory."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The project's root (where ``.models/`` and the sbatch templates are)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialPaths:
+    """Every path of one trial: ``<fileroot>/<exp>/<trial>/``."""
+
+    root: str
+
+    @property
+    def config(self) -> str:
+        return os.path.join(self.root, "config.yaml")
+
+    @property
+    def bootstrap(self) -> str:
+        return os.path.join(self.root, "bootstrap.json")
+
+    @property
+    def secret(self) -> str:
+        return os.path.join(self.root, "secret")
+
+    @property
+    def summary(self) -> str:
+        return os.path.join(self.root, "summary.json")
+
+    @property
+    def logs(self) -> str:
+        return os.path.join(self.root, "logs")
+
+    @property
+    def checkpoints(self) -> str:
+        return os.path.join(self.root, "checkpoints")
+
+    def worker_log(self, kind: str, index: int) -> str:
+        return os.path.join(self.logs, f"{kind}-{index}.log")
+
+    @staticmethod
+    def of(fileroot: str, exp: str, trial: str) -> "TrialPaths":
+        return TrialPaths(os.path.abspath(os.path.join(fileroot, exp, trial)))

@@ -1,0 +1,188 @@
+"""Every payload that crosses a process boundary to or from a worker, in one place.
+
+Control plane (controller <-> every worker): :class:`WorkerSetup`, :class:`ConfigureReply`,
+:class:`PingReply`, :class:`WorkerReport`. RL plane (master, rollout workers, model workers,
+generation servers): tasks handed out by the master, samples from generation servers,
+trajectories and groups streamed to the master, training items and statistics. Arrays are numpy
+on the wire (:mod:`system.wire` carries them as zero-copy frames).
+"""
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+import numpy as np
+
+try:  # Python 3.11+: NotRequired in typing
+    from typing import NotRequired
+except ImportError:  # pragma: no cover
+    from typing_extensions import NotRequired
+
+
+# --- control plane ------------------------------------------------------------------------------
+
+class WorkerSetup(TypedDict):
+    """What ``configure`` sends a worker."""
+
+    worker: dict[str, Any]
+    """The worker kind's own config section (e.g. ``model``), as plain values."""
+    experiment: dict[str, Any]
+    """The experiment's section (e.g. ``rl``), as plain values."""
+    counts: dict[str, int]
+    """Workers per kind."""
+    recover: str
+    """``off`` or ``resume``."""
+
+
+class ConfigureReply(TypedDict):
+    restart: int
+    """The worker's incarnation (its job's restart count)."""
+
+
+class PingReply(TypedDict):
+    kind: str
+    index: int
+    local_rank: int
+    state: str
+    restart: int
+    pid: int
+    host: str
+    uptime: float
+    drops: dict[str, int]
+    served: int
+    progress: dict[str, Any]
+
+
+class WorkerReport(TypedDict):
+    kind: str
+    index: int
+    state: str
+    restart: int
+    result: dict[str, Any]
+    drops: dict[str, int]
+    requests: NotRequired[int]
+    """Generation servers: requests served."""
+    engine: NotRequired[dict[str, Any]]
+    """Generation servers: the engine's counters and weight version."""
+
+
+# --- RL plane: master <-> rollout workers --------------------------------------------------------
+
+class Task(TypedDict):
+    """One prompt handed to a rollout worker."""
+
+    seq: int
+    """Admission ticket; the group that answers it carries the same ``seq``."""
+    version: int
+    """Weight version when admitted."""
+    prompt_id: int
+    epoch: int
+    server: int
+    """Generation server to use (all ``n`` samples go to one server)."""
+    worker: int
+
+
+class TaskReply(TypedDict, total=False):
+    """The master's answer to ``next_task``: exactly one key is set."""
+
+    tasks: list[Task]
+    wait: float
+    """Admission is closed: ask again after this many seconds."""
+    done: bool
+    """Training is over."""
+
+
+# --- RL plane: generation servers ---------------------------------------------------------------
+
+class SamplingParams(TypedDict, total=False):
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop_token_ids: list[int]
+    ignore_eos: bool
+
+
+class Sample(TypedDict):
+    """One generated sample; every token is tagged with the weight version that produced it."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    segments: list[list[int]]
+    """``[version, count]`` runs."""
+    finish: str
+
+
+class EngineStats(TypedDict, total=False):
+    version: int
+    load: int
+    http: str | None
+
+
+# --- RL plane: trajectories streamed to the master ---------------------------------------------
+
+class Trajectory(TypedDict):
+    """A whole episode: prompt, then completion tokens (policy tokens have ``mask`` 1, tool or
+    environment tokens 0); ``logprobs`` and ``versions`` cover the completion."""
+
+    tokens: np.ndarray
+    prompt_len: int
+    mask: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish: str
+    reward: NotRequired[float]
+
+
+class GroupMessage(TypedDict):
+    """The ``n`` trajectories of one task, streamed by a rollout worker to the master."""
+
+    seq: int
+    prompt_id: int
+    worker: int
+    server: int
+    trajs: list[Trajectory]
+    failed: bool
+    error: str
+
+
+# --- RL plane: master <-> model workers ---------------------------------------------------------
+
+class TrainItem(TypedDict):
+    """One sequence of a training batch; arrays cover the completion tokens."""
+
+    tokens: np.ndarray
+    prompt_len: int
+    mask: np.ndarray
+    old_logp: np.ndarray
+    adv: NotRequired[np.ndarray]
+    prox_logp: NotRequired[np.ndarray]
+    ref_logp: NotRequired[np.ndarray]
+    old_values: NotRequired[np.ndarray]
+    returns: NotRequired[np.ndarray]
+
+
+class TrainStats(TypedDict, total=False):
+    """What one rank's train step returns. ``*_sum`` figures and ``tokens`` add up over ranks;
+    ``loss`` is each rank's share of the global token mean."""
+
+    loss: float
+    grad_norm: float
+    seconds: float
+    train_tokens: float
+    tokens: float
+    clip_fraction_sum: float
+    behav_weight_mean_sum: float
+    kl_sum: float
+    value_loss_sum: float
+
+
+class EngineInfo(TypedDict):
+    """The actor's dtype and collective backend (for the weight-sync spec)."""
+
+    dtype: str
+    backend: str
+
+
+class WeightsSent(TypedDict):
+    seconds: float
+    bytes_sent: int
