@@ -20,16 +20,17 @@ import numpy as np
 from experiments.registry import Experiment, Roles
 from system import names
 from system.launcher.config import ExperimentConfig
-from system.errors import ConfigError
+from system.errors import ConfigError, RpcError
 from system.rpc import StreamPuller
 from workers.base import Worker
-from workers.client import collect_settled
+from workers.client import WorkerClient, collect_settled
 from workers.generation import GenerationClient, GenerationServer
 from workers.kinds import KINDS as WORKER_KINDS
 from workers.master import MasterWorker
 from workers.model import ModelWorker
 from workers.peers import PeerClients
 from workers.rollout import RolloutWorker
+from workers.schema import WorkerReport
 
 KINDS = tuple(WORKER_KINDS)
 
@@ -205,13 +206,20 @@ def master_role(master: MasterWorker) -> dict[str, Any]:
     finally:
         peers.close()
         puller.close()
+    return _results(inbox, expected, clients, reports, puller.drops.total,
+                    {"pings": pings, "ping_failures": ping_failures,
+                     "seconds": round(time.monotonic() - t0, 3)})
+
+
+def _results(inbox: "_Inbox", expected: int, clients: list[WorkerClient],
+             reports: list[WorkerReport | RpcError], stream_drops: int,
+             extra: dict[str, Any]) -> dict[str, Any]:
+    """The smoke run's figures, from the stream and every worker's report."""
     failed = {c.name: str(r) for c, r in zip(clients, reports) if isinstance(r, Exception)}
     if failed:
         raise RuntimeError(f"reports failed: {failed}")
-    model = [r["result"] for c, r in zip(clients, reports) if c.name.startswith("model/")]
-    gen_requests = sum(r.get("requests", 0) for c, r in zip(clients, reports)
-                       if c.name.startswith("generation/"))
-    drops = sum(sum(r["drops"].values()) for r in reports) + puller.drops.total
+    ok = [(c, r) for c, r in zip(clients, reports) if not isinstance(r, Exception)]
+    model = [r["result"] for c, r in ok if c.kind == "model"]
     return {
         "trajectories_expected": expected,
         "trajectories_received": len(inbox.seen),
@@ -219,19 +227,19 @@ def master_role(master: MasterWorker) -> dict[str, Any]:
         "trajectories_duplicate": inbox.duplicates,
         "trajectory_bytes": inbox.nbytes,
         "per_rollout_worker": {str(k): v for k, v in sorted(inbox.per_worker.items())},
-        "worker_restarts": {c.name: r["restart"] for c, r in zip(clients, reports)
-                            if r["restart"]},
-        "pings": pings,
-        "ping_failures": ping_failures,
+        "worker_restarts": {c.name: r["restart"] for c, r in ok if r["restart"]},
+        "pings": extra["pings"],
+        "ping_failures": extra["ping_failures"],
         "reports": len(reports),
-        "generation_requests": gen_requests,
+        "generation_requests": sum(r.get("requests", 0) for c, r in ok
+                                   if c.kind == "generation"),
         "allreduce_ok": all(m["allreduce_ok"] for m in model) if model else None,
         "allreduce_values": [m["allreduce_value"] for m in model],
         "model_gpus_on_node": [m["gpus_on_node"] for m in model],
         "model_local_ranks": [m["local_rank"] for m in model],
         "model_devices": [m["device"] for m in model],
-        "dropped_messages": drops,
-        "seconds": round(time.monotonic() - t0, 3),
+        "dropped_messages": sum(sum(r["drops"].values()) for _, r in ok) + stream_drops,
+        "seconds": extra["seconds"],
     }
 
 
