@@ -1,24 +1,15 @@
-"""Shared fixtures: a real redis-server, trial launching, and leftover-process checks."""
+"""Shared fixtures: a real redis-server, a real Slurm, the tiny model and its vLLM engine, a trial
+file root. Helpers that are not fixtures live in ``tests/helpers.py``."""
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import socket
 import subprocess
-import sys
 import time
 from typing import Iterator
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import TINY_QWEN2, free_port
 
 
 @pytest.fixture(scope="session")
@@ -48,39 +39,6 @@ def redis_server() -> Iterator[tuple[str, int]]:
     proc.wait(10)
 
 
-def trial_processes(marker: str) -> list[int]:
-    """Pids of live processes whose command line mentions ``marker`` (a trial directory)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker in cmd and state != "Z":
-            pids.append(int(entry))
-    return pids
-
-
-def launch_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "system.launch", *args]
-
-
-def run_launch(*args: str, timeout: float = 180, env: dict | None = None
-               ) -> subprocess.CompletedProcess:
-    return subprocess.run(launch_argv(*args), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
-
-
-def read_summary(fileroot: str, exp: str, trial: str) -> dict:
-    with open(os.path.join(fileroot, exp, trial, "summary.json")) as f:
-        return json.load(f)
-
-
 @pytest.fixture
 def fileroot(tmp_path) -> str:
     return str(tmp_path / "runs")
@@ -98,11 +56,6 @@ def slurm_cluster(tmp_path_factory):
     cluster.start()
     yield cluster
     cluster.stop()
-
-
-TINY_QWEN2 = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                  max_position_embeddings=512, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")

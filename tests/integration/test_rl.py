@@ -11,7 +11,7 @@ import os
 import pytest
 
 from system.paths import PROJECT_ROOT
-from tests.conftest import read_summary, run_launch, trial_processes
+from tests.helpers import read_summary, run_launch, trial_processes
 
 pytestmark = pytest.mark.skipif(
     not os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")),

@@ -18,7 +18,7 @@ from system.rpc import RpcClient
 from workers.generation import GenerationClient
 from system.bootstrap import read_secret
 from system.wire import Codec, new_secret
-from tests.conftest import REPO, launch_argv, read_summary, run_launch, trial_processes
+from tests.helpers import REPO, launch_argv, read_summary, run_launch, trial_processes
 
 FAST = ["controller.heartbeat_ttl=2", "scheduler.stop_grace=3"]
 

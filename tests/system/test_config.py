@@ -10,7 +10,7 @@ from system.errors import ConfigError
 from system.launch import build_config, help_text
 from system.name_resolve import NameResolveBackend
 from system.launcher.overrides import parse_cli
-from tests.conftest import run_launch
+from tests.helpers import run_launch
 
 
 def test_defaults_and_overrides():

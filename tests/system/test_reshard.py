@@ -13,7 +13,7 @@ from system.reshard.check import MODELS, run_check
 from system.reshard.plan import plan_reshard
 from system.reshard.layout import (GenLayout, LayoutError, TrainLayout, parse_gen_layout,
                              parse_train_layout)
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 TINY = MODELS["tiny"]
 SRC = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2), (2, 1, 2)]

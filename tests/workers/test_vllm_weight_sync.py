@@ -12,7 +12,7 @@ from system.rendezvous import host_store, join_store
 from system.reshard.layout import GenLayout, TrainLayout
 from system.reshard.params import ModelShape
 from system.reshard.spec import WeightSyncSpec
-from tests.conftest import TINY_QWEN2
+from tests.helpers import TINY_QWEN2
 
 IDS = [1, 5, 9, 17, 33, 65, 3, 7, 11, 100, 2, 44]
 
