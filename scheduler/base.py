@@ -8,30 +8,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import enum
+import sys
 from typing import Mapping
 
+from scheduler.jobs import JobState, JobStatus
+from scheduler.requeue import RequeuePolicy
 
-
-class JobState(str, enum.Enum):
-    """One state vocabulary for every scheduler (raw states map through one table each)."""
-
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
-    COMPLETED = "COMPLETED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-    PREEMPTED = "PREEMPTED"
-    TIMEOUT = "TIMEOUT"
-    NODE_FAIL = "NODE_FAIL"
-    OUT_OF_MEMORY = "OUT_OF_MEMORY"
-    REQUEUED = "REQUEUED"
-    UNKNOWN = "UNKNOWN"
-
-    @property
-    def active(self) -> bool:
-        """Still queued or running (UNKNOWN counts: absence of news is not a failure)."""
-        return self in (JobState.PENDING, JobState.RUNNING, JobState.REQUEUED, JobState.UNKNOWN)
+__all__ = ["GroupSpec", "JobRequest", "JobState", "JobStatus", "RequeuePolicy", "Scheduler"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,19 +33,6 @@ class GroupSpec:
         return tuple(f"{self.kind}/{i}" for i in range(self.count))
 
 
-@dataclasses.dataclass(frozen=True)
-class JobStatus:
-    """What a scheduler knows of one job (a local worker, or a whole group under Slurm)."""
-
-    job_id: str
-    state: JobState
-    workers: tuple[str, ...]
-    log_paths: tuple[str, ...]
-    detail: str = ""
-    restarts: int = 0
-    """How many times the job was requeued (a restarted job's workers rejoin the trial)."""
-
-
 class JobRequest(abc.ABC):
     """What :meth:`Scheduler.schedule` will submit; ``materialize()`` is its text."""
 
@@ -73,6 +43,18 @@ class JobRequest(abc.ABC):
 
 
 class Scheduler(abc.ABC):
+    """Starts, watches and stops the jobs of one trial; says which python runs the workers and
+    how requeued jobs are treated (:meth:`requeue_policy`)."""
+
+    @property
+    def python(self) -> str:
+        """The python executable that runs the workers (default: the launcher's own)."""
+        return sys.executable
+
+    def requeue_policy(self) -> RequeuePolicy:
+        """A fresh requeue/rejoin bookkeeping for one trial (default: jobs are never requeued)."""
+        return RequeuePolicy()
+
     @abc.abstractmethod
     def plan(self, group: GroupSpec) -> JobRequest:
         """Pure: the request that would start ``group``."""

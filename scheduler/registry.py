@@ -1,20 +1,17 @@
 """Build the scheduler a config names."""
 from __future__ import annotations
 
-from typing import Any
-
 from scheduler.base import Scheduler
-from scheduler.config import SchedulerKind
+from scheduler.config import SchedulerConfig, SchedulerKind
 from system.paths import PROJECT_ROOT
 
 
-
-def make_scheduler(cfg: Any, trial_dir: str) -> Scheduler:
-    if cfg.scheduler.type == SchedulerKind.SLURM:
+def make_scheduler(sched: SchedulerConfig, exp: str, trial: str, trial_dir: str) -> Scheduler:
+    """The scheduler ``sched`` names, for trial ``exp/trial`` in ``trial_dir``."""
+    if sched.type == SchedulerKind.SLURM:
         from scheduler.slurm import SlurmScheduler
 
-        return SlurmScheduler(cfg.scheduler.slurm, cfg.exp, cfg.trial, trial_dir,
-                              cfg.scheduler.slurm.workdir or PROJECT_ROOT)
+        return SlurmScheduler(sched.slurm, exp, trial, trial_dir, sched.slurm.workdir or PROJECT_ROOT)
     from scheduler.local import LocalScheduler
 
     return LocalScheduler()

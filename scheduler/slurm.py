@@ -10,10 +10,12 @@ import logging
 import os
 import re
 import subprocess
+import sys
 import time
 from typing import Sequence
 
 from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
+from scheduler.requeue import RequeuePolicy
 from scheduler.slurm_config import SlurmConfig
 from scheduler.slurm_render import job_name, render_worker_script
 from system.errors import SchedulerError
@@ -103,6 +105,14 @@ class SlurmScheduler(Scheduler):
         self._jobs: dict[str, GroupSpec] = {}
         self._last_poll = 0.0
         self._cache: list[JobStatus] = []
+
+    @property
+    def python(self) -> str:
+        return self.slurm.python or sys.executable
+
+    def requeue_policy(self) -> RequeuePolicy:
+        return RequeuePolicy(requeue=self.slurm.requeue, rejoin_timeout=self.slurm.rejoin_timeout,
+                             requeue_grace=self.slurm.requeue_grace)
 
     # --- pure ---
     def plan(self, group: GroupSpec) -> SlurmRequest:

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from scheduler.registry import make_scheduler
 
     try:
-        scheduler = make_scheduler(cfg, paths.root)
+        scheduler = make_scheduler(cfg.scheduler, cfg.exp, cfg.trial, paths.root)
         if args.dry_run or "--test-only" in args.flags:
             return dry_run(cfg, paths, scheduler, resolved, "--test-only" in args.flags)
         if "--detach" in args.flags:
