@@ -18,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from system.reshard.params import (Box, DstParam, ParamSpec, Split, box_shape, check_divisible,
-                                stage_of, tp_box, vllm_local_params, hf_local_params)
+from system.reshard.params import (Box, DstParam, ParamSpec, Piece, Split, box_shape,
+                                   check_divisible, stage_of, tp_box, vllm_local_params,
+                                   hf_local_params)
 from system.reshard.layout import GenLayout, LayoutError, TrainLayout
 
 
@@ -137,18 +138,23 @@ def _chunks(box: Box, max_numel: int) -> list[Box]:
     return [((a, min(a + rows, hi)),) + box[1:] for a in range(lo, hi, rows)]
 
 
-def plan_reshard(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec], num_layers: int, *,
-                 itemsize: int = 4, bucket_bytes: int = 256 << 20, direct_bytes: int = 1 << 20,
-                 fused: bool = True, src_nodes: Sequence[str] | None = None,
-                 dst_nodes: Sequence[str] | None = None) -> ReshardPlan:
-    """Plan the transfer of every parameter from ``src`` to ``dst``.
+# (hf param, region) -> (source tp ranks holding it, where every receiver writes it)
+_Needs = dict[tuple[str, Box], tuple[list[int], list[Placement]]]
+# (receiver, local param) -> that local parameter's shape
+_Shapes = dict[tuple[int, str], tuple[int, ...]]
+# (sender, receivers) -> runs, in transfer order
+_Runs = dict[tuple[int, tuple[int, ...]], list[list[Transfer]]]
 
-    ``fused``: destinations hold vLLM's fused parameters (``qkv_proj``, ``gate_up_proj``);
-    otherwise HF-named shards. ``direct_bytes``: a region at least this large travels alone, so
-    that it can be sent from, and received into, the tensors themselves without packing.
-    ``src_nodes``/``dst_nodes``: the node of each rank (for the same-node preference); default:
-    all on one node.
-    """
+
+def _box_numel(box: Box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
+def _check_layouts(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec],
+                   num_layers: int) -> None:
     if max(src.tp, dst.tp) % min(src.tp, dst.tp):
         raise LayoutError(f"tensor-parallel sizes do not divide each other: training tp={src.tp}, "
                           f"generation tp={dst.tp}")
@@ -156,15 +162,30 @@ def plan_reshard(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec], n
     check_divisible(specs, dst.tp, "generation")
     if src.pp > num_layers:
         raise LayoutError(f"pp={src.pp} is more than the model's {num_layers} layers")
+
+
+def _local_box(box: Box, piece: Piece) -> Box:
+    """Where ``box`` (a region inside ``piece.box`` of the HF parameter) lands in the local
+    tensor that holds ``piece``."""
+    return tuple(
+        (a - n0 + (piece.offset if d == piece.dim else 0),
+         b - n0 + (piece.offset if d == piece.dim else 0))
+        for d, ((a, b), (n0, _)) in enumerate(zip(box, piece.box)))
+
+
+def _destination_needs(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec],
+                       fused: bool) -> tuple[_Needs, _Shapes]:
+    """Phase 1: which regions each destination tp rank needs, with the source tp ranks that hold
+    each, and the shape of every receiver's local parameters.
+
+    Regions are keyed by (HF param, box) so that every replica, and every destination tp rank
+    holding the same region, share one entry and hence one broadcast.
+    """
     S = src.world_size
-    src_nodes = list(src_nodes or ["node0"] * S)
-    dst_nodes = list(dst_nodes or ["node0"] * dst.world_size)
     by_name = {s.name: s for s in specs}
     local = vllm_local_params if fused else hf_local_params
-
-    # 1. what each destination tp rank needs: (hf param, region) -> (holders, placements)
-    needs: dict[tuple[str, Box], tuple[list[int], list[Placement]]] = {}
-    shapes: dict[tuple[int, str], tuple[int, ...]] = {}  # (receiver, local param) -> shape
+    needs: _Needs = {}
+    shapes: _Shapes = {}
     for u in range(dst.tp):
         params: list[DstParam] = local(specs, dst.tp, u)
         for p in params:
@@ -173,23 +194,28 @@ def plan_reshard(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec], n
             for piece in p.pieces:
                 spec = by_name[piece.source]
                 for box, holders in _units(spec, piece.box, src.tp):
-                    # where the region lands in the local tensor
-                    local_box = tuple(
-                        (a - n0 + (piece.offset if d == piece.dim else 0),
-                         b - n0 + (piece.offset if d == piece.dim else 0))
-                        for d, ((a, b), (n0, _)) in enumerate(zip(box, piece.box)))
+                    local_box = _local_box(box, piece)
                     entry = needs.setdefault((spec.name, box), (holders, []))
                     for replica in range(dst.replicas):
                         entry[1].append(Placement(S + dst.rank(replica, u), p.name, local_box))
+    return needs, shapes
 
-    # 2. one sender per region, balanced, same node preferred; all regions of one local
-    # parameter from the same holders get the same sender, so they can form one run
+
+def _choose_senders(src: TrainLayout, needs: _Needs, by_name: dict[str, ParamSpec],
+                    num_layers: int, cap: int, src_nodes: Sequence[str],
+                    dst_nodes: Sequence[str]) -> list[Transfer]:
+    """Phase 2: one sender per region, balanced by bytes, same node preferred; each region is
+    cut into chunks of at most ``cap`` elements.
+
+    The choice is made per (local parameter, stage, holders), not per region, so that all
+    regions of one local parameter from the same holders share a sender and can form one run.
+    """
+    S = src.world_size
     load = [0] * S
     chosen: dict[tuple[str, int, tuple[int, ...]], int] = {}
     transfers: list[Transfer] = []
     for (name, box), (holder_tps, placements) in needs.items():
-        spec = by_name[name]
-        stage = stage_of(spec, num_layers, src.pp)
+        stage = stage_of(by_name[name], num_layers, src.pp)
         key = (placements[0].param, stage, tuple(holder_tps))
         if key not in chosen:
             holders = [src.rank(d, t, stage) for t in holder_tps for d in range(src.dp)]
@@ -197,18 +223,19 @@ def plan_reshard(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec], n
             near = [r for r in holders if src_nodes[r] in recv_nodes]
             chosen[key] = min(near or holders, key=lambda r: (load[r], r))
         sender = chosen[key]
-        numel = 1
-        for a, b in box:
-            numel *= b - a
-        load[sender] += numel
-        for chunk in _chunks(box, max(1, bucket_bytes // itemsize)):
+        load[sender] += _box_numel(box)
+        for chunk in _chunks(box, cap):
             transfers.append(Transfer(name, chunk, sender, tuple(
                 Placement(p.rank, p.param, _shift(p.box, box, chunk)) for p in placements)))
+    return transfers
 
-    # 3. runs: consecutive regions (each under direct_bytes) that land back to back in one
-    # local parameter of every receiver; a run is received in place, packed by its sender
-    cap = max(1, bucket_bytes // itemsize)
-    runs: dict[tuple[int, tuple[int, ...]], list[list[Transfer]]] = {}
+
+def _form_runs(transfers: Sequence[Transfer], shapes: _Shapes, itemsize: int, direct_bytes: int,
+               cap: int) -> _Runs:
+    """Phase 3: group consecutive transfers (each under ``direct_bytes``, together at most
+    ``cap`` elements) that land back to back in one local parameter of every receiver; a run is
+    received in place and packed only by its sender."""
+    runs: _Runs = {}
     for t in transfers:
         rs = runs.setdefault((t.sender, t.receivers), [])
         last = rs[-1] if rs else None
@@ -218,9 +245,13 @@ def plan_reshard(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec], n
             last.append(t)
         else:
             rs.append([t])
+    return runs
 
-    # 4. buckets: a run of at least direct_bytes travels alone; smaller runs from one sender to
-    # one receiver set are packed together, up to bucket_bytes
+
+def _pack_buckets(runs: _Runs, itemsize: int, direct_bytes: int, cap: int
+                  ) -> dict[int, list[Bucket]]:
+    """Phase 4: per sender, its buckets: a run of at least ``direct_bytes`` travels alone;
+    smaller runs to one receiver set are packed together, up to ``cap`` elements."""
     per_sender: dict[int, list[Bucket]] = {}
     for (sender, receivers), rs in runs.items():
         members = tuple(sorted({sender, *receivers}))
@@ -237,13 +268,43 @@ def plan_reshard(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec], n
             packed.extend(run)
         if packed:
             out.append(Bucket(sender, members, tuple(packed)))
+    return per_sender
+
+
+def _interleave(per_sender: dict[int, list[Bucket]]) -> list[Bucket]:
+    """Round-robin over senders in rank order, so that consecutive buckets come from different
+    senders and their broadcasts can overlap."""
     ordered: list[Bucket] = []
-    queues = [per_sender[s] for s in sorted(per_sender)]
+    queues = [list(per_sender[s]) for s in sorted(per_sender)]
     while any(queues):
         for q in queues:
             if q:
                 ordered.append(q.pop(0))
-    return ReshardPlan(src, dst, tuple(ordered), itemsize)
+    return ordered
+
+
+def plan_reshard(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec], num_layers: int, *,
+                 itemsize: int = 4, bucket_bytes: int = 256 << 20, direct_bytes: int = 1 << 20,
+                 fused: bool = True, src_nodes: Sequence[str] | None = None,
+                 dst_nodes: Sequence[str] | None = None) -> ReshardPlan:
+    """Plan the transfer of every parameter from ``src`` to ``dst``.
+
+    ``fused``: destinations hold vLLM's fused parameters (``qkv_proj``, ``gate_up_proj``);
+    otherwise HF-named shards. ``direct_bytes``: a region at least this large travels alone, so
+    that it can be sent from, and received into, the tensors themselves without packing.
+    ``src_nodes``/``dst_nodes``: the node of each rank (for the same-node preference); default:
+    all on one node.
+    """
+    _check_layouts(src, dst, specs, num_layers)
+    src_nodes = list(src_nodes or ["node0"] * src.world_size)
+    dst_nodes = list(dst_nodes or ["node0"] * dst.world_size)
+    cap = max(1, bucket_bytes // itemsize)
+    needs, shapes = _destination_needs(src, dst, specs, fused)
+    transfers = _choose_senders(src, needs, {s.name: s for s in specs}, num_layers, cap,
+                                src_nodes, dst_nodes)
+    runs = _form_runs(transfers, shapes, itemsize, direct_bytes, cap)
+    buckets = _interleave(_pack_buckets(runs, itemsize, direct_bytes, cap))
+    return ReshardPlan(src, dst, tuple(buckets), itemsize)
 
 
 def flat_range(box: Box, shape: tuple[int, ...]) -> tuple[int, int] | None:
