@@ -91,7 +91,7 @@ def dry_run(cfg: ExperimentConfig, paths, scheduler, resolved: str, test_only: b
     """Write and print every job script (Slurm) or command (local); submit nothing."""
     print(resolved)
     ok = True
-    for group in group_specs(cfg, paths).values():
+    for group in group_specs(cfg, paths, scheduler.python).values():
         if not group.count:
             continue
         request = scheduler.plan(group)
@@ -121,7 +121,7 @@ def detach(cfg: ExperimentConfig, paths, argv: list[str]) -> int:
         argv=[python, "-m", "system.launch", *argv, "controller.progress=false"],
         env={"PYTHONUNBUFFERED": "1"}, logs_dir=paths.logs, workdir=slurm.workdir or PROJECT_ROOT)
     sched = SlurmScheduler(slurm, cfg.exp, cfg.trial, paths.root, PROJECT_ROOT)
-    group = group_specs(cfg, paths)["master"]
+    group = group_specs(cfg, paths, python)["master"]
     request = SlurmRequest(group, os.path.join(paths.root, "jobs", "controller.sbatch"), script)
     job_id = sched.schedule(request)[0]
     print(f"submitted the controller of {cfg.exp}/{cfg.trial} as job {job_id}\n"

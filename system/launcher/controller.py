@@ -13,18 +13,19 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Iterable
 
 from experiments.registry import Experiment
 from scheduler.base import GroupSpec, JobState, JobStatus, Scheduler
+from scheduler.requeue import Restart
 from system import names
 from system.launcher.config import ExperimentConfig
+from system.launcher.summary import TrialSummary
 from system.structs import plain
 from system.errors import RLSystemError, RpcError, WorkerFailure
 from system.name_resolve import NameResolve
 from system.launcher.progress import Progress
 from system.rpc import RpcClient
-from system.launcher.trial_dir import now_iso, write_json_atomic
 from system.paths import TrialPaths
 from system.wire import Codec
 from workers.client import WorkerClient, collect_settled
@@ -34,9 +35,8 @@ from workers.schema import WorkerSetup
 log = logging.getLogger("controller")
 
 
-def group_specs(cfg: ExperimentConfig, paths: TrialPaths) -> dict[str, GroupSpec]:
-    """Every worker group of the trial, by kind in start order (pure)."""
-    python = cfg.scheduler.slurm.python or sys.executable
+def group_specs(cfg: ExperimentConfig, paths: TrialPaths, python: str) -> dict[str, GroupSpec]:
+    """Every worker group of the trial, by kind in start order, run by ``python`` (pure)."""
     return {kind: GroupSpec(kind, n, (python, "-m", "system.launcher.run_worker", "--trial-dir", paths.root,
                                       "--kind", kind),
                             {"PYTHONUNBUFFERED": "1"},
@@ -72,44 +72,35 @@ class Controller:
         self.scheduler = scheduler
         self.nr = name_resolve
         self.codec = codec
-        self.groups = group_specs(cfg, paths)
+        self.groups = group_specs(cfg, paths, scheduler.python)
         self.logs = {name: g.log_paths[i] for g in self.groups.values()
                      for i, name in enumerate(g.worker_names())}
         self.clients: dict[str, WorkerClient] = {}
         self.addresses: dict[str, str] = {}
-        self.rejoining: dict[str, float] = {}  # worker -> deadline to register again
-        self._restarts: dict[str, int] = {}
-        self._incarnation: dict[str, int] = {}  # worker -> restart count it was configured at
+        self.requeue = scheduler.requeue_policy()  # restarts, rejoining workers, incarnations
         self.timeline: dict[str, float] = {}
         self.progress = Progress(f"{cfg.exp}/{cfg.trial}", cfg.controller.progress)
         self._t0 = time.time()
 
     # --- the whole trial ---
     def run(self) -> int:
-        summary: dict[str, Any] = {
-            "exp": self.cfg.exp, "trial": self.cfg.trial, "status": "failed",
-            "start_time": now_iso(), "workers": self.cfg.worker_counts(),
-            "scheduler": self.cfg.scheduler.type.value,
-            "name_resolve": self.cfg.name_resolve.type.value}
+        summary = TrialSummary(self.cfg, self._t0)
         self.timeline["start"] = self._t0
         try:
             self.nr.clear_subtree(names.trial_root(self.cfg.exp, self.cfg.trial))
             for group in self.groups.values():
                 if group.count:
-                    summary.setdefault("jobs", {})[group.kind] = self.scheduler.submit(group)
+                    summary.submitted(group.kind, self.scheduler.submit(group))
             self.timeline["submitted"] = time.time()
             self._wait_registered()
             self._configure()
             self._start()
-            summary["results"] = self._watch()
-            if isinstance(summary["results"], dict):  # the experiment's headline figures
-                summary.update(summary["results"].get("summary") or {})
-            summary["status"] = "completed"
+            summary.completed(self._watch())
         except WorkerFailure as e:
-            summary["failure"] = {"message": str(e), "worker": e.worker, "log": e.log_path}
+            summary.failed(e)
             print(f"\nerror: {e}", file=sys.stderr)
         except KeyboardInterrupt:
-            summary["status"] = "interrupted"
+            summary.interrupted()
             print("\ninterrupted: stopping every worker", file=sys.stderr)
         finally:
             old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup must finish
@@ -118,15 +109,9 @@ class Controller:
                 self._stop_all()
             finally:
                 signal.signal(signal.SIGINT, old)
-            if self._restarts:
-                summary["restarts"] = dict(self._restarts)
-            summary["end_time"] = now_iso()
-            summary["duration_s"] = round(time.time() - self._t0, 3)
-            summary["t0_epoch"] = self._t0
-            summary["timeline_s"] = {k: round(v - self._t0, 3) for k, v in self.timeline.items()}
-            write_json_atomic(self.paths.summary, summary)
-        print(f"{summary['status']}: {self.paths.summary}", file=sys.stderr)
-        return 0 if summary["status"] == "completed" else 1
+            summary.write(self.paths.summary, self.timeline, self.requeue.restarts)
+        print(f"{summary.status}: {self.paths.summary}", file=sys.stderr)
+        return 0 if summary.status == "completed" else 1
 
     # --- phases ---
     def _check_jobs(self, phase: str, statuses: list[JobStatus] | None = None) -> None:
@@ -141,35 +126,30 @@ class Controller:
                                 f"log: {logs}" + (f"\n--- last lines ---\n{tail}" if tail else ""),
                                 worker, st.log_paths[0] if st.log_paths else None)
 
-    def _settled(self, statuses: list[JobStatus]) -> list[JobStatus]:
-        """A requeued Slurm job can briefly show an ended state (its batch script is killed by
-        the requeue) before it is pending again: with requeue on, give a job that looks ended a
-        few seconds and ask again before judging it."""
-        slurm = self.cfg.scheduler.slurm
-        if self.cfg.scheduler.type.value != "slurm" or not slurm.requeue:
-            return statuses
-        deadline = time.monotonic() + 5.0
-        while any(not s.state.active for s in statuses) and time.monotonic() < deadline:
-            time.sleep(0.5)
-            statuses = self.scheduler.poll(fresh=True)
-        return statuses
+    def _poll(self, fresh: bool = False) -> list[JobStatus]:
+        """The jobs' states; one that looks ended is asked again while a requeue may explain
+        it (see :meth:`RequeuePolicy.settle`)."""
+        return self.requeue.settle(self.scheduler.poll(fresh=fresh), self._poll_fresh)
+
+    def _poll_fresh(self) -> list[JobStatus]:
+        return self.scheduler.poll(fresh=True)
 
     def _note_restarts(self, statuses: list[JobStatus]) -> None:
         """A requeued job's workers are rejoining: they will register again, at new addresses."""
-        for st in statuses:
-            if st.restarts > self._restarts.get(st.job_id, 0):
-                self._restarts[st.job_id] = st.restarts
-                deadline = time.monotonic() + self.cfg.scheduler.slurm.rejoin_timeout
-                for w in st.workers:
-                    if self._incarnation.get(w, -1) >= st.restarts:
-                        continue  # already configured in its new incarnation (start-up)
-                    self.rejoining[w] = deadline
-                    client = self.clients.pop(w, None)
-                    if client is not None:
-                        client.close()
-                print(f"\njob {st.job_id} ({', '.join(st.workers)}) was requeued "
-                      f"(restart {st.restarts}); waiting for its workers to rejoin",
-                      file=sys.stderr)
+        self._restarted(self.requeue.note(statuses))
+
+    def _restarted(self, restarts: list[Restart]) -> None:
+        for r in restarts:
+            self._drop_clients(r.rejoining)
+            print(f"\njob {r.job.job_id} ({', '.join(r.job.workers)}) was requeued "
+                  f"(restart {r.job.restarts}); waiting for its workers to rejoin",
+                  file=sys.stderr)
+
+    def _drop_clients(self, workers: Iterable[str]) -> None:
+        for w in workers:
+            client = self.clients.pop(w, None)
+            if client is not None:
+                client.close()
 
     def _rejoin(self) -> None:
         """Configure and start requeued workers once they registered again. A worker that
@@ -177,24 +157,22 @@ class Controller:
         requeued job can be running again within a second)."""
         prefix = names.worker_addresses(self.cfg.exp, self.cfg.trial)
         found = {k[len(prefix) + 1:]: v for k, v in self.nr.get_subtree(prefix).items()}
+        rejoining = self.requeue.rejoining
         moved = [w for w, a in found.items()
-                 if w in self.addresses and a != self.addresses[w] and w not in self.rejoining]
+                 if w in self.addresses and a != self.addresses[w] and w not in rejoining]
         if moved:
-            self._note_restarts(self.scheduler.poll(fresh=True))  # records the restart count
-            deadline = time.monotonic() + self.cfg.scheduler.slurm.rejoin_timeout
-            for w in moved:
-                self.rejoining.setdefault(w, deadline)
-                client = self.clients.pop(w, None)
-                if client is not None:
-                    client.close()
-        if not self.rejoining:
+            self._note_restarts(self._poll_fresh())  # records the restart count
+            self.requeue.moved(moved)
+            self._drop_clients(moved)
+        if not rejoining:
             return
-        back = [w for w in self.rejoining if w in found and found[w] != self.addresses.get(w)]
-        for w in list(self.rejoining):
-            if w not in back and time.monotonic() > self.rejoining[w]:
-                raise WorkerFailure(f"requeued worker {w} did not rejoin within "
-                                    f"{self.cfg.scheduler.slurm.rejoin_timeout:.0f}s; "
-                                    f"log: {self.logs[w]}", w, self.logs[w])
+        back = [w for w in rejoining if w in found and found[w] != self.addresses.get(w)]
+        overdue = self.requeue.overdue(back)
+        if overdue:
+            w = overdue[0]
+            raise WorkerFailure(f"requeued worker {w} did not rejoin within "
+                                f"{self.requeue.rejoin_timeout:.0f}s; "
+                                f"log: {self.logs[w]}", w, self.logs[w])
         if not back:
             return
         clients = []
@@ -205,8 +183,7 @@ class Controller:
             clients.append(self.clients[w])
         self._configure_all(clients)
         self._start_all(clients)
-        for w in back:
-            del self.rejoining[w]
+        self.requeue.rejoined(back)
         print(f"\nrejoined: {', '.join(back)}", file=sys.stderr)
 
     def _check_reported_errors(self) -> None:
@@ -231,7 +208,7 @@ class Controller:
             if registered == expected:
                 break
             self._check_reported_errors()
-            self._check_jobs("before registering", self._settled(self.scheduler.poll()))
+            self._check_jobs("before registering", self._poll())
             if time.monotonic() > deadline:
                 missing = sorted(expected - registered)
                 logs = "\n".join(f"  {w}: {self.logs[w]}" for w in missing)
@@ -250,7 +227,7 @@ class Controller:
         """Clients of every worker of ``kinds``, in order, but those rejoining after a requeue
         (configured and started by :meth:`_rejoin` once they registered again)."""
         return [self.clients[w] for k in kinds for w in self.groups[k].worker_names()
-                if w not in self.rejoining]
+                if w not in self.requeue.rejoining]
 
     def _start_all(self, clients: list[WorkerClient]) -> None:
         """Start every client at once (see :meth:`_check`)."""
@@ -265,7 +242,7 @@ class Controller:
                                   self.cfg.rpc.request_timeout)
         for c, r in zip(clients, results):
             if isinstance(r, dict):
-                self._incarnation[c.name] = int(r["restart"])
+                self.requeue.configured(c.name, int(r["restart"]))
         self._check(clients, "configure", results)
 
     def _check(self, clients: list[WorkerClient], method: str, results: list[Any]) -> None:
@@ -277,20 +254,8 @@ class Controller:
                                     f"{self.logs[c.name]}", c.name, self.logs[c.name])
 
     def _requeued(self, worker: str) -> bool:
-        """Whether ``worker``'s job was requeued, asking the scheduler for up to
-        ``scheduler.slurm.requeue_grace`` seconds (the batch script requeues once srun has
-        returned, after every task's graceful stop)."""
-        slurm = self.cfg.scheduler.slurm
-        if self.cfg.scheduler.type.value != "slurm" or not slurm.requeue:
-            return False
-        deadline = time.monotonic() + slurm.requeue_grace
-        while True:
-            self._note_restarts(self.scheduler.poll(fresh=True))
-            if worker in self.rejoining:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.5)
+        """Whether ``worker``'s job was requeued (see :meth:`RequeuePolicy.wait_requeued`)."""
+        return self.requeue.wait_requeued(worker, self._poll_fresh, self._restarted)
 
     def _configure(self) -> None:
         self._configure_all(self._ordered())
@@ -308,23 +273,23 @@ class Controller:
         started = time.monotonic()
         while True:
             self._check_reported_errors()
-            statuses = self._settled(self.scheduler.poll())
+            statuses = self._poll()
             self._note_restarts(statuses)
             self._check_jobs("before the trial completed", statuses)
             self._rejoin()
             beating = {k[len(hb_prefix) + 1:] for k in self.nr.find_subtree(hb_prefix)}
-            dead = sorted(set(self.logs) - beating - set(self.rejoining))
+            dead = sorted(set(self.logs) - beating - set(self.requeue.rejoining))
             if dead:  # a requeue may explain it: ask the scheduler afresh before judging
-                statuses = self._settled(self.scheduler.poll(fresh=True))
+                statuses = self._poll(fresh=True)
                 self._note_restarts(statuses)
                 self._check_jobs("before the trial completed", statuses)
-                dead = [w for w in dead if w not in self.rejoining]
+                dead = [w for w in dead if w not in self.requeue.rejoining]
             if dead:
                 raise WorkerFailure(
                     f"worker {', '.join(dead)} stopped heart-beating (no refresh within "
                     f"{cc.heartbeat_ttl:.1f}s); log: {self.logs[dead[0]]}", dead[0],
                     self.logs[dead[0]])
-            if "master/0" in self.rejoining:
+            if "master/0" in self.requeue.rejoining:
                 ping: dict[str, Any] = {}
             else:
                 master = self.clients["master/0"]
@@ -339,7 +304,7 @@ class Controller:
             state = ping.get("state")
             prog = ping.get("progress") or {}
             self.progress.update(running=len(beating), state=state,
-                                 rejoining=len(self.rejoining) or None,
+                                 rejoining=len(self.requeue.rejoining) or None,
                                  **prog,
                                  time=f"{time.monotonic() - started:.1f}s")
             if state == "completed":

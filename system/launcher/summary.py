@@ -1,0 +1,56 @@
+"""``summary.json``: what the launcher records of one trial (status, jobs, results, failure,
+restarts, times), written atomically when the trial has stopped."""
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+from system.errors import WorkerFailure
+from system.launcher.config import ExperimentConfig
+from system.launcher.trial_dir import now_iso, write_json_atomic
+
+
+class TrialSummary:
+    """The summary of one trial, filled in as it runs; ``status`` stays ``failed`` unless the
+    trial completed or was interrupted."""
+
+    def __init__(self, cfg: ExperimentConfig, t0: float) -> None:
+        self.t0 = t0
+        """Epoch seconds the trial began (timeline entries are relative to it)."""
+        self.data: dict[str, Any] = {
+            "exp": cfg.exp, "trial": cfg.trial, "status": "failed",
+            "start_time": now_iso(), "workers": cfg.worker_counts(),
+            "scheduler": cfg.scheduler.type.value,
+            "name_resolve": cfg.name_resolve.type.value}
+
+    @property
+    def status(self) -> str:
+        return self.data["status"]
+
+    def submitted(self, kind: str, job_ids: list[str]) -> None:
+        self.data.setdefault("jobs", {})[kind] = job_ids
+
+    def completed(self, results: Any) -> None:
+        """The master's report; a dict's ``summary`` holds the experiment's headline figures."""
+        self.data["results"] = results
+        if isinstance(results, dict):
+            self.data.update(results.get("summary") or {})
+        self.data["status"] = "completed"
+
+    def failed(self, e: WorkerFailure) -> None:
+        self.data["failure"] = {"message": str(e), "worker": e.worker, "log": e.log_path}
+
+    def interrupted(self) -> None:
+        self.data["status"] = "interrupted"
+
+    def write(self, path: str, timeline: Mapping[str, float], restarts: Mapping[str, int]
+              ) -> None:
+        """Add the end, the duration, the ``timeline`` (epoch seconds per event) and the
+        ``restarts`` per job (if any), and write the summary to ``path``."""
+        if restarts:
+            self.data["restarts"] = dict(restarts)
+        self.data["end_time"] = now_iso()
+        self.data["duration_s"] = round(time.time() - self.t0, 3)
+        self.data["t0_epoch"] = self.t0
+        self.data["timeline_s"] = {k: round(v - self.t0, 3) for k, v in timeline.items()}
+        write_json_atomic(path, self.data)
