@@ -21,11 +21,13 @@ import sys
 from omegaconf import OmegaConf
 
 from experiments.catalog import all_experiments, get_experiment
+from scheduler.registry import make_scheduler
 from system.launcher.config import ExperimentConfig
-from system.launcher.controller import Controller, group_specs
+from system.launcher.controller import Controller
 from system.errors import ConfigError, RLSystemError
 from system.name_resolve import make_name_resolve
 from system.launcher.overrides import apply_overrides, describe_config, parse_cli
+from system.launcher.submit import detach, dry_run
 from system.launcher.trial_dir import name_resolve_root, prepare_trial
 from system.wire import Codec
 
@@ -69,14 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     experiment = get_experiment(args.exp)
     resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     paths, secret = prepare_trial(cfg, experiment.name, resolved)
-    from scheduler.registry import make_scheduler
-
     try:
         scheduler = make_scheduler(cfg.scheduler, cfg.exp, cfg.trial, paths.root)
         if args.dry_run or "--test-only" in args.flags:
             return dry_run(cfg, paths, scheduler, resolved, "--test-only" in args.flags)
         if "--detach" in args.flags:
-            return detach(cfg, paths, [a for a in argv if a != "--detach"])
+            return detach(cfg, paths, scheduler, [a for a in argv if a != "--detach"])
         controller = Controller(cfg, experiment, paths, scheduler,
                                 make_name_resolve(cfg.name_resolve, name_resolve_root(cfg)),
                                 Codec(secret, cfg.rpc.max_message_bytes))
@@ -85,53 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops like Ctrl-C
     return controller.run()
-
-
-def dry_run(cfg: ExperimentConfig, paths, scheduler, resolved: str, test_only: bool) -> int:
-    """Write and print every job script (Slurm) or command (local); submit nothing."""
-    print(resolved)
-    ok = True
-    for group in group_specs(cfg, paths, scheduler.python).values():
-        if not group.count:
-            continue
-        request = scheduler.plan(group)
-        write = getattr(request, "write", None)
-        where = f" ({write()})" if write else ""
-        print(f"# ---- {group.kind}{where} ----\n{request.materialize()}")
-        if test_only:
-            good, out = scheduler.test_only(request)
-            ok &= good
-            print(f"# sbatch --test-only: {'ok' if good else 'REJECTED'}: {out}\n")
-    print(f"dry run: nothing submitted; trial directory {paths.root}", file=sys.stderr)
-    return 0 if ok else 1
-
-
-def detach(cfg: ExperimentConfig, paths, argv: list[str]) -> int:
-    """Submit the controller itself as a CPU job and return."""
-    import os
-
-    from system.paths import PROJECT_ROOT
-    from scheduler.slurm import SlurmRequest, SlurmScheduler
-    from scheduler.slurm_render import render_controller_script
-
-    slurm = cfg.scheduler.slurm
-    python = slurm.python or sys.executable
-    script = render_controller_script(
-        exp=cfg.exp, trial=cfg.trial, slurm=slurm,
-        argv=[python, "-m", "system.launch", *argv, "controller.progress=false"],
-        env={"PYTHONUNBUFFERED": "1"}, logs_dir=paths.logs, workdir=slurm.workdir or PROJECT_ROOT)
-    sched = SlurmScheduler(slurm, cfg.exp, cfg.trial, paths.root, PROJECT_ROOT)
-    group = group_specs(cfg, paths, python)["master"]
-    request = SlurmRequest(group, os.path.join(paths.root, "jobs", "controller.sbatch"), script)
-    job_id = sched.schedule(request)[0]
-    print(f"submitted the controller of {cfg.exp}/{cfg.trial} as job {job_id}\n"
-          f"  follow:  tail -f {paths.logs}/controller.log\n"
-          f"  jobs:    squeue -n {cfg.exp}_{cfg.trial}:controller,{cfg.exp}_{cfg.trial}:master,"
-          f"{cfg.exp}_{cfg.trial}:model,{cfg.exp}_{cfg.trial}:generation,"
-          f"{cfg.exp}_{cfg.trial}:rollout\n"
-          f"  result:  {paths.summary}\n"
-          f"  stop:    scancel {job_id}   (the controller then cancels every worker job)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,57 @@
+"""The launcher's other ways out: ``--dry-run`` / ``--test-only`` show every job and submit
+nothing; ``--detach`` submits the controller itself as a Slurm job and returns."""
+from __future__ import annotations
+
+import os
+import sys
+
+from scheduler.base import Scheduler
+from scheduler.slurm import SlurmRequest, SlurmScheduler
+from scheduler.slurm_render import job_name, render_controller_script
+from system.launcher.config import ExperimentConfig
+from system.launcher.controller import group_specs
+from system.paths import TrialPaths
+
+
+def dry_run(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, resolved: str,
+            test_only: bool) -> int:
+    """Print the resolved config and every job script (Slurm, written under ``jobs/``) or
+    command (local); with ``test_only`` check each with ``sbatch --test-only``. Submits nothing;
+    exit code 1 if a script was rejected."""
+    print(resolved)
+    ok = True
+    for group in group_specs(cfg, paths, scheduler.python).values():
+        if not group.count:
+            continue
+        request = scheduler.plan(group)
+        where = f" ({request.write()})" if isinstance(request, SlurmRequest) else ""
+        print(f"# ---- {group.kind}{where} ----\n{request.materialize()}")
+        if test_only:
+            assert isinstance(request, SlurmRequest), "--test-only needs scheduler=slurm"
+            good, out = SlurmScheduler.test_only(request)
+            ok &= good
+            print(f"# sbatch --test-only: {'ok' if good else 'REJECTED'}: {out}\n")
+    print(f"dry run: nothing submitted; trial directory {paths.root}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def detach(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, argv: list[str]
+           ) -> int:
+    """Submit the controller itself as a CPU job running ``system.launch argv`` and return;
+    print how to follow, list and stop the trial."""
+    assert isinstance(scheduler, SlurmScheduler), "--detach needs scheduler=slurm"
+    script = render_controller_script(
+        exp=cfg.exp, trial=cfg.trial, slurm=scheduler.slurm,
+        argv=[scheduler.python, "-m", "system.launch", *argv, "controller.progress=false"],
+        env={"PYTHONUNBUFFERED": "1"}, logs_dir=paths.logs, workdir=scheduler.workdir)
+    groups = group_specs(cfg, paths, scheduler.python)
+    request = SlurmRequest(groups["master"], os.path.join(paths.root, "jobs", "controller.sbatch"),
+                           script)
+    job_id = scheduler.schedule(request)[0]
+    kinds = ("controller", "master", *(k for k in groups if k != "master"))
+    print(f"submitted the controller of {cfg.exp}/{cfg.trial} as job {job_id}\n"
+          f"  follow:  tail -f {paths.logs}/controller.log\n"
+          f"  jobs:    squeue -n {','.join(job_name(cfg.exp, cfg.trial, k) for k in kinds)}\n"
+          f"  result:  {paths.summary}\n"
+          f"  stop:    scancel {job_id}   (the controller then cancels every worker job)")
+    return 0
