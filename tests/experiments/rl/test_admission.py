@@ -9,6 +9,7 @@ import pytest
 
 from system.errors import ConfigError
 from experiments.rl.admission import AdmissionConfig, AdmissionController, TrajectoryBuffer
+from experiments.rl.data import PromptCursor, Router, TaskSource
 
 
 @pytest.mark.parametrize("batch, eta, workers, want_each", [
@@ -97,3 +98,71 @@ def test_concurrency_limit_and_errors():
         ctl.consumed(1)
     with pytest.raises(ConfigError):
         AdmissionConfig(batch_size=0)
+
+
+@pytest.mark.parametrize("b,eta,workers,demand", [(4, 0, 3, 50), (4, 1, 3, 50), (8, 2, 4, 50),
+                                                  (6, 1, 2, 5)])
+def test_staleness_admission_with_several_rollout_workers(b, eta, workers, demand):
+    """AReaL-style: with no training, admitted == min(demand, (1+eta)*B); then, training while
+    rollout workers (threads) race, in-flight + buffered never exceeds (1+eta)*B and no trained
+    sample is more than eta versions old."""
+    adm = AdmissionController(AdmissionConfig(b, eta))
+    src = TaskSource(adm, PromptCursor(list(range(1000)), 0), Router(2), group_size=1)
+    got = [t for _ in range(demand) for t in src.next_task(0, 1).get("tasks", [])]
+    assert len(got) == min(demand, (1 + eta) * b)
+
+    adm = AdmissionController(AdmissionConfig(b, eta))
+    src = TaskSource(adm, PromptCursor(list(range(1000)), 0), Router(2), group_size=1)
+    buf, lock = TrajectoryBuffer(eta), threading.Lock()
+    results: list[tuple[int, int]] = []   # (seq, version of the weights that produced it)
+    version = [0]
+    stop = threading.Event()
+    peak = [0]
+
+    def rollout(w: int) -> None:
+        rng = random.Random(w)
+        while not stop.is_set():
+            reply = src.next_task(w, 2)
+            for t in reply.get("tasks", []):
+                with lock:
+                    peak[0] = max(peak[0], adm.outstanding())
+                    gen_version = version[0]  # generated with the weights current now
+                stop.wait(rng.random() * 0.004)
+                with lock:
+                    results.append((t["seq"], gen_version))
+            if "wait" in reply:
+                stop.wait(0.001)
+
+    threads = [threading.Thread(target=rollout, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    trained_lags = []
+    try:
+        for step in range(15):
+            while True:
+                with lock:
+                    arrived, results[:] = list(results), []
+                for seq, v in arrived:
+                    src.finish(seq, accepted=True)
+                    buf.put(seq, v)
+                n = len(buf.drop_stale(step))
+                if n:
+                    adm.discard(n)
+                batch = buf.take(b, step)
+                if batch is not None:
+                    break
+                stop.wait(0.001)
+            trained_lags += [step - v for _, v in batch]
+            adm.consumed(b)
+            with lock:
+                version[0] = step + 1
+            adm.set_version(step + 1)
+            assert adm.outstanding() <= (1 + eta) * b
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert peak[0] <= (1 + eta) * b
+    assert max(trained_lags) <= eta
+    if eta == 0:
+        assert set(trained_lags) == {0}

@@ -1,16 +1,13 @@
-"""Config composition, validation and override parsing."""
+"""Config composition, validation and override parsing (``key=value`` overrides, the CLI)."""
 from __future__ import annotations
 
 import pytest
 
-from experiments.catalog import get_experiment
 from scheduler.config import SchedulerKind
-from system.structs import field_docs
 from system.errors import ConfigError
-from system.launch import build_config, help_text
+from system.launch import build_config
 from system.name_resolve import NameResolveBackend
 from system.launcher.overrides import parse_cli
-from tests.helpers import run_launch
 
 
 def test_defaults_and_overrides():
@@ -53,42 +50,3 @@ def test_cli_requires_exp_and_trial():
         parse_cli(["exp=smoke", "trial=t", "--dryrun"])
     with pytest.raises(ConfigError, match="key=value"):
         parse_cli(["exp=smoke", "trial=t", "rollout.count"])
-
-
-def test_unknown_experiment_lists_valid():
-    with pytest.raises(ConfigError, match="smoke"):
-        get_experiment("nope")
-
-
-def test_bad_trial_name():
-    with pytest.raises(ConfigError, match="trial"):
-        build_config("smoke", "a/b", [])
-
-
-def test_field_docs_and_help():
-    assert "rollout workers" in field_docs(type(build_config("smoke", "t", [])))["rollout"].lower()
-    text = help_text("smoke")
-    for w in ("smoke", "rollout", "count", "How many rollout workers", "crash"):
-        assert w in text
-
-
-@pytest.mark.parametrize("args, code, words", [
-    (["exp=smoke", "trial=t", "rollout.cont=2"], 2, ["rollout.cont", "count"]),
-    (["exp=smoke"], 2, ["trial"]),
-    (["exp=nosuch", "trial=t"], 2, ["nosuch", "smoke"]),
-    (["exp=smoke", "trial=t", "model.count=two"], 2, ["model.count", "two"]),
-])
-def test_cli_errors_are_one_clear_line(args, code, words, fileroot):
-    r = run_launch(*args, f"cluster.fileroot={fileroot}")
-    assert r.returncode == code
-    assert "Traceback" not in r.stderr and r.stderr.startswith("error: ")
-    for w in words:
-        assert w in r.stderr
-
-
-def test_cli_help_and_dry_run(fileroot):
-    r = run_launch("--help")
-    assert r.returncode == 0 and "experiments:" in r.stdout and "smoke" in r.stdout
-    r = run_launch("exp=smoke", "trial=dry", f"cluster.fileroot={fileroot}", "--dry-run")
-    assert r.returncode == 0, r.stderr
-    assert "system.launcher.run_worker" in r.stdout and "rollout/3" in r.stdout and "nothing submitted" in r.stderr

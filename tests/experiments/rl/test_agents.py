@@ -1,0 +1,64 @@
+"""Agents: the calculator tool, multi-turn masking of tool output, single-turn groups."""
+from __future__ import annotations
+
+import numpy as np
+
+from experiments.rl.agents import AgentConfig, CalculatorAgent, SingleTurnAgent, calculate
+from tests.helpers import CharTok
+
+
+def test_calculator():
+    assert calculate("3*4+2") == 14
+    assert calculate("(7-9)*3") == -6
+    assert calculate("8/3") == 2
+    for bad in ("1/0", "__import__('os')", "2**99", "a+1", "", "9" * 20 + "*" + "9" * 20):
+        assert calculate(bad) is None
+
+
+def _drive(episode, policy):
+    """Run one episode against a deterministic policy (the rollout driver's protocol)."""
+    req = next(episode)
+    while True:
+        try:
+            req = episode.send(policy(req))
+        except StopIteration as s:
+            return s.value
+
+
+def test_calculator_agent_masks_tool_output():
+    tok = CharTok()
+    agent = CalculatorAgent(AgentConfig(kind="calculator", max_new_tokens=12, max_turns=3), tok)
+    turns = iter(["[3*4]", "2</s>"])
+    calls = []
+
+    def policy(req):
+        calls.append(req)
+        text = next(turns)
+        ids = tok.encode(text.replace("</s>", "")) + ([2] if text.endswith("</s>") else [])
+        return [{"tokens": np.array(ids, np.int32), "logprobs": np.full(len(ids), -0.5, np.float32),
+                 "versions": np.full(len(ids), len(calls), np.int32), "finish": "stop"}]
+
+    prompt = [1] + tok.encode("3*4=")
+    (traj,) = _drive(agent.episodes(prompt, 1)[0], policy)
+    assert calls[0].sampling["stop_token_ids"] == [tok.encode("]")[0]]
+    assert calls[1].prompt == prompt + tok.encode("[3*4]12")  # tool output appended
+    comp = traj["tokens"][traj["prompt_len"]:]
+    assert tok.decode(comp, skip_special_tokens=True) == "[3*4]122"
+    assert traj["mask"].tolist() == [1] * 5 + [0, 0] + [1, 1]
+    assert traj["versions"].tolist() == [1] * 5 + [-1, -1] + [2, 2]
+    assert (traj["logprobs"][5:7] == 0).all()
+
+
+def test_single_turn_agent_groups():
+    agent = SingleTurnAgent(AgentConfig(max_new_tokens=3))
+    (ep,) = agent.episodes([1, 2], 4)
+    req = next(ep)
+    assert req.n == 4 and req.sampling["max_tokens"] == 3
+    s = {"tokens": np.array([5, 2], np.int32), "logprobs": np.zeros(2, np.float32),
+         "versions": np.zeros(2, np.int32), "finish": "stop"}
+    try:
+        ep.send([s] * 4)
+    except StopIteration as stop:
+        trajs = stop.value
+    assert len(trajs) == 4 and trajs[0]["tokens"].tolist() == [1, 2, 5, 2]
+    assert SingleTurnAgent(AgentConfig()).sampling(greedy=True)["temperature"] == 0.0

@@ -1,0 +1,19 @@
+"""The RL config's validation."""
+from __future__ import annotations
+
+import pytest
+
+from experiments.rl.config import RLConfig
+from system.errors import ConfigError
+
+
+def test_rl_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="rl.mode"):
+        RLConfig(mode="fast")
+    with pytest.raises(ConfigError, match="sync_interval"):
+        RLConfig(sync_interval=3, max_head_offpolicyness=1)
+    with pytest.raises(ConfigError, match="sync mode"):
+        RLConfig(mode="sync", sync_interval=2)
+    with pytest.raises(ConfigError, match="group_size"):
+        RLConfig(group_size=1)
+    assert RLConfig(mode="sync", max_head_offpolicyness=3).eta == 0

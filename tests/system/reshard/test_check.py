@@ -1,0 +1,27 @@
+"""Resharding: the check itself (it catches wrong data) and its command, with processes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from system.reshard.check import MODELS, run_check
+from system.reshard.layout import GenLayout, TrainLayout
+from tests.helpers import REPO
+
+TINY = MODELS["tiny"]
+
+
+def test_the_check_catches_wrong_data():
+    bad, _ = run_check(TrainLayout(2, 2, 1), GenLayout(2, 1), TINY, threads=True, corrupt_rank=1)
+    assert bad and all("max abs diff" in b for b in bad)
+
+
+def test_check_command_with_processes():
+    r = subprocess.run([sys.executable, "-m", "system.reshard", "check", "--src", "dp=2,tp=2,pp=1",
+                        "--dst", "tp=2,replicas=2"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("ok:")
+    r = subprocess.run([sys.executable, "-m", "system.reshard", "check", "--src", "tp=4",
+                        "--dst", "tp=3"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "do not divide each other" in r.stderr

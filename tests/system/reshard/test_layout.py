@@ -1,0 +1,22 @@
+"""Resharding layouts: training (dp, tp, pp) and generation (tp, replicas) ranks, and parsing."""
+from __future__ import annotations
+
+import pytest
+
+from system.reshard.layout import (GenLayout, LayoutError, TrainLayout, parse_gen_layout,
+                             parse_train_layout)
+
+
+def test_layouts():
+    t = TrainLayout(dp=2, tp=2, pp=2)
+    assert t.world_size == 8
+    assert [t.rank(c.dp, c.tp, c.pp) for c in map(t.coord, range(8))] == list(range(8))
+    assert t.coord(5) == t.coord(t.rank(dp=0, tp=1, pp=1))
+    g = GenLayout(tp=2, replicas=3)
+    assert g.coord(5) == (2, 1) and g.rank(2, 1) == 5
+    with pytest.raises(LayoutError, match="tp=0"):
+        TrainLayout(tp=0)
+    assert parse_train_layout("dp=2,tp=2") == TrainLayout(2, 2, 1)
+    assert parse_gen_layout("tp=2,replicas=2") == GenLayout(2, 2)
+    with pytest.raises(LayoutError, match="ep=2"):
+        parse_train_layout("dp=2,ep=2")
