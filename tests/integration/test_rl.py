@@ -13,9 +13,9 @@ import pytest
 from system.paths import PROJECT_ROOT
 from tests.helpers import read_summary, run_launch, trial_processes
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")),
-    reason="the arith-tiny model is created by scripts/setup.sh")
+    reason="the arith-tiny model is created by scripts/setup.sh")]
 
 SMALL = ["rl.batch_size=4", "rl.group_size=4", "rl.task.train_size=14", "rl.task.eval_size=8",
          "rl.eval_interval=0", "controller.progress=false"]

@@ -54,6 +54,7 @@ def test_smoke_end_to_end(fileroot):
     assert FileNameResolve(os.path.join(fileroot, ".name_resolve")).find_subtree("smoke/e2e") == []
 
 
+@pytest.mark.redis
 def test_smoke_with_redis_and_other_counts(fileroot, redis_server):
     host, port = redis_server
     r = run_launch("exp=smoke", "trial=redis", f"cluster.fileroot={fileroot}", "name_resolve=redis",

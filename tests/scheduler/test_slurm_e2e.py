@@ -13,6 +13,8 @@ import pytest
 from system.name_resolve import FileNameResolve
 from tests.helpers import REPO, launch_argv, read_summary, run_launch
 
+pytestmark = pytest.mark.slurm
+
 SLURM = ["scheduler=slurm", "cluster.interface=127.0.0.1", "scheduler.slurm.poll_interval=0.5",
          "scheduler.slurm.model.gpus_per_node=2", "controller.heartbeat_ttl=3",
          "scheduler.stop_grace=3"]

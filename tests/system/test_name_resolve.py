@@ -10,7 +10,7 @@ from system.errors import NameEntryExists, NameEntryNotFound, NameResolveError
 from system.name_resolve import FileNameResolve, RedisNameResolve
 
 
-@pytest.fixture(params=["file", "redis"])
+@pytest.fixture(params=["file", pytest.param("redis", marks=pytest.mark.redis)])
 def nr(request, tmp_path):
     if request.param == "file":
         backend = FileNameResolve(str(tmp_path / "nr"))

