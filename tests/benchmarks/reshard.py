@@ -26,9 +26,10 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from system.reshard.params import box_shape, qwen2_specs, tp_box, vllm_local_params  # noqa: E402
+from system.reshard.params import (box_shape, qwen2_specs, tp_box, train_shard_boxes,  # noqa: E402
+                                   vllm_local_params)
 from system.reshard.check import MODELS, reference  # noqa: E402
-from system.reshard.executor import GroupFactory, ReshardExecutor, train_shard_boxes  # noqa: E402
+from system.reshard.executor import GroupFactory, ReshardExecutor  # noqa: E402
 from system.reshard.plan import plan_reshard  # noqa: E402
 from system.reshard.layout import parse_gen_layout, parse_train_layout  # noqa: E402
 
