@@ -21,9 +21,9 @@ import traceback
 from typing import Any, Callable, ClassVar
 
 from system import names
+from system.bootstrap import Bootstrap, bind_host, read_secret
 from system.name_resolve import NameResolveConfig, make_name_resolve
 from system.rpc import RpcClient, RpcConfig, RpcServer
-from system.bootstrap import Bootstrap, bind_host, read_secret
 from system.wire import Codec
 from workers.schema import ConfigureReply, PingReply, WorkerReport, WorkerSetup
 

@@ -1,15 +1,21 @@
-"""Advantage shaping on the master: from a batch's rewards (and values) to per-token advantages."""
+"""Advantage shaping on the master: from a batch's rewards (and values) to per-token advantages.
+
+torch is imported where the shaping runs (the master), not by the launcher, which imports the
+experiment catalog and with it every role.
+"""
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from experiments.rl.algorithms.advantages import gae, grpo_advantages
 from experiments.rl.config import RLConfig
 from workers.schema import Trajectory
 
 
 def advantages_grpo(trajs: list[Trajectory], n: int) -> list[np.ndarray]:
+    import torch
+
+    from experiments.rl.algorithms.advantages import grpo_advantages
+
     rewards = torch.tensor([t["reward"] for t in trajs])
     adv = grpo_advantages(rewards, n)
     return [np.full(len(t["mask"]), float(a), np.float32) for t, a in zip(trajs, adv)]
@@ -19,6 +25,10 @@ def advantages_ppo(trajs: list[Trajectory], values: list[np.ndarray], rl: RLConf
                    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Token rewards (the score on the last policy token, minus the KL penalty folded into the
     loss), GAE over policy tokens, whitened advantages; returns (advantages, returns)."""
+    import torch
+
+    from experiments.rl.algorithms.advantages import gae
+
     t_max = max(len(t["mask"]) for t in trajs)
     r = torch.zeros(len(trajs), t_max)
     v = torch.zeros(len(trajs), t_max)

@@ -35,3 +35,16 @@ def test_cli_help_and_dry_run(fileroot):
     r = run_launch("exp=smoke", "trial=dry", f"cluster.fileroot={fileroot}", "--dry-run")
     assert r.returncode == 0, r.stderr
     assert "system.launcher.run_worker" in r.stdout and "rollout/3" in r.stdout and "nothing submitted" in r.stderr
+
+
+def test_launcher_and_worker_entry_do_not_import_torch():
+    """The launcher and the worker entry point import the experiment catalog (every role):
+    torch, transformers and vLLM load only where a role uses them (start-up time)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, system.launch, system.launcher.run_worker; "
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
