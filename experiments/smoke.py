@@ -57,9 +57,9 @@ class SmokeConfig:
     def __post_init__(self) -> None:
         for key in ("trajectories_per_worker", "tokens_per_trajectory", "allreduce_numel"):
             if getattr(self, key) < 1:
-                raise ConfigError(f"smoke.{key} must be >= 1, got {getattr(self, key)}")
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.timeout <= 0:
-            raise ConfigError(f"smoke.timeout must be > 0, got {self.timeout}")
+            raise ConfigError(f"timeout must be > 0, got {self.timeout}")
         self.crash_spec()  # validate
 
     def crash_spec(self) -> tuple[str, int, float, str] | None:
@@ -72,12 +72,12 @@ class SmokeConfig:
             if len(parts) > 4:
                 raise ValueError
         except (IndexError, ValueError):
-            raise ConfigError(f"smoke.crash={self.crash!r} is not KIND:INDEX:SECONDS[:kill|stop]"
+            raise ConfigError(f"crash={self.crash!r} is not KIND:INDEX:SECONDS[:kill|stop]"
                               ) from None
         if kind not in KINDS:
-            raise ConfigError(f"smoke.crash kind {kind!r} is not one of {list(KINDS)}")
+            raise ConfigError(f"crash kind {kind!r} is not one of {list(KINDS)}")
         if mode not in ("kill", "stop") or index < 0 or seconds < 0:
-            raise ConfigError(f"smoke.crash={self.crash!r}: mode must be kill|stop, "
+            raise ConfigError(f"crash={self.crash!r}: mode must be kill|stop, "
                               "index and seconds >= 0")
         return kind, index, seconds, mode
 

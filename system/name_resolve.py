@@ -49,11 +49,11 @@ class NameResolveConfig:
                 self.type = NameResolveBackend(self.type)
             except ValueError:
                 raise ConfigError(
-                    f"name_resolve.type={self.type!r} is not one of "
+                    f"type={self.type!r} is not one of "
                     f"{[b.value for b in NameResolveBackend]}"
                 ) from None
         if not 0 < self.redis_port < 65536:
-            raise ConfigError(f"name_resolve.redis_port={self.redis_port} is not a valid port")
+            raise ConfigError(f"redis_port={self.redis_port} is not a valid port")
 
 
 def _check_key(key: str) -> str:

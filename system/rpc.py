@@ -44,11 +44,11 @@ class RpcConfig:
 
     def __post_init__(self) -> None:
         if self.request_timeout <= 0:
-            raise ConfigError(f"rpc.request_timeout must be > 0, got {self.request_timeout}")
+            raise ConfigError(f"request_timeout must be > 0, got {self.request_timeout}")
         if self.max_message_bytes < 4096:
-            raise ConfigError(f"rpc.max_message_bytes must be >= 4096, got {self.max_message_bytes}")
+            raise ConfigError(f"max_message_bytes must be >= 4096, got {self.max_message_bytes}")
         if self.stream_hwm < 1:
-            raise ConfigError(f"rpc.stream_hwm must be >= 1, got {self.stream_hwm}")
+            raise ConfigError(f"stream_hwm must be >= 1, got {self.stream_hwm}")
 
 
 def _context() -> zmq.Context:

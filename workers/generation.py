@@ -32,7 +32,7 @@ class GenerationServerConfig:
 
     def __post_init__(self) -> None:
         if self.count < 0:
-            raise ConfigError(f"generation.count must be >= 0, got {self.count}")
+            raise ConfigError(f"count must be >= 0, got {self.count}")
 
 
 class GenerationServer(Worker):

@@ -21,9 +21,9 @@ class MasterConfig:
 
     def __post_init__(self) -> None:
         if self.peer_timeout <= 0:
-            raise ConfigError(f"master.peer_timeout must be > 0, got {self.peer_timeout}")
+            raise ConfigError(f"peer_timeout must be > 0, got {self.peer_timeout}")
         if self.cpus < 1:
-            raise ConfigError(f"master.cpus must be >= 1, got {self.cpus}")
+            raise ConfigError(f"cpus must be >= 1, got {self.cpus}")
 
 
 class TaskSource(Protocol):

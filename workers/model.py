@@ -46,9 +46,9 @@ class ModelWorkerConfig:
 
     def __post_init__(self) -> None:
         if self.count < 0:
-            raise ConfigError(f"model.count must be >= 0, got {self.count}")
+            raise ConfigError(f"count must be >= 0, got {self.count}")
         if self.group_timeout <= 0:
-            raise ConfigError(f"model.group_timeout must be > 0, got {self.group_timeout}")
+            raise ConfigError(f"group_timeout must be > 0, got {self.group_timeout}")
 
 
 class ActorLoss(Protocol):

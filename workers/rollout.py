@@ -22,9 +22,9 @@ class RolloutWorkerConfig:
 
     def __post_init__(self) -> None:
         if self.count < 0:
-            raise ConfigError(f"rollout.count must be >= 0, got {self.count}")
+            raise ConfigError(f"count must be >= 0, got {self.count}")
         if self.push_timeout <= 0:
-            raise ConfigError(f"rollout.push_timeout must be > 0, got {self.push_timeout}")
+            raise ConfigError(f"push_timeout must be > 0, got {self.push_timeout}")
 
 
 class RolloutWorker(Worker):

@@ -53,11 +53,11 @@ class AgentConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in ("single", "calculator"):
-            raise ConfigError(f"rl.agent.kind={self.kind!r} is not one of single, calculator")
+            raise ConfigError(f"kind={self.kind!r} is not one of single, calculator")
         if self.max_new_tokens < 1 or self.max_turns < 1:
-            raise ConfigError("rl.agent.max_new_tokens and rl.agent.max_turns must be >= 1")
+            raise ConfigError("max_new_tokens and max_turns must be >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError("rl.agent.temperature must be >= 0 and rl.agent.top_p in (0, 1]")
+            raise ConfigError("temperature must be >= 0 and top_p in (0, 1]")
 
 
 def _traj(prompt: Sequence[int], parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]],

@@ -29,10 +29,10 @@ class WeightSyncConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ("fast", "load_weights", "disk"):
-            raise ConfigError(f"rl.weight_sync.mode={self.mode!r} is not one of fast, load_weights, "
+            raise ConfigError(f"mode={self.mode!r} is not one of fast, load_weights, "
                               "disk")
         if self.bucket_mb < 1 or self.timeout <= 0:
-            raise ConfigError("rl.weight_sync.bucket_mb must be >= 1 and timeout > 0")
+            raise ConfigError("bucket_mb must be >= 1 and timeout > 0")
 
 
 @dataclasses.dataclass
@@ -97,21 +97,21 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("grpo", "ppo"):
-            raise ConfigError(f"rl.algorithm={self.algorithm!r} is not one of grpo, ppo")
+            raise ConfigError(f"algorithm={self.algorithm!r} is not one of grpo, ppo")
         if self.mode not in ("async", "sync"):
-            raise ConfigError(f"rl.mode={self.mode!r} is not one of async, sync")
+            raise ConfigError(f"mode={self.mode!r} is not one of async, sync")
         for key in ("total_steps", "batch_size", "group_size", "sync_interval",
                     "tasks_per_request"):
             if getattr(self, key) < 1:
-                raise ConfigError(f"rl.{key} must be >= 1, got {getattr(self, key)}")
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         for key in ("max_head_offpolicyness", "eval_interval", "save_interval", "crash_at_step"):
             if getattr(self, key) < 0:
-                raise ConfigError(f"rl.{key} must be >= 0, got {getattr(self, key)}")
+                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.algorithm == "grpo" and self.group_size < 2:
-            raise ConfigError("rl.group_size must be >= 2 for grpo (advantages are relative)")
+            raise ConfigError("group_size must be >= 2 for grpo (advantages are relative)")
         if self.sync_interval - 1 > self.eta:
             raise ConfigError(
-                f"rl.sync_interval={self.sync_interval} needs rl.max_head_offpolicyness >= "
+                f"sync_interval={self.sync_interval} needs max_head_offpolicyness >= "
                 f"{self.sync_interval - 1} (samples between syncs would all be too stale)"
                 + ("; sync mode trains on fresh samples only: use sync_interval=1"
                    if self.mode == "sync" else ""))

@@ -50,16 +50,16 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         if self.name not in TASKS:
-            raise ConfigError(f"rl.task.name={self.name!r} is not one of {sorted(TASKS)}")
+            raise ConfigError(f"name={self.name!r} is not one of {sorted(TASKS)}")
         if self.train_size < 1 or self.eval_size < 0 or self.max_operand < 1:
-            raise ConfigError("rl.task.train_size >= 1, rl.task.eval_size >= 0 and "
+            raise ConfigError("train_size >= 1, eval_size >= 0 and "
                               "rl.task.max_operand >= 1 are required")
         if not self.ops or set(self.ops) - set("+-*"):
-            raise ConfigError(f"rl.task.ops={self.ops!r} must be made of + - *")
+            raise ConfigError(f"ops={self.ops!r} must be made of + - *")
         for key in ("train_path", "eval_path"):
             path = getattr(self, key)
             if path and not (path.endswith(".jsonl") or path.endswith(".parquet")):
-                raise ConfigError(f"rl.task.{key}={path!r} must be a .jsonl or .parquet file")
+                raise ConfigError(f"{key}={path!r} must be a .jsonl or .parquet file")
 
 
 def load_prompts(path: str) -> list[Prompt]:

@@ -33,7 +33,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         if not self.fileroot:
-            raise ConfigError("cluster.fileroot must not be empty")
+            raise ConfigError("fileroot must not be empty")
 
 
 @dataclasses.dataclass
@@ -54,9 +54,9 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         for key in ("register_timeout", "heartbeat_ttl", "poll_interval"):
             if getattr(self, key) <= 0:
-                raise ConfigError(f"controller.{key} must be > 0, got {getattr(self, key)}")
+                raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.timeout < 0:
-            raise ConfigError(f"controller.timeout must be >= 0, got {self.timeout}")
+            raise ConfigError(f"timeout must be >= 0, got {self.timeout}")
 
 
 @dataclasses.dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from typing import Any, Sequence
 
 import yaml
@@ -106,10 +107,41 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
             raise ConfigError(f"bad value for {key}={raw!r}: {msg}") from None
     try:
         return OmegaConf.to_object(conf)  # runs every __post_init__
-    except ConfigError:
-        raise
+    except ConfigError as e:
+        raise ConfigError(_with_key(conf, str(e))) from None
     except (ValueError, TypeError, OmegaConfBaseException) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def _failing_section(conf: DictConfig, path: str = "") -> tuple[str, type] | None:
+    """The deepest section of ``conf`` whose construction raises :class:`ConfigError`."""
+    for key in conf.keys():
+        node = conf._get_node(key)
+        if not (isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node))):
+            continue
+        sub = f"{path}.{key}" if path else str(key)
+        try:
+            OmegaConf.to_object(node)
+        except ConfigError:
+            return _failing_section(node, sub) or (sub, OmegaConf.get_type(node))
+        except (ValueError, TypeError, OmegaConfBaseException):
+            continue
+    return None
+
+
+def _with_key(conf: DictConfig, message: str) -> str:
+    """A section's error names its fields only (it does not know where it is mounted): prefix
+    the dotted path of the section that raised, ``rl.weight_sync.mode=...``."""
+    found = _failing_section(conf)
+    if found is None:
+        return message
+    path, cls = found
+    if message.startswith(path.split(".")[0] + "."):
+        return message  # already names its full key
+    first = re.match(r"[A-Za-z_]\w*", message)
+    if first and first.group(0) in {f.name for f in dataclasses.fields(cls)}:
+        return f"{path}.{message}"
+    return f"{path}: {message}"
 
 
 def _optional(node: Any) -> bool:

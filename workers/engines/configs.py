@@ -29,8 +29,8 @@ class TorchEngineConfig:
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
-            raise ConfigError(f"engine lr must be > 0, got {self.lr}")
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
         if self.max_tokens_per_microbatch < 1:
-            raise ConfigError("engine max_tokens_per_microbatch must be >= 1")
+            raise ConfigError("max_tokens_per_microbatch must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"engine dtype={self.dtype!r} is not one of auto, float32, bfloat16")
+            raise ConfigError(f"dtype={self.dtype!r} is not one of auto, float32, bfloat16")

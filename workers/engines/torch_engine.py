@@ -45,7 +45,7 @@ class TorchEngine:
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         if not cfg.model_path or not os.path.isdir(cfg.model_path):
-            raise ConfigError(f"engine model_path={cfg.model_path!r} is not a local directory")
+            raise ConfigError(f"model_path={cfg.model_path!r} is not a local directory")
         if head not in ("lm", "value"):
             raise ConfigError(f"engine head={head!r} is not one of lm, value")
         self.cfg = cfg

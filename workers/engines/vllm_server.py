@@ -57,14 +57,14 @@ class VllmConfig:
 
     def __post_init__(self) -> None:
         if self.interrupt not in ("cut", "finish"):
-            raise ConfigError(f"rl.vllm.interrupt={self.interrupt!r} is not one of cut, finish")
+            raise ConfigError(f"interrupt={self.interrupt!r} is not one of cut, finish")
         if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"rl.vllm.dtype={self.dtype!r} is not one of auto, float32, bfloat16")
+            raise ConfigError(f"dtype={self.dtype!r} is not one of auto, float32, bfloat16")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError("rl.vllm.gpu_memory_utilization must be in (0, 1]")
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.tensor_parallel_size < 1 or self.max_model_len < 8:
-            raise ConfigError("rl.vllm.tensor_parallel_size must be >= 1 and "
-                              "rl.vllm.max_model_len >= 8")
+            raise ConfigError("tensor_parallel_size must be >= 1 and "
+                              "max_model_len >= 8")
 
 
 @dataclasses.dataclass

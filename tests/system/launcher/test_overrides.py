@@ -41,6 +41,25 @@ def test_bad_overrides_name_the_key(override, words):
         assert w in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("rl.mode=fast", "rl.mode='fast' is not one of async, sync"),
+    ("rl.weight_sync.mode=x", "rl.weight_sync.mode='x' is not one of"),
+    ("rl.loss.clip_eps=-1", "rl.loss.clip_eps must be > 0"),
+    ("rl.actor.lr=0", "rl.actor.lr must be > 0"),
+    ("rl.vllm.interrupt=x", "rl.vllm.interrupt='x' is not one of cut, finish"),
+    ("rl.agent.kind=x", "rl.agent.kind='x' is not one of"),
+    ("rl.task.ops=/", "rl.task.ops='/' must be made of"),
+    ("rpc.stream_hwm=0", "rpc.stream_hwm must be >= 1"),
+    ("recover=x", "recover='x' is not one of off, resume"),
+])
+def test_sections_errors_get_their_mount_point(override, message):
+    """Sections name only their own fields; the override machinery adds the dotted path of the
+    section that raised."""
+    with pytest.raises(ConfigError) as e:
+        build_config("arith-tiny", "t", [override])
+    assert str(e.value).startswith(message), str(e.value)
+
+
 def test_cli_requires_exp_and_trial():
     with pytest.raises(ConfigError, match="trial"):
         parse_cli(["exp=smoke"])
