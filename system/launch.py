@@ -14,7 +14,6 @@ master reports completion.
 from __future__ import annotations
 
 import logging
-import shlex
 import signal
 import sys
 
