@@ -29,7 +29,7 @@ class SchedulerConfig:
             try:
                 self.type = SchedulerKind(self.type)
             except ValueError:
-                raise ConfigError(f"scheduler.type={self.type!r} is not one of "
+                raise ConfigError(f"type={self.type!r} is not one of "
                                   f"{[k.value for k in SchedulerKind]}") from None
         if self.stop_grace < 0:
-            raise ConfigError(f"scheduler.stop_grace must be >= 0, got {self.stop_grace}")
+            raise ConfigError(f"stop_grace must be >= 0, got {self.stop_grace}")

@@ -58,29 +58,26 @@ class SlurmGroupConfig:
     apptainer_args: str = "--nv"
     """Extra arguments of ``apptainer exec``."""
 
-    def validate(self, where: str) -> None:
+    def __post_init__(self) -> None:
         for key in ("nodes", "cpus_per_task"):
             if getattr(self, key) < 1:
-                raise ConfigError(f"{where}.{key} must be >= 1, got {getattr(self, key)}")
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         for key in ("ntasks_per_node", "gpus_per_node"):
             if getattr(self, key) < 0:
-                raise ConfigError(f"{where}.{key} must be >= 0, got {getattr(self, key)}")
+                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.mem and not _MEM_RE.match(self.mem):
-            raise ConfigError(f"{where}.mem={self.mem!r} is not like 64G / 512M / 16000")
+            raise ConfigError(f"mem={self.mem!r} is not like 64G / 512M / 16000")
         if self.time and not _TIME_RE.match(self.time):
-            raise ConfigError(f"{where}.time={self.time!r} is not [D-]HH:MM:SS or minutes")
+            raise ConfigError(f"time={self.time!r} is not [D-]HH:MM:SS or minutes")
         if self.container_image and self.apptainer_image:
-            raise ConfigError(f"{where}: set container_image (pyxis) or apptainer_image, not both")
+            raise ConfigError("set container_image (pyxis) or apptainer_image, not both")
         for k in self.env:
             if not _ENV_RE.match(k):
-                raise ConfigError(f"{where}.env: {k!r} is not a valid variable name")
+                raise ConfigError(f"env: {k!r} is not a valid variable name")
         for line in self.extra_sbatch:
             if "\n" in line or not line.strip().startswith("-"):
-                raise ConfigError(f"{where}.extra_sbatch: {line!r} must be one option like "
+                raise ConfigError(f"extra_sbatch: {line!r} must be one option like "
                                   "--reservation=x (without #SBATCH)")
-
-    def __post_init__(self) -> None:
-        self.validate("scheduler.slurm.<group>")
 
 
 def _group(**kw: object) -> SlurmGroupConfig:
@@ -128,15 +125,13 @@ class SlurmConfig:
 
     def __post_init__(self) -> None:
         if self.signal_seconds < 0:
-            raise ConfigError(f"scheduler.slurm.signal_seconds must be >= 0, got {self.signal_seconds}")
+            raise ConfigError(f"signal_seconds must be >= 0, got {self.signal_seconds}")
         if self.requeue_grace < 0:
-            raise ConfigError(f"scheduler.slurm.requeue_grace must be >= 0, got {self.requeue_grace}")
+            raise ConfigError(f"requeue_grace must be >= 0, got {self.requeue_grace}")
         if self.poll_interval <= 0:
-            raise ConfigError(f"scheduler.slurm.poll_interval must be > 0, got {self.poll_interval}")
+            raise ConfigError(f"poll_interval must be > 0, got {self.poll_interval}")
         if self.time and not _TIME_RE.match(self.time):
-            raise ConfigError(f"scheduler.slurm.time={self.time!r} is not [D-]HH:MM:SS or minutes")
-        for name in ("master", "model", "generation", "rollout", "controller"):
-            getattr(self, name).validate(f"scheduler.slurm.{name}")
+            raise ConfigError(f"time={self.time!r} is not [D-]HH:MM:SS or minutes")
 
     def group(self, kind: str) -> SlurmGroupConfig:
         return getattr(self, kind)
