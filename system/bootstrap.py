@@ -25,6 +25,8 @@ class Bootstrap:
     name_resolve_root: str
     rpc: dict[str, Any]
     heartbeat_ttl: float
+    orphan_timeout: float = 60.0
+    """Seconds without the controller's liveness key after which a worker stops by itself."""
 
     def write(self, path: str) -> None:
         tmp = path + ".tmp"

@@ -46,3 +46,8 @@ def store(exp: str, trial: str, group: str) -> str:
 def http_address(exp: str, trial: str, index: int) -> str:
     """``http://host:port`` of generation server ``index``'s OpenAI-compatible endpoint."""
     return f"{exp}/{trial}/http/{index}"
+
+
+def controller(exp: str, trial: str) -> str:
+    """The controller's liveness key (kept alive with a TTL while the controller runs)."""
+    return f"{exp}/{trial}/controller"

@@ -60,7 +60,13 @@ class RLConfig:
     eval_interval: int = 40
     """Evaluate (greedy) on the held-out set every this many steps (0: only before and after)."""
     save_interval: int = 0
-    """Checkpoint every this many steps (0: no checkpoints)."""
+    """Checkpoint every this many steps (0: by time only, see save_interval_s)."""
+    save_interval_s: float = 60.0
+    """Also checkpoint once this many seconds have passed since the last checkpoint (0: by steps
+    only), so a crash loses about this much training at most."""
+    lease_timeout: float = 300.0
+    """Seconds a rollout task may stay out (its lease): then its admission slot is released and
+    its prompt handed out again, keeping its epoch."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept on disk."""
     tasks_per_request: int = 4
@@ -104,9 +110,12 @@ class RLConfig:
                     "tasks_per_request"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("max_head_offpolicyness", "eval_interval", "save_interval", "crash_at_step"):
+        for key in ("max_head_offpolicyness", "eval_interval", "save_interval", "crash_at_step",
+                    "save_interval_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.lease_timeout <= 0:
+            raise ConfigError(f"lease_timeout must be > 0, got {self.lease_timeout}")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ConfigError("group_size must be >= 2 for grpo (advantages are relative)")
         if self.sync_interval - 1 > self.eta:

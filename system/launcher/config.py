@@ -48,6 +48,12 @@ class ControllerConfig:
     """Seconds between checks of job states, heartbeats and master progress."""
     timeout: float = 0.0
     """Stop the trial as failed after this many seconds (0: no limit)."""
+    stall_timeout: float = 900.0
+    """Treat the master as failed when its progress has not changed for this many seconds
+    (0: never)."""
+    orphan_timeout: float = 60.0
+    """Workers stop by themselves once the controller's liveness key has been gone this many
+    seconds (a launcher that died without stopping them, ``--detach`` included)."""
     progress: bool = True
     """Show a live one-line progress display in the launching terminal."""
 
@@ -55,8 +61,11 @@ class ControllerConfig:
         for key in ("register_timeout", "heartbeat_ttl", "poll_interval"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
-        if self.timeout < 0:
-            raise ConfigError(f"timeout must be >= 0, got {self.timeout}")
+        for key in ("timeout", "stall_timeout"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.orphan_timeout <= 0:
+            raise ConfigError(f"orphan_timeout must be > 0, got {self.orphan_timeout}")
 
 
 @dataclasses.dataclass

@@ -54,5 +54,6 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
     Bootstrap(exp=cfg.exp, trial=cfg.trial, experiment=experiment_name, trial_dir=paths.root,
               interface=cfg.cluster.interface, scheduler=cfg.scheduler.type.value,
               name_resolve=plain(cfg.name_resolve), name_resolve_root=name_resolve_root(cfg),
-              rpc=plain(cfg.rpc), heartbeat_ttl=cfg.controller.heartbeat_ttl).write(paths.bootstrap)
+              rpc=plain(cfg.rpc), heartbeat_ttl=cfg.controller.heartbeat_ttl,
+              orphan_timeout=cfg.controller.orphan_timeout).write(paths.bootstrap)
     return paths, secret
