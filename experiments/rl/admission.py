@@ -7,7 +7,11 @@ Two halves:
   ``accepted + running < (v + eta + 1) * B``, where ``accepted`` counts every trajectory accepted
   so far (consumed or buffered) and ``running`` those in flight. So in flight plus buffered never
   exceeds ``(1 + eta) * B``, and trajectories consumed in admission order are at most ``eta``
-  versions old. Rejected (filtered) rollouts give their slot back.
+  versions old. Rejected (filtered) rollouts give their slot back, and so do rollouts whose
+  lease ran out or whose rollout worker died (``TaskSource.expire`` / ``release_worker`` finish
+  them as rejected): a lost rollout can never hold a slot for good, so even with ``eta = 0``
+  (where the whole batch must be admitted before any of it trains) one leaked task cannot stall
+  the loop, and the bound above is unchanged.
 - Consumption (:class:`TrajectoryBuffer`): rollouts finish out of order, so one admitted early
   and finished late could still be too old. The buffer serves the oldest admissible
   trajectories first and drops (and counts) any whose weights lag more than ``eta`` versions;

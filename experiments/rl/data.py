@@ -5,13 +5,18 @@
   are handed out again first, so within an epoch no prompt is skipped or trained on twice.
 - :class:`Router`: least outstanding requests across generation servers; all samples of one
   prompt go to one server.
-- :class:`TaskSource`: what the master's ``next_task`` RPC serves, gated by admission.
+- :class:`TaskSource`: what the master's ``next_task`` RPC serves, gated by admission. Every task
+  handed out carries a lease (``lease_timeout`` seconds on the master's clock): an expired lease,
+  or any lease of a rollout worker known to be dead, is released as if its rollout had failed
+  (admission slot and router load freed, prompt handed out again in its own epoch), and a group
+  that arrives for it afterwards is unknown and dropped, so no prompt is trained twice.
 """
 from __future__ import annotations
 
 import random
 import threading
-from typing import Any
+import time
+from typing import Any, Callable
 
 from experiments.rl.admission import AdmissionController, Ticket
 from workers.schema import Task, TaskReply
@@ -79,13 +84,20 @@ class Router:
 
 class TaskSource:
     """Hands out ``(ticket, prompt, server)`` while admission allows; remembers what is in
-    flight so that lost work goes back to the cursor."""
+    flight, each task under a lease, so that lost work goes back to the cursor."""
 
     def __init__(self, admission: AdmissionController, cursor: PromptCursor, router: Router,
-                 group_size: int) -> None:
+                 group_size: int, lease_timeout: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if lease_timeout <= 0:
+            raise ValueError(f"lease_timeout must be > 0, got {lease_timeout}")
         self.admission, self.cursor, self.router = admission, cursor, router
         self.group_size = group_size
+        self.lease_timeout, self.clock = lease_timeout, clock
         self.in_flight: dict[int, Task] = {}
+        self.deadlines: dict[int, float] = {}  # seq -> when its lease expires (``clock`` time)
+        self.expired = 0   # leases that ran out (cumulative, for the metrics)
+        self.released = 0  # leases of rollout workers found dead (cumulative)
         self.done = False
         self._lock = threading.Lock()
 
@@ -94,6 +106,7 @@ class TaskSource:
         with self._lock:
             if self.done:
                 return {"done": True}
+            deadline = self.clock() + self.lease_timeout
             for _ in range(max_tasks):
                 ticket = self.admission.try_admit()
                 if ticket is None:
@@ -103,21 +116,52 @@ class TaskSource:
                               "epoch": epoch, "server": self.router.pick(self.group_size),
                               "worker": worker}
                 self.in_flight[ticket.seq] = task
+                self.deadlines[ticket.seq] = deadline
                 tasks.append(task)
         return {"tasks": tasks} if tasks else {"wait": 0.05}
 
     def finish(self, seq: int, accepted: bool) -> Task | None:
         """A group came back (or failed). Returns its task, or None for an unknown seq (a
-        duplicate, or from before a restart)."""
+        duplicate, from before a restart, or one whose lease was already released)."""
         with self._lock:
-            task = self.in_flight.pop(seq, None)
-            if task is None:
-                return None
-            self.router.done(task["server"], self.group_size)
-            self.admission.finish(Ticket(seq, task["version"]), accepted)
-            if not accepted:
-                self.cursor.give_back(task["prompt_id"], task["epoch"])
-            return task
+            return self._end(seq, accepted)
+
+    def _end(self, seq: int, accepted: bool) -> Task | None:
+        """End ``seq``'s lease (the lock is held): free its router load and admission slot; a
+        rejected one's prompt goes back to the cursor in its own epoch."""
+        task = self.in_flight.pop(seq, None)
+        if task is None:
+            return None
+        del self.deadlines[seq]
+        self.router.done(task["server"], self.group_size)
+        self.admission.finish(Ticket(seq, task["version"]), accepted)
+        if not accepted:
+            self.cursor.give_back(task["prompt_id"], task["epoch"])
+        return task
+
+    def expire(self, now: float | None = None) -> list[Task]:
+        """Release every lease whose deadline has passed (``now``: default ``clock()``), as
+        failed rollouts; returns their tasks, oldest first."""
+        with self._lock:
+            now = self.clock() if now is None else now
+            seqs = sorted(s for s, d in self.deadlines.items() if d <= now)
+            out = [t for t in (self._end(s, accepted=False) for s in seqs) if t is not None]
+            self.expired += len(out)
+            return out
+
+    def release_worker(self, worker: int) -> list[Task]:
+        """Release at once every lease held by rollout worker ``worker`` (known dead), so its
+        prompts go to the others; returns their tasks, oldest first."""
+        with self._lock:
+            seqs = sorted(s for s, t in self.in_flight.items() if t["worker"] == worker)
+            out = [t for t in (self._end(s, accepted=False) for s in seqs) if t is not None]
+            self.released += len(out)
+            return out
+
+    def lease_holders(self) -> set[int]:
+        """Rollout workers holding at least one lease."""
+        with self._lock:
+            return {t["worker"] for t in self.in_flight.values()}
 
     def give_back(self, prompts: list[tuple[int, int]]) -> None:
         """``(prompt id, epoch)`` of groups dropped before training."""

@@ -32,6 +32,7 @@ from experiments.rl.train_step import train_step
 from system import names
 from system.rpc import StreamPuller
 from workers.master import MasterWorker
+from workers.schema import Task
 
 log = logging.getLogger("rl-master")
 
@@ -63,7 +64,8 @@ class RLLoop:
             cursor.restore(self.state.cursor)
         self.cluster = Cluster(master, rl)
         self.router = Router(self.cluster.n_gen)
-        self.source = TaskSource(self.admission, cursor, self.router, rl.group_size)
+        self.source = TaskSource(self.admission, cursor, self.router, rl.group_size,
+                                 rl.lease_timeout)
         self.puller = StreamPuller(master.codec, master.host, master.rpc_cfg.stream_hwm)
         master.name_resolve.add(names.stream(master.exp, master.trial, "trajectories"),
                                 self.puller.address, replace=True)
@@ -108,7 +110,8 @@ class RLLoop:
                                   or state.step == rl.total_steps) else None
         row = {**stats, **sync, "wait_seconds": t_wait, "step_seconds": time.monotonic() - t0,
                "buffered": len(self.buffer), "in_flight": len(self.source.in_flight),
-               "dropped_stale": self.buffer.dropped, "samples_per_s": self.samples_per_s()}
+               "dropped_stale": self.buffer.dropped, "samples_per_s": self.samples_per_s(),
+               "leases_expired": self.source.expired, "leases_released": self.source.released}
         if acc is not None:
             row["eval_accuracy"] = acc
         self.metrics.log(state.step, **row)
@@ -138,6 +141,7 @@ class RLLoop:
                 return got  # type: ignore[return-value]
             if self.master.stopping:
                 raise RuntimeError("stopped during training")
+            self.reclaim_leases()  # each wait below is at most 0.5 s
             msg = self.puller.recv(0.5)
             if msg is None:
                 continue
@@ -149,6 +153,39 @@ class RLLoop:
                 continue
             self.buffer.put(Admitted(msg, task["epoch"]),
                             group_version(msg["trajs"], task["version"]))
+
+    # When reclaim_leases last read the rollout workers' heartbeats (time.monotonic()).
+    _heartbeats_read_at: float = 0.0
+
+    def reclaim_leases(self) -> None:
+        """Release the leases that ran out, and those of rollout workers whose heartbeat expired,
+        so their prompts go to the live workers (same epoch) and their admission slots reopen:
+        without this a lost task would hold its slot for good (with eta = 0, stall the loop)."""
+        expired = self.source.expire()
+        if expired:
+            log.warning("released %d lease(s) older than rl.lease_timeout=%gs: %s",
+                        len(expired), self.source.lease_timeout, _describe(expired))
+        now = time.monotonic()
+        if now - self._heartbeats_read_at < 1.0:  # name resolution is a filesystem: poll gently
+            return
+        self._heartbeats_read_at = now
+        holders = self.source.lease_holders()
+        if not holders:
+            return
+        for worker in sorted(holders - self.live_rollout_workers()):
+            released = self.source.release_worker(worker)
+            if released:
+                log.warning("rollout worker %d stopped heart-beating: released its %d lease(s): "
+                            "%s", worker, len(released), _describe(released))
+
+    def live_rollout_workers(self) -> set[int]:
+        """Indices of the rollout workers whose heartbeat key is alive."""
+        m = self.master
+        root = names.heartbeats(m.exp, m.trial)
+        key = names.heartbeat(m.exp, m.trial, "rollout", 0)
+        prefix = key[:key.rindex("/") + 1]  # ".../heartbeat/rollout/", whatever the layout
+        return {int(k[len(prefix):]) for k in m.name_resolve.find_subtree(root)
+                if k.startswith(prefix)}
 
     def checkpoint(self) -> None:
         state = self.state
@@ -188,3 +225,10 @@ class RLLoop:
                 / max(loop_seconds, 1e-9),
                 "loop_seconds": loop_seconds, "total_seconds": time.monotonic() - t_start,
                 "plot": plot, "tensorboard": os.path.join(self.trial_dir, "tensorboard")}
+
+
+def _describe(tasks: list[Task], most: int = 8) -> str:
+    """``seq 5 (prompt 12, epoch 0, worker 1), ...`` for a warning (the first ``most``)."""
+    text = ", ".join(f"seq {t['seq']} (prompt {t['prompt_id']}, epoch {t['epoch']}, worker "
+                     f"{t['worker']})" for t in tasks[:most])
+    return text + (f" and {len(tasks) - most} more" if len(tasks) > most else "")

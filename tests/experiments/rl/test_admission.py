@@ -166,3 +166,96 @@ def test_staleness_admission_with_several_rollout_workers(b, eta, workers, deman
     assert max(trained_lags) <= eta
     if eta == 0:
         assert set(trained_lags) == {0}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _train_with_one_leaked_task(expire: bool) -> tuple[TaskSource, list[tuple[int, int]], dict]:
+    """eta = 0, B = 2: the first task handed out is answered only at the end (its rollout worker
+    hung); every other one comes back a second later. Returns the source, the ``(prompt,
+    epoch)`` trained, and the leaked task."""
+    clock = FakeClock()
+    adm = AdmissionController(AdmissionConfig(2, 0))
+    src = TaskSource(adm, PromptCursor(list(range(10)), 0), Router(1), group_size=1,
+                     lease_timeout=30.0, clock=clock)
+    buf = TrajectoryBuffer(0)
+    running: list[dict] = []
+    trained: list[tuple[int, int]] = []
+    leaked = None
+    for _ in range(300):  # 300 s of the master's loop
+        clock.now += 1.0
+        for t in running:
+            if src.finish(t["seq"], accepted=True) is not None:
+                buf.put((t["prompt_id"], t["epoch"]), t["version"])
+        running = src.next_task(0, 4).get("tasks", [])
+        if leaked is None and running:
+            leaked = running.pop(0)
+        if expire:
+            src.expire()
+        batch = buf.take(2, adm.version)
+        if batch is not None:
+            trained += [item for item, _ in batch]
+            adm.consumed(2)
+            adm.set_version(adm.version + 1)
+    return src, trained, leaked
+
+
+def test_eta0_stalls_on_a_leaked_task_without_lease_expiry_and_recovers_with_it():
+    src, trained, _ = _train_with_one_leaked_task(expire=False)
+    assert src.admission.version == 0 and trained == []  # one of two slots held for good
+    src, trained, leaked = _train_with_one_leaked_task(expire=True)
+    assert src.admission.version >= 100 and src.expired == 1  # 30 s lost once, then ~1 step/s
+    assert src.finish(leaked["seq"], accepted=True) is None  # its late group: dropped
+    assert len(set(trained)) == len(trained)  # so no prompt was trained twice ...
+    assert (leaked["prompt_id"], 0) in trained  # ... and the leaked one was, in its epoch
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_leases_keep_the_bound_and_train_each_prompt_once(eta):
+    """Random rollouts: some run past their lease (their group arrives late), some rollout
+    workers die (their leases are released; a hung one may still answer later), some fail.
+    The staleness bound holds, nothing is trained twice, and training never stalls."""
+    rng, clock, B, lease = random.Random(eta), FakeClock(), 4, 20.0
+    adm = AdmissionController(AdmissionConfig(B, eta))
+    src = TaskSource(adm, PromptCursor(list(range(30)), eta), Router(2), group_size=2,
+                     lease_timeout=lease, clock=clock)
+    buf = TrajectoryBuffer(eta)
+    out: list[tuple[float, dict]] = []  # (when its group arrives, task)
+    trained, lags = [], []
+    for _ in range(4000):
+        clock.now += rng.random()
+        for t in src.next_task(rng.randrange(3), 2).get("tasks", []):
+            slow = rng.random() < 0.1  # past its lease
+            out.append((clock.now + (lease * 2 if slow else rng.random() * 5), t))
+        if rng.random() < 0.01:
+            src.release_worker(rng.randrange(3))  # found dead (it may still answer, late)
+        src.expire()
+        arrived = [t for when, t in out if when <= clock.now]
+        out = [(when, t) for when, t in out if when > clock.now]
+        for t in arrived:
+            ok = rng.random() > 0.1
+            if src.finish(t["seq"], accepted=ok) is not None and ok:
+                buf.put((t["prompt_id"], t["epoch"]), t["version"])
+        stale = buf.drop_stale(adm.version)
+        adm.discard(len(stale))
+        src.give_back(stale)
+        assert adm.outstanding() <= (1 + eta) * B
+        batch = buf.take(B, adm.version)
+        if batch is not None:
+            trained += [item for item, _ in batch]
+            lags += [adm.version - v for _, v in batch]
+            adm.consumed(B)
+            adm.set_version(adm.version + 1)
+    assert src.expired > 10 and src.released > 5
+    assert len(trained) == len(set(trained)) and len(trained) > 400
+    assert max(lags) <= eta
+    epochs = sorted({e for _, e in trained})
+    assert len(epochs) > 10
+    for e in epochs[:-2]:  # finished epochs: every prompt trained exactly once
+        assert sorted(p for p, ep in trained if ep == e) == list(range(30))

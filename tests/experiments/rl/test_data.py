@@ -1,6 +1,8 @@
 """The RL loop's data path without processes: prompt order, routing, the task source."""
 from __future__ import annotations
 
+import pytest
+
 from experiments.rl.data import PromptCursor, Router, TaskSource
 from experiments.rl.admission import AdmissionConfig, AdmissionController
 
@@ -46,3 +48,57 @@ def test_task_source_gives_lost_prompts_back_and_snapshots_in_flight():
     assert src.finish(999, accepted=True) is None          # unknown: ignored
     src.stop()
     assert src.next_task(0, 1) == {"done": True}
+
+
+class FakeClock:
+    """The master's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_expired_lease_frees_slot_and_load_and_redoes_prompt_in_its_epoch():
+    clock = FakeClock()
+    adm = AdmissionController(AdmissionConfig(2, 0))
+    src = TaskSource(adm, PromptCursor(list(range(4)), 1), Router(2), group_size=3,
+                     lease_timeout=10.0, clock=clock)
+    a, b = src.next_task(0, 2)["tasks"]
+    clock.now = 5.0
+    assert src.finish(b["seq"], accepted=False) == b  # a failed rollout: b's prompt goes back
+    (b2,) = src.next_task(1, 1)["tasks"]              # leased at t=5
+    assert b2["prompt_id"] == b["prompt_id"]
+    clock.now = 10.0
+    assert src.expire() == [a]                        # a's lease (from t=0) ran out; b2 not yet
+    assert src.expired == 1 and set(src.in_flight) == {b2["seq"]}
+    assert src.router.outstanding == [0, 3] and adm.outstanding() == 1
+    (a2,) = src.next_task(1, 5)["tasks"]              # the slot is free again: a's prompt, first
+    assert (a2["prompt_id"], a2["epoch"], a2["seq"] != a["seq"]) == (a["prompt_id"], 0, True)
+    assert src.finish(a["seq"], accepted=True) is None  # the late group is unknown: dropped
+    assert adm.outstanding() == 2
+    assert src.expire(now=14.9) == [] and src.expire(now=15.0) == [b2]
+    assert src.expire(now=20.0) == [a2] and src.expired == 3 and adm.outstanding() == 0
+
+
+def test_release_worker_frees_only_that_workers_leases():
+    adm = AdmissionController(AdmissionConfig(4, 0))
+    src = TaskSource(adm, PromptCursor(list(range(8)), 2), Router(1), group_size=1,
+                     clock=FakeClock())
+    dead = src.next_task(3, 2)["tasks"]
+    live = src.next_task(5, 2)["tasks"]
+    assert src.lease_holders() == {3, 5} and src.next_task(5, 1) == {"wait": 0.05}
+    assert src.release_worker(3) == dead and src.released == 2
+    assert src.lease_holders() == {5} and src.release_worker(3) == []
+    redo = src.next_task(5, 4)["tasks"]               # the dead worker's prompts, at once
+    assert [(t["prompt_id"], t["epoch"]) for t in redo] == [(t["prompt_id"], 0) for t in dead]
+    assert [src.finish(t["seq"], True) for t in dead] == [None, None]
+    assert all(src.finish(t["seq"], True) for t in live + redo)
+    assert src.snapshot()["redo"] == []
+
+
+def test_lease_timeout_must_be_positive():
+    adm = AdmissionController(AdmissionConfig(1, 0))
+    with pytest.raises(ValueError):
+        TaskSource(adm, PromptCursor([0], 0), Router(1), 1, lease_timeout=0)
