@@ -214,18 +214,28 @@ class ModelWorker(Worker):
 
     def save(self, directory: str) -> Future:
         """Write every engine under ``directory/<engine>/`` (model: rank 0, optimizer and RNG
-        state: every rank). Collective."""
+        state: every rank) and fsync what this rank wrote. The RNG state holds tensors and
+        plain lists only, so it loads with ``weights_only=True``. Collective."""
         import torch
+
+        from workers.engines.torch_engine import fsync_path
 
         def save() -> dict[str, Any]:
             for which, eng in self.engines.items():
                 d = os.path.join(directory, which)
                 os.makedirs(d, exist_ok=True)
-                if which == "ref":
-                    continue  # frozen: the base model is its checkpoint
-                eng.save(d, self.index)
-            torch.save({"torch": torch.get_rng_state(), "python": random.getstate()},
-                       os.path.join(directory, f"rng.model{self.index}.pt"))
+                if which != "ref":  # frozen: the base model is its checkpoint
+                    eng.save(d, self.index)
+                fsync_path(d)
+            version, internal, gauss = random.getstate()
+            rng: dict[str, Any] = {"torch": torch.get_rng_state(),
+                                   "python": [version, list(internal), gauss]}
+            if self.device.startswith("cuda"):
+                rng["cuda"] = torch.cuda.get_rng_state(self.device)
+            path = os.path.join(directory, f"rng.model{self.index}.pt")
+            torch.save(rng, path)
+            fsync_path(path)
+            fsync_path(directory)
             return {"rank": self.index}
         return self._run(save)
 

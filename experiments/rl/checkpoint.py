@@ -1,16 +1,51 @@
-"""Atomic checkpoint directories: ``<trial>/checkpoints/step_<N>/`` plus a ``latest`` pointer.
+"""Atomic, durable checkpoint directories: ``<trial>/checkpoints/step_<N>/`` plus a ``latest``
+pointer.
 
-A checkpoint is written into ``step_<N>.tmp/`` by every party (model workers write their
-engines, the master its own state), then renamed in one step and the ``latest`` file replaced
-atomically; a crash at any point leaves the previous checkpoint as the latest. Older complete
-checkpoints beyond ``keep`` are removed.
+A checkpoint is written into ``step_<N>.tmp/`` by every party (model workers write and fsync
+their engines, the master its own state), then the master lists every staged file with its size
+in ``meta.json``, fsyncs, renames the directory in one step and replaces the ``latest`` file
+atomically (fsyncing the parent directory after each rename). A crash at any point leaves the
+previous checkpoint as the newest complete one.
+
+:meth:`CheckpointDir.latest` does not trust the pointer alone: it returns the newest checkpoint
+that verifies (``meta.json`` readable, every listed file present with its size and a readable
+structure) and logs a warning naming each newer one it skips, so a torn checkpoint costs one
+checkpoint interval, not the whole run. The newest ``keep`` complete checkpoints are kept.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import struct
+import zipfile
 from typing import Any
+
+import msgpack
+
+log = logging.getLogger("rl-checkpoint")
+
+META = "meta.json"
+POINTER = "latest"
+
+
+def fsync_path(path: str) -> None:
+    """Flush a file's or a directory's entries to disk (a rename is only durable once its
+    parent directory is fsynced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it (not its directory: the caller renames it)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 class CheckpointDir:
@@ -27,39 +62,119 @@ class CheckpointDir:
         return path
 
     def commit(self, step: int, meta: dict[str, Any]) -> str:
-        """Publish the staged checkpoint of ``step``."""
+        """Publish the staged checkpoint of ``step`` (every party has written and fsynced its
+        files into it)."""
         tmp, final = os.path.join(self.root, f"step_{step}.tmp"), self.path(step)
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({**meta, "step": step}, f)
+        files = _list_files(tmp)
+        write_durable(os.path.join(tmp, META),
+                      json.dumps({**meta, "step": step, "files": files}).encode())
+        fsync_path(tmp)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        pointer = os.path.join(self.root, "latest.tmp")
-        with open(pointer, "w") as f:
-            f.write(str(step))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer, os.path.join(self.root, "latest"))
+        fsync_path(self.root)
+        pointer = os.path.join(self.root, POINTER + ".tmp")
+        write_durable(pointer, str(step).encode())
+        os.replace(pointer, os.path.join(self.root, POINTER))
+        fsync_path(self.root)
         self._prune(step)
         return final
 
     def path(self, step: int) -> str:
         return os.path.join(self.root, f"step_{step}")
 
+    def steps(self) -> list[int]:
+        """Steps of the renamed (not staging) checkpoint directories, newest first."""
+        return sorted((int(d[5:]) for d in os.listdir(self.root)
+                       if d.startswith("step_") and d[5:].isdigit()), reverse=True)
+
     def latest(self) -> int | None:
+        """The newest checkpoint that verifies; each newer, broken one is named in a warning."""
+        for step in self.steps():
+            problem = self.verify(step)
+            if problem is None:
+                return step
+            log.warning("checkpoint %s is unreadable (%s): falling back to the one before it",
+                        self.path(step), problem)
+        return None
+
+    def verify(self, step: int) -> str | None:
+        """Why checkpoint ``step`` cannot be restored, or None if it can."""
+        directory = self.path(step)
         try:
-            with open(os.path.join(self.root, "latest")) as f:
-                step = int(f.read().strip())
-        except (FileNotFoundError, ValueError):
-            return None
-        return step if os.path.isfile(os.path.join(self.path(step), "meta.json")) else None
+            with open(os.path.join(directory, META)) as f:
+                meta = json.load(f)
+            files = meta["files"]
+            if meta["step"] != step or not isinstance(files, dict):
+                return f"{META} does not describe step {step}"
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return f"{META}: {e}"
+        for name, size in files.items():
+            problem = _check_file(os.path.join(directory, name), size)
+            if problem is not None:
+                return f"{name}: {problem}"
+        return None
 
     def _prune(self, newest: int) -> None:
-        steps = sorted(int(d[5:]) for d in os.listdir(self.root)
-                       if d.startswith("step_") and d[5:].isdigit())
-        for s in steps[:-self.keep] if self.keep > 0 else []:
-            if s != newest:
-                shutil.rmtree(self.path(s), ignore_errors=True)
-        for d in os.listdir(self.root):  # stale staging dirs of earlier crashes
-            if d.endswith(".tmp") and d != f"step_{newest}.tmp" and d.startswith("step_"):
+        """Keep ``newest`` and the complete checkpoints before it, up to ``keep`` in all; drop
+        directories after it (a timeline this resumed run replaced) and stale staging ones."""
+        kept = 0
+        for s in self.steps():
+            if s == newest or (s < newest and (self.keep <= 0 or kept < self.keep)
+                               and self.verify(s) is None):
+                kept += 1
+                continue
+            shutil.rmtree(self.path(s), ignore_errors=True)
+        for d in os.listdir(self.root):  # staging dirs of earlier crashes
+            if d.startswith("step_") and d.endswith(".tmp"):
                 shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
+
+
+def _list_files(directory: str) -> dict[str, int]:
+    """Every file under ``directory`` (relative path -> size), ``meta.json`` excepted."""
+    out = {}
+    for base, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(base, name)
+            rel = os.path.relpath(path, directory)
+            if rel != META:
+                out[rel] = os.path.getsize(path)
+    return out
+
+
+def _check_file(path: str, size: int) -> str | None:
+    """Why the file at ``path`` is not the one committed with ``size`` bytes, or None. Checks
+    what is cheap: presence, size, and the structure of formats that describe themselves."""
+    try:
+        actual = os.path.getsize(path)
+        if actual != size:
+            return f"{actual} bytes, committed with {size}"
+        if path.endswith(".json"):
+            with open(path) as f:
+                json.load(f)
+        elif path.endswith(".msgpack"):
+            with open(path, "rb") as f:
+                msgpack.unpackb(f.read())
+        elif path.endswith(".safetensors"):
+            return _check_safetensors(path, actual)
+        elif path.endswith(".pt"):  # torch.save writes a zip archive
+            with zipfile.ZipFile(path) as z:
+                z.namelist()
+    except (OSError, ValueError, zipfile.BadZipFile, msgpack.UnpackException) as e:
+        return str(e) or type(e).__name__
+    return None
+
+
+def _check_safetensors(path: str, size: int) -> str | None:
+    """A safetensors file's header parses and its tensors end exactly at the end of the file."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            return "no safetensors header"
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            return "safetensors header longer than the file"
+        header = json.loads(f.read(n))
+    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+              default=0)
+    return None if 8 + n + end == size else "safetensors data does not fill the file"

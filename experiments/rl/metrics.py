@@ -2,8 +2,31 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
+
+log = logging.getLogger("rl-metrics")
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines log. A crash mid-write leaves a torn last line: it is dropped
+    with a warning (as is any other unreadable line) rather than failing the resume."""
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                log.warning("%s line %d is unreadable (a write cut short?): dropped", path, n)
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                log.warning("%s line %d is not a row: dropped", path, n)
+    return rows
 
 
 class MetricsLog:
@@ -12,8 +35,7 @@ class MetricsLog:
         self.path = os.path.join(trial_dir, "metrics.jsonl")
         self.rows: list[dict[str, Any]] = []
         if resume and os.path.exists(self.path):
-            with open(self.path) as f:
-                self.rows = [json.loads(line) for line in f if line.strip()]
+            self.rows = read_rows(self.path)
         elif os.path.exists(self.path):
             os.unlink(self.path)
         from torch.utils.tensorboard import SummaryWriter
@@ -23,9 +45,11 @@ class MetricsLog:
     def truncate(self, step: int) -> None:
         """Forget rows after ``step`` (a resumed run redoes them)."""
         self.rows = [r for r in self.rows if r.get("step", 0) <= step]
-        with open(self.path, "w") as f:
+        tmp = self.path + ".tmp"  # replaced in one step: a crash here keeps the old log
+        with open(tmp, "w") as f:
             for r in self.rows:
                 f.write(json.dumps(r) + "\n")
+        os.replace(tmp, self.path)
 
     def log(self, step: int, **values: Any) -> None:
         row = {"step": step, **values}

@@ -31,6 +31,16 @@ def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return groups
 
 
+def fsync_path(path: str) -> None:
+    """Flush a file (or a directory's entries) to disk: a checkpoint is only committed once
+    every file in it is durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 # loss_fn(per-sequence token log-probs, indices of those sequences in the batch) -> summed loss
 LossFn = Callable[[list[torch.Tensor], list[int]], torch.Tensor]
 
@@ -158,18 +168,24 @@ class TorchEngine:
 
     def save(self, directory: str, rank: int) -> None:
         """Rank 0 writes the model as a Hugging Face checkpoint (safetensors, loadable by
-        transformers and vLLM); every rank writes its own optimizer shard. Collective."""
+        transformers and vLLM); every rank writes its own optimizer shard (tensors and plain
+        values only, so it loads with ``weights_only=True``). Every file is fsynced by the rank
+        that wrote it. Collective."""
         state = self.full_state_dict()
         if rank == 0:
             self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            for name in os.listdir(directory):  # what save_pretrained wrote
+                if not name.startswith("optimizer.rank"):
+                    fsync_path(os.path.join(directory, name))
         if self.optimizer is not None:
             sd = self.optimizer.state_dict()
             for st in sd["state"].values():
                 for k, v in list(st.items()):
                     if hasattr(v, "to_local"):
                         st[k] = v.to_local()
-            torch.save({"optimizer": sd, "steps": self.steps},
-                       os.path.join(directory, f"optimizer.rank{rank}.pt"))
+            path = os.path.join(directory, f"optimizer.rank{rank}.pt")
+            torch.save({"optimizer": sd, "steps": int(self.steps)}, path)
+            fsync_path(path)
 
     def load_optimizer(self, directory: str, rank: int) -> None:
         """Restore this rank's optimizer shard written by :meth:`save` (the model itself is
@@ -177,7 +193,7 @@ class TorchEngine:
         if self.optimizer is None:
             return
         blob = torch.load(os.path.join(directory, f"optimizer.rank{rank}.pt"),
-                          map_location=self.device, weights_only=False)
+                          map_location=self.device, weights_only=True)
         sd = blob["optimizer"]
         params = list(self.model.parameters())
         for idx, st in sd["state"].items():

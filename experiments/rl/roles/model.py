@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import random
 from typing import Any, Sequence
 
 from experiments.rl.algorithms.objectives import ActorLossConfig, actor_loss, critic_loss
@@ -10,6 +12,8 @@ from experiments.rl.checkpoint import CheckpointDir
 from experiments.rl.common import model_path, rl_config
 from workers.model import ModelWorker
 from workers.schema import TrainItem
+
+log = logging.getLogger("rl-model")
 
 
 def _actor_loss(batch: Sequence[TrainItem], cfg: dict[str, Any], stats: dict[str, float]) -> Any:
@@ -39,6 +43,7 @@ def model_role(worker: ModelWorker) -> dict[str, Any]:
         for which, eng in engines.items():
             if which != "ref":
                 eng.load_optimizer(os.path.join(resume_dir, which), worker.index)
+        restore_rng(resume_dir, worker.index, worker.device)
     worker.install(engines, actor_loss=_actor_loss, critic_loss=critic_loss)
     worker.wait_stop()
     return {"engines": sorted(engines), "steps": actor.steps}
@@ -51,3 +56,21 @@ def resume_dir_of(worker: ModelWorker) -> str | None:
     ckpt = CheckpointDir(os.path.join(worker.boot.trial_dir, "checkpoints"))
     step = ckpt.latest()
     return ckpt.path(step) if step is not None else None
+
+
+def restore_rng(directory: str, rank: int, device: str) -> None:
+    """Put back the torch (and this device's CUDA) and Python RNG states that
+    :meth:`ModelWorker.save` wrote for ``rank``, so a resumed run draws what the first would
+    have. Loaded with ``weights_only=True``: a checkpoint must not run code."""
+    import torch
+
+    path = os.path.join(directory, f"rng.model{rank}.pt")
+    if not os.path.isfile(path):  # e.g. more model workers than the checkpoint had
+        log.warning("%s is missing: rank %d keeps fresh RNG states", path, rank)
+        return
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    torch.set_rng_state(blob["torch"])
+    if "cuda" in blob and device.startswith("cuda"):
+        torch.cuda.set_rng_state(blob["cuda"], device)
+    version, internal, gauss = blob["python"]
+    random.setstate((int(version), tuple(int(x) for x in internal), gauss))

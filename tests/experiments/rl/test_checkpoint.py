@@ -1,21 +1,95 @@
-"""Checkpoint directories."""
+"""Checkpoint directories: atomic commits, verification, falling back past a torn checkpoint."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import struct
+
+import pytest
 
 from experiments.rl.checkpoint import CheckpointDir
+
+
+def _commit(ck: CheckpointDir, step: int) -> str:
+    d = ck.staging(step)
+    os.makedirs(os.path.join(d, "actor"))
+    open(os.path.join(d, "x"), "w").write(str(step))
+    with open(os.path.join(d, "actor", "config.json"), "w") as f:
+        json.dump({"step": step}, f)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    with open(os.path.join(d, "actor", "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header + b"\0" * 8)
+    return ck.commit(step, {"k": step})
 
 
 def test_checkpoint_dir_is_atomic(tmp_path):
     ck = CheckpointDir(str(tmp_path / "ck"), keep=2)
     assert ck.latest() is None
     for step in (2, 4, 6):
-        d = ck.staging(step)
-        open(os.path.join(d, "x"), "w").write(str(step))
-        ck.commit(step, {"k": step})
+        _commit(ck, step)
     assert ck.latest() == 6
     assert sorted(os.listdir(tmp_path / "ck")) == ["latest", "step_4", "step_6"]
     ck.staging(8)  # a crash while writing step 8: still 6
     assert ck.latest() == 6
-    assert json.load(open(os.path.join(ck.path(6), "meta.json")))["step"] == 6
+    meta = json.load(open(os.path.join(ck.path(6), "meta.json")))
+    assert meta["step"] == 6 and meta["files"]["actor/config.json"] > 0
+    assert "meta.json" not in meta["files"]
+
+
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 1)
+
+
+def _garble(path: str) -> None:  # same size, bytes changed
+    with open(path, "r+b") as f:
+        f.write(b"\xff\xfe{")
+
+
+@pytest.mark.parametrize("tear", [
+    lambda d: os.unlink(os.path.join(d, "meta.json")),
+    lambda d: open(os.path.join(d, "meta.json"), "w").write('{"step": 4, "fi'),
+    lambda d: os.unlink(os.path.join(d, "actor", "config.json")),
+    lambda d: _truncate(os.path.join(d, "x")),
+    lambda d: _garble(os.path.join(d, "actor", "config.json")),
+    lambda d: _garble(os.path.join(d, "actor", "model.safetensors")),
+], ids=["no-meta", "torn-meta", "missing-file", "short-file", "corrupt-json",
+        "corrupt-safetensors"])
+def test_a_torn_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caplog, tear):
+    ck = CheckpointDir(str(tmp_path / "ck"), keep=2)
+    _commit(ck, 2)
+    tear(_commit(ck, 4))
+    assert open(tmp_path / "ck" / "latest").read() == "4"  # the pointer names the torn one
+    with caplog.at_level(logging.WARNING, logger="rl-checkpoint"):
+        assert ck.latest() == 2
+    assert any("step_4" in r.getMessage() and "unreadable" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_commit_after_a_fallback_replaces_the_abandoned_timeline(tmp_path):
+    ck = CheckpointDir(str(tmp_path / "ck"), keep=2)
+    for step in (2, 4):
+        _commit(ck, step)
+    os.unlink(os.path.join(ck.path(4), "meta.json"))
+    assert ck.latest() == 2
+    _commit(ck, 3)  # the resumed run's first checkpoint: step_4 belongs to the crashed run
+    assert sorted(os.listdir(tmp_path / "ck")) == ["latest", "step_2", "step_3"]
+    _commit(ck, 5)
+    assert ck.steps() == [5, 3] and ck.latest() == 5
+
+
+def test_only_readable_checkpoints_count_towards_keep(tmp_path):
+    ck = CheckpointDir(str(tmp_path / "ck"), keep=2)
+    for step in (2, 4):
+        _commit(ck, step)
+    _truncate(os.path.join(ck.path(4), "x"))
+    _commit(ck, 6)  # keeps 6 and the readable 2; the broken 4 cannot be a fallback
+    assert ck.steps() == [6, 2]
+
+
+def test_no_checkpoint_at_all(tmp_path):
+    ck = CheckpointDir(str(tmp_path / "ck"))
+    d = ck.staging(2)  # staged, never committed
+    open(os.path.join(d, "x"), "w").write("2")
+    assert ck.latest() is None
