@@ -3,8 +3,9 @@
 Per step: take B groups from the buffer (admission keeps rollouts within eta versions, the
 buffer drops any that still got too old), compute proximal / reference log-probs and advantages,
 train, publish weights every ``sync_interval`` steps, evaluate every ``eval_interval`` steps and
-checkpoint every ``save_interval`` steps. Sync mode is the same loop with eta = 0: no rollout may
-start before the weights it must use are published, so every batch is generated, then trained.
+checkpoint every ``save_interval`` steps or ``save_interval_s`` seconds. Sync mode is the same
+loop with eta = 0: no rollout may start before the weights it must use are published, so every
+batch is generated, then trained.
 :func:`experiments.rl.roles.master.master_role` drives it.
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ class RLLoop:
                                   rl.keep_checkpoints)
         random.seed(rl.seed)
         np.random.seed(rl.seed)
-        self.resumed_from = self.ckpt.latest() if master.config["recover"] == "resume" else None
+        self.resumed_from = self.resume_point()
         self.state = (load_state(self.ckpt.path(self.resumed_from))
                       if self.resumed_from is not None else LoopState())
         self.metrics = MetricsLog(self.trial_dir, resume=self.resumed_from is not None)
@@ -120,7 +121,7 @@ class RLLoop:
             samples_s=f"{row['samples_per_s']:.1f}",
             staleness=f"{row['staleness_max']}/{rl.eta}", version=state.step,
             eval=None if acc is None else f"{acc:.3f}")
-        if rl.save_interval and state.step % rl.save_interval == 0:
+        if self.checkpoint_due():
             self.checkpoint()
         if rl.crash_at_step and state.step == rl.crash_at_step and self.resumed_from is None:
             raise RuntimeError(f"injected failure after step {state.step} (rl.crash_at_step)")
@@ -187,6 +188,28 @@ class RLLoop:
         return {int(k[len(prefix):]) for k in m.name_resolve.find_subtree(root)
                 if k.startswith(prefix)}
 
+    def resume_point(self) -> int | None:
+        """The step of the newest readable checkpoint when resuming (``recover=resume``)."""
+        if self.master.config["recover"] != "resume":
+            return None
+        step = self.ckpt.latest()
+        if step is None:
+            log.warning("recover=resume but %s holds no readable checkpoint: starting at step 0",
+                        self.ckpt.root)
+        return step
+
+    # When the last checkpoint was committed (time.monotonic()); None: none yet in this run.
+    _last_save: float | None = None
+
+    def checkpoint_due(self) -> bool:
+        """Every ``save_interval`` steps, and once ``save_interval_s`` seconds have passed since
+        the last checkpoint (or since the loop started), whichever comes first."""
+        rl = self.rl
+        if rl.save_interval and self.state.step % rl.save_interval == 0:
+            return True
+        since = self._last_save if self._last_save is not None else self.t_loop
+        return rl.save_interval_s > 0 and time.monotonic() - since >= rl.save_interval_s
+
     def checkpoint(self) -> None:
         state = self.state
         staging = self.ckpt.staging(state.step)
@@ -198,6 +221,8 @@ class RLLoop:
                                       "cursor": {k: v for k, v in state.cursor.items()
                                                  if k != "redo"}})
         state.buffer = []
+        # the clock restarts after the write: a slow checkpoint must not trigger the next one
+        self._last_save = time.monotonic()
         log.info("checkpoint at step %d", state.step)
 
     def close(self) -> None:

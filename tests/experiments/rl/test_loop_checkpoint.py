@@ -1,0 +1,56 @@
+"""The loop's side of checkpoints: where a resume starts, when a checkpoint is due."""
+from __future__ import annotations
+
+import logging
+import os
+import types
+
+from experiments.rl.checkpoint import CheckpointDir
+from tests.experiments.rl.test_checkpoint import _commit
+
+
+def _loop(tmp_path, recover: str = "resume", **rl):
+    """An RLLoop with only what ``resume_point`` and ``checkpoint_due`` read."""
+    from experiments.rl.loop import RLLoop
+
+    loop = RLLoop.__new__(RLLoop)
+    loop.master = types.SimpleNamespace(config={"recover": recover})
+    loop.ckpt = CheckpointDir(str(tmp_path / "ck"))
+    loop.rl = types.SimpleNamespace(**{"save_interval": 0, "save_interval_s": 60.0, **rl})
+    loop.state = types.SimpleNamespace(step=1)
+    return loop
+
+
+def test_resume_point_skips_a_torn_checkpoint(tmp_path, caplog):
+    loop = _loop(tmp_path)
+    for step in (2, 4):
+        _commit(loop.ckpt, step)
+    os.unlink(os.path.join(loop.ckpt.path(4), "meta.json"))
+    assert loop.resume_point() == 2
+    assert _loop(tmp_path, recover="off").resume_point() is None
+    os.unlink(os.path.join(loop.ckpt.path(2), "meta.json"))
+    with caplog.at_level(logging.WARNING):
+        assert loop.resume_point() is None
+    assert any("no readable checkpoint" in r.getMessage() for r in caplog.records)
+
+
+def test_checkpoints_are_due_by_steps_or_by_seconds(tmp_path, monkeypatch):
+    import time
+
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    loop = _loop(tmp_path, save_interval=3, save_interval_s=60.0)
+    loop.t_loop = 1000.0
+    assert not loop.checkpoint_due()
+    loop.state.step = 3
+    assert loop.checkpoint_due()  # the step rule
+    loop.state.step = 4
+    now[0] = 1059.0
+    assert not loop.checkpoint_due()
+    now[0] = 1060.0
+    assert loop.checkpoint_due()  # the time rule, counted from the loop's start
+    loop._last_save = 1050.0
+    assert not loop.checkpoint_due()  # ... then from the last checkpoint
+    loop.rl.save_interval_s = 0
+    now[0] = 5000.0
+    assert not loop.checkpoint_due()
