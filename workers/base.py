@@ -22,6 +22,7 @@ from typing import Any, Callable, ClassVar
 
 from system import names
 from system.bootstrap import Bootstrap, bind_host, read_secret
+from system.errors import NameEntryNotFound
 from system.name_resolve import NameResolveConfig, make_name_resolve
 from system.rpc import RpcClient, RpcConfig, RpcServer
 from system.wire import Codec
@@ -65,6 +66,7 @@ class Worker:
         self._stop = threading.Event()
         self._serve_stop = threading.Event()
         self.signalled: str | None = None  # the signal that stopped us, if any
+        self.orphaned = False  # stopped because the controller's liveness key expired
 
     @property
     def name(self) -> str:
@@ -145,6 +147,42 @@ class Worker:
             log.error("could not request the requeue of job %s: %s",
                       os.environ.get("SLURM_JOB_ID"), e)
 
+    def _watch_controller(self, period: float) -> None:
+        """Stop this worker, as SIGTERM would, once the controller's liveness key (seen at least
+        once) has been gone for more than ``boot.orphan_timeout`` seconds: a controller that
+        died (kill -9, a lost login node, a cancelled ``--detach`` job) must not leave its
+        workers holding nodes and GPUs. Until the key is first seen nothing happens (a
+        controller that never writes it, or has not yet)."""
+        key = names.controller(self.exp, self.trial)
+        seen: float | None = None  # when the key was last seen (monotonic)
+        while not self._serve_stop.wait(period):
+            try:
+                self.name_resolve.get(key)
+                seen = time.monotonic()
+                continue
+            except NameEntryNotFound:
+                pass
+            except Exception as e:  # a backend hiccup is no news, not a dead controller
+                log.warning("cannot read the controller's liveness key: %s", e)
+                continue
+            if seen is not None and time.monotonic() - seen > self.boot.orphan_timeout:
+                self._stop_orphaned(time.monotonic() - seen)
+                return
+
+    def _stop_orphaned(self, gone: float) -> None:
+        log.warning("%s: the controller's liveness key has been gone for %.0fs "
+                    "(orphan_timeout=%.0fs): the controller is dead, stopping",
+                    self.name, gone, self.boot.orphan_timeout)
+        self.orphaned = True
+        self.stop()
+        # A role stuck where it never looks at `stopping` (a collective whose peers are gone)
+        # would keep the process and its GPUs forever: nobody is left to kill it.
+        if not self._serve_stop.wait(max(self.boot.orphan_timeout, 10.0)):
+            log.error("%s did not stop within %.0fs of losing its controller: exiting",
+                      self.name, max(self.boot.orphan_timeout, 10.0))
+            logging.shutdown()
+            os._exit(3)
+
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
@@ -176,6 +214,8 @@ class Worker:
         nr.add(names.worker_address(self.exp, self.trial, self.kind, self.index),
                self.server.address, replace=True)
         log.info("%s registered at %s", self.name, self.server.address)
+        threading.Thread(target=self._watch_controller, name="controller-watch", daemon=True,
+                         args=(min(max(self.boot.orphan_timeout / 10, 0.1), 5.0),)).start()
         code = 0
         try:
             while not self._start.wait(0.1):

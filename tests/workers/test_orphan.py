@@ -1,0 +1,130 @@
+"""A worker stops by itself once its controller's liveness key has expired: real worker
+processes, a real file name resolution; the test plays the controller (it writes the key with a
+TTL and stops refreshing it, as a controller killed with -9 would)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from system import names
+from system.bootstrap import Bootstrap
+from system.name_resolve import FileNameResolve
+from system.rpc import RpcClient
+from system.wire import Codec, new_secret
+from tests.helpers import REPO
+from workers.client import WorkerClient
+
+# a worker whose role runs until stopped; with "stuck", a role that never looks at `stopping`
+PROBE = """
+import logging, sys, threading
+from system.bootstrap import Bootstrap
+from workers.base import Worker
+
+class Probe(Worker):
+    kind = "probe"
+
+def role(worker):
+    if sys.argv[2] == "stuck":
+        threading.Event().wait()
+    while not worker.wait_stop(0.1):
+        pass
+    return {"orphaned": worker.orphaned}
+
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+sys.exit(Probe(Bootstrap.read(sys.argv[1]), 0).run(role))
+"""
+ORPHAN_TIMEOUT = 1.5
+
+
+@pytest.fixture
+def trial(tmp_path):
+    """A trial directory with its secret and bootstrap file, and its name resolution."""
+    root = str(tmp_path / "nr")
+    secret = new_secret()
+    with open(tmp_path / "secret", "wb") as f:
+        f.write(secret)
+    Bootstrap(exp="orph", trial="t", experiment="smoke", trial_dir=str(tmp_path),
+              interface="127.0.0.1", scheduler="local", name_resolve={"type": "file"},
+              name_resolve_root=root, rpc={}, heartbeat_ttl=2.0,
+              orphan_timeout=ORPHAN_TIMEOUT).write(str(tmp_path / "bootstrap.json"))
+    nr = FileNameResolve(root)
+    yield tmp_path, nr, Codec(secret)
+    nr.close()
+
+
+def _start(tmp_path, nr: FileNameResolve, codec: Codec, mode: str = "serve"
+           ) -> tuple[subprocess.Popen, WorkerClient]:
+    """Start the probe worker, configure and start it as the controller would."""
+    log = open(tmp_path / f"probe-{mode}.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-c", PROBE, str(tmp_path / "bootstrap.json"), mode],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    address = nr.wait(names.worker_address("orph", "t", "probe", 0), 30)
+    client = WorkerClient(RpcClient(codec, address, 10), "probe/0")
+    client.configure({"worker": {}, "experiment": {}, "counts": {}, "recover": "off"}).result()
+    client.start().result()
+    return proc, client
+
+
+def _log(tmp_path, mode: str = "serve") -> str:
+    with open(tmp_path / f"probe-{mode}.log") as f:
+        return f.read()
+
+
+def test_worker_stops_when_the_controller_key_expires(trial):
+    tmp_path, nr, codec = trial
+    key = names.controller("orph", "t")
+    nr.add(key, "controller", keepalive_ttl=0.6)
+    proc, client = _start(tmp_path, nr, codec)
+    try:
+        time.sleep(1.0)
+        assert client.ping().result()["state"] == "running"  # alive while the key is
+        nr.close()  # the controller dies: nobody refreshes the key, it expires on its own
+        gone = time.monotonic()
+        assert proc.wait(timeout=20) == 0
+        assert time.monotonic() - gone >= ORPHAN_TIMEOUT
+        log = _log(tmp_path)
+        assert "liveness key has been gone" in log and "stopping" in log
+        assert "'orphaned': True" in log
+        # stopped cleanly: it removed its own keys
+        assert nr.find_subtree(names.worker_addresses("orph", "t")) == []
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_worker_that_never_saw_the_key_keeps_running(trial):
+    """A controller that does not (or not yet) keep the key must not make workers stop."""
+    tmp_path, nr, codec = trial
+    proc, client = _start(tmp_path, nr, codec)
+    try:
+        time.sleep(ORPHAN_TIMEOUT * 3)
+        assert proc.poll() is None and client.ping().result()["state"] == "running"
+        client.stop().result()
+        assert proc.wait(timeout=20) == 0
+        assert "liveness key" not in _log(tmp_path)
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_stuck_orphan_exits_after_a_grace(trial):
+    """A role that never looks at `stopping` (a collective whose peers are gone): the worker
+    exits by itself anyway, with code 3, after a grace of max(orphan_timeout, 10 s)."""
+    tmp_path, nr, codec = trial
+    nr.add(names.controller("orph", "t"), "controller", keepalive_ttl=0.6)
+    proc, client = _start(tmp_path, nr, codec, "stuck")
+    try:
+        time.sleep(0.5)
+        nr.delete(names.controller("orph", "t"))  # the controller's key is gone
+        assert proc.wait(timeout=30) == 3
+        assert "did not stop within" in _log(tmp_path, "stuck")
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
