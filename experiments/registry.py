@@ -41,6 +41,9 @@ class Experiment:
     roles: Roles
     section: str | None = None
     """The experiment's own config section, sent to every worker."""
+    stateful: tuple[str, ...] = ()
+    """Worker kinds that hold training state, in start order: when one dies (and
+    ``recover=auto``), all of these restart from the latest checkpoint; the others stay up."""
 
     @property
     def doc(self) -> str:

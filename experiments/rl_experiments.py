@@ -47,5 +47,7 @@ def smollm2_arith() -> RLExperimentConfig:
     return cfg
 
 
-ARITH_TINY = Experiment("arith-tiny", arith_tiny, ROLES, section="rl")
-SMOLLM2_ARITH = Experiment("smollm2-arith", smollm2_arith, ROLES, section="rl")
+STATEFUL = ("model", "master")
+ARITH_TINY = Experiment("arith-tiny", arith_tiny, ROLES, section="rl", stateful=STATEFUL)
+SMOLLM2_ARITH = Experiment("smollm2-arith", smollm2_arith, ROLES, section="rl",
+                           stateful=STATEFUL)

@@ -73,3 +73,8 @@ class Scheduler(abc.ABC):
     @abc.abstractmethod
     def stop_all(self, grace: float) -> None:
         """Stop every job of the trial; must leave nothing running or queued."""
+
+    @abc.abstractmethod
+    def stop_group(self, kind: str, grace: float) -> None:
+        """Stop every worker of group ``kind`` and forget its jobs (the group may then be
+        submitted again, as a recovery does); must leave none of them running or queued."""

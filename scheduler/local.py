@@ -101,26 +101,37 @@ class LocalScheduler(Scheduler):
         return out
 
     def stop_all(self, grace: float) -> None:
-        live = [p for p, _ in self._procs.values() if p.poll() is None]
-        for p in live:
-            _signal_group(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for p in live:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        # SIGKILL every group, even of processes that exited: their children may linger.
-        for p, _ in self._procs.values():
-            _signal_group(p.pid, signal.SIGKILL)
-        for p, _ in self._procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired as e:
-                raise SchedulerError(f"process {p.pid} survived SIGKILL") from e
+        _terminate([p for p, _ in self._procs.values()], grace)
         for log in self._logs:
             log.close()
         self._logs.clear()
+
+    def stop_group(self, kind: str, grace: float) -> None:
+        names = [n for n in self._procs if n.split("/")[0] == kind]
+        _terminate([self._procs[n][0] for n in names], grace)
+        for n in names:
+            del self._procs[n]
+
+
+def _terminate(procs: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM each process group, SIGKILL what is left after ``grace`` seconds."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        _signal_group(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in live:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    # SIGKILL every group, even of processes that exited: their children may linger.
+    for p in procs:
+        _signal_group(p.pid, signal.SIGKILL)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired as e:
+            raise SchedulerError(f"process {p.pid} survived SIGKILL") from e
 
 
 def _signal_group(pgid: int, sig: int) -> None:

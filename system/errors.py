@@ -30,6 +30,10 @@ class RpcTimeout(RpcError):
     """No reply arrived within the call's timeout."""
 
 
+class PeerDied(RpcError):
+    """The peer a call waits on died (its heartbeat expired) before it replied."""
+
+
 class RemoteError(RpcError):
     """The remote handler raised; carries the remote type name and traceback text."""
 

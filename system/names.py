@@ -38,6 +38,14 @@ def stream(exp: str, trial: str, name: str) -> str:
     return f"{exp}/{trial}/stream/{name}"
 
 
+def streams(exp: str, trial: str) -> str:
+    return f"{exp}/{trial}/stream"
+
+
+def stores(exp: str, trial: str) -> str:
+    return f"{exp}/{trial}/store"
+
+
 def store(exp: str, trial: str, group: str) -> str:
     """``host:port`` of the TCPStore that rendezvous a torch.distributed group."""
     return f"{exp}/{trial}/store/{group}"
@@ -51,3 +59,9 @@ def http_address(exp: str, trial: str, index: int) -> str:
 def controller(exp: str, trial: str) -> str:
     """The controller's liveness key (kept alive with a TTL while the controller runs)."""
     return f"{exp}/{trial}/controller"
+
+
+def progress(exp: str, trial: str) -> str:
+    """JSON of the master's latest progress figures (what the controller shows and what a
+    recovery reads: the last step trained before a failure)."""
+    return f"{exp}/{trial}/progress"

@@ -38,8 +38,10 @@ class TrialPaths:
     def checkpoints(self) -> str:
         return os.path.join(self.root, "checkpoints")
 
-    def worker_log(self, kind: str, index: int) -> str:
-        return os.path.join(self.logs, f"{kind}-{index}.log")
+    def worker_log(self, kind: str, index: int, attempt: int = 0) -> str:
+        """A worker's log; each automatic recovery's restarted workers log to their own."""
+        suffix = f".attempt{attempt}" if attempt else ""
+        return os.path.join(self.logs, f"{kind}-{index}{suffix}.log")
 
     @staticmethod
     def of(fileroot: str, exp: str, trial: str) -> "TrialPaths":

@@ -245,17 +245,22 @@ class RpcClient:
         self._waiting.add(req_id)
         return req_id
 
-    def result(self, req_id: int, timeout: float | None = None) -> Any:
+    def result(self, req_id: int, timeout: float | None = None, abandon: bool = True) -> Any:
+        """The reply to ``req_id``. On :class:`RpcTimeout` the call is abandoned (a late reply
+        is discarded) unless ``abandon`` is False: then it can be waited for again."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        done = False
         try:
             while req_id not in self._replies:
                 frames = recv_frames(self._sock, deadline - time.monotonic())
                 if frames is None:
                     raise RpcTimeout(f"no reply from {self.address} within {timeout:.1f}s")
                 self._receive_one(frames)
+            done = True
         finally:
-            self._waiting.discard(req_id)
+            if done or abandon:
+                self._waiting.discard(req_id)
         reply = self._replies.pop(req_id)
         if reply.get("ok"):
             return reply.get("r")
@@ -276,6 +281,11 @@ class RpcClient:
     def call(self, method: str, timeout: float | None = None, **args: Any) -> Any:
         """One blocking round trip."""
         return self.result(self.submit(method, **args), timeout)
+
+    def abandon(self, req_id: int) -> None:
+        """Stop waiting for ``req_id`` (its reply, if it comes, is discarded)."""
+        self._waiting.discard(req_id)
+        self._replies.pop(req_id, None)
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -8,9 +8,10 @@ kind's :meth:`~workers.base.Worker.rpc_handlers` table; no call site names a met
 """
 from __future__ import annotations
 
-from typing import Any, Generic, Sequence, TypeVar, cast
+import time
+from typing import Any, Callable, Generic, Sequence, TypeVar, cast
 
-from system.errors import RpcError
+from system.errors import PeerDied, RpcError, RpcTimeout
 from system.rpc import RpcClient
 from workers.schema import ConfigureReply, PingReply, WorkerReport, WorkerSetup
 
@@ -28,6 +29,25 @@ class Pending(Generic[T]):
 
     def result(self, timeout: float | None = None) -> T:
         return cast(T, self._rpc.result(self._id, timeout))
+
+    def result_while(self, alive: Callable[[], bool], timeout: float, check_every: float = 2.0
+                     ) -> T:
+        """The reply, waiting up to ``timeout`` but asking ``alive()`` every ``check_every``
+        seconds meanwhile: a server found dead fails the call at once
+        (:class:`~system.errors.PeerDied`) instead of after the whole timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return cast(T, self._rpc.result(self._id, max(0.0, min(check_every, left)),
+                                                abandon=left <= check_every))
+            except RpcTimeout:
+                if left <= check_every:
+                    raise
+                if not alive():
+                    self._rpc.abandon(self._id)
+                    raise PeerDied(f"{self.method} to {self._rpc.address}: the server died "
+                                   "while serving it") from None
 
 
 def collect(pending: Sequence[Pending[T]], timeout: float | None = None) -> list[T]:

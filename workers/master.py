@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import time
 from typing import Any, Callable, Protocol
 
+from system import names
 from system.errors import ConfigError
 from workers.base import Worker
 from workers.client import Pending, WorkerClient
@@ -39,6 +42,7 @@ class MasterWorker(Worker):
         super().__init__(*args, **kwargs)
         self._task_source: TaskSource | None = None
         self._progress: dict[str, Any] = {}
+        self._progress_written = 0.0
 
     def rpc_handlers(self) -> dict[str, Callable[..., Any]]:
         return {**super().rpc_handlers(), "next_task": self.next_task}
@@ -59,8 +63,15 @@ class MasterWorker(Worker):
         self.master_cfg = MasterConfig(**config["worker"])
 
     def set_progress(self, **fields: Any) -> None:
-        """Figures shown in the launcher's progress line (read through ``ping``)."""
+        """Figures shown in the launcher's progress line (read through ``ping``), also kept
+        under the trial's progress key, so they outlive this process."""
+        new_step = fields.get("step") != self._progress.get("step")
         self._progress = dict(fields)
+        now = time.monotonic()
+        if new_step or now - self._progress_written >= 1.0:  # a file write: not 20 a second
+            self._progress_written = now
+            self.name_resolve.add(names.progress(self.exp, self.trial),
+                                  json.dumps(self._progress, default=str), replace=True)
 
     def progress(self) -> dict[str, Any]:
         return self._progress

@@ -8,7 +8,7 @@ from experiments.rl.agents import AgentConfig
 from experiments.rl.algorithms.objectives import ActorLossConfig
 from experiments.rl.tasks import TaskConfig
 from system.paths import PROJECT_ROOT
-from system.launcher.config import ExperimentConfig
+from system.launcher.config import ExperimentConfig, RecoverConfig
 from system.errors import ConfigError
 from workers.engines.configs import TorchEngineConfig
 from workers.engines.vllm_server import VllmConfig
@@ -135,17 +135,19 @@ class RLConfig:
 class RLExperimentConfig(ExperimentConfig):
     """Root config of an RL experiment."""
 
-    recover: str = "off"
-    """off (start fresh) or resume (continue this exp/trial from its last checkpoint)."""
+    recover: RecoverConfig = dataclasses.field(default_factory=RecoverConfig)
+    """Continuing a trial and recovering from failures (``recover=auto|resume|off``)."""
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)
     """The RL loop."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.recover not in ("off", "resume"):
-            raise ConfigError(f"recover={self.recover!r} is not one of off, resume")
         if self.model.count < 1 or self.generation.count < 1 or self.rollout.count < 1:
             raise ConfigError("RL needs model.count, generation.count and rollout.count >= 1")
+
+
+    def recovery(self) -> RecoverConfig:
+        return self.recover
 
 
 def resolve_model_path(rl: RLConfig, default: str) -> str:

@@ -12,10 +12,12 @@ from workers.schema import Sample, Trajectory
 
 
 def run_episodes(episodes: Sequence[tuple[Episode, int]], clients: dict[int, GenerationClient],
-                 timeout: float) -> list[list[Trajectory]]:
+                 timeout: float, alive: Callable[[int], bool] | None = None
+                 ) -> list[list[Trajectory]]:
     """Drive episodes (``(generator, server)``) together: every round submits each live
     episode's request to its server, then feeds back the samples. Returns each episode's
-    trajectories."""
+    trajectories. ``alive(server)``, asked every few seconds while a call waits, fails the
+    call at once when its server died (:class:`~system.errors.PeerDied`)."""
     results: list[list[Trajectory] | None] = [None] * len(episodes)
     pending: dict[int, GenRequest] = {i: next(ep) for i, (ep, _) in enumerate(episodes)}
     while pending:
@@ -24,7 +26,9 @@ def run_episodes(episodes: Sequence[tuple[Episode, int]], clients: dict[int, Gen
             for i, r in pending.items()}
         nxt: dict[int, GenRequest] = {}
         for i, call in calls.items():
-            samples = call.result(timeout)
+            server = episodes[i][1]
+            samples = (call.result(timeout) if alive is None
+                       else call.result_while(lambda: alive(server), timeout))
             try:
                 nxt[i] = episodes[i][0].send(samples)
             except StopIteration as stop:

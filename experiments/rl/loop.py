@@ -81,10 +81,13 @@ class RLLoop:
         self.cluster.wait_ready(self.rl.startup_timeout)
         info = self.cluster.on_models(lambda c: c.engine_info())[0]
         self.cluster.init_weight_sync(self.path, info)
-        if self.state.step > 0:  # the servers loaded the base model: give them the checkpoint's
+        if self.state.step > 0 or self.master.config["recover"] == "resume":
+            # the servers hold the base model, or (after a recovery) newer weights than the
+            # checkpoint's: give them the weights training continues from
             self.cluster.publish(self.state.step)
+        self.master.set_progress(phase="starting", resumed_from=self.state.step)
         if self.state.eval_before is None:
-            self.master.set_progress(phase="evaluating")
+            self.master.set_progress(phase="evaluating", resumed_from=self.state.step)
             self.state.eval_before = self.evaluate()
             self.metrics.log(0, eval_accuracy=self.state.eval_before)
         self.t_loop = time.monotonic()

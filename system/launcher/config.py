@@ -7,6 +7,7 @@ Every section validates itself at construction (``__post_init__`` raising
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 
 from scheduler.config import SchedulerConfig
@@ -68,6 +69,44 @@ class ControllerConfig:
             raise ConfigError(f"orphan_timeout must be > 0, got {self.orphan_timeout}")
 
 
+class RecoverMode(str, enum.Enum):
+    AUTO = "auto"
+    RESUME = "resume"
+    OFF = "off"
+
+
+@dataclasses.dataclass
+class RecoverConfig:
+    """What happens to an existing trial and to workers that die (``recover=auto|resume|off``)."""
+
+    type: RecoverMode = RecoverMode.AUTO
+    """auto: continue an existing trial from its latest checkpoint, and restart the workers
+    that hold training state (master, model workers) from it when one dies; resume: continue
+    from the latest checkpoint, but a death ends the trial; off: start fresh (refused for a
+    trial that has checkpoints unless recover.overwrite=true)."""
+    retries: int = 3
+    """Automatic recoveries per trial before a failure ends it."""
+    backoff: float = 5.0
+    """Seconds before the first recovery; doubled for each further one."""
+    overwrite: bool = False
+    """With recover=off: delete the trial's checkpoints and start over."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.type, str) and not isinstance(self.type, RecoverMode):
+            try:
+                self.type = RecoverMode(self.type)
+            except ValueError:
+                raise ConfigError(f"type={self.type!r} is not one of "
+                                  f"{[m.value for m in RecoverMode]}") from None
+        if self.retries < 0 or self.backoff < 0:
+            raise ConfigError("retries and backoff must be >= 0")
+
+    @property
+    def resume(self) -> bool:
+        """Whether a (re)started master and model workers restore the latest checkpoint."""
+        return self.type in (RecoverMode.AUTO, RecoverMode.RESUME)
+
+
 @dataclasses.dataclass
 class ExperimentConfig:
     """The root config of one trial."""
@@ -100,6 +139,10 @@ class ExperimentConfig:
             value = getattr(self, key)
             if value and not _NAME_RE.match(value):
                 raise ConfigError(f"{key}={value!r} must be letters, digits, '_', '-' or '.'")
+
+    def recovery(self) -> RecoverConfig | None:
+        """The trial's recovery settings; None for experiments without checkpoints."""
+        return None
 
     def worker_counts(self) -> dict[str, int]:
         return {"master": 1, "model": self.model.count, "generation": self.generation.count,

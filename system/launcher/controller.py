@@ -1,9 +1,11 @@
 """The controller: submit worker groups, wait for registration, configure, start, watch, stop.
 
 It treats every worker the same way: a job from the scheduler, an address and a heartbeat in
-name resolution, and an RPC client. The trial completes only when the master reports completion;
-any worker that dies, stops heart-beating or reports an exception fails the trial, and in every
-case every job is stopped before :meth:`Controller.run` returns.
+name resolution, and an RPC client. The trial completes only when the master reports completion.
+A worker that dies, stops heart-beating or reports an exception fails the trial, unless it holds
+training state and ``recover=auto``: then the stateful workers restart from the latest checkpoint
+(:mod:`system.launcher.recovery`) while the others stay up. In every case every job is stopped
+before :meth:`Controller.run` returns.
 """
 from __future__ import annotations
 
@@ -16,51 +18,23 @@ import time
 from typing import Any, Iterable
 
 from experiments.registry import Experiment
-from scheduler.base import GroupSpec, JobState, JobStatus, Scheduler
+from scheduler.base import JobState, JobStatus, Scheduler
 from scheduler.requeue import Restart
 from system import names
+from system.errors import NameEntryNotFound, RLSystemError, RpcError, WorkerFailure
 from system.launcher.config import ExperimentConfig
-from system.launcher.summary import TrialSummary
-from system.structs import plain
-from system.errors import RLSystemError, RpcError, WorkerFailure
-from system.name_resolve import NameResolve
+from system.launcher.groups import group_spec, group_specs, log_tail, worker_configs
 from system.launcher.progress import Progress
-from system.rpc import RpcClient
+from system.launcher.recovery import MasterProgress, Recovery
+from system.launcher.summary import TrialSummary
+from system.name_resolve import NameResolve
 from system.paths import TrialPaths
+from system.rpc import RpcClient
 from system.wire import Codec
 from workers.client import WorkerClient, collect_settled
 from workers.kinds import KINDS, client_for
-from workers.schema import WorkerSetup
 
 log = logging.getLogger("controller")
-
-
-def group_specs(cfg: ExperimentConfig, paths: TrialPaths, python: str) -> dict[str, GroupSpec]:
-    """Every worker group of the trial, by kind in start order, run by ``python`` (pure)."""
-    return {kind: GroupSpec(kind, n, (python, "-m", "system.launcher.run_worker", "--trial-dir", paths.root,
-                                      "--kind", kind),
-                            {"PYTHONUNBUFFERED": "1"},
-                            tuple(paths.worker_log(kind, i) for i in range(n)))
-            for kind, n in ((k, cfg.worker_counts()[k]) for k in KINDS)}
-
-
-def worker_configs(cfg: ExperimentConfig, experiment: Experiment) -> dict[str, WorkerSetup]:
-    """What ``configure`` sends each kind: its own section, the experiment's, and the counts."""
-    section = plain(getattr(cfg, experiment.section)) if experiment.section else {}
-    return {kind: {"worker": plain(getattr(cfg, kind)), "experiment": section,
-                   "counts": cfg.worker_counts(), "recover": getattr(cfg, "recover", "off")}
-            for kind in KINDS}
-
-
-def log_tail(path: str, lines: int = 15) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
 
 
 class Controller:
@@ -81,6 +55,8 @@ class Controller:
         self.timeline: dict[str, float] = {}
         self.progress = Progress(f"{cfg.exp}/{cfg.trial}", cfg.controller.progress)
         self._t0 = time.time()
+        self.recovery = Recovery(cfg.recovery(), experiment.stateful, self._t0)
+        self.watch = MasterProgress()
 
     # --- the whole trial ---
     def run(self) -> int:
@@ -88,6 +64,8 @@ class Controller:
         self.timeline["start"] = self._t0
         try:
             self.nr.clear_subtree(names.trial_root(self.cfg.exp, self.cfg.trial))
+            self.nr.add(names.controller(self.cfg.exp, self.cfg.trial), str(os.getpid()),
+                        replace=True, keepalive_ttl=self.cfg.controller.heartbeat_ttl)
             for group in self.groups.values():
                 if group.count:
                     summary.submitted(group.kind, self.scheduler.submit(group))
@@ -95,7 +73,7 @@ class Controller:
             self._wait_registered()
             self._configure()
             self._start()
-            summary.completed(self._watch())
+            summary.completed(self._watch_recovering(summary))
         except WorkerFailure as e:
             summary.failed(e)
             print(f"\nerror: {e}", file=sys.stderr)
@@ -109,6 +87,7 @@ class Controller:
                 self._stop_all()
             finally:
                 signal.signal(signal.SIGINT, old)
+            summary.recoveries(self.recovery.summary())
             summary.write(self.paths.summary, self.timeline, self.requeue.restarts)
         print(f"{summary.status}: {self.paths.summary}", file=sys.stderr)
         return 0 if summary.status == "completed" else 1
@@ -196,11 +175,12 @@ class Controller:
                 f"worker {worker} raised {info['type']}: {info['message']}\n{info['traceback']}"
                 f"log: {log_path or '?'}", worker, log_path)
 
-    def _wait_registered(self) -> None:
+    def _wait_registered(self, expected: set[str] | None = None) -> None:
+        """Until every worker (or every one of ``expected``) registered its address."""
         timeout = self.cfg.controller.register_timeout
         deadline = time.monotonic() + timeout
         prefix = names.worker_addresses(self.cfg.exp, self.cfg.trial)
-        expected = set(self.logs)
+        expected = set(self.logs) if expected is None else expected
         while True:
             found = {k[len(prefix) + 1:]: v for k, v in self.nr.get_subtree(prefix).items()}
             registered = expected & set(found)
@@ -266,6 +246,77 @@ class Controller:
         self._start_all(self._ordered(("master",)))
         self.timeline["started"] = time.time()
 
+    # --- automatic recovery ---
+    def _watch_recovering(self, summary: TrialSummary) -> dict[str, Any]:
+        """Watch until the master completes; a failure of a stateful worker restarts the
+        stateful workers from the latest checkpoint, up to ``recover.retries`` times."""
+        while True:
+            try:
+                return self._watch()
+            except WorkerFailure as e:
+                if not self.recovery.should_recover(e):
+                    raise
+                self._recover(e, summary)
+
+    def _recover(self, failure: WorkerFailure, summary: TrialSummary) -> None:
+        """Stop the failed worker's group (every stateful group, when a stateful worker
+        failed), wait the back-off, start them again (their own logs); stateful workers
+        restore the latest checkpoint. The other groups stay up."""
+        attempt = self.recovery.begin(failure, self._last_step())
+        kinds = self.recovery.kinds_to_restart(failure, tuple(KINDS))
+        workers = [w for k in kinds for w in self.groups[k].worker_names()]
+        print(f"\n{attempt.cause}\nrecovering (attempt {attempt.attempt} of "
+              f"{self.recovery.cfg.retries if self.recovery.cfg else 0}): restarting "
+              f"{', '.join(kinds)}" + (" from the latest checkpoint" if set(kinds) & set(
+                  self.experiment.stateful) else ""), file=sys.stderr)
+        collect_settled([self.clients[w].stop() for w in workers if w in self.clients], 2.0)
+        self._drop_clients(workers)
+        for k in kinds:
+            self.scheduler.stop_group(k, self.cfg.scheduler.stop_grace)
+        self._clear_keys(workers, stateful=bool(set(kinds) & set(self.experiment.stateful)))
+        time.sleep(self.recovery.backoff())
+        for k in kinds:
+            group = group_spec(k, self.groups[k].count, self.paths, self.scheduler.python,
+                               attempt.attempt)
+            self.groups[k] = group
+            self.logs.update(zip(group.worker_names(), group.log_paths))
+            summary.submitted(k, self.scheduler.submit(group))
+        self._wait_registered(set(workers))
+        self._configure_all([self.clients[w] for w in workers])
+        for k in kinds:
+            self._start_all([self.clients[w] for w in self.groups[k].worker_names()])
+        self.recovery.running()
+        self.watch.restarted()
+        print(f"recovered: {', '.join(workers)} running again", file=sys.stderr)
+
+    def _last_step(self) -> int | None:
+        """The last step the master reported: its progress key outlives it (a poll may have
+        missed the last step before a crash)."""
+        try:
+            self.watch.update(json.loads(self.nr.get(names.progress(self.cfg.exp,
+                                                                    self.cfg.trial))))
+        except (NameEntryNotFound, ValueError):
+            pass
+        return self.watch.last_step
+
+    def _clear_keys(self, workers: Iterable[str], stateful: bool) -> None:
+        """Forget the stopped workers' keys (their replacements register anew) and, when
+        stateful workers restart, the rendezvous and stream addresses they published (their
+        replacements publish new ones)."""
+        exp, trial = self.cfg.exp, self.cfg.trial
+        for w in workers:
+            kind, index = w.split("/")
+            for key in (names.worker_address(exp, trial, kind, int(index)),
+                        names.heartbeat(exp, trial, kind, int(index)),
+                        names.worker_error(exp, trial, kind, int(index))):
+                try:
+                    self.nr.delete(key)
+                except NameEntryNotFound:
+                    pass
+        if stateful:
+            self.nr.clear_subtree(names.stores(exp, trial))
+            self.nr.clear_subtree(names.streams(exp, trial))
+
     def _watch(self) -> dict[str, Any]:
         cc = self.cfg.controller
         hb_prefix = names.heartbeats(self.cfg.exp, self.cfg.trial)
@@ -303,6 +354,7 @@ class Controller:
                     ping = {}
             state = ping.get("state")
             prog = ping.get("progress") or {}
+            self._note_progress(prog)
             self.progress.update(running=len(beating), state=state,
                                  rejoining=len(self.requeue.rejoining) or None,
                                  **prog,
@@ -314,6 +366,19 @@ class Controller:
                 raise WorkerFailure(f"trial did not complete within controller.timeout="
                                     f"{cc.timeout:.0f}s")
             time.sleep(cc.poll_interval)
+
+    def _note_progress(self, prog: dict[str, Any]) -> None:
+        """Follow the master's progress: the step it reached, the step a restarted master
+        resumed from, and whether it stalled (``controller.stall_timeout``)."""
+        self.watch.update(prog)
+        if self.watch.resumed_from is not None:
+            self.recovery.resumed(self.watch.resumed_from)
+        stall = self.cfg.controller.stall_timeout
+        if stall and self.watch.unchanged_for() > stall:
+            log_path = self.logs["master/0"]
+            raise WorkerFailure(f"master made no progress for {stall:.0f}s "
+                                f"(controller.stall_timeout; last: {self.watch.progress}); "
+                                f"log: {log_path}", "master/0", log_path)
 
     def _stop_all(self) -> None:
         clients = list(self.clients.values())

@@ -9,7 +9,7 @@ from scheduler.base import Scheduler
 from scheduler.slurm import SlurmRequest, SlurmScheduler
 from scheduler.slurm_render import job_name, render_controller_script
 from system.launcher.config import ExperimentConfig
-from system.launcher.controller import group_specs
+from system.launcher.groups import group_specs
 from system.paths import TrialPaths
 
 

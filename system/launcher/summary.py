@@ -40,6 +40,11 @@ class TrialSummary:
     def failed(self, e: WorkerFailure) -> None:
         self.data["failure"] = {"message": str(e), "worker": e.worker, "log": e.log_path}
 
+    def recoveries(self, attempts: list[dict[str, Any]]) -> None:
+        """Each automatic recovery: its cause, the step it resumed from, the steps lost."""
+        if attempts:
+            self.data["recoveries"] = attempts
+
     def interrupted(self) -> None:
         self.data["status"] = "interrupted"
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from typing import Any
 
 from system.bootstrap import Bootstrap
-from system.launcher.config import ExperimentConfig
+from system.errors import ConfigError
+from system.launcher.config import ExperimentConfig, RecoverMode
 from system.paths import TrialPaths
 from system.structs import plain
 from system.wire import new_secret
@@ -43,10 +45,27 @@ def name_resolve_root(cfg: ExperimentConfig) -> str:
                                                       ".name_resolve")
 
 
+def check_existing(cfg: ExperimentConfig, paths: TrialPaths) -> None:
+    """An existing trial with checkpoints continues (``recover=auto|resume``); ``recover=off``
+    starts it over only when asked to (``recover.overwrite=true``: its checkpoints go)."""
+    recover = cfg.recovery()
+    if recover is None or recover.type != RecoverMode.OFF or not os.path.isdir(paths.checkpoints):
+        return
+    if not any(d.startswith("step_") for d in os.listdir(paths.checkpoints)):
+        return
+    if not recover.overwrite:
+        raise ConfigError(f"trial {cfg.exp}/{cfg.trial} has checkpoints ({paths.checkpoints}): "
+                          "recover=off would start it over; continue it with recover=auto (the "
+                          "default), or start over with recover.overwrite=true")
+    shutil.rmtree(paths.checkpoints)
+
+
 def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: str
                   ) -> tuple[TrialPaths, bytes]:
-    """Create the trial directory: resolved config, fresh secret (0600), bootstrap file."""
+    """Create the trial directory: resolved config, fresh secret (0600), bootstrap file
+    (:class:`~system.errors.ConfigError` for a trial that must not be overwritten)."""
     paths = TrialPaths.of(cfg.cluster.fileroot, cfg.exp, cfg.trial)
+    check_existing(cfg, paths)
     os.makedirs(paths.logs, exist_ok=True)
     with open(paths.config, "w") as f:
         f.write(resolved_yaml)

@@ -29,7 +29,7 @@ def _metrics(root: str) -> list[dict]:
 def test_async_grpo_crash_then_resume_continues_without_reusing_prompts(fileroot):
     args = ["exp=arith-tiny", "trial=resume", f"cluster.fileroot={fileroot}",
             "rl.total_steps=6", "rl.save_interval=2", *SMALL]
-    first = run_launch(*args, "rl.crash_at_step=3", timeout=400)
+    first = run_launch(*args, "recover=off", "rl.crash_at_step=3", timeout=400)
     assert first.returncode == 1, first.stderr[-3000:]
     s1 = read_summary(fileroot, "arith-tiny", "resume")
     assert s1["status"] == "failed" and "injected failure after step 3" in json.dumps(s1)
@@ -60,6 +60,79 @@ def test_async_grpo_crash_then_resume_continues_without_reusing_prompts(fileroot
         assert isinstance(s[key], float)
     assert os.path.getsize(os.path.join(root, "reward.png")) > 1000
     assert glob.glob(os.path.join(root, "tensorboard", "events.out.tfevents.*"))
+    assert trial_processes(root) == []
+
+
+def _epochs_exact(history: list, prompts: int) -> None:
+    """Within an epoch no prompt was trained twice, and a finished epoch skipped none."""
+    per_epoch = collections.defaultdict(list)
+    for step in history:
+        for pid, epoch in step:
+            per_epoch[epoch].append(pid)
+    for epoch, pids in per_epoch.items():
+        assert len(pids) == len(set(pids)), (epoch, sorted(pids))
+    assert sorted(per_epoch[0]) == list(range(prompts))
+
+
+def _pids(root: str, kind: str) -> list[int]:
+    return [p for p in trial_processes(root)
+            if f"--kind {kind}" in open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ")
+            .decode()]
+
+
+def test_automatic_recovery_after_master_failure_and_model_worker_kill(fileroot):
+    """recover=auto (the default): the master raises after step 3, later a model worker is
+    killed with SIGKILL; each time the master and model workers restart from the latest
+    checkpoint while the generation server and rollout workers stay up, and the trial ends at
+    the same step as an uninterrupted run, every prompt of an epoch trained once."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import REPO, launch_argv
+
+    root = os.path.join(fileroot, "arith-tiny", "auto")
+    proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=auto",
+                                        f"cluster.fileroot={fileroot}", "rl.total_steps=8",
+                                        "rl.save_interval=2", "rl.crash_at_step=3",
+                                        "recover.backoff=0.5", *SMALL),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.exists(os.path.join(root, "logs", "model-0.attempt1.log")):
+                steps = [r["step"] for r in _metrics(root)] if os.path.exists(
+                    os.path.join(root, "metrics.jsonl")) else []
+                if steps and max(steps) >= 5 and _pids(root, "model"):
+                    os.kill(_pids(root, "model")[0], signal.SIGKILL)
+                    break
+            time.sleep(0.5)
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    s = read_summary(fileroot, "arith-tiny", "auto")
+    assert s["status"] == "completed" and s["steps"] == 8
+    rec = s["recoveries"]
+    assert len(rec) == 2, rec
+    assert rec[0]["worker"] == "master/0" and "injected failure" in rec[0]["cause"]
+    assert rec[0]["resumed_from"] == 2 and rec[0]["steps_lost"] == 1
+    assert rec[1]["worker"].startswith("model/") and rec[1]["resumed_from"] >= 4
+    assert rec[1]["steps_lost"] == rec[1]["failed_step"] - rec[1]["resumed_from"] >= 0
+    _epochs_exact(s["results"]["prompts_per_step"], 14)
+    assert len(s["results"]["prompts_per_step"]) == 8
+    # the generation server and the rollout workers were never restarted (one process each,
+    # registered once); every attempt of the master and model workers logged on its own
+    logs = os.path.join(root, "logs")
+    for name in ("generation-0", "rollout-0", "rollout-1"):
+        with open(os.path.join(logs, f"{name}.log")) as f:
+            assert f.read().count(" registered at ") == 1, name
+        assert not glob.glob(os.path.join(logs, f"{name}.attempt*.log"))
+    for attempt in (1, 2):
+        assert os.path.isfile(os.path.join(logs, f"master-0.attempt{attempt}.log"))
+        assert os.path.isfile(os.path.join(logs, f"model-0.attempt{attempt}.log"))
+    assert "recovering (attempt 1 of 3)" in err
     assert trial_processes(root) == []
 
 

@@ -12,7 +12,7 @@ from experiments.rl.config import RLConfig
 from experiments.rl.episodes import run_episodes, score
 from experiments.rl.tasks import dataset, get_task
 from system import names
-from system.errors import RpcTimeout
+from system.errors import NameEntryNotFound, RpcError, RpcTimeout
 from workers.generation import GenerationClient
 from workers.master import MasterClient
 from workers.rollout import RolloutWorker
@@ -32,10 +32,65 @@ class _Rollouts:
         self.agent = make_agent(rl.agent, self.tok)
         self.encoded: dict[int, list[int]] = {}
         self.gens: dict[int, GenerationClient] = {}
-        addr = worker.name_resolve.wait(
-            names.worker_address(worker.exp, worker.trial, "master", 0), 60)
-        self.master = MasterClient(worker.client(addr, 30.0), "master/0")
+        self.master_address = worker.name_resolve.wait(self._master_key(), 60)
+        self.master = MasterClient(worker.client(self.master_address, 30.0), "master/0")
         self.pusher = worker.trajectory_stream()
+        self.stream_address = self._stream_address()
+
+    def _master_key(self) -> str:
+        return names.worker_address(self.worker.exp, self.worker.trial, "master", 0)
+
+    def _stream_address(self) -> str | None:
+        try:
+            return self.worker.name_resolve.get(
+                names.stream(self.worker.exp, self.worker.trial, "trajectories"))
+        except NameEntryNotFound:
+            return None
+
+    def server_alive(self, index: int) -> bool:
+        """Whether generation server ``index`` still heart-beats."""
+        w = self.worker
+        try:
+            w.name_resolve.get(names.heartbeat(w.exp, w.trial, "generation", index))
+            return True
+        except NameEntryNotFound:
+            return False
+
+    def master_moved(self) -> bool:
+        """The master was restarted (a recovery): it serves, and streams, at new addresses."""
+        try:
+            address = self.worker.name_resolve.get(self._master_key())
+        except NameEntryNotFound:
+            return True
+        return address != self.master_address or self._stream_address() != self.stream_address
+
+    def reconnect(self) -> None:
+        """Wait for the restarted master, then talk to it (its new task source does not know
+        our old tasks: their groups would be dropped, so nothing in flight is kept)."""
+        w = self.worker
+        deadline = time.monotonic() + self.rl.startup_timeout
+        while not w.stopping:
+            try:
+                address = w.name_resolve.get(self._master_key())
+                if address != self.master_address:
+                    break
+                if _answers(self.master):
+                    return  # the same master, only slow to answer: keep talking to it
+            except NameEntryNotFound:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the master did not come back within "
+                                   f"{self.rl.startup_timeout:.0f}s")
+            time.sleep(0.5)
+        else:
+            return
+        log.warning("the master moved to %s: reconnecting", address)
+        self.master.close()
+        self.pusher.close(linger=0)
+        self.master_address = address
+        self.master = MasterClient(w.client(address, 30.0), "master/0")
+        self.pusher = w.trajectory_stream(timeout=self.rl.startup_timeout)
+        self.stream_address = self._stream_address()
 
     def server(self, index: int) -> GenerationClient:
         if index not in self.gens:
@@ -60,7 +115,8 @@ class _Rollouts:
                 episodes.append((ep, t["server"]))
                 owner.append(k)
         try:
-            return run_episodes(episodes, self.gens, self.rl.call_timeout), owner, ""
+            return (run_episodes(episodes, self.gens, self.rl.call_timeout, self.server_alive),
+                    owner, "")
         except Exception as e:  # a server failed or was cut off: give the tasks back
             log.exception("rollout failed")
             # look the servers up again next time: one requeued by Slurm registers anew
@@ -77,13 +133,14 @@ class _Rollouts:
                 "server": t["server"], "trajs": trajs, "failed": bool(error), "error": error}
 
     def push(self, msg: GroupMessage) -> bool:
-        """Push, retrying while the master's queue is full; gives up once stopping."""
+        """Push, retrying while the master's queue is full; gives up once stopping or once the
+        master was restarted."""
         while True:
             try:
                 self.pusher.send(msg, timeout=1.0)
                 return True
             except RpcTimeout:
-                if self.worker.stopping:
+                if self.worker.stopping or self.master_moved():
                     return False
 
     def close(self) -> None:
@@ -99,7 +156,12 @@ def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
     done = groups = failed = 0
     try:
         while not worker.stopping:
-            reply = r.master.next_task(worker.index, rl.tasks_per_request).result()
+            try:
+                reply = r.master.next_task(worker.index, rl.tasks_per_request).result(10.0)
+            except RpcError as e:  # a restarted master (recover=auto) comes back elsewhere
+                log.warning("next_task failed (%s): waiting for the master", e)
+                r.reconnect()
+                continue
             if reply.get("done"):
                 done = 1
                 break
@@ -110,9 +172,19 @@ def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
             results, owner, error = r.run(tasks)
             for k, t in enumerate(tasks):
                 if not r.push(r.group(k, t, results, owner, error)):
+                    if not worker.stopping:
+                        r.reconnect()
                     break
                 groups += 1
                 failed += bool(error)
     finally:
         r.close()
     return {"groups": groups, "failed": failed, "finished": bool(done)}
+
+
+def _answers(master: MasterClient) -> bool:
+    try:
+        master.ping().result(1.0)
+        return True
+    except RpcError:
+        return False

@@ -50,7 +50,8 @@ def test_bad_overrides_name_the_key(override, words):
     ("rl.agent.kind=x", "rl.agent.kind='x' is not one of"),
     ("rl.task.ops=/", "rl.task.ops='/' must be made of"),
     ("rpc.stream_hwm=0", "rpc.stream_hwm must be >= 1"),
-    ("recover=x", "recover='x' is not one of off, resume"),
+    ("recover=x", "bad value for recover.type='x': valid values: ['auto', 'resume', 'off']"),
+    ("recover.retries=-1", "recover.retries and backoff must be >= 0"),
 ])
 def test_sections_errors_get_their_mount_point(override, message):
     """Sections name only their own fields; the override machinery adds the dotted path of the

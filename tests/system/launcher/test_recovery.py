@@ -1,0 +1,68 @@
+"""Automatic recovery's bookkeeping: what a failure restarts, back-off, the attempts recorded."""
+from __future__ import annotations
+
+from system.errors import WorkerFailure
+from system.launcher.config import RecoverConfig
+from system.launcher.recovery import MasterProgress, Recovery
+
+ORDER = ("model", "generation", "rollout", "master")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_stateful_death_restarts_every_stateful_kind_a_stateless_one_only_its_own():
+    r = Recovery(RecoverConfig(), ("model", "master"), t0=0.0)
+    assert r.kinds_to_restart(WorkerFailure("x", "model/1"), ORDER) == ("model", "master")
+    assert r.kinds_to_restart(WorkerFailure("x", "master/0"), ORDER) == ("model", "master")
+    assert r.kinds_to_restart(WorkerFailure("x", "rollout/3"), ORDER) == ("rollout",)
+    assert r.kinds_to_restart(WorkerFailure("x", "generation/0"), ORDER) == ("generation",)
+
+
+def test_retries_backoff_and_attempts():
+    clock = Clock()
+    r = Recovery(RecoverConfig(retries=2, backoff=3.0), ("model", "master"), t0=990.0,
+                 clock=clock)
+    failure = WorkerFailure("worker master/0 raised RuntimeError: boom\ntraceback...", "master/0")
+    assert r.should_recover(failure)
+    a = r.begin(failure, failed_step=7)
+    assert a.cause == "worker master/0 raised RuntimeError: boom" and a.failed_at_s == 10.0
+    assert r.backoff() == 3.0
+    clock.t += 20
+    r.running()
+    r.resumed(6)
+    r.resumed(99)  # only the first report counts
+    assert r.summary() == [{"attempt": 1, "cause": a.cause, "worker": "master/0",
+                            "failed_at_s": 10.0, "failed_step": 7, "resumed_from": 6,
+                            "recovered_at_s": 30.0, "steps_lost": 1}]
+    r.begin(failure, failed_step=None)
+    assert r.backoff() == 6.0  # doubled
+    assert not r.should_recover(failure)  # retries used up
+    assert r.summary()[1]["steps_lost"] is None
+
+
+def test_off_resume_and_experiments_without_state_never_recover():
+    failure = WorkerFailure("x", "model/0")
+    assert not Recovery(RecoverConfig(type="off"), ("model",), 0.0).should_recover(failure)
+    assert not Recovery(RecoverConfig(type="resume"), ("model",), 0.0).should_recover(failure)
+    assert not Recovery(None, ("model",), 0.0).should_recover(failure)
+    assert not Recovery(RecoverConfig(), (), 0.0).should_recover(failure)  # smoke
+    assert not Recovery(RecoverConfig(), ("model",), 0.0).should_recover(WorkerFailure("t"))
+
+
+def test_master_progress_follows_steps_and_stalls():
+    p = MasterProgress()
+    p.update({"phase": "starting", "resumed_from": 4})
+    assert p.resumed_from == 4 and p.last_step is None
+    p.update({"step": "12/160", "reward": "0.5"})
+    assert p.last_step == 12 and p.unchanged_for() < 1
+    p.changed_at -= 100
+    p.update({"step": "12/160", "reward": "0.5"})  # the same progress: still unchanged
+    assert p.unchanged_for() >= 100
+    p.restarted()
+    assert p.resumed_from is None and p.unchanged_for() < 1

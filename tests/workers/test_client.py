@@ -1,0 +1,71 @@
+"""Typed client calls: fan-out, and waits that notice a dead server."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from system.errors import PeerDied, RpcTimeout
+from system.rpc import RpcClient, RpcServer
+from system.wire import Codec, new_secret
+from workers.client import Pending, collect, collect_settled
+
+
+@pytest.fixture
+def served():
+    """A real server whose ``slow`` handler answers after ``delay`` seconds (0: never)."""
+    codec = Codec(new_secret())
+
+    def slow(delay: float) -> Future:
+        fut: Future = Future()
+        if delay:
+            threading.Timer(delay, fut.set_result, args=(f"after {delay}",)).start()
+        return fut
+
+    server = RpcServer(codec, "127.0.0.1", {"slow": slow, "echo": lambda x: x})
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve_forever, args=(stop,), daemon=True)
+    thread.start()
+    client = RpcClient(codec, server.address, timeout=10)
+    yield client
+    client.close()
+    stop.set()
+    thread.join(5)
+    server.close()
+
+
+def test_collect_in_order_and_settled(served):
+    assert collect([Pending(served, "echo", {"x": i}) for i in range(5)], 5) == list(range(5))
+    out = collect_settled([Pending(served, "echo", {"x": 1}),
+                           Pending(served, "slow", {"delay": 0})], 0.5)
+    assert out[0] == 1 and isinstance(out[1], RpcTimeout)
+
+
+def test_a_dead_server_fails_the_wait_at_once(served):
+    checks = []
+
+    def alive() -> bool:
+        checks.append(time.monotonic())
+        return len(checks) < 2  # the server "dies" at the second look
+
+    t0 = time.monotonic()
+    with pytest.raises(PeerDied, match="slow"):
+        Pending(served, "slow", {"delay": 0}).result_while(alive, timeout=60, check_every=0.2)
+    assert time.monotonic() - t0 < 5 and len(checks) == 2
+
+
+def test_a_live_server_answers_across_checks(served):
+    # the reply comes after several checks: waiting in slices must not drop it
+    got = Pending(served, "slow", {"delay": 1.0}).result_while(lambda: True, timeout=10,
+                                                                check_every=0.2)
+    assert got == "after 1.0"
+
+
+def test_the_whole_timeout_still_holds(served):
+    t0 = time.monotonic()
+    with pytest.raises(RpcTimeout):
+        Pending(served, "slow", {"delay": 0}).result_while(lambda: True, timeout=1.0,
+                                                            check_every=0.3)
+    assert time.monotonic() - t0 < 3
