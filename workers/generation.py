@@ -67,6 +67,15 @@ class GenerationServer(Worker):
                               self.http.address, replace=True)
         return self.http
 
+    def serve_until_stopped(self, poll: float = 0.5) -> None:
+        """Serve until this worker is stopped. If the engine's loop dies first, raise its error
+        (:class:`~workers.engines.vllm_server.GenerationLoopDied`, naming the cause): the role
+        fails, so the controller names this server and why, instead of it heart-beating on with
+        an engine that answers nothing."""
+        while not self.wait_stop(poll):
+            if self.engine is not None:
+                self.engine.check()
+
     def close(self) -> None:
         """Close the endpoint and the engine (the role's last step)."""
         if self.http is not None:

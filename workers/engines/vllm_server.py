@@ -21,7 +21,7 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable
 
 import numpy as np
@@ -31,6 +31,11 @@ from system.errors import ConfigError
 log = logging.getLogger("vllm-server")
 
 WEIGHT_SYNC_EXTENSION = "workers.engines.vllm_weight_sync.WeightSyncExtension"
+
+
+class GenerationLoopDied(RuntimeError):
+    """The engine's loop thread raised: every pending and later request fails with this error,
+    which names the cause (also its ``__cause__``)."""
 
 
 @dataclasses.dataclass
@@ -152,6 +157,9 @@ class GenerationEngine:
         self.engine = self.llm.llm_engine
         self.eos = eos_token_id
         self.version = 0
+        self.vocab_size = int(self.engine.model_config.get_vocab_size())
+        self.error: GenerationLoopDied | None = None
+        """Why the loop died (``None`` while it runs): the generation server fails with it."""
         self._cv = threading.Condition()
         self._incoming: collections.deque[_Seq] = collections.deque()
         self._controls: collections.deque[tuple[Callable[[Any], Any], int | None, Future]] = \
@@ -161,8 +169,10 @@ class GenerationEngine:
         self._stop = False
         self.stats = {"requests": 0, "samples": 0, "tokens": 0, "cut": 0, "updates": 0,
                       "update_seconds": 0.0}
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="vllm-loop", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watch, name="vllm-watch", daemon=True).start()
 
     # --- from any thread ---
     def submit(self, prompt: list[int], n: int, sampling: Sampling) -> Future:
@@ -174,13 +184,18 @@ class GenerationEngine:
         if len(prompt) + sampling.max_tokens > self.cfg.max_model_len:
             raise ConfigError(f"prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) "
                               f"exceeds vllm.max_model_len={self.cfg.max_model_len}")
+        # vLLM checks token ids only with a tokenizer (we skip it); an id outside the vocabulary
+        # would crash the engine core (an index error in the embedding) and kill the loop
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ConfigError(f"prompt token ids must be in [0, {self.vocab_size}), got "
+                              f"{min(prompt)}..{max(prompt)}")
+        self.check()
         fut: Future = Future()
         group = _Group(fut, [], n, time.monotonic())
         group.seqs = [_Seq(next(self._ids), list(map(int, prompt)), sampling, group)
                       for _ in range(n)]
         with self._cv:
-            if self._stop:
-                raise RuntimeError("generation engine is stopped")
+            self._check_open()
             self._incoming.extend(group.seqs)
             self.stats["requests"] += 1
             self._cv.notify()
@@ -189,11 +204,35 @@ class GenerationEngine:
     def control(self, fn: Callable[[Any], Any], version: int | None = None) -> Future:
         """Run ``fn(llm)`` on the loop thread at a safe point (the weight update); afterwards the
         engine's version becomes ``version`` (if given) and cut requests continue."""
+        self.check()
         fut: Future = Future()
         with self._cv:
+            self._check_open()  # a stopped loop would never run it
             self._controls.append((fn, version, fut))
             self._cv.notify()
         return fut
+
+    def check(self) -> None:
+        """Raise :attr:`error` if the loop has died. Also notice a death the loop cannot see:
+        when vLLM's engine core process is killed (the OOM killer), ``engine.step()`` waits
+        forever for outputs that never come, so the loop hangs instead of raising."""
+        if self.error is None and not self._stop and self._core_dead():
+            self._die(RuntimeError("the vLLM engine core process died"))
+        if self.error is not None:
+            raise GenerationLoopDied(str(self.error)) from self.error.__cause__
+
+    def _core_dead(self) -> bool:
+        if not self._thread.is_alive():
+            return True
+        resources = getattr(getattr(self.engine, "engine_core", None), "resources", None)
+        return bool(getattr(resources, "engine_dead", False))  # set by vLLM's core monitor
+
+    def _check_open(self) -> None:
+        """Refuse new work once the loop is gone (call with ``self._cv`` held)."""
+        if self.error is not None:
+            raise GenerationLoopDied(str(self.error)) from self.error.__cause__
+        if self._stop:
+            raise RuntimeError("generation engine is stopped")
 
     def load(self) -> int:
         """Samples queued or running (for least-outstanding routing)."""
@@ -204,7 +243,8 @@ class GenerationEngine:
         with self._cv:
             self._stop = True
             self._cv.notify()
-        self._thread.join(timeout=30)
+        self._closed.set()
+        self._thread.join(timeout=1 if self.error is not None else 30)  # a dead core: it hangs
         if not self._owns:
             return
         try:
@@ -212,33 +252,80 @@ class GenerationEngine:
         except Exception:
             log.exception("vLLM shutdown failed")
 
+    def _watch(self, period: float = 0.5) -> None:
+        """Fail the loop when vLLM's engine core dies under it without an exception (see
+        :meth:`check`): nobody else may be asking."""
+        while not self._closed.wait(period):
+            try:
+                self.check()
+            except GenerationLoopDied:
+                return
+
     # --- the loop thread ---
     def _loop(self) -> None:
         try:
-            while True:
-                with self._cv:
-                    while not (self._stop or self._controls or self._incoming or self._active):
-                        self._cv.wait()
-                    if self._stop:
-                        break
-                    control = self._controls[0] if self._controls else None
-                    draining = control is not None and self.cfg.interrupt == "finish"
-                    incoming: list[_Seq] = []
-                    if not draining:
-                        while self._incoming:
-                            incoming.append(self._incoming.popleft())
-                if control is not None and not (draining and self._active):
-                    self._run_control()
-                    continue
-                for seq in incoming:
-                    self._add(seq)
-                if self._active:
-                    self._step()
-        except Exception as e:  # fail every waiter rather than hang them
-            log.exception("generation loop died")
-            self._fail_all(e)
+            while self._turn():
+                pass
+        except Exception as e:
+            self._die(e)
         else:
             self._fail_all(RuntimeError("generation engine stopped"))
+
+    def _turn(self) -> bool:
+        """One pass of the loop: wait for work, then run a control task or add what arrived and
+        step the engine. ``False`` once stopped."""
+        with self._cv:
+            while not (self._stop or self._controls or self._incoming or self._active):
+                self._cv.wait()
+            if self._stop:
+                return False
+            control = self._controls[0] if self._controls else None
+            draining = control is not None and self.cfg.interrupt == "finish"
+            incoming: list[_Seq] = []
+            if not draining:
+                while self._incoming:
+                    incoming.append(self._incoming.popleft())
+        if control is not None and not (draining and self._active):
+            self._run_control()
+            return True
+        for seq in incoming:
+            self._admit(seq)
+        if self._active:
+            self._step()
+        return True
+
+    def _die(self, e: Exception) -> None:
+        """The loop raised (the engine core died, a device error) or hangs on a dead core: record
+        why, refuse new work and fail every waiter at once rather than leave them hanging."""
+        err = GenerationLoopDied(f"generation loop died: {type(e).__name__}: {e}")
+        err.__cause__ = e
+        with self._cv:
+            if self.error is not None:  # already failed (the hang was noticed first)
+                return
+            self.error = err
+            self._stop = True
+            self._cv.notify_all()
+        log.error("generation loop died: %s: %s", type(e).__name__, e, exc_info=e)
+        self._fail_all(err)
+
+    def _admit(self, seq: _Seq) -> None:
+        """Add one sample to vLLM's batch. vLLM refusing the request (a client error) fails its
+        group only; anything else (the engine is dead) propagates and ends the loop."""
+        if seq.group.future.done():  # a sibling was refused
+            return
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            self._add(seq)
+        except (VLLMClientError, ValueError, TypeError) as e:
+            log.warning("request %s refused by vLLM: %s", seq.sid, e)
+            self._active.pop(seq.rid, None)
+            siblings = [s.rid for s in seq.group.seqs if s.rid in self._active]
+            for rid in siblings:
+                del self._active[rid]
+            if siblings:
+                self.engine.abort_request(siblings)
+            seq.group.future.set_exception(e)
 
     def _add(self, seq: _Seq) -> None:
         from vllm import SamplingParams
@@ -318,12 +405,17 @@ class GenerationEngine:
         with self._cv:
             seqs = list(self._incoming) + list(self._active.values())
             self._incoming.clear()
+            running = list(self._active)
             self._active.clear()
             controls = list(self._controls)
             self._controls.clear()
-        for s in seqs:
-            if not s.group.future.done():
-                s.group.future.set_exception(e)
-        for _, _, fut in controls:
-            if not fut.done():
+        try:  # a live engine (one we do not own) must not keep generating for nobody
+            if running and threading.current_thread() is self._thread:  # only it touches vLLM
+                self.engine.abort_request(running)
+        except Exception as abort_error:
+            log.warning("could not abort %d requests: %s", len(running), abort_error)
+        for fut in [s.group.future for s in seqs] + [fut for _, _, fut in controls]:
+            try:
                 fut.set_exception(e)
+            except InvalidStateError:  # settled meanwhile (or a sibling sample's group)
+                pass

@@ -14,7 +14,7 @@ def generation_role(worker: GenerationServer) -> dict[str, Any]:
     engine = worker.open_engine(path, rl.vllm, tok.eos_token_id)
     worker.serve_http(tok, worker.boot.experiment)
     try:
-        worker.wait_stop()
+        worker.serve_until_stopped()  # raises if the engine's loop dies
     finally:
         worker.close()
     return {"requests": worker.requests, "engine": dict(engine.stats), "version": engine.version}

@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
+import re
+import signal
 import threading
 import time
 import urllib.request
@@ -19,7 +22,8 @@ from system.reshard.layout import GenLayout, TrainLayout
 from system.reshard.params import ModelShape
 from system.reshard.spec import WeightSyncSpec
 from workers.engines.torch_engine import TorchEngine, TorchEngineConfig
-from workers.engines.vllm_server import GenerationEngine, Sampling, VllmConfig, segments_of
+from workers.engines.vllm_server import (GenerationEngine, GenerationLoopDied, Sampling,
+                                         VllmConfig, segments_of)
 
 PROMPT = [1, 5, 9, 17, 33]
 
@@ -192,3 +196,119 @@ def test_concurrent_submitters_share_the_engine(engine):
     for t in threads:
         t.join(120)
     assert len(results) == 8 and all(len(r) == 2 for r in results)
+
+
+@pytest.mark.slow
+def test_out_of_vocabulary_prompt_is_refused(engine):
+    """vLLM checks token ids only with a tokenizer (we skip it): the engine checks them, since one
+    out-of-vocabulary id would crash the engine core."""
+    from system.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="token ids"):
+        engine.submit([1, engine.vocab_size], 1, Sampling(max_tokens=2))
+    with pytest.raises(ConfigError, match="token ids"):
+        engine.submit([-1, 2], 1, Sampling(max_tokens=2))
+    assert engine.submit(PROMPT, 1, Sampling(max_tokens=2)).result(60)
+
+
+@pytest.fixture
+def doomed_llm(tiny_model_dir):
+    """A vLLM engine of its own (not the session's): the test below kills its engine core."""
+    from vllm import LLM
+
+    llm = LLM(model=tiny_model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+              gpu_memory_utilization=0.2, max_model_len=512, seed=0,
+              worker_extension_cls="workers.engines.vllm_weight_sync.WeightSyncExtension")
+    yield llm
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+
+
+def _kill_engine_core(eng: GenerationEngine, how: str) -> tuple[list, str]:
+    """Kill the engine core for real, with a request in flight; returns the futures that must
+    fail and the cause their error must name.
+
+    - ``sigkill``: the OOM killer's way; vLLM's client then waits for outputs forever, so the
+      loop hangs in ``step()`` rather than raising (the engine's watch notices).
+    - ``oov``: an out-of-vocabulary token id reaches the model's embedding and the core dies of
+      it; ``step()`` raises. The one fault injected is lifting our own vocabulary check (what
+      the engine did before it had one).
+    """
+    in_flight = eng.submit(PROMPT, 2, Sampling(max_tokens=400, ignore_eos=True))
+    time.sleep(0.3)
+    if how == "sigkill":
+        core = eng.engine.engine_core.resources.engine_manager.processes[0]
+        os.kill(core.pid, signal.SIGKILL)
+        return [in_flight], "engine core process died"
+    eng.vocab_size = 1 << 30
+    # the core reports its death (step raises) and exits (vLLM's monitor marks it dead):
+    # whichever the loop meets first names the cause
+    return ([in_flight, eng.submit([1, 1 << 20], 1, Sampling(max_tokens=4))],
+            "EngineDeadError|engine core process died")
+
+
+def _bootstrap(tmp_path) -> "Bootstrap":
+    from system.bootstrap import Bootstrap
+    from system.wire import new_secret
+
+    with open(tmp_path / "secret", "wb") as f:
+        f.write(new_secret())
+    return Bootstrap(exp="gen", trial="dead", experiment="smoke", trial_dir=str(tmp_path),
+                     interface="127.0.0.1", scheduler="local", name_resolve={"type": "file"},
+                     name_resolve_root=str(tmp_path / "nr"), rpc={}, heartbeat_ttl=5.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigkill", "oov"])
+def test_loop_death_fails_every_request_and_the_server(doomed_llm, tmp_path, how):
+    """The engine core dies under the loop: the request in flight and the one that killed it
+    fail at once with an error naming the cause, later requests and control tasks are refused,
+    and the generation server's role raises it, so the worker fails under its error key."""
+    from system import names
+    from system.name_resolve import FileNameResolve
+    from workers.client import WorkerClient
+    from system.rpc import RpcClient
+    from system.wire import Codec
+    from workers.generation import GenerationServer
+
+    eng = GenerationEngine.from_llm(doomed_llm, VllmConfig(max_model_len=512))
+    futures, cause = _kill_engine_core(eng, how)
+    for fut in futures:
+        with pytest.raises(GenerationLoopDied, match=f"generation loop died: .*({cause})"):
+            fut.result(60)
+    assert isinstance(eng.error, GenerationLoopDied) and eng.error.__cause__ is not None
+    with pytest.raises(GenerationLoopDied, match=cause):
+        eng.submit(PROMPT, 1, Sampling(max_tokens=2))
+    with pytest.raises(GenerationLoopDied):
+        eng.control(lambda llm: None)
+
+    boot = _bootstrap(tmp_path)
+    server = GenerationServer(boot, 0)
+    server.engine = eng
+    nr = FileNameResolve(boot.name_resolve_root)
+    codec = Codec(open(tmp_path / "secret", "rb").read())
+
+    def controller() -> None:  # configure and start the worker, as the controller does
+        address = nr.wait(names.worker_address("gen", "dead", "generation", 0), 30)
+        client = WorkerClient(RpcClient(codec, address, 10), "generation/0")
+        client.configure({"worker": {}, "experiment": {}, "counts": {}, "recover": "off"}
+                         ).result()
+        client.start().result()
+        client.close()
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT,
+                                                     signal.SIGUSR2)}
+    starter = threading.Thread(target=controller)
+    starter.start()
+    try:
+        code = server.run(lambda w: w.serve_until_stopped(poll=0.05))  # the role's wait
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        starter.join(30)
+        eng.close()
+    assert code == 1
+    error = json.loads(nr.get(names.worker_error("gen", "dead", "generation", 0)))
+    assert error["type"] == "GenerationLoopDied" and re.search(cause, error["message"])
