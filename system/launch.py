@@ -13,9 +13,13 @@ master reports completion.
 """
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import signal
 import sys
+import termios
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -52,6 +56,64 @@ def build_config(exp: str, trial: str, overrides: list[str]) -> ExperimentConfig
 
 EXTRA_FLAGS = ("--detach", "--test-only")
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class StopOnSignal:
+    """SIGTERM (scancel of a detached controller, a shutdown) and SIGHUP (the terminal closed)
+    stop a trial like Ctrl-C: the first raises ``KeyboardInterrupt`` in the controller, which
+    stops every worker and cancels every job. Later ones are ignored, and so is any that comes
+    while the controller cleans up (it ignores SIGINT meanwhile): a signal must not cut that
+    cleanup short and leave workers or jobs behind."""
+
+    def __init__(self) -> None:
+        self.first: str | None = None
+        self.handled: list[signal.Signals] = []
+
+    def install(self) -> None:
+        """Handle each stop signal, except one this process was started ignoring (``nohup``
+        ignores SIGHUP, a background job of a script SIGINT): that choice is the caller's."""
+        for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, self)
+                self.handled.append(sig)
+
+    def _cleaning_up(self) -> bool:
+        """The controller ignores SIGINT while it stops everything."""
+        return (signal.SIGINT in self.handled
+                and signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            _leave_terminal()
+        if self.first is not None or self._cleaning_up():
+            logging.getLogger("launch").warning("%s while stopping: ignored", name)
+            return
+        self.first = name
+        raise KeyboardInterrupt(name)
+
+
+def _leave_terminal() -> None:
+    """After a hang-up, writes to the terminal fail (EIO) and would break the cleanup that
+    follows: send stdout and stderr of a terminal to /dev/null (summary.json keeps the outcome)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            if _terminal(fd):
+                os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+def _terminal(fd: int) -> bool:
+    """``fd`` is a terminal, live or hung up (``isatty`` says False once it has hung up)."""
+    try:
+        termios.tcgetattr(fd)
+        return True
+    except termios.error as e:
+        return e.args[0] == errno.EIO
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -82,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     except RLSystemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops like Ctrl-C
+    StopOnSignal().install()
     return controller.run()
 
 

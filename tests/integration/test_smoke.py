@@ -113,6 +113,82 @@ def test_ctrl_c_stops_everything(fileroot):
     _assert_nothing_left(fileroot, "smoke", "ctrlc")
 
 
+def _controlling_terminal() -> None:  # runs in the launcher between fork and exec
+    import fcntl
+    import termios
+
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def test_closing_the_terminal_stops_everything(fileroot):
+    """The launcher runs in a terminal (a pty it controls) that goes away: the kernel hangs it
+    up (SIGHUP, then every write to it fails); the trial stops like Ctrl-C, nothing is left."""
+    import pty
+    import select
+    import threading
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(launch_argv("exp=smoke", "trial=tty", f"cluster.fileroot={fileroot}",
+                                        "smoke.min_duration=120", *FAST),
+                            cwd=REPO, stdin=slave, stdout=slave, stderr=slave,
+                            start_new_session=True, preexec_fn=_controlling_terminal)
+    os.close(slave)
+    closed = threading.Event()
+
+    def drain() -> None:  # read the terminal, as a terminal emulator would, until it closes
+        while not closed.is_set():
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    os.read(master, 4096)
+                except OSError:
+                    return
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        nr = FileNameResolve(os.path.join(fileroot, ".name_resolve"))
+        deadline = time.time() + 60
+        while len(nr.find_subtree("smoke/tty/heartbeat")) < 9 and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        assert len(trial_processes(os.path.join(fileroot, "smoke", "tty"))) == 9
+        closed.set()
+        reader.join(5)
+        os.close(master)  # the terminal window closes
+        assert proc.wait(timeout=60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert read_summary(fileroot, "smoke", "tty")["status"] == "interrupted"
+    _assert_nothing_left(fileroot, "smoke", "tty")
+
+
+@pytest.mark.parametrize("signals", [(signal.SIGHUP,), (signal.SIGTERM, signal.SIGHUP)],
+                         ids=["hup", "term-then-hup"])
+def test_hangup_and_term_stop_everything(fileroot, signals):
+    """SIGHUP (the terminal closed) and SIGTERM stop a trial like Ctrl-C; a second signal while
+    the launcher is stopping the workers does not cut that short."""
+    trial = "sig" + str(len(signals))
+    proc = subprocess.Popen(launch_argv("exp=smoke", f"trial={trial}",
+                                        f"cluster.fileroot={fileroot}", "smoke.min_duration=120",
+                                        *FAST),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    nr = FileNameResolve(os.path.join(fileroot, ".name_resolve"))
+    deadline = time.time() + 60
+    while len(nr.find_subtree(f"smoke/{trial}/heartbeat")) < 9 and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    assert len(trial_processes(os.path.join(fileroot, "smoke", trial))) == 9
+    for sig in signals:
+        proc.send_signal(sig)
+        time.sleep(0.3)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "interrupted" in err, err
+    assert "Traceback" not in err, err
+    assert read_summary(fileroot, "smoke", trial)["status"] == "interrupted"
+    _assert_nothing_left(fileroot, "smoke", trial)
+
+
 def test_registration_timeout_names_missing_workers(fileroot):
     r = run_launch("exp=smoke", "trial=reg", f"cluster.fileroot={fileroot}",
                    "controller.register_timeout=0.05", *FAST)

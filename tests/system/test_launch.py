@@ -48,3 +48,33 @@ def test_launcher_and_worker_entry_do_not_import_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_stop_signals_raise_once_and_never_during_cleanup():
+    """SIGTERM/SIGHUP/SIGINT raise KeyboardInterrupt once (the controller then stops everything);
+    later ones, and any while the controller cleans up (SIGINT ignored), are ignored; a signal
+    the process was started ignoring (nohup) stays ignored."""
+    import signal
+
+    from system.launch import STOP_SIGNALS, StopOnSignal
+
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+        stop = StopOnSignal()
+        stop.install()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is stop and signal.getsignal(signal.SIGINT) is stop
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)  # a second one: ignored
+        assert stop.first == "SIGTERM"
+
+        fresh = StopOnSignal()
+        fresh.install()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # what the controller does while cleaning up
+        fresh(signal.SIGTERM, None)
+        assert fresh.first is None
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
