@@ -96,6 +96,11 @@ def _run(argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProces
 
 
 class SlurmScheduler(Scheduler):
+    cancel_deadline: float = 180.0
+    """Seconds :meth:`stop_all` keeps cancelling after the grace period before it gives up."""
+    scancel_timeout: float = 30.0
+    """Seconds one ``scancel`` may take before it counts as unanswered (and is tried again)."""
+
     def __init__(self, slurm: SlurmConfig, exp: str, trial: str, trial_dir: str, workdir: str
                  ) -> None:
         self.slurm = slurm
@@ -183,20 +188,107 @@ class SlurmScheduler(Scheduler):
         return parse_scontrol_job(r.stdout.strip().splitlines()[0])
 
     def stop_all(self, grace: float) -> None:
+        """Cancel every job of the trial; return once none is left in the queue.
+
+        A pending job cannot take a signal (``scancel --signal`` leaves it queued), so it is
+        cancelled outright at once; a running one gets SIGTERM (its workers stop gracefully)
+        and, after ``grace`` seconds, a plain ``scancel``. A busy slurmctld may not answer a
+        ``scancel`` for a minute: each is retried with backoff, checked with ``squeue``, until
+        the queue holds none of our jobs or :attr:`cancel_deadline` has passed; only then does
+        this raise, naming the jobs left."""
         if not self._jobs:
             return
         ids = list(self._jobs)
-        _run(["scancel", "--signal=TERM", "--full", *ids])  # polite: workers stop gracefully
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(
-                s.state.active and s.state != JobState.UNKNOWN for s in self.poll(fresh=True)):
-            time.sleep(0.5)
-        _run(["scancel", *ids])  # whatever is left (pending or still running) is cancelled
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            left = [s for s in self.poll(fresh=True) if s.state.active and s.state != JobState.UNKNOWN]
-            if not left:
-                return
-            time.sleep(0.5)
-        raise SchedulerError(f"jobs still in the queue after scancel: "
-                             f"{[s.job_id for s in left]}")
+        queued = self._queued(ids)
+        pending = [j for j in ids if queued is not None
+                   and queued.get(j) in (JobState.PENDING, JobState.REQUEUED)]
+        if pending:
+            self._scancel(pending)
+        running = [j for j in ids if j not in pending]
+        if running:
+            self._scancel(running, "--signal=TERM", "--full")  # polite: workers stop gracefully
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and self._queued(running) != {}:
+                time.sleep(0.5)
+        left = self._cancel_until_gone(ids, time.monotonic() + self.cancel_deadline)
+        if left:
+            raise SchedulerError(f"jobs still in the queue {self.cancel_deadline:.0f}s after "
+                                 f"scancel: {', '.join(left)}")
+
+    def stop_group(self, kind: str, grace: float) -> None:
+        """Cancel the jobs of group ``kind`` (SIGTERM first, as :meth:`stop_all`) and forget
+        them, so the group can be submitted again."""
+        ids = [j for j, g in self._jobs.items() if g.kind == kind]
+        if ids:
+            self._scancel(ids, "--signal=TERM", "--full")
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and self._queued(ids) != {}:
+                time.sleep(0.5)
+            left = self._cancel_until_gone(ids, time.monotonic() + self.cancel_deadline)
+            if left:
+                raise SchedulerError(f"jobs of the {kind} group still in the queue "
+                                     f"{self.cancel_deadline:.0f}s after scancel: {', '.join(left)}")
+        for j in ids:
+            del self._jobs[j]
+        self._last_poll = 0.0
+
+    def _cancel_until_gone(self, ids: list[str], deadline: float) -> list[str]:
+        """Plain ``scancel`` of whatever is still queued, retried with backoff (1 s doubling to
+        16 s) until nothing is left or ``deadline``; returns the ids left."""
+        left, wait = list(ids), 1.0
+        while True:
+            queued = self._queued(left)
+            if queued is not None:
+                left = [j for j in left if j in queued]
+                if not left:
+                    return []
+            if time.monotonic() >= deadline:
+                return left
+            self._scancel(left)
+            time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
+            wait = min(wait * 2, 16.0)
+
+    def _queued(self, ids: list[str]) -> dict[str, JobState] | None:
+        """``{job id: state}`` of those of ``ids`` still in the queue (pending, running,
+        completing); ``None`` when squeue did not answer (no news is not an empty queue)."""
+        if not ids:
+            return {}
+        try:
+            r = _run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i|%T"],
+                     timeout=self.scancel_timeout)
+        except SchedulerError as e:
+            log.warning("%s", e)
+            return None
+        if r.returncode != 0:
+            if "Invalid job id" in r.stderr:  # one has left the queue (and Slurm's memory)
+                return {} if len(ids) == 1 else self._queued_each(ids)
+            log.warning("squeue failed: %s", r.stderr.strip())
+            return None
+        out = {}
+        for line in r.stdout.splitlines():
+            job_id, _, raw = line.strip().partition("|")
+            state = map_state(raw)
+            if job_id in ids and state.active:
+                out[job_id] = state
+        return out
+
+    def _queued_each(self, ids: list[str]) -> dict[str, JobState] | None:
+        """:meth:`_queued` one id at a time (squeue refuses a list naming a purged job)."""
+        out: dict[str, JobState] = {}
+        for job_id in ids:
+            one = self._queued([job_id])
+            if one is None:
+                return None
+            out.update(one)
+        return out
+
+    def _scancel(self, ids: list[str], *flags: str) -> None:
+        """One ``scancel``; a slow or failed one is logged, never raised (the caller checks the
+        queue and tries again)."""
+        try:
+            r = _run(["scancel", *flags, *ids], timeout=self.scancel_timeout)
+        except SchedulerError as e:
+            log.warning("%s", e)
+            return
+        if r.returncode != 0:
+            log.warning("scancel %s failed: %s", " ".join([*flags, *ids]), r.stderr.strip())

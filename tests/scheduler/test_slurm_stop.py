@@ -1,0 +1,101 @@
+"""Stopping a Slurm trial leaves nothing in the queue: pending jobs (which take no signal) as well
+as running ones, and a slurmctld that does not answer ``scancel`` at first. On the real test
+Slurm."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from scheduler.base import GroupSpec, JobState
+from scheduler.slurm import SlurmScheduler
+from scheduler.slurm_config import SlurmConfig, SlurmGroupConfig
+from tests.helpers import REPO, read_summary, run_launch
+from tests.scheduler.test_slurm_e2e import SLURM, squeue, wait_for
+
+pytestmark = pytest.mark.slurm
+
+BEGIN_LATER = "--begin=now+600"  # holds a job pending for ten minutes
+
+
+def _queue(env: dict, ids: list[str]) -> list[str]:
+    """Lines squeue prints for ``ids`` (empty: none of them is queued any more)."""
+    r = subprocess.run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i|%T"], capture_output=True,
+                       text=True, env={**os.environ, **env})
+    return r.stdout.split()
+
+
+def _scheduler(tmp_path, name: str) -> tuple[SlurmScheduler, list[str]]:
+    """A running master job (a sleeping task) and a rollout job held pending."""
+    slurm = SlurmConfig(poll_interval=0.2,
+                        rollout=SlurmGroupConfig(extra_sbatch=[BEGIN_LATER]))
+    sched = SlurmScheduler(slurm, "stop", name, str(tmp_path), REPO)
+    ids = []
+    for kind in ("master", "rollout"):
+        group = GroupSpec(kind, 1, ("sleep", "300"), {}, (str(tmp_path / f"{kind}.log"),))
+        ids += sched.schedule(sched.plan(group))
+    return sched, ids
+
+
+def _wait_running_and_pending(sched: SlurmScheduler, ids: list[str]) -> None:
+    states = lambda: {s.job_id: s.state for s in sched.poll(fresh=True)}  # noqa: E731
+    wait_for(lambda: states() == {ids[0]: JobState.RUNNING, ids[1]: JobState.PENDING}, 60,
+             "one job running and one pending")
+
+
+@pytest.fixture
+def slurm_env(slurm_cluster, monkeypatch):
+    for k, v in slurm_cluster.env.items():
+        monkeypatch.setenv(k, v)
+    return slurm_cluster.env
+
+
+def test_stop_all_cancels_pending_and_running_jobs(slurm_env, tmp_path):
+    sched, ids = _scheduler(tmp_path, "both")
+    try:
+        _wait_running_and_pending(sched, ids)
+        t0 = time.monotonic()
+        sched.stop_all(grace=3)
+        assert _queue(slurm_env, ids) == []
+        assert time.monotonic() - t0 < 30
+    finally:
+        subprocess.run(["scancel", *ids], env={**os.environ, **slurm_env})
+
+
+def test_stop_all_outlasts_a_scancel_that_does_not_answer(slurm_env, tmp_path, monkeypatch):
+    """The first scancel calls hang (a busy slurmctld); stopping retries until the queue is
+    empty instead of raising."""
+    sched, ids = _scheduler(tmp_path, "slow")
+    bin_dir, count = tmp_path / "bin", tmp_path / "scancel-calls"
+    bin_dir.mkdir()
+    real = subprocess.run(["which", "scancel"], capture_output=True, text=True).stdout.strip()
+    (bin_dir / "scancel").write_text(
+        "#!/bin/sh\n"
+        f"echo x >> {count}\n"
+        f"if [ $(wc -l < {count}) -le 2 ]; then exec sleep 60; fi\n"
+        f"exec {real} \"$@\"\n")
+    (bin_dir / "scancel").chmod(0o755)
+    try:
+        _wait_running_and_pending(sched, ids)
+        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+        sched.scancel_timeout = 1.0
+        sched.stop_all(grace=1)
+        assert _queue(slurm_env, ids) == []
+        assert len(count.read_text().split()) > 2
+    finally:
+        subprocess.run([real, *ids], env={**os.environ, **slurm_env})
+
+
+def test_failed_trial_with_a_pending_job_leaves_nothing(slurm_cluster, tmp_path):
+    """The rollout job never starts (held pending): registration times out, the trial fails,
+    and stopping it cancels the pending job with the running ones."""
+    root = str(tmp_path / "runs")
+    r = run_launch("exp=smoke", "trial=pend", f"cluster.fileroot={root}", *SLURM,
+                   f'scheduler.slurm.rollout.extra_sbatch=["{BEGIN_LATER}"]',
+                   "controller.register_timeout=20", env=slurm_cluster.env, timeout=240)
+    assert r.returncode == 1, r.stderr
+    assert "rollout/0" in r.stderr and "error while stopping" not in r.stderr, r.stderr
+    assert read_summary(root, "smoke", "pend")["status"] == "failed"
+    assert squeue(slurm_cluster.env, "smoke", "pend") == []
