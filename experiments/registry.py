@@ -42,8 +42,11 @@ class Experiment:
     section: str | None = None
     """The experiment's own config section, sent to every worker."""
     stateful: tuple[str, ...] = ()
-    """Worker kinds that hold training state, in start order: when one dies (and
-    ``recover=auto``), all of these restart from the latest checkpoint; the others stay up."""
+    """Worker kinds that hold training state: when one dies (and ``recover=auto``), all of
+    these restart from the latest checkpoint; the others stay up."""
+    coupled: tuple[str, ...] = ()
+    """Stateless kinds that share collective groups with the stateful ones (generation servers
+    are members of the weight-sync groups): when one dies, the stateful kinds restart with it."""
 
     @property
     def doc(self) -> str:

@@ -48,6 +48,8 @@ def smollm2_arith() -> RLExperimentConfig:
 
 
 STATEFUL = ("model", "master")
-ARITH_TINY = Experiment("arith-tiny", arith_tiny, ROLES, section="rl", stateful=STATEFUL)
+COUPLED = ("generation",)
+ARITH_TINY = Experiment("arith-tiny", arith_tiny, ROLES, section="rl", stateful=STATEFUL,
+                        coupled=COUPLED)
 SMOLLM2_ARITH = Experiment("smollm2-arith", smollm2_arith, ROLES, section="rl",
-                           stateful=STATEFUL)
+                           stateful=STATEFUL, coupled=COUPLED)

@@ -131,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     experiment = get_experiment(args.exp)
     resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    paths, secret = prepare_trial(cfg, experiment.name, resolved)
+    try:
+        paths, secret = prepare_trial(cfg, experiment.name, resolved,
+                                      dry_run=args.dry_run or "--test-only" in args.flags)
+    except ConfigError as e:  # e.g. recover=off on a trial that has checkpoints
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         scheduler = make_scheduler(cfg.scheduler, cfg.exp, cfg.trial, paths.root)
         if args.dry_run or "--test-only" in args.flags:

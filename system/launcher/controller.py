@@ -55,7 +55,8 @@ class Controller:
         self.timeline: dict[str, float] = {}
         self.progress = Progress(f"{cfg.exp}/{cfg.trial}", cfg.controller.progress)
         self._t0 = time.time()
-        self.recovery = Recovery(cfg.recovery(), experiment.stateful, self._t0)
+        self.recovery = Recovery(cfg.recovery(), experiment.stateful, self._t0,
+                                 coupled=experiment.coupled)
         self.watch = MasterProgress()
 
     # --- the whole trial ---
@@ -254,9 +255,15 @@ class Controller:
             try:
                 return self._watch()
             except WorkerFailure as e:
-                if not self.recovery.should_recover(e):
-                    raise
-                self._recover(e, summary)
+                failure = e
+            while True:  # a failure during a recovery is recovered too
+                if not self.recovery.should_recover(failure):
+                    raise failure
+                try:
+                    self._recover(failure, summary)
+                    break
+                except WorkerFailure as e:
+                    failure = e
 
     def _recover(self, failure: WorkerFailure, summary: TrialSummary) -> None:
         """Stop the failed worker's group (every stateful group, when a stateful worker
@@ -264,6 +271,7 @@ class Controller:
         restore the latest checkpoint. The other groups stay up."""
         attempt = self.recovery.begin(failure, self._last_step())
         kinds = self.recovery.kinds_to_restart(failure, tuple(KINDS))
+        self.recovery.incomplete = set(kinds)
         workers = [w for k in kinds for w in self.groups[k].worker_names()]
         print(f"\n{attempt.cause}\nrecovering (attempt {attempt.attempt} of "
               f"{self.recovery.cfg.retries if self.recovery.cfg else 0}): restarting "
@@ -286,6 +294,7 @@ class Controller:
         for k in kinds:
             self._start_all([self.clients[w] for w in self.groups[k].worker_names()])
         self.recovery.running()
+        self.recovery.incomplete = set()
         self.watch.restarted()
         print(f"recovered: {', '.join(workers)} running again", file=sys.stderr)
 

@@ -50,9 +50,13 @@ class Recovery:
     """Decides whether a failure is recovered, and records every attempt."""
 
     def __init__(self, cfg: RecoverConfig | None, stateful: tuple[str, ...], t0: float,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, coupled: tuple[str, ...] = ()
+                 ) -> None:
         self.cfg = cfg
         self.stateful = stateful
+        self.coupled = coupled
+        self.incomplete: set[str] = set()
+        """Kinds whose restart began but did not finish (a failure came meanwhile)."""
         self.t0 = t0
         self.attempts: list[Attempt] = []
         self._clock = clock
@@ -73,9 +77,13 @@ class Recovery:
     def kinds_to_restart(self, failure: WorkerFailure, order: tuple[str, ...]
                          ) -> tuple[str, ...]:
         """Every stateful kind when a stateful worker failed (their state must come from one
-        checkpoint); else only the failed worker's own kind. In start ``order``."""
+        checkpoint), with the failed kind when it is coupled to them; else only the failed
+        worker's own kind; and any kind whose restart a failure interrupted. In start
+        ``order``."""
         kind = (failure.worker or "").split("/")[0]
-        restart = set(self.stateful) if kind in self.stateful else {kind}
+        restart = {kind} | self.incomplete
+        if kind in self.stateful or kind in self.coupled:
+            restart |= set(self.stateful)
         return tuple(k for k in order if k in restart)
 
     def begin(self, failure: WorkerFailure, failed_step: int | None) -> Attempt:

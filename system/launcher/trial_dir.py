@@ -45,9 +45,10 @@ def name_resolve_root(cfg: ExperimentConfig) -> str:
                                                       ".name_resolve")
 
 
-def check_existing(cfg: ExperimentConfig, paths: TrialPaths) -> None:
+def check_existing(cfg: ExperimentConfig, paths: TrialPaths, dry_run: bool = False) -> None:
     """An existing trial with checkpoints continues (``recover=auto|resume``); ``recover=off``
-    starts it over only when asked to (``recover.overwrite=true``: its checkpoints go)."""
+    starts it over only when asked to (``recover.overwrite=true``: its checkpoints go, unless
+    this is a dry run)."""
     recover = cfg.recovery()
     if recover is None or recover.type != RecoverMode.OFF or not os.path.isdir(paths.checkpoints):
         return
@@ -57,15 +58,16 @@ def check_existing(cfg: ExperimentConfig, paths: TrialPaths) -> None:
         raise ConfigError(f"trial {cfg.exp}/{cfg.trial} has checkpoints ({paths.checkpoints}): "
                           "recover=off would start it over; continue it with recover=auto (the "
                           "default), or start over with recover.overwrite=true")
-    shutil.rmtree(paths.checkpoints)
+    if not dry_run:
+        shutil.rmtree(paths.checkpoints)
 
 
-def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: str
-                  ) -> tuple[TrialPaths, bytes]:
+def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: str,
+                  dry_run: bool = False) -> tuple[TrialPaths, bytes]:
     """Create the trial directory: resolved config, fresh secret (0600), bootstrap file
     (:class:`~system.errors.ConfigError` for a trial that must not be overwritten)."""
     paths = TrialPaths.of(cfg.cluster.fileroot, cfg.exp, cfg.trial)
-    check_existing(cfg, paths)
+    check_existing(cfg, paths, dry_run)
     os.makedirs(paths.logs, exist_ok=True)
     with open(paths.config, "w") as f:
         f.write(resolved_yaml)

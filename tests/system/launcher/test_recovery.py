@@ -17,11 +17,17 @@ class Clock:
 
 
 def test_a_stateful_death_restarts_every_stateful_kind_a_stateless_one_only_its_own():
-    r = Recovery(RecoverConfig(), ("model", "master"), t0=0.0)
+    r = Recovery(RecoverConfig(), ("model", "master"), t0=0.0, coupled=("generation",))
     assert r.kinds_to_restart(WorkerFailure("x", "model/1"), ORDER) == ("model", "master")
     assert r.kinds_to_restart(WorkerFailure("x", "master/0"), ORDER) == ("model", "master")
     assert r.kinds_to_restart(WorkerFailure("x", "rollout/3"), ORDER) == ("rollout",)
-    assert r.kinds_to_restart(WorkerFailure("x", "generation/0"), ORDER) == ("generation",)
+    # generation servers share the weight-sync groups: the trainers restart with them
+    assert r.kinds_to_restart(WorkerFailure("x", "generation/0"), ORDER) == (
+        "model", "generation", "master")
+    # a failure that interrupts a restart restarts the unfinished kinds too
+    r.incomplete = {"rollout"}
+    assert r.kinds_to_restart(WorkerFailure("x", "master/0"), ORDER) == (
+        "model", "rollout", "master")
 
 
 def test_retries_backoff_and_attempts():
