@@ -17,3 +17,4 @@ bench: setup
 	$(PY) tests/benchmarks/control_plane.py
 	$(PY) tests/benchmarks/reshard.py
 	$(PY) tests/benchmarks/rl.py
+	$(PY) tests/benchmarks/chaos.py
