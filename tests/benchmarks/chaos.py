@@ -69,6 +69,7 @@ def run(fileroot: str, trial: str, steps: int, prompts: int, kills: list[tuple[s
                              f"trial={trial}", f"cluster.fileroot={fileroot}",
                              f"rl.total_steps={steps}", "rl.eval_interval=0",
                              f"rl.task.train_size={prompts}",
+                             f"recover.retries={max(3, len(kills))}",
                              "controller.progress=false"],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
