@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from system import names
 from system.errors import ConfigError
+from system.files import fsync_path
 from system.rendezvous import host_store, lookup_store
 from system.reshard.spec import WeightSyncSpec
 from workers.base import Worker
@@ -217,8 +218,6 @@ class ModelWorker(Worker):
         state: every rank) and fsync what this rank wrote. The RNG state holds tensors and
         plain lists only, so it loads with ``weights_only=True``. Collective."""
         import torch
-
-        from workers.engines.torch_engine import fsync_path
 
         def save() -> dict[str, Any]:
             for which, eng in self.engines.items():

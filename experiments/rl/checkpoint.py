@@ -24,20 +24,12 @@ from typing import Any
 
 import msgpack
 
+from system.files import fsync_path
+
 log = logging.getLogger("rl-checkpoint")
 
 META = "meta.json"
 POINTER = "latest"
-
-
-def fsync_path(path: str) -> None:
-    """Flush a file's or a directory's entries to disk (a rename is only durable once its
-    parent directory is fsynced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_durable(path: str, data: bytes) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from system.errors import ConfigError
+from system.files import fsync_path
 from workers.engines.configs import TorchEngineConfig
 
 
@@ -29,16 +30,6 @@ def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
         else:
             groups.append([i])
     return groups
-
-
-def fsync_path(path: str) -> None:
-    """Flush a file (or a directory's entries) to disk: a checkpoint is only committed once
-    every file in it is durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # loss_fn(per-sequence token log-probs, indices of those sequences in the batch) -> summed loss
