@@ -64,6 +64,10 @@ class RLConfig:
     save_interval_s: float = 60.0
     """Also checkpoint once this many seconds have passed since the last checkpoint (0: by steps
     only), so a crash loses about this much training at most."""
+    save_overhead: float = 0.05
+    """Also checkpoint as often as keeps checkpointing under this fraction of the loop's time:
+    after a checkpoint that took c seconds the next is due c / save_overhead seconds later, so
+    a cheap checkpoint (a small model) is frequent and a crash loses few steps (0: off)."""
     lease_timeout: float = 300.0
     """Seconds a rollout task may stay out (its lease): then its admission slot is released and
     its prompt handed out again, keeping its epoch."""
@@ -114,6 +118,8 @@ class RLConfig:
                     "save_interval_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.save_overhead < 1:
+            raise ConfigError(f"save_overhead must be in [0, 1), got {self.save_overhead}")
         if self.lease_timeout <= 0:
             raise ConfigError(f"lease_timeout must be > 0, got {self.lease_timeout}")
         if self.algorithm == "grpo" and self.group_size < 2:

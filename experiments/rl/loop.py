@@ -203,17 +203,26 @@ class RLLoop:
 
     # When the last checkpoint was committed (time.monotonic()); None: none yet in this run.
     _last_save: float | None = None
+    # How long the last checkpoint took (seconds); None: none yet in this run.
+    _last_cost: float | None = None
 
     def checkpoint_due(self) -> bool:
-        """Every ``save_interval`` steps, and once ``save_interval_s`` seconds have passed since
-        the last checkpoint (or since the loop started), whichever comes first."""
+        """Every ``save_interval`` steps, once ``save_interval_s`` seconds have passed since the
+        last checkpoint (or since the loop started), and as often as keeps checkpointing under
+        ``save_overhead`` of the loop's time (the first one after the first step: its cost is
+        not known before), whichever comes first."""
         rl = self.rl
         if rl.save_interval and self.state.step % rl.save_interval == 0:
             return True
-        since = self._last_save if self._last_save is not None else self.t_loop
-        return rl.save_interval_s > 0 and time.monotonic() - since >= rl.save_interval_s
+        since = time.monotonic() - (self._last_save if self._last_save is not None
+                                    else self.t_loop)
+        if rl.save_overhead > 0 and (self._last_cost is None
+                                     or since >= self._last_cost / rl.save_overhead):
+            return True
+        return rl.save_interval_s > 0 and since >= rl.save_interval_s
 
     def checkpoint(self) -> None:
+        t0 = time.monotonic()
         state = self.state
         staging = self.ckpt.staging(state.step)
         self.cluster.on_models(lambda c: c.save(staging))
@@ -226,7 +235,8 @@ class RLLoop:
         state.buffer = []
         # the clock restarts after the write: a slow checkpoint must not trigger the next one
         self._last_save = time.monotonic()
-        log.info("checkpoint at step %d", state.step)
+        self._last_cost = self._last_save - t0
+        log.info("checkpoint at step %d (%.2fs)", state.step, self._last_cost)
 
     def close(self) -> None:
         self.source.stop()

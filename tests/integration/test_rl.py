@@ -28,7 +28,7 @@ def _metrics(root: str) -> list[dict]:
 
 def test_async_grpo_crash_then_resume_continues_without_reusing_prompts(fileroot):
     args = ["exp=arith-tiny", "trial=resume", f"cluster.fileroot={fileroot}",
-            "rl.total_steps=6", "rl.save_interval=2", "rl.save_interval_s=0", *SMALL]
+            "rl.total_steps=6", "rl.save_interval=2", "rl.save_interval_s=0", "rl.save_overhead=0", *SMALL]
     first = run_launch(*args, "recover=off", "rl.crash_at_step=3", timeout=400)
     assert first.returncode == 1, first.stderr[-3000:]
     s1 = read_summary(fileroot, "arith-tiny", "resume")
@@ -95,7 +95,7 @@ def test_automatic_recovery_after_master_failure_and_model_worker_kill(fileroot)
     proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=auto",
                                         f"cluster.fileroot={fileroot}", "rl.total_steps=8",
                                         "rl.save_interval=2", "rl.save_interval_s=0",
-                                        "rl.crash_at_step=3",
+                                        "rl.save_overhead=0", "rl.crash_at_step=3",
                                         "recover.backoff=0.5", *SMALL),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

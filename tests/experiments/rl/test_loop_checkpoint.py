@@ -16,7 +16,8 @@ def _loop(tmp_path, recover: str = "resume", **rl):
     loop = RLLoop.__new__(RLLoop)
     loop.master = types.SimpleNamespace(config={"recover": recover})
     loop.ckpt = CheckpointDir(str(tmp_path / "ck"))
-    loop.rl = types.SimpleNamespace(**{"save_interval": 0, "save_interval_s": 60.0, **rl})
+    loop.rl = types.SimpleNamespace(**{"save_interval": 0, "save_interval_s": 60.0,
+                                       "save_overhead": 0.0, **rl})
     loop.state = types.SimpleNamespace(step=1)
     return loop
 
@@ -54,3 +55,24 @@ def test_checkpoints_are_due_by_steps_or_by_seconds(tmp_path, monkeypatch):
     loop.rl.save_interval_s = 0
     now[0] = 5000.0
     assert not loop.checkpoint_due()
+
+
+def test_cheap_checkpoints_are_frequent_expensive_ones_rare(tmp_path, monkeypatch):
+    """rl.save_overhead: the next checkpoint is due after last cost / overhead seconds."""
+    import time
+
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    loop = _loop(tmp_path, save_interval_s=60.0, save_overhead=0.05)
+    loop.t_loop = 1000.0
+    assert loop.checkpoint_due()  # the first one's cost is unknown: right after a step
+    loop._last_save, loop._last_cost = 1000.0, 0.1  # a 0.1 s checkpoint: every 2 s
+    now[0] = 1001.9
+    assert not loop.checkpoint_due()
+    now[0] = 1002.0
+    assert loop.checkpoint_due()
+    loop._last_cost = 10.0  # a 10 s checkpoint would be due after 200 s; 60 s caps it
+    now[0] = 1059.0
+    assert not loop.checkpoint_due()
+    now[0] = 1060.0
+    assert loop.checkpoint_due()
