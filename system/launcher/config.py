@@ -86,8 +86,9 @@ class RecoverConfig:
     trial that has checkpoints unless recover.overwrite=true)."""
     retries: int = 3
     """Automatic recoveries per trial before a failure ends it."""
-    backoff: float = 5.0
-    """Seconds before the first recovery; doubled for each further one."""
+    backoff: float = 2.0
+    """Seconds before a recovery starts; doubled for each recovery in a row whose workers
+    failed again within a minute (a crash loop)."""
     overwrite: bool = False
     """With recover=off: delete the trial's checkpoints and start over."""
 

@@ -18,6 +18,10 @@ from system.errors import WorkerFailure
 from system.launcher.config import RecoverConfig, RecoverMode
 
 
+CRASH_LOOP_S = 60.0
+"""A failure this soon after the previous recovery counts as the same crash loop."""
+
+
 @dataclasses.dataclass
 class Attempt:
     """One automatic recovery."""
@@ -94,9 +98,16 @@ class Recovery:
         return a
 
     def backoff(self) -> float:
-        """Seconds to wait before attempt ``n`` starts: ``recover.backoff * 2**(n - 1)``."""
+        """Seconds to wait before the current attempt: ``recover.backoff``, doubled for each
+        earlier attempt whose workers failed again within ``CRASH_LOOP_S`` of running (a crash
+        loop); independent failures far apart each wait only the base back-off."""
         assert self.cfg is not None
-        return self.cfg.backoff * 2 ** (len(self.attempts) - 1)
+        loops = 0
+        for prev, cur in zip(reversed(self.attempts[:-1]), reversed(self.attempts)):
+            if prev.recovered_at_s is None or cur.failed_at_s - prev.recovered_at_s > CRASH_LOOP_S:
+                break
+            loops += 1
+        return self.cfg.backoff * 2 ** loops
 
     def running(self) -> None:
         """The restarted workers run again."""

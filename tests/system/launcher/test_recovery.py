@@ -46,6 +46,7 @@ def test_retries_backoff_and_attempts():
     assert r.summary() == [{"attempt": 1, "cause": a.cause, "worker": "master/0",
                             "failed_at_s": 10.0, "failed_step": 7, "resumed_from": 6,
                             "recovered_at_s": 30.0, "steps_lost": 1}]
+    clock.t += 30  # fails again 30 s after running: a crash loop
     r.begin(failure, failed_step=None)
     assert r.backoff() == 6.0  # doubled
     assert not r.should_recover(failure)  # retries used up
@@ -72,3 +73,23 @@ def test_master_progress_follows_steps_and_stalls():
     assert p.unchanged_for() >= 100
     p.restarted()
     assert p.resumed_from is None and p.unchanged_for() < 1
+
+
+def test_independent_failures_far_apart_wait_the_base_backoff():
+    clock = Clock()
+    r = Recovery(RecoverConfig(retries=5, backoff=2.0), ("model", "master"), t0=1000.0,
+                 clock=clock)
+    failure = WorkerFailure("x", "model/0")
+    for _ in range(3):
+        clock.t += 120  # each fault two minutes after the last recovery
+        r.begin(failure, failed_step=1)
+        assert r.backoff() == 2.0
+        clock.t += 10
+        r.running()
+    clock.t += 5  # now one right after: 4 s, then 8 s
+    r.begin(failure, failed_step=1)
+    assert r.backoff() == 4.0
+    r.running()
+    clock.t += 1
+    r.begin(failure, failed_step=1)
+    assert r.backoff() == 8.0
