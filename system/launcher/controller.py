@@ -221,9 +221,15 @@ class Controller:
         configs = worker_configs(self.cfg, self.experiment)
         results = collect_settled([c.configure(configs[c.kind]) for c in clients],
                                   self.cfg.rpc.request_timeout)
+        restarted = False
         for c, r in zip(clients, results):
             if isinstance(r, dict):
                 self.requeue.configured(c.name, int(r["restart"]))
+                restarted |= int(r["restart"]) > 0
+        if restarted:
+            # a requeued job can be running again before any poll saw it pending: its workers
+            # say so here; a fresh look records the restart (they are not waited for again)
+            self._note_restarts(self._poll_fresh())
         self._check(clients, "configure", results)
 
     def _check(self, clients: list[WorkerClient], method: str, results: list[Any]) -> None:
