@@ -20,8 +20,8 @@ def heartbeat(exp: str, trial: str, kind: str, index: int) -> str:
     return f"{exp}/{trial}/heartbeat/{kind}/{index}"
 
 
-def heartbeats(exp: str, trial: str) -> str:
-    return f"{exp}/{trial}/heartbeat"
+def heartbeats(exp: str, trial: str, kind: str | None = None) -> str:
+    return f"{exp}/{trial}/heartbeat" + (f"/{kind}" if kind else "")
 
 
 def worker_error(exp: str, trial: str, kind: str, index: int) -> str:

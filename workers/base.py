@@ -199,6 +199,12 @@ class Worker:
         root = names.worker_addresses(self.exp, self.trial) + "/"
         return {k[len(root):]: v for k, v in self.name_resolve.get_subtree(prefix).items()}
 
+    def alive(self, kind: str) -> set[int]:
+        """Indices of the workers of ``kind`` whose heartbeat key is alive."""
+        prefix = names.heartbeats(self.exp, self.trial, kind) + "/"
+        return {int(k[len(prefix):]) for k in self.name_resolve.find_subtree(prefix[:-1])
+                if k[len(prefix):].isdigit()}
+
     # --- lifecycle ---
     def run(self, role: Callable[[Any], dict[str, Any] | None]) -> int:
         """The process body: register, serve, run ``role(self)`` once started; returns the exit

@@ -74,6 +74,9 @@ class RLLoop:
         self.held_out = eval_prompts(rl, self.tok)
         self.samples_at_start = self.state.consumed * rl.group_size
         self.t_loop = time.monotonic()
+        self._heartbeats_read_at = 0.0  # rollout heartbeats are read at most once a second
+        self._last_save: float | None = None  # when the last checkpoint was committed
+        self._last_cost: float | None = None  # how long it took (seconds)
 
     def start(self) -> None:
         """Wait for the engines, join the weight-sync groups, give the servers a restored
@@ -159,7 +162,6 @@ class RLLoop:
                             group_version(msg["trajs"], task["version"]))
 
     # When reclaim_leases last read the rollout workers' heartbeats (time.monotonic()).
-    _heartbeats_read_at: float = 0.0
 
     def reclaim_leases(self) -> None:
         """Release the leases that ran out, and those of rollout workers whose heartbeat expired,
@@ -176,20 +178,11 @@ class RLLoop:
         holders = self.source.lease_holders()
         if not holders:
             return
-        for worker in sorted(holders - self.live_rollout_workers()):
+        for worker in sorted(holders - self.master.alive("rollout")):
             released = self.source.release_worker(worker)
             if released:
                 log.warning("rollout worker %d stopped heart-beating: released its %d lease(s): "
                             "%s", worker, len(released), _describe(released))
-
-    def live_rollout_workers(self) -> set[int]:
-        """Indices of the rollout workers whose heartbeat key is alive."""
-        m = self.master
-        root = names.heartbeats(m.exp, m.trial)
-        key = names.heartbeat(m.exp, m.trial, "rollout", 0)
-        prefix = key[:key.rindex("/") + 1]  # ".../heartbeat/rollout/", whatever the layout
-        return {int(k[len(prefix):]) for k in m.name_resolve.find_subtree(root)
-                if k.startswith(prefix)}
 
     def resume_point(self) -> int | None:
         """The step of the newest readable checkpoint when resuming (``recover=resume``)."""
@@ -200,11 +193,6 @@ class RLLoop:
             log.warning("recover=resume but %s holds no readable checkpoint: starting at step 0",
                         self.ckpt.root)
         return step
-
-    # When the last checkpoint was committed (time.monotonic()); None: none yet in this run.
-    _last_save: float | None = None
-    # How long the last checkpoint took (seconds); None: none yet in this run.
-    _last_cost: float | None = None
 
     def checkpoint_due(self) -> bool:
         """Every ``save_interval`` steps, once ``save_interval_s`` seconds have passed since the

@@ -128,3 +128,23 @@ def test_stuck_orphan_exits_after_a_grace(trial):
         client.close()
         if proc.poll() is None:
             proc.kill()
+
+
+def test_alive_lists_the_workers_of_a_kind_whose_heartbeat_lives(trial):
+    """``Worker.alive(kind)``: what the master (leases) and rollout workers (calls to a dead
+    server) ask; keys of other kinds, and expired keys, do not count."""
+    from workers.base import Worker
+
+    tmp_path, nr, _ = trial
+    w = Worker(Bootstrap.read(str(tmp_path / "bootstrap.json")), 0)
+    nr.add(names.heartbeat("orph", "t", "rollout", 0), "1", keepalive_ttl=60)
+    nr.add(names.heartbeat("orph", "t", "rollout", 12), "1", keepalive_ttl=60)
+    nr.add(names.heartbeat("orph", "t", "generation", 3), "1", keepalive_ttl=60)
+    nr.add(names.heartbeat("orph", "t", "rollout", 5), "1", keepalive_ttl=0.3)
+    nr.close()  # stops refreshing: rollout/5's key expires
+    time.sleep(0.6)
+    assert w.alive("rollout") == {0, 12}
+    assert w.alive("generation") == {3}
+    assert w.alive("model") == set()
+    w.name_resolve.close()
+    w.server.close()

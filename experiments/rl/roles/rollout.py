@@ -32,9 +32,13 @@ class _Rollouts:
         self.agent = make_agent(rl.agent, self.tok)
         self.encoded: dict[int, list[int]] = {}
         self.gens: dict[int, GenerationClient] = {}
-        self.master_address = worker.name_resolve.wait(self._master_key(), 60)
-        self.master = MasterClient(worker.client(self.master_address, 30.0), "master/0")
-        self.pusher = worker.trajectory_stream()
+        self._connect(worker.name_resolve.wait(self._master_key(), 60), 60.0)
+
+    def _connect(self, address: str, stream_timeout: float) -> None:
+        """Talk to the master at ``address`` and push to the stream it publishes."""
+        self.master_address = address
+        self.master = MasterClient(self.worker.client(address, 30.0), "master/0")
+        self.pusher = self.worker.trajectory_stream(timeout=stream_timeout)
         self.stream_address = self._stream_address()
 
     def _master_key(self) -> str:
@@ -49,12 +53,7 @@ class _Rollouts:
 
     def server_alive(self, index: int) -> bool:
         """Whether generation server ``index`` still heart-beats."""
-        w = self.worker
-        try:
-            w.name_resolve.get(names.heartbeat(w.exp, w.trial, "generation", index))
-            return True
-        except NameEntryNotFound:
-            return False
+        return index in self.worker.alive("generation")
 
     def master_moved(self) -> bool:
         """The master was restarted (a recovery): it serves, and streams, at new addresses."""
@@ -87,10 +86,7 @@ class _Rollouts:
         log.warning("the master moved to %s: reconnecting", address)
         self.master.close()
         self.pusher.close(linger=0)
-        self.master_address = address
-        self.master = MasterClient(w.client(address, 30.0), "master/0")
-        self.pusher = w.trajectory_stream(timeout=self.rl.startup_timeout)
-        self.stream_address = self._stream_address()
+        self._connect(address, self.rl.startup_timeout)
 
     def server(self, index: int) -> GenerationClient:
         if index not in self.gens:

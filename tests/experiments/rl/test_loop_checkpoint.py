@@ -19,6 +19,7 @@ def _loop(tmp_path, recover: str = "resume", **rl):
     loop.rl = types.SimpleNamespace(**{"save_interval": 0, "save_interval_s": 60.0,
                                        "save_overhead": 0.0, **rl})
     loop.state = types.SimpleNamespace(step=1)
+    loop._last_save = loop._last_cost = None  # as __init__ leaves them
     return loop
 
 
