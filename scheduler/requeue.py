@@ -89,6 +89,13 @@ class RequeuePolicy:
         for w in workers:
             self.rejoining.setdefault(w, deadline)
 
+    def respawned(self, workers: Iterable[str], timeout: float) -> None:
+        """``workers`` were started again by the controller (a recovery restarts a dead
+        stateless worker alone): they are rejoining, and must register within ``timeout``."""
+        deadline = self._clock() + timeout
+        for w in workers:
+            self.rejoining[w] = deadline
+
     def overdue(self, back: Iterable[str]) -> list[str]:
         """Rejoining workers, but those in ``back``, whose deadline has passed."""
         back = set(back)
