@@ -19,18 +19,28 @@ __all__ = ["GroupSpec", "JobRequest", "JobState", "JobStatus", "RequeuePolicy", 
 
 @dataclasses.dataclass(frozen=True)
 class GroupSpec:
-    """One worker group: ``count`` processes running ``argv``; worker ``i`` logs to
-    ``log_paths[i]``. The worker index is added by the scheduler (local: ``--index``; Slurm:
-    each task derives it from its environment)."""
+    """Workers ``first .. first+count-1`` of group ``kind``, each a process running ``argv``;
+    worker ``first + i`` logs to ``log_paths[i]``. The whole group has ``first == 0``; a
+    recovery that restarts one worker alone submits ``first=index, count=1``. The worker index
+    is added by the scheduler (local: ``--index``; Slurm: each task derives it from its
+    environment)."""
 
     kind: str
     count: int
     argv: tuple[str, ...]
     env: Mapping[str, str]
     log_paths: tuple[str, ...]
+    first: int = 0
+    """Index of the first worker (0 for a whole group)."""
+
+    def __post_init__(self) -> None:
+        if self.first < 0 or len(self.log_paths) != self.count:
+            raise ValueError(f"{self.kind} group: first={self.first} with {self.count} workers "
+                             f"and {len(self.log_paths)} log paths")
 
     def worker_names(self) -> tuple[str, ...]:
-        return tuple(f"{self.kind}/{i}" for i in range(self.count))
+        """``kind/first`` .. ``kind/first+count-1``, in the order of :attr:`log_paths`."""
+        return tuple(f"{self.kind}/{self.first + i}" for i in range(self.count))
 
 
 class JobRequest(abc.ABC):

@@ -65,10 +65,13 @@ class LocalScheduler(Scheduler):
         self._logs: list = []
 
     def plan(self, group: GroupSpec) -> LocalRequest:
+        """One process per worker ``first + i``, told its index (``--index`` and
+        ``RLSYS_WORKER_INDEX``)."""
         return LocalRequest(group, tuple(
-            LocalProcess(f"{group.kind}/{i}", (*group.argv, "--index", str(i)),
-                         {**group.env, "RLSYS_WORKER_INDEX": str(i)}, group.log_paths[i])
-            for i in range(group.count)))
+            LocalProcess(name, (*group.argv, "--index", str(group.first + i)),
+                         {**group.env, "RLSYS_WORKER_INDEX": str(group.first + i)},
+                         group.log_paths[i])
+            for i, name in enumerate(group.worker_names())))
 
     def schedule(self, request: JobRequest) -> list[str]:
         assert isinstance(request, LocalRequest)

@@ -12,13 +12,16 @@ from workers.kinds import KINDS
 from workers.schema import WorkerSetup
 
 
-def group_spec(kind: str, count: int, paths: TrialPaths, python: str, attempt: int = 0
-               ) -> GroupSpec:
-    """One worker group, run by ``python``; ``attempt`` > 0 for a recovery's restart (pure)."""
+def group_spec(kind: str, count: int, paths: TrialPaths, python: str, attempt: int = 0,
+               first: int = 0) -> GroupSpec:
+    """Workers ``first .. first+count-1`` of group ``kind`` (the whole group: ``first=0``),
+    run by ``python``; ``attempt`` > 0 for a recovery's restart, whose workers log to their own
+    files (pure)."""
     return GroupSpec(kind, count, (python, "-m", "system.launcher.run_worker", "--trial-dir",
                                    paths.root, "--kind", kind),
                      {"PYTHONUNBUFFERED": "1"},
-                     tuple(paths.worker_log(kind, i, attempt) for i in range(count)))
+                     tuple(paths.worker_log(kind, first + i, attempt) for i in range(count)),
+                     first)
 
 
 def group_specs(cfg: ExperimentConfig, paths: TrialPaths, python: str) -> dict[str, GroupSpec]:
