@@ -23,7 +23,7 @@ class GroupSpec:
     worker ``first + i`` logs to ``log_paths[i]``. The whole group has ``first == 0``; a
     recovery that restarts one worker alone submits ``first=index, count=1``. The worker index
     is added by the scheduler (local: ``--index``; Slurm: each task derives it from its
-    environment)."""
+    environment, its rank plus ``RLSYS_WORKER_BASE``)."""
 
     kind: str
     count: int

@@ -17,7 +17,7 @@ from typing import Sequence
 from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
 from scheduler.requeue import RequeuePolicy
 from scheduler.slurm_config import SlurmConfig
-from scheduler.slurm_render import job_name, render_worker_script
+from scheduler.slurm_render import job_label, job_name, render_worker_script, script_name
 from system.errors import SchedulerError
 
 log = logging.getLogger("slurm")
@@ -121,11 +121,11 @@ class SlurmScheduler(Scheduler):
 
     # --- pure ---
     def plan(self, group: GroupSpec) -> SlurmRequest:
-        script = render_worker_script(
-            exp=self.exp, trial=self.trial, kind=group.kind, count=group.count, slurm=self.slurm,
-            argv=group.argv, env=group.env,
-            logs_dir=os.path.dirname(group.log_paths[0]), workdir=self.workdir)
-        return SlurmRequest(group, os.path.join(self.trial_dir, "jobs", f"{group.kind}.sbatch"),
+        """The script of ``group``'s job, under the trial's ``jobs/`` (a single worker's job
+        past 0 gets its own file, beside its group's)."""
+        script = render_worker_script(exp=self.exp, trial=self.trial, group=group,
+                                      slurm=self.slurm, workdir=self.workdir)
+        return SlurmRequest(group, os.path.join(self.trial_dir, "jobs", script_name(group)),
                             script)
 
     # --- effects ---
@@ -138,7 +138,8 @@ class SlurmScheduler(Scheduler):
         job_id = parse_sbatch_parsable(r.stdout)
         self._jobs[job_id] = request.group
         self._last_poll = 0.0
-        log.info("submitted %s as job %s", job_name(self.exp, self.trial, request.group.kind), job_id)
+        log.info("submitted %s as job %s", job_name(self.exp, self.trial,
+                                                    job_label(request.group)), job_id)
         return [job_id]
 
     @staticmethod

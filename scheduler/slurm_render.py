@@ -8,6 +8,7 @@ from typing import Mapping, Sequence
 
 import jinja2
 
+from scheduler.base import GroupSpec
 from scheduler.slurm_config import SlurmConfig, SlurmGroupConfig
 from system.errors import ConfigError
 
@@ -43,6 +44,18 @@ def job_name(exp: str, trial: str, kind: str) -> str:
     return f"{exp}_{trial}:{kind}"
 
 
+def job_label(group: GroupSpec) -> str:
+    """What names ``group``'s job: ``kind`` for a group, ``kind.<first>`` for a job that runs
+    worker ``first`` alone (a recovery's restart of one worker)."""
+    return f"{group.kind}.{group.first}" if group.first else group.kind
+
+
+def script_name(group: GroupSpec) -> str:
+    """The file name of ``group``'s script under the trial's ``jobs/``: ``kind.sbatch``, or
+    ``kind-<first>.sbatch`` for a single worker's job (the group's own script stays)."""
+    return f"{group.kind}-{group.first}.sbatch" if group.first else f"{group.kind}.sbatch"
+
+
 def _inherit(group: SlurmGroupConfig, slurm: SlurmConfig) -> dict[str, str]:
     return {k: getattr(group, k) or getattr(slurm, k) for k in ("partition", "account", "qos",
                                                                   "time")}
@@ -61,22 +74,50 @@ def tasks_per_node(kind: str, count: int, group: SlurmGroupConfig) -> int:
     return n
 
 
-def render_worker_script(*, exp: str, trial: str, kind: str, count: int, slurm: SlurmConfig,
-                         argv: Sequence[str], env: Mapping[str, str], logs_dir: str,
+def _literal(path: str) -> str:
+    """``path`` inside a Slurm filename pattern: ``%`` doubled (a backslash anywhere already
+    turns every replacement off)."""
+    return path if "\\" in path else path.replace("%", "%%")
+
+
+def task_log(group: GroupSpec) -> str:
+    """``srun --output`` such that worker ``first + i`` writes exactly ``log_paths[i]``: the
+    path itself for one worker, else a ``%t`` (task rank) pattern; refused (ConfigError) when
+    no pattern gives them all, e.g. workers from past 0 (ranks count from 0)."""
+    paths = group.log_paths
+    if group.count == 1:
+        return _literal(paths[0])
+    if group.first:
+        raise ConfigError(f"the {group.kind} job of workers {group.first}.."
+                          f"{group.first + group.count - 1}: a Slurm job starting past worker 0 "
+                          "runs one worker alone")
+    head = os.path.commonprefix([paths[0], paths[1]])
+    tail = paths[0][len(head) + 1:]
+    if "\\" in paths[0] or any(p != f"{head}{i}{tail}" for i, p in enumerate(paths)):
+        raise ConfigError(f"the log paths of the {group.kind} workers ({paths[0]} ..) are not "
+                          "one srun --output pattern with the task rank")
+    return f"{_literal(head)}%t{_literal(tail)}"
+
+
+def render_worker_script(*, exp: str, trial: str, group: GroupSpec, slurm: SlurmConfig,
                          workdir: str) -> str:
-    """The sbatch script of one worker group; its ``srun`` starts ``count`` tasks running
-    ``argv``, each writing ``<logs_dir>/<kind>-<task id>.log``."""
-    group = slurm.group(kind)
+    """The sbatch script of ``group``'s job: its ``srun`` starts ``count`` tasks running
+    ``argv``, task ``i`` being worker ``first + i`` (``RLSYS_WORKER_BASE``) and writing
+    ``log_paths[i]``. A job of one worker (a one-worker group, or a recovery's restart of one
+    worker alone) asks for one node, with the group's per-node resources."""
+    kind, g = group.kind, slurm.group(group.kind)
+    per_node = tasks_per_node(kind, group.count, g) if group.count != 1 else 1
+    logs_dir = os.path.dirname(group.log_paths[0])
     return _env().get_template("worker.sbatch.j2").render(
-        exp=exp, trial=trial, kind=kind, count=count, g=group,
-        ntasks_per_node=tasks_per_node(kind, count, group),
-        job_name=job_name(exp, trial, kind),
-        batch_log=os.path.join(logs_dir, f"slurm-{kind}-%j.log"),
-        task_log=os.path.join(logs_dir, f"{kind}-%t.log"),
+        exp=exp, trial=trial, kind=kind, count=group.count, first=group.first, g=g,
+        nodes=g.nodes if group.count != 1 else 1, ntasks_per_node=per_node,
+        job_name=job_name(exp, trial, job_label(group)),
+        batch_log=os.path.join(_literal(logs_dir), f"slurm-{kind}-%j.log"),
+        task_log=task_log(group),
         signal_seconds=slurm.signal_seconds, requeue=slurm.requeue,
-        requeue_mark=os.path.join(logs_dir, f".requeue-{kind}"),
-        env={**env, **group.env}, workdir=workdir,
-        command=" ".join(shell_quote(a) for a in argv), **_inherit(group, slurm))
+        requeue_mark=os.path.join(logs_dir, f".requeue-{kind}-"),
+        env={**group.env, **g.env}, workdir=workdir,
+        command=" ".join(shell_quote(a) for a in group.argv), **_inherit(g, slurm))
 
 
 def render_controller_script(*, exp: str, trial: str, slurm: SlurmConfig, argv: Sequence[str],

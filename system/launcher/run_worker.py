@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def task_identity(index: int | None) -> tuple[int, int]:
-    """``(worker index, local rank)``: given explicitly (local scheduler), or from Slurm."""
+    """``(worker index, local rank)``: given explicitly (local scheduler), or from Slurm: the
+    task's global rank plus ``RLSYS_WORKER_BASE``, the index of its job's first worker (a
+    recovery's job that restarts worker ``k`` alone runs one task with base ``k``)."""
     if index is not None:
         return index, 0
     if "SLURM_JOB_ID" in os.environ:
@@ -43,7 +45,7 @@ def task_identity(index: int | None) -> tuple[int, int]:
         from submitit.slurm.slurm import SlurmJobEnvironment
 
         env = SlurmJobEnvironment()
-        return env.global_rank, env.local_rank
+        return int(os.environ.get("RLSYS_WORKER_BASE") or 0) + env.global_rank, env.local_rank
     return int(os.environ.get("RLSYS_WORKER_INDEX", 0)), 0
 
 

@@ -6,12 +6,16 @@ import subprocess
 
 import pytest
 
-from scheduler.base import JobState
-from scheduler.slurm import STATE_TABLE, map_state, parse_sbatch_parsable, parse_scontrol_job
+from scheduler.base import GroupSpec, JobState
+from scheduler.slurm import (STATE_TABLE, SlurmScheduler, map_state, parse_sbatch_parsable,
+                             parse_scontrol_job)
 from scheduler.slurm_config import SlurmConfig, SlurmGroupConfig
-from scheduler.slurm_render import render_controller_script, render_worker_script, sbatch_quote
+from scheduler.slurm_render import (render_controller_script, render_worker_script, sbatch_quote,
+                                    task_log)
 from system.errors import ConfigError, SchedulerError
 from system.launch import build_config
+from system.launcher.groups import group_spec
+from system.paths import TrialPaths
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 ODD = "/shared/runs/it's a \"quoted\" dir"  # spaces, single and double quotes
@@ -43,13 +47,11 @@ def full_config() -> SlurmConfig:
         controller=SlurmGroupConfig(partition="cpu", mem="4G"))
 
 
-def render(kind: str, count: int, slurm: SlurmConfig) -> str:
-    return render_worker_script(
-        exp="gsm8k", trial="t1", kind=kind, count=count, slurm=slurm,
-        argv=["/opt/py env/bin/python", "-m", "system.launcher.run_worker", "--trial-dir", f"{ODD}/gsm8k/t1",
-              "--kind", kind],
-        env={"PYTHONUNBUFFERED": "1"}, logs_dir=f"{ODD}/gsm8k/t1/logs",
-        workdir="/home/a b/project")
+def render(kind: str, count: int, slurm: SlurmConfig, attempt: int = 0, first: int = 0) -> str:
+    group = group_spec(kind, count, TrialPaths(f"{ODD}/gsm8k/t1"), "/opt/py env/bin/python",
+                       attempt, first)
+    return render_worker_script(exp="gsm8k", trial="t1", group=group, slurm=slurm,
+                                workdir="/home/a b/project")
 
 
 def test_golden_model_group_pyxis():
@@ -127,3 +129,56 @@ def test_parsers():
     info = parse_scontrol_job("JobId=12 JobName=a:b JobState=PENDING Reason=BeginTime "
                               "Restarts=1 ExitCode=0:0")
     assert info["JobState"] == "PENDING" and info["Restarts"] == "1" and info["JobName"] == "a:b"
+
+
+def test_golden_single_worker_job():
+    """A recovery restarts rollout/3 alone: one task, based at worker 3, logging to exactly its
+    attempt's file, under its own job name."""
+    text = render("rollout", 1, full_config(), attempt=2, first=3)
+    check_golden("rollout-3.sbatch", text)
+    assert "\nexport RLSYS_WORKER_BASE=3\n" in text
+    assert "#SBATCH --job-name=\"gsm8k_t1:rollout.3\"\n" in text
+    assert "--output='/shared/runs/it'\"'\"'s a \"quoted\" dir/gsm8k/t1/logs/rollout-3.attempt2.log'" \
+        in text
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks=1\n#SBATCH --ntasks-per-node=1\n" in text
+
+
+def test_group_task_logs_are_its_log_paths():
+    """A recovery's restarted group keeps its own logs (the ``.attemptN`` suffix)."""
+    text = render("rollout", 6, full_config(), attempt=2)
+    assert "logs/rollout-%t.attempt2.log' --open-mode=append" in text
+    assert "\nexport RLSYS_WORKER_BASE=0\n" in text
+
+
+def test_one_worker_of_a_multi_node_group_takes_one_node():
+    text = render("model", 1, full_config(), first=5)
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks=1\n" in text
+    assert "#SBATCH --gpus-per-node=8\n" in text and "RLSYS_WORKER_BASE=5" in text
+
+
+def test_workers_past_zero_in_one_job_are_refused():
+    with pytest.raises(ConfigError, match=r"workers 2\.\.4") as e:
+        render("rollout", 3, full_config(), first=2)
+    assert "\n" not in str(e.value)
+
+
+def test_task_log_is_exact_with_a_percent_in_the_path():
+    paths = TrialPaths("/runs/100%/t1")
+    one = GroupSpec("rollout", 1, ("w",), {}, (paths.worker_log("rollout", 3, 1),), first=3)
+    assert task_log(one) == "/runs/100%%/t1/logs/rollout-3.attempt1.log"
+    group = GroupSpec("rollout", 2, ("w",), {}, tuple(paths.worker_log("rollout", i)
+                                                        for i in range(2)))
+    assert task_log(group) == "/runs/100%%/t1/logs/rollout-%t.log"
+    odd = GroupSpec("rollout", 2, ("w",), {}, ("/l/a-0.log", "/l/b-1.log"))
+    with pytest.raises(ConfigError, match="pattern"):
+        task_log(odd)
+
+
+def test_plan_keeps_the_group_script():
+    """A single worker's job has its own script beside its group's."""
+    sched = SlurmScheduler(full_config(), "gsm8k", "t1", "/trial", "/work")
+    paths = TrialPaths("/trial")
+    group = sched.plan(group_spec("rollout", 6, paths, "python"))
+    one = sched.plan(group_spec("rollout", 1, paths, "python", attempt=1, first=3))
+    assert group.script_path == "/trial/jobs/rollout.sbatch"
+    assert one.script_path == "/trial/jobs/rollout-3.sbatch"
