@@ -2,7 +2,7 @@
 
 As in TorchX, ``submit = schedule(plan(group))``: :meth:`Scheduler.plan` returns a
 :class:`JobRequest` whose :meth:`~JobRequest.materialize` is the script or command text (what
-``--dry-run`` shows); only :meth:`Scheduler.schedule` and :meth:`Scheduler.stop_all` act.
+``--dry-run`` shows); only :meth:`Scheduler.schedule` and the ``stop_*`` methods act.
 """
 from __future__ import annotations
 
@@ -88,3 +88,10 @@ class Scheduler(abc.ABC):
     def stop_group(self, kind: str, grace: float) -> None:
         """Stop every worker of group ``kind`` and forget its jobs (the group may then be
         submitted again, as a recovery does); must leave none of them running or queued."""
+
+    @abc.abstractmethod
+    def stop_worker(self, name: str, grace: float) -> None:
+        """Stop worker ``name`` (``kind/index``) and forget it, so it may be submitted again
+        alone (a recovery restarts a dead stateless worker by itself); must leave it neither
+        running nor queued. The other workers of its group are left alone; an unknown (or
+        already forgotten) worker is nothing to do."""

@@ -115,6 +115,13 @@ class LocalScheduler(Scheduler):
         for n in names:
             del self._procs[n]
 
+    def stop_worker(self, name: str, grace: float) -> None:
+        """Terminate worker ``name``'s process group (SIGTERM, SIGKILL after ``grace``) and
+        forget it; the rest of its group runs on."""
+        if name in self._procs:
+            _terminate([self._procs[name][0]], grace)
+            del self._procs[name]
+
 
 def _terminate(procs: list[subprocess.Popen], grace: float) -> None:
     """SIGTERM each process group, SIGKILL what is left after ``grace`` seconds."""

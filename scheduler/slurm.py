@@ -108,6 +108,8 @@ class SlurmScheduler(Scheduler):
         self.trial_dir = trial_dir
         self.workdir = workdir
         self._jobs: dict[str, GroupSpec] = {}
+        self._forgotten: dict[str, set[str]] = {}
+        """Job id -> its workers :meth:`stop_worker` forgot while the job ran others."""
         self._last_poll = 0.0
         self._cache: list[JobStatus] = []
 
@@ -174,7 +176,8 @@ class SlurmScheduler(Scheduler):
                 reason = reason or info.get("Reason", "")
                 restarts = int(info.get("Restarts", "0") or 0)
             state = map_state(raw) if raw else JobState.UNKNOWN
-            statuses.append(JobStatus(job_id, state, group.worker_names(), group.log_paths,
+            workers, log_paths = self._live(job_id)
+            statuses.append(JobStatus(job_id, state, workers, log_paths,
                                       f"job {job_id} {raw or 'not found'}"
                                       + (f" ({reason})" if reason and reason != "None" else ""),
                                       restarts))
@@ -220,18 +223,68 @@ class SlurmScheduler(Scheduler):
         """Cancel the jobs of group ``kind`` (SIGTERM first, as :meth:`stop_all`) and forget
         them, so the group can be submitted again."""
         ids = [j for j, g in self._jobs.items() if g.kind == kind]
-        if ids:
-            self._scancel(ids, "--signal=TERM", "--full")
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and self._queued(ids) != {}:
-                time.sleep(0.5)
-            left = self._cancel_until_gone(ids, time.monotonic() + self.cancel_deadline)
-            if left:
-                raise SchedulerError(f"jobs of the {kind} group still in the queue "
-                                     f"{self.cancel_deadline:.0f}s after scancel: {', '.join(left)}")
+        self._cancel(ids, grace, f"jobs of the {kind} group")
+        self._forget(ids)
+
+    def stop_worker(self, name: str, grace: float) -> None:
+        """Stop worker ``name`` and forget it. Its job is cancelled (as :meth:`stop_group`
+        does) when it runs no other worker, or has ended. Slurm cannot stop one task of a
+        step: while the job runs others, the worker (dead, or told to stop over RPC) is only
+        forgotten, and the job may no longer be requeued (its restart would start the worker
+        again beside its replacement). A worker of a queued job with others cannot be stopped
+        alone: SchedulerError."""
+        job_id = next((j for j in self._jobs if name in self._live(j)[0]), None)
+        if job_id is None:
+            return
+        others = [w for w in self._live(job_id)[0] if w != name]
+        queued = self._queued([job_id]) if others else {}
+        if queued and queued[job_id] in (JobState.PENDING, JobState.REQUEUED):
+            raise SchedulerError(f"worker {name} is queued in job {job_id} with "
+                                 f"{', '.join(others)}: stop its group instead")
+        if queued is None or job_id in queued:  # running others (or squeue did not say)
+            self._forgotten.setdefault(job_id, set()).add(name)
+            self._no_requeue(job_id)
+        else:
+            self._cancel([job_id], grace, f"job {job_id} of {name}")
+            self._forget([job_id])
+        self._last_poll = 0.0
+
+    def _live(self, job_id: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The workers of job ``job_id`` and their logs, but those :meth:`stop_worker` forgot."""
+        group, gone = self._jobs[job_id], self._forgotten.get(job_id, set())
+        pairs = [(w, p) for w, p in zip(group.worker_names(), group.log_paths) if w not in gone]
+        return tuple(w for w, _ in pairs), tuple(p for _, p in pairs)
+
+    def _forget(self, ids: list[str]) -> None:
         for j in ids:
             del self._jobs[j]
+            self._forgotten.pop(j, None)
         self._last_poll = 0.0
+
+    def _cancel(self, ids: list[str], grace: float, what: str) -> None:
+        """SIGTERM to ``ids``, ``grace`` seconds for them to leave the queue, then plain
+        ``scancel`` until they are gone (SchedulerError naming ``what`` if they are not)."""
+        if not ids:
+            return
+        self._scancel(ids, "--signal=TERM", "--full")
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self._queued(ids) != {}:
+            time.sleep(0.5)
+        left = self._cancel_until_gone(ids, time.monotonic() + self.cancel_deadline)
+        if left:
+            raise SchedulerError(f"{what} still in the queue {self.cancel_deadline:.0f}s after "
+                                 f"scancel: {', '.join(left)}")
+
+    def _no_requeue(self, job_id: str) -> None:
+        """Make job ``job_id`` never requeued (logged, never raised, if Slurm refuses)."""
+        try:
+            r = _run(["scontrol", "update", f"JobId={job_id}", "Requeue=0"],
+                     timeout=self.scancel_timeout)
+        except SchedulerError as e:
+            log.warning("%s", e)
+            return
+        if r.returncode != 0:
+            log.warning("job %s may still be requeued: %s", job_id, r.stderr.strip())
 
     def _cancel_until_gone(self, ids: list[str], deadline: float) -> list[str]:
         """Plain ``scancel`` of whatever is still queued, retried with backoff (1 s doubling to

@@ -99,3 +99,51 @@ def test_failed_trial_with_a_pending_job_leaves_nothing(slurm_cluster, tmp_path)
     assert "rollout/0" in r.stderr and "error while stopping" not in r.stderr, r.stderr
     assert read_summary(root, "smoke", "pend")["status"] == "failed"
     assert squeue(slurm_cluster.env, "smoke", "pend") == []
+
+
+def _running_job(sched: SlurmScheduler, group: GroupSpec) -> str:
+    (job_id,) = sched.schedule(sched.plan(group))
+    wait_for(lambda: [s.state for s in sched.poll(fresh=True)] == [JobState.RUNNING], 60,
+             f"job {job_id} running")
+    return job_id
+
+
+def test_stop_worker_of_a_two_task_job(slurm_env, tmp_path):
+    """One task of two is forgotten (Slurm cannot stop it alone) and its job may no longer be
+    requeued; forgetting the other cancels the job."""
+    sched = SlurmScheduler(SlurmConfig(poll_interval=0.2), "stop", "w2", str(tmp_path), REPO)
+    logs = (str(tmp_path / "rollout-0.log"), str(tmp_path / "rollout-1.log"))
+    job_id = _running_job(sched, GroupSpec("rollout", 2, ("sleep", "300"), {}, logs))
+    try:
+        sched.stop_worker("rollout/1", grace=3)
+        (st,) = sched.poll()
+        assert (st.job_id, st.state, st.workers, st.log_paths) == (
+            job_id, JobState.RUNNING, ("rollout/0",), logs[:1])
+        assert _queue(slurm_env, [job_id]) == [f"{job_id}|RUNNING"]
+        assert "Requeue=0" in subprocess.run(["scontrol", "show", "job", job_id],
+                                             capture_output=True, text=True).stdout
+        sched.stop_worker("rollout/1", grace=3)  # already forgotten: nothing to do
+        sched.stop_worker("rollout/0", grace=3)
+        assert _queue(slurm_env, [job_id]) == [] and sched.poll() == []
+    finally:
+        subprocess.run(["scancel", job_id], env={**os.environ, **slurm_env})
+
+
+def test_stop_worker_of_a_one_task_job(slurm_env, tmp_path):
+    """A worker restarted alone (rollout/3) is its own job: stopping it cancels the job and
+    leaves the group's job alone."""
+    sched = SlurmScheduler(SlurmConfig(poll_interval=0.2), "stop", "w1", str(tmp_path), REPO)
+    group = _running_job(sched, GroupSpec("rollout", 1, ("sleep", "300"), {},
+                                          (str(tmp_path / "rollout-0.log"),)))
+    one = GroupSpec("rollout", 1, ("sleep", "300"), {}, (str(tmp_path / "rollout-3.log"),), 3)
+    (job_id,) = sched.schedule(sched.plan(one))
+    try:
+        wait_for(lambda: {s.job_id: s.state for s in sched.poll(fresh=True)}
+                 == {group: JobState.RUNNING, job_id: JobState.RUNNING}, 60, "both running")
+        t0 = time.monotonic()
+        sched.stop_worker("rollout/3", grace=3)
+        assert time.monotonic() - t0 < 30
+        assert _queue(slurm_env, [job_id]) == []
+        assert [(s.job_id, s.workers) for s in sched.poll()] == [(group, ("rollout/0",))]
+    finally:
+        subprocess.run(["scancel", group, job_id], env={**os.environ, **slurm_env})

@@ -1,10 +1,13 @@
-"""Groups of workers ``first..first+count-1``: the group specs, the local scheduler's plan, the
-worker index a Slurm task derives (``RLSYS_WORKER_BASE``)."""
+"""One worker of a group stopped and started again alone: the local scheduler end to end (real
+processes), the worker index a Slurm task derives (``RLSYS_WORKER_BASE``), the group specs."""
 from __future__ import annotations
+
+import os
+import time
 
 import pytest
 
-from scheduler.base import GroupSpec
+from scheduler.base import GroupSpec, JobState
 from scheduler.local import LocalScheduler
 from system.launcher.groups import group_spec
 from system.launcher.run_worker import task_identity
@@ -17,6 +20,52 @@ ECHO_AND_SLEEP = ("sh", "-c", 'echo "$RLSYS_WORKER_INDEX $2"; exec sleep 300', "
 def _group(tmp_path, count: int, first: int = 0) -> GroupSpec:
     return GroupSpec("rollout", count, ECHO_AND_SLEEP, {},
                      tuple(str(tmp_path / f"rollout-{first + i}.log") for i in range(count)), first)
+
+
+def _running(sched: LocalScheduler) -> dict[str, str]:
+    """Worker -> job id (pid) of every job the scheduler lists as running."""
+    return {st.workers[0]: st.job_id for st in sched.poll() if st.state == JobState.RUNNING}
+
+
+def _gone(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _wait_logged(path, text: str) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if os.path.exists(path) and open(path).read() == text:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never read {text!r}")
+
+
+def test_local_stop_worker_restarts_one_worker_alone(tmp_path):
+    sched = LocalScheduler()
+    try:
+        ids = sched.submit(_group(tmp_path, 3))
+        assert list(_running(sched)) == ["rollout/0", "rollout/1", "rollout/2"]
+        sched.stop_worker("rollout/1", grace=2)
+        assert _gone(ids[1])
+        assert _running(sched) == {"rollout/0": ids[0], "rollout/2": ids[2]}
+        sched.stop_worker("rollout/1", grace=2)  # already forgotten: nothing to do
+
+        one = _group(tmp_path / "again", 1, first=1)
+        assert one.worker_names() == ("rollout/1",)
+        (new,) = sched.submit(one)
+        _wait_logged(one.log_paths[0], "1 1\n")
+        statuses = {st.workers[0]: st for st in sched.poll()}
+        assert sorted(statuses) == ["rollout/0", "rollout/1", "rollout/2"]
+        assert statuses["rollout/1"].job_id == new
+        assert statuses["rollout/1"].log_paths == one.log_paths
+        assert all(st.state == JobState.RUNNING for st in statuses.values())
+    finally:
+        sched.stop_all(grace=2)
+    assert all(_gone(pid) for pid in [*ids, new])
 
 
 def test_local_plan_indexes_from_first(tmp_path):
