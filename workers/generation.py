@@ -97,16 +97,17 @@ class GenerationServer(Worker):
         return self._engine().submit([int(t) for t in prompt], int(n),
                                      Sampling(**(sampling or {})))
 
-    def weight_sync_init(self, spec: dict[str, Any]) -> Future:
-        """Join the trainer's weight-update groups as replica ``index`` (the spec is a
-        :class:`~system.reshard.spec.WeightSyncSpec` on the wire)."""
+    def weight_sync_init(self, spec: dict[str, Any], group: str) -> Future:
+        """Join this server's weight-update group ``group`` (the spec, a
+        :class:`~system.reshard.spec.WeightSyncSpec` on the wire, has this server as its one
+        replica; the trainer's rank 0 hosts the group's store under ``store/<group>``)."""
         sync = WeightSyncSpec.from_wire(spec)
 
         def init(llm: Any) -> Any:
-            key = names.store(self.exp, self.trial, "weight_sync")
-            address = self.name_resolve.wait(key, sync.timeout)
+            address = self.name_resolve.wait(names.store(self.exp, self.trial, group),
+                                             sync.timeout)
             return llm.collective_rpc("rlsys_weight_sync_init",
-                                      args=(sync.to_wire(), self.index, address))
+                                      args=(sync.to_wire(), 0, address))
         return self._engine().control(init)
 
     def update_weights(self, version: int) -> Future:
@@ -153,8 +154,9 @@ class GenerationClient(WorkerClient):
                  ) -> Pending[list[Sample]]:
         return self._call("generate", prompt=prompt, n=n, sampling=sampling)
 
-    def weight_sync_init(self, spec: WeightSyncSpec) -> Pending[list[dict[str, Any]]]:
-        return self._call("weight_sync_init", spec=spec.to_wire())
+    def weight_sync_init(self, spec: WeightSyncSpec, group: str
+                         ) -> Pending[list[dict[str, Any]]]:
+        return self._call("weight_sync_init", spec=spec.to_wire(), group=group)
 
     def update_weights(self, version: int) -> Pending[Any]:
         return self._call("update_weights", version=version)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 import random
 import time
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # torch is imported by the model worker process, not by the l
 
     from workers.engines.torch_engine import LossFn, TorchEngine
 
+log = logging.getLogger("model")
 
 @dataclasses.dataclass
 class ModelWorkerConfig:
@@ -79,7 +81,7 @@ class ModelWorker(Worker):
         super().__init__(*args, **kwargs)
         self.engines: dict[str, TorchEngine] = {}   # "actor" | "ref" | "critic"
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="engine")
-        self._sync: _WeightSync | None = None
+        self._syncs: dict[int, _WeightSync] = {}    # generation replica -> its update group
         self._stores: list[Any] = []                # keep every group's store alive
         self._actor_loss: ActorLoss | None = None
         self._critic_loss: CriticLoss | None = None
@@ -87,6 +89,11 @@ class ModelWorker(Worker):
     def on_configure(self, config: WorkerSetup) -> None:
         self.model_cfg = ModelWorkerConfig(**config["worker"])
         self.world_size = int(config["counts"]["model"])
+
+    def on_preempt(self) -> bool:
+        """Preempted: stop once the master has checkpointed (it holds this worker's weights and
+        optimizer state)."""
+        return self.stop_after_checkpoint()
 
     def rpc_handlers(self) -> dict[str, Callable[..., Any]]:
         return {**super().rpc_handlers(), "logprobs": self.logprobs, "values": self.values,
@@ -175,31 +182,45 @@ class ModelWorker(Worker):
         return self._run(step)
 
     # --- weights ---
-    def weight_sync_init(self, spec: dict[str, Any]) -> Future:
-        """Join the weight-update groups as a source rank (rank 0 hosts the TCPStore under
-        ``store/weight_sync``; the generation servers' vLLM workers join)."""
+    def weight_sync_init(self, spec: dict[str, Any], group: str, replica: int) -> Future:
+        """Join generation replica ``replica``'s weight-update group ``group`` as a source rank
+        (rank 0 hosts its TCPStore under ``store/<group>``; the replica's vLLM workers join).
+        Each replica has a group of its own, so one that dies or restarts leaves the others'
+        updates alone; joining a replica again replaces its old group."""
         sync = WeightSyncSpec.from_wire(spec)
 
         def init() -> dict[str, Any]:
-            store = self._store("weight_sync", sync.world_size)
+            self._syncs.pop(int(replica), None)
+            store = self._store(group, sync.world_size, keep=False)
             executor = sync.executor(self.index, store, self._engine("actor").device)
-            self._sync = _WeightSync(executor, sync.src_boxes(self.index), store)
-            return {"rank": self.index, "buckets": len(executor.buckets)}
+            self._syncs[int(replica)] = _WeightSync(executor, sync.src_boxes(self.index), store)
+            return {"rank": self.index, "replica": int(replica), "buckets": len(executor.buckets)}
         return self._run(init)
 
-    def send_weights(self) -> Future:
-        """Send this rank's planned share of the actor's current weights (collective with the
-        other model workers and every generation server's ``update_weights``)."""
-        sync = self._sync
-        if sync is None:
-            raise RuntimeError("weight_sync_init was not called")
+    def send_weights(self, replicas: list[int]) -> Future:
+        """Send this rank's planned share of the actor's current weights to each of
+        ``replicas`` in turn (collective with the other model workers and each replica's
+        ``update_weights``). A replica whose transfer fails (its server died) is left out of
+        later updates until it joins again; the others still get theirs."""
+        missing = [r for r in replicas if int(r) not in self._syncs]
+        if missing:
+            raise RuntimeError(f"weight_sync_init was not called for replica(s) {missing}")
 
         def send() -> WeightsSent:
             t0 = time.perf_counter()
             full = self._engine("actor").full_state_dict()  # FSDP: all-gather (collective)
-            stats = sync.executor.run(src={n: full[n].contiguous() for n in sync.boxes},
-                                      src_boxes=sync.boxes)
-            return {"seconds": time.perf_counter() - t0, "bytes_sent": stats.bytes_sent}
+            sent, failed = 0, {}
+            for r in replicas:
+                sync = self._syncs[int(r)]
+                try:
+                    stats = sync.executor.run(src={n: full[n].contiguous() for n in sync.boxes},
+                                              src_boxes=sync.boxes)
+                    sent += stats.bytes_sent
+                except Exception as e:  # the replica died mid-update (gloo: connection closed)
+                    log.warning("weight update of generation replica %d failed: %s", r, e)
+                    failed[str(r)] = f"{type(e).__name__}: {e}"
+                    del self._syncs[int(r)]
+            return {"seconds": time.perf_counter() - t0, "bytes_sent": sent, "failed": failed}
         return self._run(send)
 
     def save_weights(self, directory: str) -> Future:
@@ -239,14 +260,16 @@ class ModelWorker(Worker):
         return self._run(save)
 
     # --- groups ---
-    def _store(self, name: str, world: int | None = None) -> Any:
-        """The TCPStore of group ``name``: rank 0 hosts it under ``store/<name>``."""
+    def _store(self, name: str, world: int | None = None, keep: bool = True) -> Any:
+        """The TCPStore of group ``name``: rank 0 hosts it under ``store/<name>``; ``keep``:
+        held as long as this worker lives (else the caller keeps it)."""
         world = world or self.world_size
         key = names.store(self.exp, self.trial, name)
         timeout = self.model_cfg.group_timeout
         store = (host_store(self.name_resolve, key, self.host, world, timeout) if self.index == 0
                  else lookup_store(self.name_resolve, key, world, timeout))
-        self._stores.append(store)
+        if keep:
+            self._stores.append(store)
         return store
 
     @property
@@ -295,11 +318,12 @@ class ModelClient(WorkerClient):
         return self._call("train_critic", batch=batch, global_tokens=global_tokens,
                           value_clip=value_clip)
 
-    def weight_sync_init(self, spec: WeightSyncSpec) -> Pending[dict[str, Any]]:
-        return self._call("weight_sync_init", spec=spec.to_wire())
+    def weight_sync_init(self, spec: WeightSyncSpec, group: str, replica: int
+                         ) -> Pending[dict[str, Any]]:
+        return self._call("weight_sync_init", spec=spec.to_wire(), group=group, replica=replica)
 
-    def send_weights(self) -> Pending[WeightsSent]:
-        return self._call("send_weights")
+    def send_weights(self, replicas: list[int]) -> Pending[WeightsSent]:
+        return self._call("send_weights", replicas=list(replicas))
 
     def save(self, directory: str) -> Pending[dict[str, Any]]:
         return self._call("save", directory=directory)

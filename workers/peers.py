@@ -33,6 +33,10 @@ class PeerClients:
             self._clients[name] = client_for(name, self._connect(address))
             self._addresses[name] = address
 
+    def address(self, name: str) -> str | None:
+        """The address ``name`` was last seen registered at."""
+        return self._addresses.get(name)
+
     def all(self) -> list[WorkerClient]:
         return [self._clients[n] for n in sorted(self._clients, key=_order)]
 

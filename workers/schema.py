@@ -186,3 +186,5 @@ class EngineInfo(TypedDict):
 class WeightsSent(TypedDict):
     seconds: float
     bytes_sent: int
+    failed: dict[str, str]
+    """Replica -> why its transfer failed (it is left out until it joins again)."""

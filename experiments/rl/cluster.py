@@ -1,11 +1,21 @@
 """The master's view of the other workers: data-parallel calls on every model worker, weight
-updates and evaluation requests on generation servers."""
+updates and evaluation requests on generation servers.
+
+Generation servers come and go while training goes on: each server (replica) has a weight-update
+group of its own, so a server that dies leaves the others' updates alone. :attr:`Cluster.live`
+is the set of replicas that take part in routing and weight updates; a server that stops
+heart-beating or fails an update leaves it, and one that registers again (restarted by the
+controller, or requeued by Slurm) joins a fresh group and receives the current weights before it
+rejoins (:meth:`Cluster.watch_replicas`).
+"""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import time
+import uuid
 from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
@@ -14,7 +24,9 @@ from experiments.rl.config import RLConfig
 from system.reshard.layout import GenLayout, TrainLayout
 from system.reshard.params import ModelShape
 from system.reshard.spec import WeightSyncSpec
-from workers.client import Pending, collect
+from system import names
+from system.errors import NameEntryNotFound, RpcError
+from workers.client import Pending, collect, collect_settled
 from workers.generation import GenerationClient
 from workers.master import MasterWorker
 from workers.model import ModelClient
@@ -22,6 +34,7 @@ from workers.peers import PeerClients
 from workers.schema import EngineInfo, TrainItem, TrainStats
 
 T = TypeVar("T")
+log = logging.getLogger("rl-master")
 
 
 class Cluster:
@@ -32,7 +45,12 @@ class Cluster:
         counts = master.config["counts"]
         self.n_model, self.n_gen = int(counts["model"]), int(counts["generation"])
         self.models: list[ModelClient] = []
-        self.gens: list[GenerationClient] = []
+        self.gens: dict[int, GenerationClient] = {}
+        """The latest client of every generation server, by replica index."""
+        self.live: set[int] = set()
+        """Replicas in routing and weight updates."""
+        self._joined: dict[int, str] = {}  # replica -> the address it joined weight sync from
+        self._spec: WeightSyncSpec | None = None
 
     def wait_ready(self, timeout: float) -> None:
         """Until every model worker has its engines and every generation server its vLLM."""
@@ -51,7 +69,7 @@ class Cluster:
                 raise TimeoutError(f"engines not ready within {timeout:.0f}s "
                                    f"(model ready: {ok_m}, generation: {ok_g})")
             time.sleep(0.5)
-        self.models, self.gens = models, gens
+        self.models, self.gens = models, {_index(g.name): g for g in gens}
 
     # --- data-parallel calls on every model worker ---
     def on_models(self, call: Callable[[ModelClient], Pending[T]]) -> list[T]:
@@ -93,36 +111,118 @@ class Cluster:
 
     # --- weights ---
     def init_weight_sync(self, path: str, info: EngineInfo) -> None:
+        """Plan the per-replica weight update and let every server join (each its own group)."""
         from transformers import AutoConfig
 
         ws = self.rl.weight_sync
-        if ws.mode == "disk":
-            return
-        spec = WeightSyncSpec(src=TrainLayout(dp=self.n_model),
-                              dst=GenLayout(tp=self.rl.vllm.tensor_parallel_size,
-                                            replicas=self.n_gen),
-                              shape=ModelShape.from_hf(AutoConfig.from_pretrained(path)),
-                              dtype=info["dtype"], backend=info["backend"], mode=ws.mode,
-                              bucket_bytes=ws.bucket_mb << 20, timeout=ws.timeout)
-        pending: list[Pending[Any]] = [c.weight_sync_init(spec) for c in self.models]
-        pending += [g.weight_sync_init(spec) for g in self.gens]
-        collect(pending, ws.timeout + 30)
+        if ws.mode != "disk":
+            self._spec = WeightSyncSpec(
+                src=TrainLayout(dp=self.n_model),
+                dst=GenLayout(tp=self.rl.vllm.tensor_parallel_size, replicas=1),
+                shape=ModelShape.from_hf(AutoConfig.from_pretrained(path)),
+                dtype=info["dtype"], backend=info["backend"], mode=ws.mode,
+                bucket_bytes=ws.bucket_mb << 20, timeout=ws.timeout)
+        self.live = self.join(sorted(self.gens))
+        if not self.live:
+            raise RuntimeError("no generation server could join the weight updates")
 
-    def publish(self, version: int) -> dict[str, float]:
+    def join(self, replicas: list[int]) -> set[int]:
+        """``replicas`` join fresh weight-update groups (a collective with every model
+        worker); returns those that joined."""
+        for r in replicas:
+            self._joined[r] = self.peers.address(self.gens[r].name) or ""
+        if self._spec is None:  # disk mode: nothing to join
+            return set(replicas)
+        spec, pending, owner = self._spec, [], []
+        for r in replicas:
+            group = f"weight_sync/{r}-{uuid.uuid4().hex[:8]}"  # never an old group's store
+            pending += [c.weight_sync_init(spec, group, r) for c in self.models]
+            pending.append(self.gens[r].weight_sync_init(spec, group))
+            owner += [r] * (len(self.models) + 1)
+        failed = {r for r, res in zip(owner, collect_settled(pending, spec.timeout + 30))
+                  if isinstance(res, RpcError)}
+        for r in sorted(failed):
+            log.warning("generation server %d could not join the weight updates", r)
+        return set(replicas) - failed
+
+    def publish(self, version: int, replicas: set[int] | None = None,
+                alive: Callable[[int], bool] | None = None) -> dict[str, float]:
+        """Send the actor's current weights to ``replicas`` (default: every live one) as
+        ``version``. A server whose update fails leaves :attr:`live` (it rejoins once it
+        registers again); ``alive(replica)`` lets a wait on a dead server end early."""
         t0 = time.perf_counter()
+        targets = sorted(self.live if replicas is None else replicas)
+        sent_bytes, failed = 0, {}
         if self.rl.weight_sync.mode == "disk":
             weights = os.path.join(self.master.boot.trial_dir, "weights")
             directory = os.path.join(weights, f"v{version}")
             self.on_models(lambda c: c.save_weights(directory))
-            collect([g.load_weights_from_disk(directory, version) for g in self.gens],
-                    self.rl.call_timeout)
+            loading = [self.gens[r].load_weights_from_disk(directory, version) for r in targets]
+            for r, res in zip(targets, collect_settled(loading, self.rl.call_timeout)):
+                if isinstance(res, RpcError):
+                    failed[r] = str(res)
             shutil.rmtree(os.path.join(weights, f"v{version - 1}"), ignore_errors=True)
-            return {"sync_seconds": time.perf_counter() - t0, "sync_bytes": 0.0}
-        receiving = [g.update_weights(version) for g in self.gens]
-        sent = self.on_models(lambda c: c.send_weights())
-        collect(receiving, self.rl.call_timeout)
-        return {"sync_seconds": time.perf_counter() - t0,
-                "sync_bytes": float(sum(s["bytes_sent"] for s in sent))}
+        else:
+            receiving = {r: self.gens[r].update_weights(version) for r in targets}
+            for s in self.on_models(lambda c: c.send_weights(targets)):
+                sent_bytes += int(s["bytes_sent"])
+                failed.update({int(r): why for r, why in s["failed"].items()})
+            for r, p in receiving.items():
+                if r in failed:
+                    continue  # its sender gave up on it: do not wait for its answer
+                try:
+                    p.result_while(lambda r=r: alive is None or alive(r), self.rl.call_timeout)
+                except RpcError as e:
+                    failed[r] = str(e)
+        for r, why in sorted(failed.items()):
+            self.drop(r, f"weight update failed: {why}")
+        return {"sync_seconds": time.perf_counter() - t0, "sync_bytes": float(sent_bytes),
+                "sync_replicas": float(len(targets) - len(failed))}
+
+    def serving(self, replica: int) -> bool:
+        """Whether server ``replica`` heart-beats and is still the process the master talks to
+        (a restarted one registers at a new address: a call to the old one never returns)."""
+        m = self.master
+        if replica not in m.alive("generation") or replica not in self.gens:
+            return False
+        try:
+            address = m.name_resolve.get(names.worker_address(m.exp, m.trial, "generation",
+                                                              replica))
+        except NameEntryNotFound:
+            return False
+        return self.gens[replica].rpc.address == address
+
+    def drop(self, replica: int, why: str) -> None:
+        """``replica`` leaves routing and weight updates until it registers again."""
+        if replica in self.live:
+            log.warning("generation server %d left routing and weight updates: %s", replica, why)
+            self.live.discard(replica)
+        self._joined.pop(replica, None)
+
+    def watch_replicas(self, alive: set[int], version: int) -> bool:
+        """Drop the live servers whose heartbeat expired; let servers that registered again
+        (a new address) and whose engine is ready join and receive the current weights as
+        ``version``. Returns whether :attr:`live` changed."""
+        before = set(self.live)
+        for r in sorted(self.live - alive):
+            self.drop(r, "it stopped heart-beating")
+        self.peers.refresh()
+        for g in self.peers.generation_servers():
+            r = _index(g.name)
+            address = self.peers.address(g.name)
+            if r not in alive or address == self._joined.get(r):
+                continue
+            self.drop(r, "it registered again")
+            self.gens[r] = g
+            if _answer(g.engine_stats(), 2.0) is None:
+                continue  # its engine is still starting
+            if self.join([r]):
+                self.live.add(r)
+                self.publish(version, {r}, lambda i: i in alive)
+                if r in self.live:
+                    log.info("generation server %d rejoined with weights version %d", r,
+                             version)
+        return self.live != before
 
     def close(self) -> None:
         self.peers.close()
@@ -141,8 +241,13 @@ def sum_stats(outs: list[TrainStats]) -> TrainStats:
     return stats  # type: ignore[return-value]
 
 
-def _answer(pending: Pending[T]) -> T | None:
+def _answer(pending: Pending[T], timeout: float = 5.0) -> T | None:
     try:
-        return pending.result(5.0)
+        return pending.result(timeout)
     except Exception:
         return None
+
+
+def _index(name: str) -> int:
+    """``kind/index`` -> index."""
+    return int(name.rsplit("/", 1)[1])

@@ -3,8 +3,8 @@
 - :class:`PromptCursor`: each epoch visits every training prompt once in a seeded order; prompts
   whose rollouts were lost (a failed rollout, a stale group dropped, a crash before training)
   are handed out again first, so within an epoch no prompt is skipped or trained on twice.
-- :class:`Router`: least outstanding requests across generation servers; all samples of one
-  prompt go to one server.
+- :class:`Router`: least outstanding requests across the live generation servers; all samples
+  of one prompt go to one server; while none is live, no task is handed out.
 - :class:`TaskSource`: what the master's ``next_task`` RPC serves, gated by admission. Every task
   handed out carries a lease (``lease_timeout`` seconds on the master's clock): an expired lease,
   or any lease of a rollout worker known to be dead, is released as if its rollout had failed
@@ -65,15 +65,29 @@ class PromptCursor:
 
 
 class Router:
-    """Least outstanding requests (ties: the lowest index)."""
+    """Least outstanding requests among the live servers (ties: the lowest index)."""
 
     def __init__(self, servers: int) -> None:
         self.outstanding = [0] * servers
+        self.live = set(range(servers))
+        """Servers that take requests (a dead one is left out until it rejoins)."""
         self._lock = threading.Lock()
 
-    def pick(self, weight: int = 1) -> int:
+    def set_live(self, live: set[int]) -> None:
         with self._lock:
-            i = min(range(len(self.outstanding)), key=lambda k: (self.outstanding[k], k))
+            self.live = set(live)
+
+    def available(self) -> bool:
+        with self._lock:
+            return bool(self.live)
+
+    def pick(self, weight: int = 1) -> int:
+        """The live server with the fewest outstanding requests (raises when none is live:
+        callers check :meth:`available` first)."""
+        with self._lock:
+            if not self.live:
+                raise RuntimeError("no generation server is live")
+            i = min(self.live, key=lambda k: (self.outstanding[k], k))
             self.outstanding[i] += weight
             return i
 
@@ -98,16 +112,24 @@ class TaskSource:
         self.deadlines: dict[int, float] = {}  # seq -> when its lease expires (``clock`` time)
         self.expired = 0   # leases that ran out (cumulative, for the metrics)
         self.released = 0  # leases of rollout workers found dead (cumulative)
+        self.incarnations: dict[int, str] = {}  # rollout worker -> the process last seen asking
         self.done = False
         self._lock = threading.Lock()
 
-    def next_task(self, worker: int, max_tasks: int) -> TaskReply:
+    def next_task(self, worker: int, max_tasks: int, incarnation: str = "") -> TaskReply:
+        """Up to ``max_tasks`` tasks for rollout worker ``worker``. A worker asking under a new
+        ``incarnation`` was restarted: the leases its predecessor held are released first (its
+        results will never come)."""
         tasks: list[Task] = []
         with self._lock:
             if self.done:
                 return {"done": True}
+            if incarnation and self.incarnations.get(worker, incarnation) != incarnation:
+                self.released += len(self._release(worker))
+            if incarnation:
+                self.incarnations[worker] = incarnation
             deadline = self.clock() + self.lease_timeout
-            for _ in range(max_tasks):
+            for _ in range(max_tasks if self.router.available() else 0):
                 ticket = self.admission.try_admit()
                 if ticket is None:
                     break
@@ -153,10 +175,14 @@ class TaskSource:
         """Release at once every lease held by rollout worker ``worker`` (known dead), so its
         prompts go to the others; returns their tasks, oldest first."""
         with self._lock:
-            seqs = sorted(s for s, t in self.in_flight.items() if t["worker"] == worker)
-            out = [t for t in (self._end(s, accepted=False) for s in seqs) if t is not None]
+            out = self._release(worker)
             self.released += len(out)
             return out
+
+    def _release(self, worker: int) -> list[Task]:
+        """End every lease ``worker`` holds, as failed (the lock is held)."""
+        seqs = sorted(s for s, t in self.in_flight.items() if t["worker"] == worker)
+        return [t for t in (self._end(s, accepted=False) for s in seqs) if t is not None]
 
     def lease_holders(self) -> set[int]:
         """Rollout workers holding at least one lease."""

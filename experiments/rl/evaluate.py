@@ -1,7 +1,7 @@
 """Greedy evaluation on the held-out prompts, through the generation servers."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from experiments.rl.agents import Episode, SingleTurnAgent
 from experiments.rl.config import RLConfig
@@ -11,9 +11,11 @@ from experiments.rl.tasks import Prompt, get_task
 from workers.generation import GenerationClient
 
 
-def evaluate(gens: list[GenerationClient], rl: RLConfig, tok: Any, agent: SingleTurnAgent,
-             router: Router, prompts: list[tuple[Prompt, list[int]]]) -> float:
-    """Greedy accuracy on the held-out prompts (rewards in [0, 1])."""
+def evaluate(gens: dict[int, GenerationClient], rl: RLConfig, tok: Any, agent: SingleTurnAgent,
+             router: Router, prompts: list[tuple[Prompt, list[int]]],
+             alive: Callable[[int], bool] | None = None) -> float:
+    """Greedy accuracy on the held-out prompts (rewards in [0, 1]), through the live servers
+    (``gens``: by replica index; ``router`` picks among the live ones)."""
     if not prompts:
         return float("nan")
     task = get_task(rl.task)
@@ -22,7 +24,7 @@ def evaluate(gens: list[GenerationClient], rl: RLConfig, tok: Any, agent: Single
         server = router.pick()
         episodes += [(ep, server) for ep in agent.episodes(ids, 1, greedy=True)]
     try:
-        results = run_episodes(episodes, dict(enumerate(gens)), rl.call_timeout)
+        results = run_episodes(episodes, gens, rl.call_timeout, alive)
     finally:
         for _, server in episodes:
             router.done(server)

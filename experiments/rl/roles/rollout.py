@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Any
 
 from experiments.rl.agents import Episode, make_agent
@@ -32,6 +33,8 @@ class _Rollouts:
         self.agent = make_agent(rl.agent, self.tok)
         self.encoded: dict[int, list[int]] = {}
         self.gens: dict[int, GenerationClient] = {}
+        self.incarnation = uuid.uuid4().hex
+        """This process, as the master knows it: a restarted worker asks under a new one."""
         self._connect(worker.name_resolve.wait(self._master_key(), 60), 60.0)
 
     def _connect(self, address: str, stream_timeout: float) -> None:
@@ -51,9 +54,20 @@ class _Rollouts:
         except NameEntryNotFound:
             return None
 
+    def _server_key(self, index: int) -> str:
+        return names.worker_address(self.worker.exp, self.worker.trial, "generation", index)
+
     def server_alive(self, index: int) -> bool:
-        """Whether generation server ``index`` still heart-beats."""
-        return index in self.worker.alive("generation")
+        """Whether generation server ``index`` still heart-beats and is still the process this
+        worker talks to (a restarted server registers at a new address)."""
+        if index not in self.worker.alive("generation"):
+            return False
+        try:
+            address = self.worker.name_resolve.get(self._server_key(index))
+        except NameEntryNotFound:
+            return False
+        client = self.gens.get(index)
+        return client is not None and client.rpc.address == address
 
     def master_moved(self) -> bool:
         """The master was restarted (a recovery): it serves, and streams, at new addresses."""
@@ -89,11 +103,15 @@ class _Rollouts:
         self._connect(address, self.rl.startup_timeout)
 
     def server(self, index: int) -> GenerationClient:
-        if index not in self.gens:
-            w = self.worker
-            addr = w.name_resolve.wait(names.worker_address(w.exp, w.trial, "generation", index),
-                                       60)
-            self.gens[index] = GenerationClient(w.client(addr, self.rl.call_timeout),
+        """A client of generation server ``index`` at the address it is registered at now (a
+        restarted or requeued server comes back elsewhere)."""
+        w = self.worker
+        address = w.name_resolve.wait(self._server_key(index), 60)
+        client = self.gens.get(index)
+        if client is None or client.rpc.address != address:
+            if client is not None:
+                client.close()
+            self.gens[index] = GenerationClient(w.client(address, self.rl.call_timeout),
                                                 f"generation/{index}")
         return self.gens[index]
 
@@ -117,7 +135,8 @@ class _Rollouts:
             log.exception("rollout failed")
             # look the servers up again next time: one requeued by Slurm registers anew
             for server in {t["server"] for t in tasks}:
-                self.gens.pop(server).close()
+                if server in self.gens:
+                    self.gens.pop(server).close()
             return [], owner, f"{type(e).__name__}: {e}"
 
     def group(self, k: int, t: Task, results: list[list[Trajectory]], owner: list[int],
@@ -153,7 +172,8 @@ def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
     try:
         while not worker.stopping:
             try:
-                reply = r.master.next_task(worker.index, rl.tasks_per_request).result(10.0)
+                reply = r.master.next_task(worker.index, rl.tasks_per_request,
+                                           r.incarnation).result(10.0)
             except RpcError as e:  # a restarted master (recover=auto) comes back elsewhere
                 log.warning("next_task failed (%s): waiting for the master", e)
                 r.reconnect()

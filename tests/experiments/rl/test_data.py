@@ -36,6 +36,18 @@ def test_router_least_outstanding():
     assert r.pick() == 0
 
 
+def test_router_skips_servers_out_of_routing_and_no_task_goes_out_while_none_is_live():
+    r = Router(3)
+    r.set_live({0, 2})
+    assert [r.pick(8) for _ in range(3)] == [0, 2, 0]
+    adm = AdmissionController(AdmissionConfig(2, 0))
+    src = TaskSource(adm, PromptCursor(list(range(4)), 1), Router(2), group_size=1)
+    src.router.set_live(set())
+    assert src.next_task(0, 2) == {"wait": 0.05} and adm.outstanding() == 0
+    src.router.set_live({1})
+    assert [t["server"] for t in src.next_task(0, 2)["tasks"]] == [1, 1]
+
+
 def test_task_source_gives_lost_prompts_back_and_snapshots_in_flight():
     adm = AdmissionController(AdmissionConfig(2, 1))
     src = TaskSource(adm, PromptCursor(list(range(6)), 1), Router(1), group_size=4)
@@ -102,3 +114,17 @@ def test_lease_timeout_must_be_positive():
     adm = AdmissionController(AdmissionConfig(1, 0))
     with pytest.raises(ValueError):
         TaskSource(adm, PromptCursor([0], 0), Router(1), 1, lease_timeout=0)
+
+
+def test_a_restarted_rollout_worker_releases_what_its_predecessor_held():
+    adm = AdmissionController(AdmissionConfig(2, 0))
+    src = TaskSource(adm, PromptCursor(list(range(8)), 2), Router(1), group_size=1,
+                     clock=FakeClock())
+    held = src.next_task(2, 2, "first")["tasks"]
+    assert src.lease_holders() == {2}
+    assert src.next_task(2, 0, "first") == {"wait": 0.05}  # the same process: nothing released
+    assert len(src.in_flight) == 2
+    again = src.next_task(2, 2, "second")["tasks"]  # restarted: its old leases are released
+    assert src.released == 2
+    assert [t["prompt_id"] for t in again] == [t["prompt_id"] for t in held]
+    assert all(src.finish(t["seq"], accepted=True) is None for t in held)  # late: dropped
