@@ -43,10 +43,8 @@ class Experiment:
     """The experiment's own config section, sent to every worker."""
     stateful: tuple[str, ...] = ()
     """Worker kinds that hold training state: when one dies (and ``recover=auto``), all of
-    these restart from the latest checkpoint; the others stay up."""
-    coupled: tuple[str, ...] = ()
-    """Stateless kinds that share collective groups with the stateful ones (generation servers
-    are members of the weight-sync groups): when one dies, the stateful kinds restart with it."""
+    these restart from the latest checkpoint; the others stay up. A worker of any other kind
+    that dies is restarted alone."""
 
     @property
     def doc(self) -> str:

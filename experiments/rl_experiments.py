@@ -48,8 +48,6 @@ def smollm2_arith() -> RLExperimentConfig:
 
 
 STATEFUL = ("model", "master")
-COUPLED = ("generation",)
-ARITH_TINY = Experiment("arith-tiny", arith_tiny, ROLES, section="rl", stateful=STATEFUL,
-                        coupled=COUPLED)
+ARITH_TINY = Experiment("arith-tiny", arith_tiny, ROLES, section="rl", stateful=STATEFUL)
 SMOLLM2_ARITH = Experiment("smollm2-arith", smollm2_arith, ROLES, section="rl",
-                           stateful=STATEFUL, coupled=COUPLED)
+                           stateful=STATEFUL)

@@ -31,6 +31,7 @@ from experiments.rl.state import Admitted, LoopState, load_state, save_state
 from experiments.rl.tasks import dataset
 from experiments.rl.train_step import train_step
 from system import names
+from system.errors import RpcError
 from system.rpc import StreamPuller
 from workers.master import MasterWorker
 from workers.schema import Task
@@ -75,6 +76,8 @@ class RLLoop:
         self.samples_at_start = self.state.consumed * rl.group_size
         self.t_loop = time.monotonic()
         self._heartbeats_read_at = 0.0  # rollout heartbeats are read at most once a second
+        self._replicas_read_at = 0.0    # and generation servers' too
+        self._preempts_read_at = 0.0    # and the preemption requests
         self._last_save: float | None = None  # when the last checkpoint was committed
         self._last_cost: float | None = None  # how long it took (seconds)
 
@@ -84,10 +87,11 @@ class RLLoop:
         self.cluster.wait_ready(self.rl.startup_timeout)
         info = self.cluster.on_models(lambda c: c.engine_info())[0]
         self.cluster.init_weight_sync(self.path, info)
+        self.router.set_live(self.cluster.live)
         if self.state.step > 0 or self.master.config["recover"] == "resume":
             # the servers hold the base model, or (after a recovery) newer weights than the
             # checkpoint's: give them the weights training continues from
-            self.cluster.publish(self.state.step)
+            self.publish()
         self.master.set_progress(phase="starting", resumed_from=self.state.step)
         if self.state.eval_before is None:
             self.master.set_progress(phase="evaluating", resumed_from=self.state.step)
@@ -97,8 +101,50 @@ class RLLoop:
         self.master.serve_tasks(self.source)  # rollouts begin
 
     def evaluate(self) -> float:
-        return evaluate(self.cluster.gens, self.rl, self.tok, self.agent, self.router,
-                        self.held_out)
+        """Greedy accuracy through the live servers; a server that dies meanwhile leaves
+        routing and the evaluation runs again on the others (it is deterministic)."""
+        while True:
+            self.wait_for_replica()
+            gens = {r: self.cluster.gens[r] for r in self.cluster.live}
+            try:
+                return evaluate(gens, self.rl, self.tok, self.agent, self.router, self.held_out,
+                                self.gen_alive)
+            except RpcError as e:
+                log.warning("evaluation failed (%s): again on the live servers", e)
+                self.watch_replicas(force=True)
+
+    def publish(self) -> dict[str, float]:
+        """The current weights to every live server (one that fails leaves routing)."""
+        out = self.cluster.publish(self.state.step, alive=self.gen_alive)
+        self.router.set_live(self.cluster.live)
+        return out
+
+    def gen_alive(self, replica: int) -> bool:
+        return self.cluster.serving(replica)
+
+    def watch_replicas(self, force: bool = False) -> None:
+        """At most once a second (or now): drop dead servers from routing, let restarted ones
+        rejoin with the current weights (:meth:`Cluster.watch_replicas`)."""
+        now = time.monotonic()
+        if not force and now - self._replicas_read_at < 1.0:
+            return
+        self._replicas_read_at = now
+        if self.cluster.watch_replicas(self.master.alive("generation"), self.state.step):
+            self.router.set_live(self.cluster.live)
+            self.master.set_progress(**{**self.master.progress(), "servers": self.servers()})
+
+    def servers(self) -> str | None:
+        """``live/all`` generation servers while some are out, for the progress line."""
+        live, n = len(self.cluster.live), self.cluster.n_gen
+        return None if live == n else f"{live}/{n}"
+
+    def wait_for_replica(self) -> None:
+        """Until at least one generation server is live (a lone server may be restarting)."""
+        while not self.cluster.live:
+            if self.master.stopping:
+                raise RuntimeError("stopped while waiting for a generation server")
+            self.watch_replicas(force=True)
+            time.sleep(0.5)
 
     def step(self) -> None:
         """One training step, from taking a batch to the checkpoint."""
@@ -110,7 +156,7 @@ class RLLoop:
         state.step += 1
         state.consumed += rl.batch_size
         self.admission.consumed(rl.batch_size)
-        sync = self.cluster.publish(state.step) if (
+        sync = self.publish() if (
             state.step % rl.sync_interval == 0 or state.step == rl.total_steps) else {}
         self.admission.set_version(state.step)
         acc = self.evaluate() if ((rl.eval_interval and state.step % rl.eval_interval == 0)
@@ -126,9 +172,11 @@ class RLLoop:
             step=f"{state.step}/{rl.total_steps}", reward=f"{row['reward']:.3f}",
             samples_s=f"{row['samples_per_s']:.1f}",
             staleness=f"{row['staleness_max']}/{rl.eta}", version=state.step,
-            eval=None if acc is None else f"{acc:.3f}")
-        if self.checkpoint_due():
+            eval=None if acc is None else f"{acc:.3f}", servers=self.servers())
+        preempts = self.preempt_requests()
+        if preempts or self.checkpoint_due():
             self.checkpoint()
+            self.master.preempts_checkpointed(preempts)
         if rl.crash_at_step and state.step == rl.crash_at_step and self.resumed_from is None:
             raise RuntimeError(f"injected failure after step {state.step} (rl.crash_at_step)")
 
@@ -149,6 +197,11 @@ class RLLoop:
             if self.master.stopping:
                 raise RuntimeError("stopped during training")
             self.reclaim_leases()  # each wait below is at most 0.5 s
+            self.watch_replicas()
+            preempts = self.preempt_requests()
+            if preempts:  # between steps: a checkpoint now holds everything trained
+                self.checkpoint()
+                self.master.preempts_checkpointed(preempts)
             msg = self.puller.recv(0.5)
             if msg is None:
                 continue
@@ -160,8 +213,6 @@ class RLLoop:
                 continue
             self.buffer.put(Admitted(msg, task["epoch"]),
                             group_version(msg["trajs"], task["version"]))
-
-    # When reclaim_leases last read the rollout workers' heartbeats (time.monotonic()).
 
     def reclaim_leases(self) -> None:
         """Release the leases that ran out, and those of rollout workers whose heartbeat expired,
@@ -183,6 +234,15 @@ class RLLoop:
             if released:
                 log.warning("rollout worker %d stopped heart-beating: released its %d lease(s): "
                             "%s", worker, len(released), _describe(released))
+
+    def preempt_requests(self) -> list[str]:
+        """Workers warned of preemption (SIGUSR2) that wait for a checkpoint before they stop
+        (read at most once a second)."""
+        now = time.monotonic()
+        if now - self._preempts_read_at < 1.0:
+            return []
+        self._preempts_read_at = now
+        return self.master.preempt_requests()
 
     def resume_point(self) -> int | None:
         """The step of the newest readable checkpoint when resuming (``recover=resume``)."""

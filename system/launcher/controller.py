@@ -23,7 +23,8 @@ from scheduler.requeue import Restart
 from system import names
 from system.errors import NameEntryNotFound, RLSystemError, RpcError, WorkerFailure
 from system.launcher.config import ExperimentConfig
-from system.launcher.groups import group_spec, group_specs, log_tail, worker_configs
+from system.launcher.failures import clear_worker_keys, job_failure, reported_failure
+from system.launcher.groups import group_spec, group_specs, worker_configs
 from system.launcher.progress import Progress
 from system.launcher.recovery import MasterProgress, Recovery
 from system.launcher.summary import TrialSummary
@@ -55,8 +56,7 @@ class Controller:
         self.timeline: dict[str, float] = {}
         self.progress = Progress(f"{cfg.exp}/{cfg.trial}", cfg.controller.progress)
         self._t0 = time.time()
-        self.recovery = Recovery(cfg.recovery(), experiment.stateful, self._t0,
-                                 coupled=experiment.coupled)
+        self.recovery = Recovery(cfg.recovery(), experiment.stateful, self._t0)
         self.watch = MasterProgress()
 
     # --- the whole trial ---
@@ -95,16 +95,9 @@ class Controller:
 
     # --- phases ---
     def _check_jobs(self, phase: str, statuses: list[JobStatus] | None = None) -> None:
-        for st in self.scheduler.poll() if statuses is None else statuses:
-            if st.state.active:
-                continue
-            worker = st.workers[0] if st.workers else "?"
-            logs = ", ".join(st.log_paths)
-            how = f"{st.state.value}" + (f" ({st.detail})" if st.detail else "")
-            tail = "\n".join(log_tail(p) for p in st.log_paths[:1])
-            raise WorkerFailure(f"worker {', '.join(st.workers)} exited {phase}: {how}; "
-                                f"log: {logs}" + (f"\n--- last lines ---\n{tail}" if tail else ""),
-                                worker, st.log_paths[0] if st.log_paths else None)
+        failure = job_failure(self.scheduler.poll() if statuses is None else statuses, phase)
+        if failure is not None:
+            raise failure
 
     def _poll(self, fresh: bool = False) -> list[JobStatus]:
         """The jobs' states; one that looks ended is asked again while a requeue may explain
@@ -144,13 +137,14 @@ class Controller:
             self._note_restarts(self._poll_fresh())  # records the restart count
             self.requeue.moved(moved)
             self._drop_clients(moved)
+        self._recover_requeued_state()
         if not rejoining:
             return
         back = [w for w in rejoining if w in found and found[w] != self.addresses.get(w)]
         overdue = self.requeue.overdue(back)
         if overdue:
             w = overdue[0]
-            raise WorkerFailure(f"requeued worker {w} did not rejoin within "
+            raise WorkerFailure(f"restarted worker {w} did not rejoin within "
                                 f"{self.requeue.rejoin_timeout:.0f}s; "
                                 f"log: {self.logs[w]}", w, self.logs[w])
         if not back:
@@ -164,17 +158,25 @@ class Controller:
         self._configure_all(clients)
         self._start_all(clients)
         self.requeue.rejoined(back)
+        self.recovery.running(back)
         print(f"\nrejoined: {', '.join(back)}", file=sys.stderr)
 
+    def _recover_requeued_state(self) -> None:
+        """A requeued (preempted) worker that holds training state is not simply let back in:
+        with ``recover=auto`` every stateful worker restarts from the latest checkpoint (the
+        preempted ones asked the master for one on SIGUSR2), as after a failure."""
+        if not self.recovery.enabled:
+            return
+        for w in sorted(self.requeue.rejoining):
+            if w.split("/")[0] in self.experiment.stateful:
+                raise WorkerFailure(f"the job of {w} was requeued (preempted or at its time "
+                                    f"limit); log: {self.logs[w]}", w, self.logs[w])
+
     def _check_reported_errors(self) -> None:
-        errors = self.nr.get_subtree(names.worker_errors(self.cfg.exp, self.cfg.trial))
-        for key, value in errors.items():
-            worker = "/".join(key.split("/")[-2:])
-            info = json.loads(value)
-            log_path = self.logs.get(worker)
-            raise WorkerFailure(
-                f"worker {worker} raised {info['type']}: {info['message']}\n{info['traceback']}"
-                f"log: {log_path or '?'}", worker, log_path)
+        failure = reported_failure(
+            self.nr.get_subtree(names.worker_errors(self.cfg.exp, self.cfg.trial)), self.logs)
+        if failure is not None:
+            raise failure
 
     def _wait_registered(self, expected: set[str] | None = None) -> None:
         """Until every worker (or every one of ``expected``) registered its address."""
@@ -272,9 +274,12 @@ class Controller:
                     failure = e
 
     def _recover(self, failure: WorkerFailure, summary: TrialSummary) -> None:
-        """Stop the failed worker's group (every stateful group, when a stateful worker
-        failed), wait the back-off, start them again (their own logs); stateful workers
-        restore the latest checkpoint. The other groups stay up."""
+        """A stateless worker that failed restarts alone (:meth:`_respawn`). When a stateful
+        worker failed: stop every stateful group, wait the back-off, start them again (their
+        own logs); they restore the latest checkpoint. The other groups stay up."""
+        if not self.recovery.restarts_stateful(failure):
+            self._respawn(failure, summary)
+            return
         attempt = self.recovery.begin(failure, self._last_step())
         kinds = self.recovery.kinds_to_restart(failure, tuple(KINDS))
         self.recovery.incomplete = set(kinds)
@@ -285,9 +290,10 @@ class Controller:
                   self.experiment.stateful) else ""), file=sys.stderr)
         collect_settled([self.clients[w].stop() for w in workers if w in self.clients], 2.0)
         self._drop_clients(workers)
+        self.requeue.rejoined([w for w in workers if w in self.requeue.rejoining])
         for k in kinds:
             self.scheduler.stop_group(k, self.cfg.scheduler.stop_grace)
-        self._clear_keys(workers, stateful=bool(set(kinds) & set(self.experiment.stateful)))
+        clear_worker_keys(self.nr, self.cfg.exp, self.cfg.trial, workers, stateful=bool(set(kinds) & set(self.experiment.stateful)))
         time.sleep(self.recovery.backoff())
         for k in kinds:
             group = group_spec(k, self.groups[k].count, self.paths, self.scheduler.python,
@@ -304,6 +310,28 @@ class Controller:
         self.watch.restarted()
         print(f"recovered: {', '.join(workers)} running again", file=sys.stderr)
 
+    def _respawn(self, failure: WorkerFailure, summary: TrialSummary) -> None:
+        """Restart the failed stateless worker alone, at once, and go on watching: it rejoins
+        like a requeued worker (:meth:`_rejoin` configures and starts it once it registered);
+        training goes on meanwhile."""
+        w = failure.worker
+        assert w is not None
+        kind, index = w.split("/")
+        attempt = self.recovery.begin(failure, self._last_step(), restarted=[w])
+        print(f"\n{attempt.cause}\nrecovering (attempt {attempt.attempt}): restarting {w} "
+              "alone; training goes on", file=sys.stderr)
+        if w in self.clients:
+            collect_settled([self.clients[w].stop()], 1.0)
+        self._drop_clients([w])
+        self.scheduler.stop_worker(w, self.cfg.scheduler.stop_grace)
+        clear_worker_keys(self.nr, self.cfg.exp, self.cfg.trial, [w], stateful=False)
+        self.addresses.pop(w, None)
+        group = group_spec(kind, 1, self.paths, self.scheduler.python, attempt.attempt,
+                           first=int(index))
+        self.logs[w] = group.log_paths[0]
+        summary.submitted(kind, self.scheduler.submit(group))
+        self.requeue.respawned([w], self.cfg.controller.register_timeout)
+
     def _last_step(self) -> int | None:
         """The last step the master reported: its progress key outlives it (a poll may have
         missed the last step before a crash)."""
@@ -314,24 +342,6 @@ class Controller:
             pass
         return self.watch.last_step
 
-    def _clear_keys(self, workers: Iterable[str], stateful: bool) -> None:
-        """Forget the stopped workers' keys (their replacements register anew) and, when
-        stateful workers restart, the rendezvous and stream addresses they published (their
-        replacements publish new ones)."""
-        exp, trial = self.cfg.exp, self.cfg.trial
-        for w in workers:
-            kind, index = w.split("/")
-            for key in (names.worker_address(exp, trial, kind, int(index)),
-                        names.heartbeat(exp, trial, kind, int(index)),
-                        names.worker_error(exp, trial, kind, int(index))):
-                try:
-                    self.nr.delete(key)
-                except NameEntryNotFound:
-                    pass
-        if stateful:
-            self.nr.clear_subtree(names.stores(exp, trial))
-            self.nr.clear_subtree(names.streams(exp, trial))
-
     def _watch(self) -> dict[str, Any]:
         cc = self.cfg.controller
         hb_prefix = names.heartbeats(self.cfg.exp, self.cfg.trial)
@@ -341,6 +351,7 @@ class Controller:
             self._check_reported_errors()
             statuses = self._poll()
             self._note_restarts(statuses)
+            self._recover_requeued_state()
             self._check_jobs("before the trial completed", statuses)
             self._rejoin()
             beating = {k[len(hb_prefix) + 1:] for k in self.nr.find_subtree(hb_prefix)}

@@ -1,12 +1,12 @@
-"""Automatic recovery: which failures restart the workers that hold training state, how often,
-and what each attempt cost.
+"""Automatic recovery: what a failure restarts, how often, and what each attempt cost.
 
 A trial whose experiment declares *stateful* worker kinds (the RL experiments: the master and
 the model workers) continues after one of those workers dies: the controller stops every worker
 of those kinds, waits a back-off, starts them again, and they restore the latest checkpoint. The
 stateless kinds (generation servers, rollout workers) stay up: their engines take about a
-minute to start, and they receive the restored weights. Pure bookkeeping here; the controller
-does the stopping and starting.
+minute to start, and they receive the restored weights. A stateless worker that dies is
+restarted alone, at once, while training goes on; it rejoins like a requeued worker. Pure
+bookkeeping here; the controller does the stopping and starting.
 """
 from __future__ import annotations
 
@@ -39,9 +39,16 @@ class Attempt:
     """The step the restarted master continued from (None: from the start)."""
     recovered_at_s: float | None = None
     """Seconds since the trial began when the restarted workers were running again."""
+    restarted: list[str] = dataclasses.field(default_factory=list)
+    """The workers started again."""
+    stateful: bool = True
+    """Whether the workers that hold training state restarted from a checkpoint (else only
+    the failed stateless worker restarted, and training went on)."""
 
     @property
     def steps_lost(self) -> int | None:
+        if not self.stateful:
+            return 0
         if self.failed_step is None:
             return None
         return max(0, self.failed_step - (self.resumed_from or 0))
@@ -54,11 +61,9 @@ class Recovery:
     """Decides whether a failure is recovered, and records every attempt."""
 
     def __init__(self, cfg: RecoverConfig | None, stateful: tuple[str, ...], t0: float,
-                 clock: Callable[[], float] = time.time, coupled: tuple[str, ...] = ()
-                 ) -> None:
+                 clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
         self.stateful = stateful
-        self.coupled = coupled
         self.incomplete: set[str] = set()
         """Kinds whose restart began but did not finish (a failure came meanwhile)."""
         self.t0 = t0
@@ -71,29 +76,38 @@ class Recovery:
                 and bool(self.stateful))
 
     def should_recover(self, failure: WorkerFailure) -> bool:
-        """A failure of a worker while retries are left (a failure naming no worker, such as
-        ``controller.timeout``, is not recovered)."""
+        """A failure of a worker while retries are left: ``recover.retries`` restarts of the
+        stateful workers, and as many of each stateless worker (a failure naming no worker,
+        such as ``controller.timeout``, is not recovered)."""
         if not self.enabled or failure.worker is None:
             return False
         assert self.cfg is not None
-        return len(self.attempts) < self.cfg.retries
+        if self.restarts_stateful(failure):
+            return sum(a.stateful for a in self.attempts) < self.cfg.retries
+        return sum(failure.worker in a.restarted for a in self.attempts) < self.cfg.retries
+
+    def restarts_stateful(self, failure: WorkerFailure) -> bool:
+        """Whether ``failure`` restarts the stateful workers: one of them failed, or their
+        restart was interrupted."""
+        kind = (failure.worker or "").split("/")[0]
+        return kind in self.stateful or bool(self.incomplete)
 
     def kinds_to_restart(self, failure: WorkerFailure, order: tuple[str, ...]
                          ) -> tuple[str, ...]:
-        """Every stateful kind when a stateful worker failed (their state must come from one
-        checkpoint), with the failed kind when it is coupled to them; else only the failed
-        worker's own kind; and any kind whose restart a failure interrupted. In start
-        ``order``."""
+        """Every stateful kind and any kind whose restart a failure interrupted, in start
+        ``order`` (when :meth:`restarts_stateful`)."""
         kind = (failure.worker or "").split("/")[0]
-        restart = {kind} | self.incomplete
-        if kind in self.stateful or kind in self.coupled:
-            restart |= set(self.stateful)
+        restart = {kind} | self.incomplete | set(self.stateful)
         return tuple(k for k in order if k in restart)
 
-    def begin(self, failure: WorkerFailure, failed_step: int | None) -> Attempt:
+    def begin(self, failure: WorkerFailure, failed_step: int | None,
+              restarted: list[str] | None = None) -> Attempt:
+        """Record a recovery; ``restarted``: the one stateless worker restarted alone (None:
+        the stateful workers restart)."""
         a = Attempt(attempt=len(self.attempts) + 1, cause=str(failure).splitlines()[0],
                     worker=failure.worker, failed_at_s=round(self._clock() - self.t0, 3),
-                    failed_step=failed_step)
+                    failed_step=failed_step, restarted=list(restarted or []),
+                    stateful=restarted is None)
         self.attempts.append(a)
         return a
 
@@ -103,20 +117,28 @@ class Recovery:
         loop); independent failures far apart each wait only the base back-off."""
         assert self.cfg is not None
         loops = 0
-        for prev, cur in zip(reversed(self.attempts[:-1]), reversed(self.attempts)):
+        restarts = [a for a in self.attempts if a.stateful]
+        for prev, cur in zip(reversed(restarts[:-1]), reversed(restarts)):
             if prev.recovered_at_s is None or cur.failed_at_s - prev.recovered_at_s > CRASH_LOOP_S:
                 break
             loops += 1
         return self.cfg.backoff * 2 ** loops
 
-    def running(self) -> None:
-        """The restarted workers run again."""
-        self.attempts[-1].recovered_at_s = round(self._clock() - self.t0, 3)
+    def running(self, workers: list[str] | None = None) -> None:
+        """The restarted stateful workers (or the restarted ``workers``) run again."""
+        for a in reversed(self.attempts):
+            if a.recovered_at_s is None and (a.stateful if workers is None
+                                             else bool(set(a.restarted) & set(workers))):
+                a.recovered_at_s = round(self._clock() - self.t0, 3)
+                return
 
     def resumed(self, step: int) -> None:
         """The restarted master reported the step it continued from."""
-        if self.attempts and self.attempts[-1].resumed_from is None:
-            self.attempts[-1].resumed_from = step
+        for a in reversed(self.attempts):
+            if a.stateful:
+                if a.resumed_from is None:
+                    a.resumed_from = step
+                return
 
     def summary(self) -> list[dict[str, Any]]:
         return [a.as_dict() for a in self.attempts]

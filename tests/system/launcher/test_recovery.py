@@ -16,18 +16,40 @@ class Clock:
         return self.t
 
 
-def test_a_stateful_death_restarts_every_stateful_kind_a_stateless_one_only_its_own():
-    r = Recovery(RecoverConfig(), ("model", "master"), t0=0.0, coupled=("generation",))
-    assert r.kinds_to_restart(WorkerFailure("x", "model/1"), ORDER) == ("model", "master")
-    assert r.kinds_to_restart(WorkerFailure("x", "master/0"), ORDER) == ("model", "master")
-    assert r.kinds_to_restart(WorkerFailure("x", "rollout/3"), ORDER) == ("rollout",)
-    # generation servers share the weight-sync groups: the trainers restart with them
-    assert r.kinds_to_restart(WorkerFailure("x", "generation/0"), ORDER) == (
-        "model", "generation", "master")
+def test_a_stateful_death_restarts_every_stateful_kind_a_stateless_one_only_itself():
+    r = Recovery(RecoverConfig(), ("model", "master"), t0=0.0)
+    for worker in ("model/1", "master/0"):
+        assert r.restarts_stateful(WorkerFailure("x", worker))
+        assert r.kinds_to_restart(WorkerFailure("x", worker), ORDER) == ("model", "master")
+    # generation servers and rollout workers restart alone; training goes on
+    assert not r.restarts_stateful(WorkerFailure("x", "rollout/3"))
+    assert not r.restarts_stateful(WorkerFailure("x", "generation/0"))
     # a failure that interrupts a restart restarts the unfinished kinds too
     r.incomplete = {"rollout"}
+    assert r.restarts_stateful(WorkerFailure("x", "generation/0"))
     assert r.kinds_to_restart(WorkerFailure("x", "master/0"), ORDER) == (
         "model", "rollout", "master")
+
+
+def test_a_stateless_restart_loses_no_step_and_has_its_own_retries():
+    clock = Clock()
+    r = Recovery(RecoverConfig(retries=2), ("model", "master"), t0=990.0, clock=clock)
+    gen = WorkerFailure("worker generation/0 stopped heart-beating", "generation/0")
+    r.begin(WorkerFailure("x", "master/0"), failed_step=9)
+    r.resumed(0)  # the start's own report, before any stateless attempt
+    for _ in range(2):
+        assert r.should_recover(gen)
+        r.begin(gen, failed_step=12, restarted=["generation/0"])
+        r.resumed(99)  # the master did not restart: no stateless attempt takes it
+        clock.t += 5
+        r.running(["generation/0"])
+    assert not r.should_recover(gen)  # its retries are used up
+    assert r.should_recover(WorkerFailure("x", "rollout/1"))  # another worker's are not
+    assert r.should_recover(WorkerFailure("x", "model/0"))    # nor the stateful restarts'
+    last = r.summary()[-1]
+    assert last["steps_lost"] == 0 and last["stateful"] is False
+    assert last["restarted"] == ["generation/0"] and last["recovered_at_s"] == 20.0
+    assert last["resumed_from"] is None and r.summary()[0]["resumed_from"] == 0
 
 
 def test_retries_backoff_and_attempts():
@@ -45,7 +67,8 @@ def test_retries_backoff_and_attempts():
     r.resumed(99)  # only the first report counts
     assert r.summary() == [{"attempt": 1, "cause": a.cause, "worker": "master/0",
                             "failed_at_s": 10.0, "failed_step": 7, "resumed_from": 6,
-                            "recovered_at_s": 30.0, "steps_lost": 1}]
+                            "recovered_at_s": 30.0, "restarted": [], "stateful": True,
+                            "steps_lost": 1}]
     clock.t += 30  # fails again 30 s after running: a crash loop
     r.begin(failure, failed_step=None)
     assert r.backoff() == 6.0  # doubled

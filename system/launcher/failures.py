@@ -1,0 +1,67 @@
+"""What the controller reads a worker failure from, and what it clears when workers restart.
+
+Pure translations of a job's state and of a reported exception into a
+:class:`~system.errors.WorkerFailure` naming the worker, its log and the cause, plus the one
+side effect a restart needs: forgetting the stopped workers' name-resolution keys.
+"""
+from __future__ import annotations
+
+import json
+from typing import Iterable
+
+from scheduler.base import JobStatus
+from system import names
+from system.errors import NameEntryNotFound, WorkerFailure
+from system.launcher.groups import log_tail
+from system.name_resolve import NameResolve
+
+
+def job_failure(statuses: Iterable[JobStatus], phase: str) -> WorkerFailure | None:
+    """The first job that is no longer active, as a failure of its first worker."""
+    for st in statuses:
+        if st.state.active:
+            continue
+        logs = ", ".join(st.log_paths)
+        how = f"{st.state.value}" + (f" ({st.detail})" if st.detail else "")
+        tail = "\n".join(log_tail(p) for p in st.log_paths[:1])
+        return WorkerFailure(f"worker {', '.join(st.workers)} exited {phase}: {how}; "
+                             f"log: {logs}" + (f"\n--- last lines ---\n{tail}" if tail else ""),
+                             st.workers[0] if st.workers else "?",
+                             st.log_paths[0] if st.log_paths else None)
+    return None
+
+
+def reported_failure(errors: dict[str, str], logs: dict[str, str]) -> WorkerFailure | None:
+    """The first exception a worker published under the trial's ``error`` keys (JSON with
+    ``type``, ``message``, ``traceback``; anything else is reported as it is)."""
+    for key, value in errors.items():
+        worker = "/".join(key.split("/")[-2:])
+        try:
+            info = json.loads(value)
+            text = f"{info['type']}: {info['message']}\n{info['traceback']}"
+        except (ValueError, TypeError, KeyError):
+            text = f"an unreadable error report: {value[:200]!r}\n"
+        log_path = logs.get(worker)
+        return WorkerFailure(f"worker {worker} raised {text}log: {log_path or '?'}", worker,
+                             log_path)
+    return None
+
+
+def clear_worker_keys(nr: NameResolve, exp: str, trial: str, workers: Iterable[str],
+                      stateful: bool) -> None:
+    """Forget the stopped workers' keys (their replacements register anew) and, when
+    stateful workers restart, the rendezvous and stream addresses they published (their
+    replacements publish new ones)."""
+    for w in workers:
+        kind, index = w.split("/")
+        for key in (names.worker_address(exp, trial, kind, int(index)),
+                    names.heartbeat(exp, trial, kind, int(index)),
+                    names.worker_error(exp, trial, kind, int(index)),
+                    names.preempt(exp, trial, kind, int(index))):
+            try:
+                nr.delete(key)
+            except NameEntryNotFound:
+                pass
+    if stateful:
+        nr.clear_subtree(names.stores(exp, trial))
+        nr.clear_subtree(names.streams(exp, trial))
