@@ -65,3 +65,13 @@ def progress(exp: str, trial: str) -> str:
     """JSON of the master's latest progress figures (what the controller shows and what a
     recovery reads: the last step trained before a failure)."""
     return f"{exp}/{trial}/progress"
+
+
+def preempt(exp: str, trial: str, kind: str, index: int) -> str:
+    """Set by a worker that holds training state when Slurm warns it of preemption (SIGUSR2);
+    the master deletes it once a checkpoint is committed, and the worker then stops."""
+    return f"{exp}/{trial}/preempt/{kind}/{index}"
+
+
+def preempts(exp: str, trial: str) -> str:
+    return f"{exp}/{trial}/preempt"

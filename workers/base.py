@@ -30,6 +30,11 @@ from workers.schema import ConfigureReply, PingReply, WorkerReport, WorkerSetup
 
 log = logging.getLogger("worker")
 
+PREEMPT_WAIT = 90.0
+"""Seconds a worker that holds training state waits after SIGUSR2 for the master's checkpoint
+before it stops anyway (Slurm's warning comes ``scheduler.slurm.signal_seconds``, 120 s by
+default, before the kill)."""
+
 
 class WorkerState(str, enum.Enum):
     CREATED = "created"
@@ -118,18 +123,47 @@ class Worker:
     def progress(self) -> dict[str, Any]:
         return {}
 
-    def on_preempt(self) -> None:
-        """Called on SIGUSR2 (Slurm's warning before the time limit or preemption) before the
-        graceful stop: a worker with state saves it here (the master checkpoints)."""
+    def on_preempt(self) -> bool:
+        """Called on SIGUSR2 (Slurm's warning before the time limit or preemption), in the
+        signal handler: return True to stop later (the worker then calls :meth:`stop` itself
+        once its state is safe in a checkpoint), False to stop gracefully at once."""
+        return False
+
+    def stop_after_checkpoint(self, timeout: float = PREEMPT_WAIT) -> bool:
+        """:meth:`on_preempt` of a worker that holds training state: ask the master for a
+        checkpoint now (the ``preempt`` key) and stop once the master has committed one (it
+        deletes the key), or after ``timeout`` seconds. Returns True (the stop comes later)."""
+        key = names.preempt(self.exp, self.trial, self.kind, self.index)
+
+        def wait() -> None:
+            try:
+                self.name_resolve.add(key, str(time.time()), replace=True)
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline and not self._stop.wait(0.5):
+                    try:
+                        self.name_resolve.get(key)
+                    except NameEntryNotFound:
+                        log.warning("%s: checkpoint committed after SIGUSR2: stopping", self.name)
+                        break
+                else:
+                    log.warning("%s: no checkpoint within %.0fs of SIGUSR2: stopping",
+                                self.name, timeout)
+            finally:
+                self.stop()
+        threading.Thread(target=wait, name="preempt", daemon=True).start()
+        return True
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.signalled = signal.Signals(signum).name
-        log.warning("%s got %s: stopping", self.name, self.signalled)
         if signum == signal.SIGUSR2:
             try:
-                self.on_preempt()
+                if self.on_preempt():
+                    log.warning("%s got SIGUSR2: stopping once the state is checkpointed",
+                                self.name)
+                    return
             except Exception:
                 log.exception("on_preempt failed")
+        log.warning("%s got %s: stopping", self.name, self.signalled)
         self.stop()
 
     def _requeue_if_preempted(self) -> None:
@@ -146,6 +180,17 @@ class Worker:
         except OSError as e:
             log.error("could not request the requeue of job %s: %s",
                       os.environ.get("SLURM_JOB_ID"), e)
+
+    def _report_failure(self, e: Exception, tb: str) -> None:
+        """Publish the role's exception under the trial's ``error`` key (the controller names
+        it in the failure)."""
+        try:
+            self.name_resolve.add(
+                names.worker_error(self.exp, self.trial, self.kind, self.index),
+                json.dumps({"type": type(e).__name__, "message": str(e), "traceback": tb}),
+                replace=True)
+        except Exception:
+            log.exception("could not report the failure")
 
     def _watch_controller(self, period: float) -> None:
         """Stop this worker, as SIGTERM would, once the controller's liveness key (seen at least
@@ -238,12 +283,8 @@ class Worker:
             self.state = WorkerState.FAILED
             tb = traceback.format_exc()
             log.error("%s failed:\n%s", self.name, tb)
-            try:
-                nr.add(names.worker_error(self.exp, self.trial, self.kind, self.index),
-                       json.dumps({"type": type(e).__name__, "message": str(e), "traceback": tb}),
-                       replace=True)
-            except Exception:
-                log.exception("could not report the failure")
+            if self.signalled is None:  # stopped by a signal (scancel, preemption), the
+                self._report_failure(e, tb)  # job's fate tells the controller, not an error
         finally:
             self._serve_stop.set()
             serve.join(timeout=5)

@@ -7,7 +7,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from system import names
-from system.errors import ConfigError
+from system.errors import ConfigError, NameEntryNotFound
 from workers.base import Worker
 from workers.client import Pending, WorkerClient
 from workers.schema import TaskReply, WorkerSetup
@@ -32,7 +32,7 @@ class MasterConfig:
 class TaskSource(Protocol):
     """What hands rollout tasks out (the RL loop's admission-controlled source)."""
 
-    def next_task(self, worker: int, max_tasks: int) -> TaskReply: ...
+    def next_task(self, worker: int, max_tasks: int, incarnation: str = "") -> TaskReply: ...
 
 
 class MasterWorker(Worker):
@@ -51,16 +51,34 @@ class MasterWorker(Worker):
         """Hand rollout tasks out from ``source`` from now on (None: rollout workers wait)."""
         self._task_source = source
 
-    def next_task(self, worker: int, max_tasks: int = 1) -> TaskReply:
+    def next_task(self, worker: int, max_tasks: int = 1, incarnation: str = "") -> TaskReply:
         """Rollout workers ask for work: ``{"tasks": [...]}``, ``{"wait": seconds}`` while
-        admission is closed, or ``{"done": True}``."""
+        admission is closed, or ``{"done": True}``. ``incarnation`` names the asking process
+        (a restarted worker asks under a new one: what its predecessor held is released)."""
         source = self._task_source
         if source is None:
             return {"wait": 0.2}
-        return source.next_task(int(worker), int(max_tasks))
+        return source.next_task(int(worker), int(max_tasks), str(incarnation))
 
     def on_configure(self, config: WorkerSetup) -> None:
         self.master_cfg = MasterConfig(**config["worker"])
+
+    def on_preempt(self) -> bool:
+        """Preempted: the loop checkpoints at its next safe point, then this worker stops."""
+        return self.stop_after_checkpoint()
+
+    def preempt_requests(self) -> list[str]:
+        """Keys of the workers (this one included) waiting for a checkpoint before they stop
+        (SIGUSR2: a preemption warning)."""
+        return sorted(self.name_resolve.find_subtree(names.preempts(self.exp, self.trial)))
+
+    def preempts_checkpointed(self, keys: list[str]) -> None:
+        """A checkpoint was committed: the workers waiting on ``keys`` may stop."""
+        for key in keys:
+            try:
+                self.name_resolve.delete(key)
+            except NameEntryNotFound:
+                pass
 
     def set_progress(self, **fields: Any) -> None:
         """Figures shown in the launcher's progress line (read through ``ping``), also kept
@@ -80,5 +98,7 @@ class MasterWorker(Worker):
 class MasterClient(WorkerClient):
     """The master's RPC surface: the control calls, and the rollout workers' ``next_task``."""
 
-    def next_task(self, worker: int, max_tasks: int) -> Pending[TaskReply]:
-        return self._call("next_task", worker=worker, max_tasks=max_tasks)
+    def next_task(self, worker: int, max_tasks: int, incarnation: str = ""
+                  ) -> Pending[TaskReply]:
+        return self._call("next_task", worker=worker, max_tasks=max_tasks,
+                          incarnation=incarnation)

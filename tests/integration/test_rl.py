@@ -155,3 +155,109 @@ def test_sync_ppo_multi_turn_calculator_two_trainers_with_reference(fileroot):
     assert [row["versions"] for row in trained] == [[0], [1], [2]]
     models = s["results"]["prompts_per_step"]
     assert len(models) == 3
+
+
+def _pid_of(root: str, kind: str, index: int) -> int | None:
+    pids = [p for p in _pids(root, kind)
+            if f"--index {index}" in open(f"/proc/{p}/cmdline", "rb").read()
+            .replace(b"\0", b" ").decode()]
+    return pids[0] if pids else None
+
+
+def test_dead_generation_servers_and_a_rollout_worker_restart_alone_training_goes_on(
+        fileroot):
+    """Two generation servers: server 1 is killed (SIGKILL) after step 2, server 0 after step
+    4 (none is left), a rollout worker after step 6. Each restarts alone; training goes on
+    through the other server while one is left, then waits; a restarted server joins a fresh
+    weight-sync group and receives the current weights before it serves. The master and the
+    model worker never restart, no step is lost, and the trial ends at the same step with
+    every prompt of an epoch trained once."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import REPO, launch_argv
+
+    root = os.path.join(fileroot, "arith-tiny", "stateless")
+    proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=stateless",
+                                        f"cluster.fileroot={fileroot}", "rl.total_steps=24",
+                                        "generation.count=2", *SMALL),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    todo = [(2, "generation", 1), (4, "generation", 0), (6, "rollout", 0)]
+    try:
+        deadline = time.time() + 500
+        while todo and time.time() < deadline and proc.poll() is None:
+            steps = [r["step"] for r in _metrics(root)] if os.path.exists(
+                os.path.join(root, "metrics.jsonl")) else []
+            pid = _pid_of(root, todo[0][1], todo[0][2])
+            if steps and max(steps) >= todo[0][0] and pid:
+                os.kill(pid, signal.SIGKILL)
+                todo.pop(0)
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=500)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    s = read_summary(fileroot, "arith-tiny", "stateless")
+    assert s["status"] == "completed" and s["steps"] == 24
+    rec = s["recoveries"]
+    assert [(r["worker"], r["stateful"], r["steps_lost"]) for r in rec] == [
+        ("generation/1", False, 0), ("generation/0", False, 0), ("rollout/0", False, 0)], rec
+    _epochs_exact(s["results"]["prompts_per_step"], 14)
+    rows = _metrics(root)
+    assert [r["step"] for r in rows if r["step"] >= 1] == list(range(1, 25))
+    synced = {r["step"]: int(r["sync_replicas"]) for r in rows if "sync_replicas" in r}
+    # steps trained through one server, and later weights went to a restarted one
+    assert 1 in synced.values() and synced[24] >= 1, synced
+    logs = os.path.join(root, "logs")
+    for name in ("master-0", "model-0", "rollout-1"):
+        assert not glob.glob(os.path.join(logs, f"{name}.attempt*.log")), name
+    for name, attempt in (("generation-1", 1), ("generation-0", 2), ("rollout-0", 3)):
+        with open(os.path.join(logs, f"{name}.attempt{attempt}.log")) as f:
+            assert " registered at " in f.read(), name
+    with open(os.path.join(logs, "master-0.log")) as f:
+        assert "rejoined with weights version" in f.read()
+    assert "restarting generation/1 alone" in err
+    assert trial_processes(root) == []
+
+
+def test_a_preemption_warning_checkpoints_before_the_stateful_restart(fileroot):
+    """SIGUSR2 (Slurm's preemption warning) to the model worker: it asks the master for a
+    checkpoint and stops once it is committed; the master and model worker restart from that
+    checkpoint, so no step is lost (checkpoints are otherwise far apart here)."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import REPO, launch_argv
+
+    root = os.path.join(fileroot, "arith-tiny", "usr2")
+    proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=usr2",
+                                        f"cluster.fileroot={fileroot}", "rl.total_steps=6",
+                                        "rl.save_interval=0", "rl.save_interval_s=0",
+                                        "rl.save_overhead=0", "recover.backoff=0.5", *SMALL),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline and proc.poll() is None:
+            steps = [r["step"] for r in _metrics(root)] if os.path.exists(
+                os.path.join(root, "metrics.jsonl")) else []
+            if steps and max(steps) >= 2 and _pids(root, "model"):
+                os.kill(_pids(root, "model")[0], signal.SIGUSR2)
+                break
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    s = read_summary(fileroot, "arith-tiny", "usr2")
+    assert s["status"] == "completed" and s["steps"] == 6
+    (rec,) = s["recoveries"]
+    assert rec["worker"] == "model/0" and rec["stateful"], rec
+    assert rec["steps_lost"] == 0 and rec["resumed_from"] == rec["failed_step"] >= 2, rec
+    with open(os.path.join(root, "logs", "model-0.log")) as f:
+        assert "checkpoint committed after SIGUSR2" in f.read()
+    _epochs_exact(s["results"]["prompts_per_step"], 14)
+    assert trial_processes(root) == []
