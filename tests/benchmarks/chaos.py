@@ -10,7 +10,7 @@ Prints ``name: value`` lines:
 - duplicated_prompts / skipped_prompts: prompts trained twice within an epoch / prompts of a
   completed epoch never trained (from ``prompts_per_step``)
 - detect_s: mean seconds from a kill to the controller's detection
-- recover_s: mean seconds from detection to the next trained step
+- recover_s: mean seconds from detection to the next trained step (and per killed kind)
 - goodput: loop time of the uninterrupted run / loop time of the run with kills (first to last
   trained step, wall clock)
 """
@@ -130,12 +130,13 @@ def main() -> int:
     rec = s.get("recoveries", [])
     t0 = s.get("t0_epoch", 0.0)
     detect = [t0 + r["failed_at_s"] - k[2] for r, k in zip(rec, chaos["killed"])]
-    recover = []
+    recover, by_kind = [], []
     for r in rec:
         failed = t0 + r["failed_at_s"]
         after = [t for t in chaos["seen"].values() if t > failed]
         if after:
             recover.append(min(after) - failed)
+            by_kind.append(f"{(r.get('worker') or '?').split('/')[0]}={min(after) - failed:.1f}")
     history = (s.get("results") or {}).get("prompts_per_step", [])
     dup, skipped = prompt_counts(history, a.prompts)
     print(f"layout: arith-tiny, {a.steps} steps, kills {a.kills}")
@@ -146,6 +147,7 @@ def main() -> int:
     print(f"skipped_prompts: {skipped}")
     print(f"detect_s: {sum(detect) / len(detect):.1f}" if detect else "detect_s: nan")
     print(f"recover_s: {sum(recover) / len(recover):.1f}" if recover else "recover_s: nan")
+    print(f"recover_s_by_kind: {' '.join(by_kind)}")
     print(f"loop_s_uninterrupted: {loop_seconds(base['seen']):.1f}")
     print(f"loop_s_with_kills: {loop_seconds(chaos['seen']):.1f}")
     print(f"goodput: {loop_seconds(base['seen']) / loop_seconds(chaos['seen']):.2f}")
