@@ -18,3 +18,8 @@ bench: setup
 	$(PY) tests/benchmarks/reshard.py
 	$(PY) tests/benchmarks/rl.py
 	$(PY) tests/benchmarks/chaos.py
+
+# GPU checks of the torch engine on cuda:0 (exit 2: no CUDA device here)
+.PHONY: gpu-check
+gpu-check: setup
+	$(PY) scripts/gpu_check.py $(ARGS)
