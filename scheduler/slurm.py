@@ -112,6 +112,7 @@ class SlurmScheduler(Scheduler):
         """Job id -> its workers :meth:`stop_worker` forgot while the job ran others."""
         self._last_poll = 0.0
         self._cache: list[JobStatus] = []
+        self._release_at: dict[str, float] = {}  # held requeued job -> when to release it
 
     @property
     def python(self) -> str:
@@ -176,6 +177,8 @@ class SlurmScheduler(Scheduler):
                 reason = reason or info.get("Reason", "")
                 restarts = int(info.get("Restarts", "0") or 0)
             state = map_state(raw) if raw else JobState.UNKNOWN
+            if restarts and state == JobState.PENDING and reason == "BeginTime":
+                self._release_when_due(job_id)
             workers, log_paths = self._live(job_id)
             statuses.append(JobStatus(job_id, state, workers, log_paths,
                                       f"job {job_id} {raw or 'not found'}"
@@ -183,6 +186,27 @@ class SlurmScheduler(Scheduler):
                                       restarts))
         self._cache = statuses
         return statuses
+
+    def _release_when_due(self, job_id: str) -> None:
+        """A requeued job held back by Slurm: make it eligible ``requeue_release`` seconds after
+        the hold was first seen (see :attr:`SlurmConfig.requeue_release`)."""
+        if not self.slurm.requeue_release:
+            return
+        now = time.monotonic()
+        due = self._release_at.setdefault(job_id, now + self.slurm.requeue_release)
+        if now < due:
+            return
+        del self._release_at[job_id]
+        try:
+            r = _run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                     timeout=self.scancel_timeout)
+        except SchedulerError as e:
+            log.warning("%s", e)
+            return
+        if r.returncode == 0:
+            log.info("requeued job %s made eligible again (Slurm's hold released)", job_id)
+        else:
+            log.warning("could not release requeued job %s: %s", job_id, r.stderr.strip())
 
     @staticmethod
     def _scontrol(job_id: str) -> dict[str, str]:

@@ -105,6 +105,12 @@ class SlurmConfig:
     """Seconds between ``squeue`` polls."""
     rejoin_timeout: float = 900.0
     """Seconds the controller waits for a requeued job's workers to register again."""
+    requeue_release: float = 5.0
+    """Seconds after a requeued job is first seen held back (Slurm's ``BeginTime`` hold, about
+    two minutes) before the scheduler makes it eligible again (``scontrol update
+    StartTime=now``), so a preempted worker rejoins as soon as resources allow; 0 leaves
+    Slurm's hold alone. Not within the second of the requeue: slurmd refuses a job whose
+    credential was revoked in that same second."""
     requeue_grace: float = 30.0
     """Seconds the controller waits, after a worker failed a start-up call (configure, start),
     for its job to show a requeue before it fails the trial."""
@@ -126,6 +132,8 @@ class SlurmConfig:
     def __post_init__(self) -> None:
         if self.signal_seconds < 0:
             raise ConfigError(f"signal_seconds must be >= 0, got {self.signal_seconds}")
+        if self.requeue_release < 0:
+            raise ConfigError(f"requeue_release must be >= 0, got {self.requeue_release}")
         if self.requeue_grace < 0:
             raise ConfigError(f"requeue_grace must be >= 0, got {self.requeue_grace}")
         if self.poll_interval <= 0:

@@ -176,7 +176,8 @@ class RLLoop:
         preempts = self.preempt_requests()
         if preempts or self.checkpoint_due():
             self.checkpoint()
-            self.master.preempts_checkpointed(preempts)
+        if preempts:
+            self.hold_for_restart(preempts)
         if rl.crash_at_step and state.step == rl.crash_at_step and self.resumed_from is None:
             raise RuntimeError(f"injected failure after step {state.step} (rl.crash_at_step)")
 
@@ -201,7 +202,7 @@ class RLLoop:
             preempts = self.preempt_requests()
             if preempts:  # between steps: a checkpoint now holds everything trained
                 self.checkpoint()
-                self.master.preempts_checkpointed(preempts)
+                self.hold_for_restart(preempts)
             msg = self.puller.recv(0.5)
             if msg is None:
                 continue
@@ -243,6 +244,17 @@ class RLLoop:
             return []
         self._preempts_read_at = now
         return self.master.preempt_requests()
+
+    def hold_for_restart(self, preempts: list[str]) -> None:
+        """Workers that hold training state were warned of preemption and the checkpoint they
+        wait for is committed: let them stop, and train no further step (it would be lost)
+        until the controller restarts the master and model workers from that checkpoint."""
+        log.warning("checkpoint at step %d for the preempted %s: waiting for the restart",
+                    self.state.step, ", ".join("/".join(k.split("/")[-2:]) for k in preempts))
+        self.master.preempts_checkpointed(preempts)
+        while not self.master.wait_stop(0.5):
+            pass
+        raise RuntimeError(f"stopped after the preemption checkpoint at step {self.state.step}")
 
     def resume_point(self) -> int | None:
         """The step of the newest readable checkpoint when resuming (``recover=resume``)."""

@@ -154,7 +154,8 @@ def test_preemption_during_start_up_rejoins(slurm_cluster, tmp_path):
     # timeout) while their requeued job is held back, and must treat that as a requeue
     proc, err, job = _preempt_rollout_job(
         slurm_cluster, root, "early",
-        ['scheduler.slurm.master.extra_sbatch=["--begin=now+8"]', "rpc.request_timeout=3"],
+        ['scheduler.slurm.master.extra_sbatch=["--begin=now+8"]', "rpc.request_timeout=3",
+         "scheduler.slurm.requeue_release=0"],
         when="startup", hold=16.0)
     assert proc.returncode == 0, err
     s = read_summary(root, "smoke", "early")
