@@ -25,7 +25,10 @@ class TorchEngineConfig:
     max_tokens_per_microbatch: int = 8192
     """Token budget of one forward/backward (padded length x sequences)."""
     dtype: str = "auto"
-    """Parameter dtype: auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16."""
+    """Weight dtype: auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16. On GPU,
+    bfloat16 (and auto) is mixed precision: float32 master weights and AdamW state, bfloat16
+    compute, weights published (weight sync, ``save_weights``) in bfloat16. On CPU the
+    parameters are this dtype."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:

@@ -2,13 +2,24 @@
 
 One engine per model worker (one device each). Across model workers the model is sharded with
 ``fully_shard`` per decoder layer and on the whole model (gloo on CPU, NCCL on GPU); with one
-worker it is a plain module. AdamW with gradient clipping; float32 on CPU and bfloat16 on GPU
-(``dtype=auto``). Sequences are packed into micro-batches under a token budget; the loss is a
-token mean over the whole global batch, whatever the micro-batching and data-parallel split.
+worker it is a plain module. AdamW with gradient clipping. Sequences are packed into micro-batches
+under a token budget; the loss is a token mean over the whole global batch, whatever the
+micro-batching and data-parallel split.
+
+Precision (:func:`precision`): on CPU the weights are float32 (``dtype=auto``) or the configured
+dtype, computed as they are. On CUDA with ``dtype=auto`` or ``bfloat16`` the engine trains in
+mixed precision: float32 master weights, gradients and AdamW state, bfloat16 compute (one rank:
+forward and backward under ``torch.autocast``; FSDP2: ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``, which gathers bfloat16 copies of the float32 shards for compute and
+reduces gradients in float32). The log-softmax of the log-probs is always float32.
+:attr:`TorchEngine.dtype` is the *publish* dtype, in which :meth:`full_state_dict` returns the
+weights (vLLM weight sync, ``save_weights``); :meth:`save` keeps the float32 master weights so a
+resume is exact.
 """
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import torch
@@ -32,6 +43,16 @@ def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return groups
 
 
+def precision(device_type: str, dtype: str) -> tuple[torch.dtype, torch.dtype, bool]:
+    """``(master, publish, mixed)`` for a device type and ``TorchEngineConfig.dtype``: the dtype
+    of the trained parameters and optimizer state, the dtype the weights leave the engine in,
+    and whether compute runs in bfloat16 over float32 masters (CUDA with auto or bfloat16)."""
+    publish = (torch.bfloat16 if device_type == "cuda" else torch.float32) \
+        if dtype == "auto" else getattr(torch, dtype)
+    mixed = device_type == "cuda" and publish == torch.bfloat16
+    return (torch.float32 if mixed else publish), publish, mixed
+
+
 # loss_fn(per-sequence token log-probs, indices of those sequences in the batch) -> summed loss
 LossFn = Callable[[list[torch.Tensor], list[int]], torch.Tensor]
 
@@ -43,8 +64,6 @@ class TorchEngine:
 
     def __init__(self, cfg: TorchEngineConfig, device: str = "cpu", world_size: int = 1,
                  head: str = "lm", trainable: bool = True) -> None:
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
         if not cfg.model_path or not os.path.isdir(cfg.model_path):
             raise ConfigError(f"model_path={cfg.model_path!r} is not a local directory")
         if head not in ("lm", "value"):
@@ -54,31 +73,43 @@ class TorchEngine:
         self.trainable = trainable
         self.device = torch.device(device)
         self.world_size = world_size
-        dtype = (torch.bfloat16 if self.device.type == "cuda" else torch.float32) \
-            if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
-        self.dtype = dtype
-        if head == "lm":
-            model = AutoModelForCausalLM.from_pretrained(cfg.model_path, torch_dtype=dtype,
-                                                         local_files_only=True)
-        else:
-            model = AutoModelForTokenClassification.from_pretrained(
-                cfg.model_path, num_labels=1, torch_dtype=dtype, local_files_only=True)
-        model = model.to(self.device)
+        # dtype: what full_state_dict returns (the weights published to vLLM);
+        # master_dtype: the parameters and AdamW state (float32 under mixed precision)
+        self.master_dtype, self.dtype, self.mixed = precision(self.device.type, cfg.dtype)
+        # one rank autocasts; FSDP2's MixedPrecisionPolicy casts the gathered parameters
+        self._autocast = self.mixed and world_size == 1
+        model = self._load(cfg.model_path, head).to(self.device)
         if not trainable:
             model.requires_grad_(False)
         if world_size > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh(self.device.type, (world_size,))
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            self._shard(model)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
                                            betas=(cfg.beta1, cfg.beta2),
                                            weight_decay=cfg.weight_decay) if trainable else None
         self.steps = 0
+
+    def _load(self, path: str, head: str) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+        if head == "lm":
+            return AutoModelForCausalLM.from_pretrained(path, dtype=self.master_dtype,
+                                                        local_files_only=True)
+        return AutoModelForTokenClassification.from_pretrained(
+            path, num_labels=1, dtype=self.master_dtype, local_files_only=True)
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        """FSDP2 per decoder layer and on the whole model; under mixed precision the float32
+        shards are gathered as bfloat16 for compute and gradients reduced in float32."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.mixed else MixedPrecisionPolicy()
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
 
     def _forward_logprobs(self, seqs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``lm``: log-prob of each next token (``len(seq) - 1`` values per sequence);
@@ -89,7 +120,10 @@ class TorchEngine:
         for i, s in enumerate(seqs):
             ids[i, :len(s)] = torch.as_tensor(s, device=self.device)
             mask[i, :len(s)] = 1
-        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+        amp = torch.autocast("cuda", dtype=torch.bfloat16) if self._autocast else nullcontext()
+        with amp:
+            logits = self.model(input_ids=ids, attention_mask=mask).logits
+        logits = logits.float()  # the log-softmax (and values) in float32
         if self.head == "value":
             return [logits[i, :len(s) - 1, 0] for i, s in enumerate(seqs)]
         lp = torch.gather(F.log_softmax(logits[:, :-1], dim=-1), 2, ids[:, 1:, None])[..., 0]
@@ -148,21 +182,30 @@ class TorchEngine:
         self.steps += 1
         return {"loss": total, "grad_norm": float(grad_norm)}
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full parameters in Hugging Face naming (gathered when sharded) for weight sync and
-        checkpoints."""
+    def _gathered(self, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        """Full tensors in Hugging Face naming (all-gathered when sharded: collective), floating
+        ones cast to ``dtype`` (before the gather, so it moves the smaller copy)."""
         out = {}
         for name, t in self.model.state_dict().items():
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
             full = t.full_tensor() if hasattr(t, "full_tensor") else t
             out[name] = full.detach()
         return out
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full parameters in Hugging Face naming (gathered when sharded), in the publish dtype
+        :attr:`dtype` (bfloat16 on CUDA with ``dtype=auto``): for weight sync and
+        ``save_weights``. Collective when sharded."""
+        return self._gathered(self.dtype)
+
     def save(self, directory: str, rank: int) -> None:
         """Rank 0 writes the model as a Hugging Face checkpoint (safetensors, loadable by
-        transformers and vLLM); every rank writes its own optimizer shard (tensors and plain
-        values only, so it loads with ``weights_only=True``). Every file is fsynced by the rank
-        that wrote it. Collective."""
-        state = self.full_state_dict()
+        transformers and vLLM) in the master dtype (float32 under mixed precision, so a resume
+        is exact); every rank writes its own optimizer shard (tensors and plain values only, so
+        it loads with ``weights_only=True``). Every file is fsynced by the rank that wrote it.
+        Collective."""
+        state = self._gathered(None)
         if rank == 0:
             self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
             for name in os.listdir(directory):  # what save_pretrained wrote
@@ -170,17 +213,18 @@ class TorchEngine:
                     fsync_path(os.path.join(directory, name))
         if self.optimizer is not None:
             sd = self.optimizer.state_dict()
-            for st in sd["state"].values():
-                for k, v in list(st.items()):
-                    if hasattr(v, "to_local"):
-                        st[k] = v.to_local()
+            # new dicts: state_dict() shares the live per-parameter state, which must keep
+            # its DTensors for the steps after this save
+            sd["state"] = {i: {k: v.to_local() if hasattr(v, "to_local") else v
+                               for k, v in st.items()} for i, st in sd["state"].items()}
             path = os.path.join(directory, f"optimizer.rank{rank}.pt")
             torch.save({"optimizer": sd, "steps": int(self.steps)}, path)
             fsync_path(path)
 
     def load_optimizer(self, directory: str, rank: int) -> None:
         """Restore this rank's optimizer shard written by :meth:`save` (the model itself is
-        loaded from the checkpoint directory at construction)."""
+        loaded from the checkpoint directory at construction). AdamW's ``step`` counters go
+        back to the CPU, where a trained engine keeps them (unless fused or capturable)."""
         if self.optimizer is None:
             return
         blob = torch.load(os.path.join(directory, f"optimizer.rank{rank}.pt"),
@@ -198,4 +242,11 @@ class TorchEngine:
                                                    run_check=False, shape=p.shape,
                                                    stride=p.stride())
         self.optimizer.load_state_dict(sd)
+        for group in self.optimizer.param_groups:
+            if group.get("fused") or group.get("capturable"):
+                continue
+            for p in group["params"]:
+                st = self.optimizer.state.get(p, {})
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].cpu()
         self.steps = int(blob.get("steps", 0))

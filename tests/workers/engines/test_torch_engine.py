@@ -7,7 +7,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from workers.engines.torch_engine import TorchEngine, TorchEngineConfig, microbatches
+from workers.engines.torch_engine import TorchEngine, TorchEngineConfig, microbatches, precision
 
 
 def _seqs(n: int = 6, seed: int = 0) -> list[torch.Tensor]:
@@ -29,11 +29,30 @@ def test_microbatches_respect_the_budget():
     assert microbatches([50], 10) == [[0]]
 
 
+def test_precision_is_mixed_only_for_bfloat16_on_cuda():
+    """(master, publish, mixed): CPU trains in its dtype as is; CUDA bfloat16 (and auto) keeps
+    float32 masters and AdamW state, computes in bfloat16 and publishes bfloat16."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert precision("cpu", "auto") == (f32, f32, False)
+    assert precision("cpu", "float32") == (f32, f32, False)
+    assert precision("cpu", "bfloat16") == (bf16, bf16, False)
+    assert precision("cuda", "auto") == (f32, bf16, True)
+    assert precision("cuda", "bfloat16") == (f32, bf16, True)
+    assert precision("cuda", "float32") == (f32, f32, False)
+
+
+def test_cpu_engine_is_float32_without_autocast(tiny_model_dir):
+    eng = TorchEngine(TorchEngineConfig(model_path=tiny_model_dir))
+    assert (eng.dtype, eng.master_dtype, eng.mixed) == (torch.float32, torch.float32, False)
+    assert all(p.dtype == torch.float32 for p in eng.model.parameters())
+    assert all(t.dtype == torch.float32 for t in eng.full_state_dict().values())
+
+
 def test_logprobs_match_a_plain_forward(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     eng = TorchEngine(TorchEngineConfig(model_path=tiny_model_dir, max_tokens_per_microbatch=40))
-    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     seqs = _seqs()
     for s, lp in zip(seqs, eng.logprobs(seqs)):
         with torch.no_grad():
@@ -70,12 +89,15 @@ def _dp_worker(rank, port, model_dir, ckpt_dir, out):
     # the optimizer state the second step differs by ~2e-3
     eng.save(ckpt_dir, rank)
     dist.barrier()
-    eng = TorchEngine(TorchEngineConfig(model_path=ckpt_dir, lr=1e-3,
-                                        max_tokens_per_microbatch=30), world_size=2)
+    orig, eng = eng, TorchEngine(TorchEngineConfig(model_path=ckpt_dir, lr=1e-3,
+                                                   max_tokens_per_microbatch=30), world_size=2)
     eng.load_optimizer(ckpt_dir, rank)
     assert eng.steps == 1
     eng.train_step(mine, sft_loss, tokens)
     sd = eng.full_state_dict()
+    # the saved engine trains on (save leaves its sharded optimizer state alone), identically
+    orig.train_step(mine, sft_loss, tokens)
+    assert all(torch.equal(t, sd[k]) for k, t in orig.full_state_dict().items())
     if rank == 0:  # numpy copies: torch tensors would travel as handles to this process
         out.put({k: v.numpy().copy() for k, v in sd.items()})
     dist.destroy_process_group()

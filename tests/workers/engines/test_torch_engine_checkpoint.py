@@ -23,3 +23,28 @@ def test_optimizer_shard_round_trips_with_weights_only(tiny_model_dir, tmp_path)
     for i, st in want["state"].items():
         for k, v in st.items():
             assert torch.equal(got["state"][i][k], v), (i, k)
+            assert got["state"][i][k].device == v.device, (i, k)  # AdamW's step: on the CPU
+
+
+def test_checkpoint_keeps_master_weights_and_publishes_in_the_engine_dtype(tiny_model_dir,
+                                                                           tmp_path):
+    """As under mixed precision on CUDA (float32 masters, bfloat16 published), emulated on the
+    CPU: full_state_dict is in ``dtype``, the checkpoint keeps the float32 masters, and the
+    restored engine's next step equals the original's."""
+    eng = TorchEngine(TorchEngineConfig(model_path=tiny_model_dir, lr=1e-3))
+    eng.dtype = torch.bfloat16  # the publish dtype; the parameters stay float32
+    seqs = [torch.arange(2, 12), torch.arange(5, 11)]
+    loss = lambda lps, idx: -sum(lp.sum() for lp in lps)  # noqa: E731
+    eng.train_step(seqs, loss, 14)
+    published = eng.full_state_dict()
+    assert all(t.dtype == torch.bfloat16 for t in published.values())
+    eng.save(str(tmp_path), 0)
+    back = TorchEngine(TorchEngineConfig(model_path=str(tmp_path), lr=1e-3))
+    back.load_optimizer(str(tmp_path), 0)
+    masters = dict(eng.model.named_parameters())
+    for name, p in back.model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, masters[name]), name
+    eng.train_step(seqs, loss, 14)
+    back.train_step(seqs, loss, 14)
+    for name, p in back.model.named_parameters():
+        assert torch.equal(p, masters[name]), name
