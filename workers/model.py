@@ -200,8 +200,9 @@ class ModelWorker(Worker):
     def send_weights(self, replicas: list[int]) -> Future:
         """Send this rank's planned share of the actor's current weights to each of
         ``replicas`` in turn (collective with the other model workers and each replica's
-        ``update_weights``). A replica whose transfer fails (its server died) is left out of
-        later updates until it joins again; the others still get theirs."""
+        ``update_weights``), all replicas at once (each has its own groups). A replica whose
+        transfer fails (its server died) is left out of later updates until it joins again;
+        the others still get theirs."""
         missing = [r for r in replicas if int(r) not in self._syncs]
         if missing:
             raise RuntimeError(f"weight_sync_init was not called for replica(s) {missing}")
@@ -209,17 +210,23 @@ class ModelWorker(Worker):
         def send() -> WeightsSent:
             t0 = time.perf_counter()
             full = self._engine("actor").full_state_dict()  # FSDP: all-gather (collective)
-            sent, failed = 0, {}
-            for r in replicas:
+
+            def one(r: int) -> int:
                 sync = self._syncs[int(r)]
+                return sync.executor.run(src={n: full[n].contiguous() for n in sync.boxes},
+                                         src_boxes=sync.boxes).bytes_sent
+
+            # each replica's group is independent of the others': all are sent at once
+            with ThreadPoolExecutor(max(1, len(replicas)), thread_name_prefix="send") as pool:
+                futures = {int(r): pool.submit(one, r) for r in replicas}
+            sent, failed = 0, {}
+            for r, f in futures.items():
                 try:
-                    stats = sync.executor.run(src={n: full[n].contiguous() for n in sync.boxes},
-                                              src_boxes=sync.boxes)
-                    sent += stats.bytes_sent
+                    sent += f.result()
                 except Exception as e:  # the replica died mid-update (gloo: connection closed)
                     log.warning("weight update of generation replica %d failed: %s", r, e)
                     failed[str(r)] = f"{type(e).__name__}: {e}"
-                    del self._syncs[int(r)]
+                    del self._syncs[r]
             return {"seconds": time.perf_counter() - t0, "bytes_sent": sent, "failed": failed}
         return self._run(send)
 

@@ -152,6 +152,8 @@ class Cluster:
         registers again); ``alive(replica)`` lets a wait on a dead server end early."""
         t0 = time.perf_counter()
         targets = sorted(self.live if replicas is None else replicas)
+        if not targets:  # every server is down: they get the weights when they rejoin
+            return {"sync_seconds": 0.0, "sync_bytes": 0.0, "sync_replicas": 0.0}
         sent_bytes, failed = 0, {}
         if self.rl.weight_sync.mode == "disk":
             weights = os.path.join(self.master.boot.trial_dir, "weights")

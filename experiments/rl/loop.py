@@ -84,14 +84,19 @@ class RLLoop:
     def start(self) -> None:
         """Wait for the engines, join the weight-sync groups, give the servers a restored
         checkpoint's weights, evaluate once, and open admission."""
+        t0 = time.monotonic()
         self.cluster.wait_ready(self.rl.startup_timeout)
+        t1 = time.monotonic()
         info = self.cluster.on_models(lambda c: c.engine_info())[0]
         self.cluster.init_weight_sync(self.path, info)
         self.router.set_live(self.cluster.live)
+        t2 = time.monotonic()
         if self.state.step > 0 or self.master.config["recover"] == "resume":
             # the servers hold the base model, or (after a recovery) newer weights than the
             # checkpoint's: give them the weights training continues from
             self.publish()
+        log.info("start-up: engines ready in %.1fs, weight sync joined in %.1fs, weights "
+                 "published in %.1fs", t1 - t0, t2 - t1, time.monotonic() - t2)
         self.master.set_progress(phase="starting", resumed_from=self.state.step)
         if self.state.eval_before is None:
             self.master.set_progress(phase="evaluating", resumed_from=self.state.step)

@@ -86,7 +86,7 @@ class RecoverConfig:
     trial that has checkpoints unless recover.overwrite=true)."""
     retries: int = 3
     """Automatic recoveries per trial before a failure ends it."""
-    backoff: float = 2.0
+    backoff: float = 1.0
     """Seconds before a recovery starts; doubled for each recovery in a row whose workers
     failed again within a minute (a crash loop)."""
     overwrite: bool = False

@@ -37,6 +37,10 @@ from workers.kinds import KINDS, client_for
 
 log = logging.getLogger("controller")
 
+RESTART_GRACE = 1.0
+"""Seconds a recovery gives the stateful workers it stops before SIGKILL (their state is
+abandoned for the checkpoint's)."""
+
 
 class Controller:
     def __init__(self, cfg: ExperimentConfig, experiment: Experiment, paths: TrialPaths,
@@ -288,11 +292,13 @@ class Controller:
               f"{self.recovery.cfg.retries if self.recovery.cfg else 0}): restarting "
               f"{', '.join(kinds)}" + (" from the latest checkpoint" if set(kinds) & set(
                   self.experiment.stateful) else ""), file=sys.stderr)
-        collect_settled([self.clients[w].stop() for w in workers if w in self.clients], 2.0)
+        # their state is abandoned (the checkpoint is on disk) and a survivor may be stuck in
+        # a call to the dead worker: no graceful stop is waited for
+        collect_settled([self.clients[w].stop() for w in workers if w in self.clients], 0.2)
         self._drop_clients(workers)
         self.requeue.rejoined([w for w in workers if w in self.requeue.rejoining])
         for k in kinds:
-            self.scheduler.stop_group(k, self.cfg.scheduler.stop_grace)
+            self.scheduler.stop_group(k, min(self.cfg.scheduler.stop_grace, RESTART_GRACE))
         clear_worker_keys(self.nr, self.cfg.exp, self.cfg.trial, workers, stateful=bool(set(kinds) & set(self.experiment.stateful)))
         time.sleep(self.recovery.backoff())
         for k in kinds:

@@ -172,8 +172,10 @@ def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
     try:
         while not worker.stopping:
             try:
+                # a master that dies or is restarted while we wait is noticed within 0.5 s
                 reply = r.master.next_task(worker.index, rl.tasks_per_request,
-                                           r.incarnation).result(10.0)
+                                           r.incarnation).result_while(
+                    lambda: not r.master_moved(), 10.0, check_every=0.5)
             except RpcError as e:  # a restarted master (recover=auto) comes back elsewhere
                 log.warning("next_task failed (%s): waiting for the master", e)
                 r.reconnect()
