@@ -233,11 +233,7 @@ class SlurmScheduler(Scheduler):
         if pending:
             self._scancel(pending)
         running = [j for j in ids if j not in pending]
-        if running:
-            self._scancel(running, "--signal=TERM", "--full")  # polite: workers stop gracefully
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and self._queued(running) != {}:
-                time.sleep(0.5)
+        self._terminate(running, grace)  # polite: workers stop gracefully
         left = self._cancel_until_gone(ids, time.monotonic() + self.cancel_deadline)
         if left:
             raise SchedulerError(f"jobs still in the queue {self.cancel_deadline:.0f}s after "
@@ -290,14 +286,20 @@ class SlurmScheduler(Scheduler):
         ``scancel`` until they are gone (SchedulerError naming ``what`` if they are not)."""
         if not ids:
             return
-        self._scancel(ids, "--signal=TERM", "--full")
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and self._queued(ids) != {}:
-            time.sleep(0.5)
+        self._terminate(ids, grace)
         left = self._cancel_until_gone(ids, time.monotonic() + self.cancel_deadline)
         if left:
             raise SchedulerError(f"{what} still in the queue {self.cancel_deadline:.0f}s after "
                                  f"scancel: {', '.join(left)}")
+
+    def _terminate(self, ids: list[str], grace: float) -> None:
+        """SIGTERM to the running jobs ``ids``; up to ``grace`` seconds for them to leave."""
+        if not ids:
+            return
+        self._scancel(ids, "--signal=TERM", "--full")
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self._queued(ids) != {}:
+            time.sleep(0.5)
 
     def _no_requeue(self, job_id: str) -> None:
         """Make job ``job_id`` never requeued (logged, never raised, if Slurm refuses)."""

@@ -250,6 +250,16 @@ class Worker:
         return {int(k[len(prefix):]) for k in self.name_resolve.find_subtree(prefix[:-1])
                 if k[len(prefix):].isdigit()}
 
+    def serving_at(self, kind: str, index: int) -> str | None:
+        """The address worker ``kind/index`` is registered at while it heart-beats (None: dead
+        or gone). A restarted worker registers anew: compare with the address a client holds."""
+        if index not in self.alive(kind):
+            return None
+        try:
+            return self.name_resolve.get(names.worker_address(self.exp, self.trial, kind, index))
+        except NameEntryNotFound:
+            return None
+
     # --- lifecycle ---
     def run(self, role: Callable[[Any], dict[str, Any] | None]) -> int:
         """The process body: register, serve, run ``role(self)`` once started; returns the exit

@@ -24,8 +24,7 @@ from experiments.rl.config import RLConfig
 from system.reshard.layout import GenLayout, TrainLayout
 from system.reshard.params import ModelShape
 from system.reshard.spec import WeightSyncSpec
-from system import names
-from system.errors import NameEntryNotFound, RpcError
+from system.errors import RpcError
 from workers.client import Pending, collect, collect_settled
 from workers.generation import GenerationClient
 from workers.master import MasterWorker
@@ -184,15 +183,9 @@ class Cluster:
     def serving(self, replica: int) -> bool:
         """Whether server ``replica`` heart-beats and is still the process the master talks to
         (a restarted one registers at a new address: a call to the old one never returns)."""
-        m = self.master
-        if replica not in m.alive("generation") or replica not in self.gens:
-            return False
-        try:
-            address = m.name_resolve.get(names.worker_address(m.exp, m.trial, "generation",
-                                                              replica))
-        except NameEntryNotFound:
-            return False
-        return self.gens[replica].rpc.address == address
+        address = self.master.serving_at("generation", replica)
+        return address is not None and replica in self.gens and \
+            self.gens[replica].rpc.address == address
 
     def drop(self, replica: int, why: str) -> None:
         """``replica`` leaves routing and weight updates until it registers again."""

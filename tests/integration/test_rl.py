@@ -80,39 +80,61 @@ def _pids(root: str, kind: str) -> list[int]:
             .decode()]
 
 
+def _pid_of(root: str, kind: str, index: int | None = None) -> int | None:
+    """A live worker process of ``kind`` (of index ``index``, if given)."""
+    pids = [p for p in _pids(root, kind) if index is None or f"--index {index}" in
+            open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ").decode()]
+    return pids[0] if pids else None
+
+
+def _launch_signalling(fileroot: str, trial: str, args: list[str],
+                       schedule: list[tuple[int, str, int | None, int]], timeout: float = 500
+                       ) -> tuple[int, str]:
+    """Launch arith-tiny trial ``trial``; send each ``(step, kind, index, signal)`` of
+    ``schedule``, in order, once that step was trained and the worker (``index`` None: any of
+    its kind) runs. Returns the launcher's exit code and stderr."""
+    import subprocess
+    import time
+
+    from tests.helpers import REPO, launch_argv
+
+    root = os.path.join(fileroot, "arith-tiny", trial)
+    proc = subprocess.Popen(launch_argv("exp=arith-tiny", f"trial={trial}",
+                                        f"cluster.fileroot={fileroot}", *args),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    todo = list(schedule)
+    try:
+        deadline = time.time() + timeout
+        while todo and time.time() < deadline and proc.poll() is None:
+            step, kind, index, sig = todo[0]
+            steps = [r["step"] for r in _metrics(root)] if os.path.exists(
+                os.path.join(root, "metrics.jsonl")) else []
+            pid = _pid_of(root, kind, index)
+            if steps and max(steps) >= step and pid:
+                os.kill(pid, sig)
+                todo.pop(0)
+            time.sleep(0.2)
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
+
+
 def test_automatic_recovery_after_master_failure_and_model_worker_kill(fileroot):
     """recover=auto (the default): the master raises after step 3, later a model worker is
     killed with SIGKILL; each time the master and model workers restart from the latest
     checkpoint while the generation server and rollout workers stay up, and the trial ends at
     the same step as an uninterrupted run, every prompt of an epoch trained once."""
     import signal
-    import subprocess
-    import time
-
-    from tests.helpers import REPO, launch_argv
 
     root = os.path.join(fileroot, "arith-tiny", "auto")
-    proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=auto",
-                                        f"cluster.fileroot={fileroot}", "rl.total_steps=8",
-                                        "rl.save_interval=2", "rl.save_interval_s=0",
-                                        "rl.save_overhead=0", "rl.crash_at_step=3",
-                                        "recover.backoff=0.5", *SMALL),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 400
-        while time.time() < deadline and proc.poll() is None:
-            if os.path.exists(os.path.join(root, "logs", "model-0.attempt1.log")):
-                steps = [r["step"] for r in _metrics(root)] if os.path.exists(
-                    os.path.join(root, "metrics.jsonl")) else []
-                if steps and max(steps) >= 5 and _pids(root, "model"):
-                    os.kill(_pids(root, "model")[0], signal.SIGKILL)
-                    break
-            time.sleep(0.5)
-        out, err = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err[-4000:]
+    # the master raises after step 3 and resumes at 2: step 5 is trained after the recovery
+    code, err = _launch_signalling(fileroot, "auto", [
+        "rl.total_steps=8", "rl.save_interval=2", "rl.save_interval_s=0", "rl.save_overhead=0",
+        "rl.crash_at_step=3", "recover.backoff=0.5", *SMALL],
+        [(5, "model", None, signal.SIGKILL)], timeout=400)
+    assert code == 0, err[-4000:]
     s = read_summary(fileroot, "arith-tiny", "auto")
     assert s["status"] == "completed" and s["steps"] == 8
     rec = s["recoveries"]
@@ -157,13 +179,6 @@ def test_sync_ppo_multi_turn_calculator_two_trainers_with_reference(fileroot):
     assert len(models) == 3
 
 
-def _pid_of(root: str, kind: str, index: int) -> int | None:
-    pids = [p for p in _pids(root, kind)
-            if f"--index {index}" in open(f"/proc/{p}/cmdline", "rb").read()
-            .replace(b"\0", b" ").decode()]
-    return pids[0] if pids else None
-
-
 def test_dead_generation_servers_and_a_rollout_worker_restart_alone_training_goes_on(
         fileroot):
     """Two generation servers: server 1 is killed (SIGKILL) after step 2, server 0 after step
@@ -173,32 +188,13 @@ def test_dead_generation_servers_and_a_rollout_worker_restart_alone_training_goe
     model worker never restart, no step is lost, and the trial ends at the same step with
     every prompt of an epoch trained once."""
     import signal
-    import subprocess
-    import time
-
-    from tests.helpers import REPO, launch_argv
 
     root = os.path.join(fileroot, "arith-tiny", "stateless")
-    proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=stateless",
-                                        f"cluster.fileroot={fileroot}", "rl.total_steps=24",
-                                        "generation.count=2", *SMALL),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    todo = [(2, "generation", 1), (4, "generation", 0), (6, "rollout", 0)]
-    try:
-        deadline = time.time() + 500
-        while todo and time.time() < deadline and proc.poll() is None:
-            steps = [r["step"] for r in _metrics(root)] if os.path.exists(
-                os.path.join(root, "metrics.jsonl")) else []
-            pid = _pid_of(root, todo[0][1], todo[0][2])
-            if steps and max(steps) >= todo[0][0] and pid:
-                os.kill(pid, signal.SIGKILL)
-                todo.pop(0)
-            time.sleep(0.2)
-        out, err = proc.communicate(timeout=500)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err[-4000:]
+    code, err = _launch_signalling(fileroot, "stateless", [
+        "rl.total_steps=24", "generation.count=2", *SMALL],
+        [(2, "generation", 1, signal.SIGKILL), (4, "generation", 0, signal.SIGKILL),
+         (6, "rollout", 0, signal.SIGKILL)])
+    assert code == 0, err[-4000:]
     s = read_summary(fileroot, "arith-tiny", "stateless")
     assert s["status"] == "completed" and s["steps"] == 24
     rec = s["recoveries"]
@@ -227,31 +223,12 @@ def test_a_preemption_warning_checkpoints_before_the_stateful_restart(fileroot):
     checkpoint and stops once it is committed; the master and model worker restart from that
     checkpoint, so no step is lost (checkpoints are otherwise far apart here)."""
     import signal
-    import subprocess
-    import time
-
-    from tests.helpers import REPO, launch_argv
 
     root = os.path.join(fileroot, "arith-tiny", "usr2")
-    proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=usr2",
-                                        f"cluster.fileroot={fileroot}", "rl.total_steps=6",
-                                        "rl.save_interval=0", "rl.save_interval_s=0",
-                                        "rl.save_overhead=0", "recover.backoff=0.5", *SMALL),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 400
-        while time.time() < deadline and proc.poll() is None:
-            steps = [r["step"] for r in _metrics(root)] if os.path.exists(
-                os.path.join(root, "metrics.jsonl")) else []
-            if steps and max(steps) >= 2 and _pids(root, "model"):
-                os.kill(_pids(root, "model")[0], signal.SIGUSR2)
-                break
-            time.sleep(0.2)
-        out, err = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err[-4000:]
+    code, err = _launch_signalling(fileroot, "usr2", [
+        "rl.total_steps=6", "rl.save_interval=0", "rl.save_interval_s=0", "rl.save_overhead=0",
+        "recover.backoff=0.5", *SMALL], [(2, "model", None, signal.SIGUSR2)], timeout=400)
+    assert code == 0, err[-4000:]
     s = read_summary(fileroot, "arith-tiny", "usr2")
     assert s["status"] == "completed" and s["steps"] == 6
     (rec,) = s["recoveries"]

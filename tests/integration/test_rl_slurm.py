@@ -51,7 +51,9 @@ def test_preempted_generation_and_model_jobs_continue_by_themselves(slurm_cluste
         gen_job = job_of(slurm_cluster.env, "arith-tiny", "preempt", "generation")
         subprocess.run(["scancel", "--signal=USR2", gen_job], check=True, env=env)
         master_log = os.path.join(trial_root, "logs", "master-0.log")
-        wait_for(lambda: "generation server 0 rejoined" in open(master_log).read(), 300,
+        # 600 s: a server that dies mid-transfer can leave the trainer's send waiting out the
+        # weight-sync group timeout (rl.weight_sync.timeout, 300 s) before it rejoins
+        wait_for(lambda: "generation server 0 rejoined" in open(master_log).read(), 600,
                  "the generation server to rejoin")
         model_job = job_of(slurm_cluster.env, "arith-tiny", "preempt", "model")
         subprocess.run(["scancel", "--signal=USR2", model_job], check=True, env=env)

@@ -60,14 +60,9 @@ class _Rollouts:
     def server_alive(self, index: int) -> bool:
         """Whether generation server ``index`` still heart-beats and is still the process this
         worker talks to (a restarted server registers at a new address)."""
-        if index not in self.worker.alive("generation"):
-            return False
-        try:
-            address = self.worker.name_resolve.get(self._server_key(index))
-        except NameEntryNotFound:
-            return False
+        address = self.worker.serving_at("generation", index)
         client = self.gens.get(index)
-        return client is not None and client.rpc.address == address
+        return address is not None and client is not None and client.rpc.address == address
 
     def master_moved(self) -> bool:
         """The master was restarted (a recovery): it serves, and streams, at new addresses."""
