@@ -8,6 +8,7 @@ when the samples are done, other calls are served meanwhile) and in-place weight
 from __future__ import annotations
 
 import dataclasses
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from system import names
 from system.errors import ConfigError
+from system.name_resolve import NameEntryNotFound
 from system.reshard.spec import WeightSyncSpec
 from workers.base import Worker
 from workers.client import Pending, WorkerClient
@@ -104,11 +106,26 @@ class GenerationServer(Worker):
         sync = WeightSyncSpec.from_wire(spec)
 
         def init(llm: Any) -> Any:
-            address = self.name_resolve.wait(names.store(self.exp, self.trial, group),
-                                             sync.timeout)
+            address = self._wait_store(group, sync.timeout)
             return llm.collective_rpc("rlsys_weight_sync_init",
                                       args=(sync.to_wire(), 0, address))
         return self._engine().control(init)
+
+    def _wait_store(self, group: str, timeout: float) -> str:
+        """The address of ``group``'s store, which the trainer's rank 0 hosts; gives up as soon
+        as that worker is dead (it died while the group formed): the engine's loop must not
+        wait out the timeout for it."""
+        key = names.store(self.exp, self.trial, group)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.name_resolve.wait(key, min(0.5, max(0.0, deadline - time.monotonic())))
+            except NameEntryNotFound:
+                if 0 not in self.alive("model"):
+                    raise RuntimeError(f"model worker 0, the host of weight-update group "
+                                       f"{group}, is not alive") from None
+                if time.monotonic() >= deadline:
+                    raise
 
     def update_weights(self, version: int) -> Future:
         """Receive new weights in place (the trainer ranks send theirs at the same time) and

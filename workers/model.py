@@ -18,7 +18,7 @@ import logging
 import os
 import random
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from system import names
@@ -72,6 +72,9 @@ class _WeightSync:
     executor: Any
     boxes: dict[str, Any]
     store: Any
+    address: str
+    """Where the replica's server was registered when it joined: a server that stops serving
+    there died (or was replaced), and a transfer waiting for it is given up."""
 
 
 class ModelWorker(Worker):
@@ -191,10 +194,20 @@ class ModelWorker(Worker):
 
         def init() -> dict[str, Any]:
             self._syncs.pop(int(replica), None)
-            store = self._store(group, sync.world_size, keep=False)
-            executor = sync.executor(self.index, store, self._engine("actor").device)
-            self._syncs[int(replica)] = _WeightSync(executor, sync.src_boxes(self.index), store)
-            return {"rank": self.index, "replica": int(replica), "buckets": len(executor.buckets)}
+            address = self.serving_at("generation", int(replica))
+            if address is None:
+                raise RuntimeError(f"generation server {replica} is not serving")
+
+            def build() -> _WeightSync:
+                store = self._store(group, sync.world_size, keep=False)
+                executor = sync.executor(self.index, store, self._engine("actor").device)
+                return _WeightSync(executor, sync.src_boxes(self.index), store, address)
+            done, failed = self._while_serving({int(replica): build}, {int(replica): address})
+            if failed:
+                raise RuntimeError(failed[int(replica)])
+            self._syncs[int(replica)] = done[int(replica)]
+            return {"rank": self.index, "replica": int(replica),
+                    "buckets": len(done[int(replica)].executor.buckets)}
         return self._run(init)
 
     def send_weights(self, replicas: list[int]) -> Future:
@@ -211,24 +224,46 @@ class ModelWorker(Worker):
             t0 = time.perf_counter()
             full = self._engine("actor").full_state_dict()  # FSDP: all-gather (collective)
 
-            def one(r: int) -> int:
-                sync = self._syncs[int(r)]
+            def one(sync: _WeightSync) -> int:
                 return sync.executor.run(src={n: full[n].contiguous() for n in sync.boxes},
                                          src_boxes=sync.boxes).bytes_sent
 
             # each replica's group is independent of the others': all are sent at once
-            with ThreadPoolExecutor(max(1, len(replicas)), thread_name_prefix="send") as pool:
-                futures = {int(r): pool.submit(one, r) for r in replicas}
-            sent, failed = 0, {}
-            for r, f in futures.items():
-                try:
-                    sent += f.result()
-                except Exception as e:  # the replica died mid-update (gloo: connection closed)
-                    log.warning("weight update of generation replica %d failed: %s", r, e)
-                    failed[str(r)] = f"{type(e).__name__}: {e}"
-                    del self._syncs[r]
-            return {"seconds": time.perf_counter() - t0, "bytes_sent": sent, "failed": failed}
+            done, failed = self._while_serving(
+                {int(r): (lambda s=self._syncs[int(r)]: one(s)) for r in replicas},
+                {int(r): self._syncs[int(r)].address for r in replicas})
+            for r, why in failed.items():
+                log.warning("weight update of generation replica %d failed: %s", r, why)
+                self._syncs.pop(r, None)
+            return {"seconds": time.perf_counter() - t0, "bytes_sent": sum(done.values()),
+                    "failed": {str(r): why for r, why in failed.items()}}
         return self._run(send)
+
+    def _while_serving(self, work: dict[int, Callable[[], Any]], addresses: dict[int, str],
+                       period: float = 0.5) -> tuple[dict[int, Any], dict[int, str]]:
+        """Run each generation replica's part of a transfer in a thread of its own; returns
+        (results, why each failed). A replica whose server stops serving at the address it
+        joined from is given up at once: a peer that died before connecting is otherwise
+        noticed only at the group's timeout (minutes), and the engine thread would wait that
+        long. Its thread is left to end at that timeout."""
+        pool = ThreadPoolExecutor(max(1, len(work)), thread_name_prefix="replica")
+        futures = {r: pool.submit(fn) for r, fn in work.items()}
+        pool.shutdown(wait=False)
+        done: dict[int, Any] = {}
+        failed: dict[int, str] = {}
+        while futures:
+            wait(futures.values(), timeout=period, return_when=FIRST_COMPLETED)
+            for r, f in list(futures.items()):
+                if f.done():
+                    try:
+                        done[r] = f.result()
+                    except Exception as e:  # its server died mid-transfer (connection reset)
+                        failed[r] = f"{type(e).__name__}: {e}"
+                    del futures[r]
+                elif self.serving_at("generation", r) != addresses[r]:
+                    failed[r] = f"generation server {r} stopped serving during the transfer"
+                    del futures[r]
+        return done, failed
 
     def save_weights(self, directory: str) -> Future:
         """Write the actor as a Hugging Face safetensors checkpoint (rank 0; collective)."""
