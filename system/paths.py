@@ -27,6 +27,11 @@ class TrialPaths:
         return os.path.join(self.root, "secret")
 
     @property
+    def api_key(self) -> str:
+        """The generation servers' HTTP API key (mode 0600, see :mod:`system.api_key`)."""
+        return os.path.join(self.root, "api_key")
+
+    @property
     def summary(self) -> str:
         return os.path.join(self.root, "summary.json")
 

@@ -8,6 +8,7 @@ import shutil
 import time
 from typing import Any
 
+from system.api_key import write_api_key
 from system.bootstrap import Bootstrap
 from system.errors import ConfigError
 from system.launcher.config import ExperimentConfig, RecoverMode
@@ -72,6 +73,7 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
     with open(paths.config, "w") as f:
         f.write(resolved_yaml)
     secret = write_secret(paths.secret)
+    write_api_key(paths.api_key)  # before any worker starts: generation servers read it
     Bootstrap(exp=cfg.exp, trial=cfg.trial, experiment=experiment_name, trial_dir=paths.root,
               interface=cfg.cluster.interface, scheduler=cfg.scheduler.type.value,
               name_resolve=plain(cfg.name_resolve), name_resolve_root=name_resolve_root(cfg),
