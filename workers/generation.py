@@ -15,11 +15,14 @@ from typing import Any, Callable
 import numpy as np
 
 from system import names
+from system.api_key import read_api_key
 from system.errors import ConfigError
 from system.name_resolve import NameEntryNotFound
+from system.paths import TrialPaths
 from system.reshard.spec import WeightSyncSpec
 from workers.base import Worker
 from workers.client import Pending, WorkerClient
+from workers.engines.http_server import HttpLimits
 from workers.engines.openai_http import OpenAIEndpoint
 from workers.engines.vllm_server import GenerationEngine, Sampling, VllmConfig
 from workers.schema import EngineStats, Sample, SamplingParams, WorkerReport, WorkerSetup
@@ -31,10 +34,38 @@ class GenerationServerConfig:
 
     count: int = 2
     """How many generation servers."""
+    http: bool = True
+    """Serve the OpenAI-compatible HTTP endpoint (needs the trial's api_key file; off: only our
+    authenticated RPC reaches the engine)."""
+    http_max_body_bytes: int = 1 << 20
+    """Largest request body the endpoint reads (a larger Content-Length: 413, unread)."""
+    http_max_connections: int = 32
+    """Connections the endpoint serves at once (its handler threads)."""
+    http_max_queued: int = 64
+    """Accepted connections that may wait for a handler; any more is answered 429."""
+    http_read_timeout: float = 10.0
+    """Seconds a client has to send its whole request (headers and body), and to take the
+    answer; a slower connection is cut (408 or closed)."""
+    http_request_timeout: float = 600.0
+    """Seconds a request may wait for its samples (then 504)."""
+    http_max_n: int = 64
+    """Most samples (n) one HTTP request may ask for."""
 
     def __post_init__(self) -> None:
         if self.count < 0:
             raise ConfigError(f"count must be >= 0, got {self.count}")
+        self.http_limits()  # raises for a bad http_* value
+
+    def http_limits(self) -> HttpLimits:
+        """The endpoint's limits (the ``http_*`` keys)."""
+        try:
+            return HttpLimits(max_body_bytes=self.http_max_body_bytes,
+                              max_connections=self.http_max_connections,
+                              max_queued=self.http_max_queued,
+                              read_timeout=self.http_read_timeout,
+                              request_timeout=self.http_request_timeout, max_n=self.http_max_n)
+        except ConfigError as e:
+            raise ConfigError(f"http_{e}") from None
 
 
 class GenerationServer(Worker):
@@ -45,6 +76,7 @@ class GenerationServer(Worker):
         self.requests = 0
         self.engine: GenerationEngine | None = None
         self.http: OpenAIEndpoint | None = None
+        self.gen_cfg = GenerationServerConfig()
 
     def on_configure(self, config: WorkerSetup) -> None:
         self.gen_cfg = GenerationServerConfig(**config["worker"])
@@ -61,10 +93,16 @@ class GenerationServer(Worker):
         self.engine = GenerationEngine(model_path, vllm_cfg, eos_token_id)
         return self.engine
 
-    def serve_http(self, tokenizer: Any, model_name: str) -> OpenAIEndpoint:
-        """Open the OpenAI-compatible endpoint on this server's engine and publish its address
-        under ``http/<index>``."""
-        self.http = OpenAIEndpoint(self._engine(), tokenizer, model_name, self.host)
+    def serve_http(self, tokenizer: Any, model_name: str) -> OpenAIEndpoint | None:
+        """Open the OpenAI-compatible endpoint on this server's engine, guarded by the trial's
+        API key (``<trial_dir>/api_key``), and publish its address under ``http/<index>``;
+        nothing when ``generation.http`` is off."""
+        cfg = self.gen_cfg
+        if not cfg.http:
+            return None
+        key = read_api_key(TrialPaths(self.boot.trial_dir).api_key)
+        self.http = OpenAIEndpoint(self._engine(), tokenizer, model_name, self.host, key,
+                                   cfg.http_limits())
         self.name_resolve.add(names.http_address(self.exp, self.trial, self.index),
                               self.http.address, replace=True)
         return self.http

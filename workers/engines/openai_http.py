@@ -4,131 +4,129 @@
 ``POST /v1/chat/completions`` (the tokenizer's chat template). Requests go to the same engine
 as our RPC path, so they share its continuous batch and its weight versions; every choice says
 which versions produced its tokens (``weight_versions``), an extension to the OpenAI schema.
-Standard-library HTTP server, one thread per connection.
+
+Served by :class:`~workers.engines.http_server.JsonHttpServer`: every request needs the trial's
+API key, and connections, time, memory and samples per request are bounded
+(:class:`~workers.engines.http_server.HttpLimits`). What a client sees: 200, or a JSON error
+with 400 (an invalid request), 401 (no or a wrong key), 404/405, 408 (too slow), 411/413 (no or
+too large a ``Content-Length``), 429 (too many connections), 503 (the engine is down) or 504.
 """
 from __future__ import annotations
 
-import json
-import logging
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from system.errors import ConfigError
-from workers.engines.vllm_server import GenerationEngine, Sampling
-
-log = logging.getLogger("openai-http")
+from workers.engines.http_server import HttpError, HttpLimits, JsonHttpServer
+from workers.engines.openai_request import (GenerationRequest, chat_messages, completion_prompt,
+                                            generation_request)
+from workers.engines.vllm_server import GenerationEngine
 
 
 class OpenAIEndpoint:
+    """The routes (a :class:`~workers.engines.http_server.JsonApp`) and their server thread."""
+
     def __init__(self, engine: GenerationEngine, tokenizer: Any, model_name: str, host: str,
-                 port: int = 0, timeout: float = 600.0) -> None:
+                 api_key: str, limits: HttpLimits | None = None, port: int = 0) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.timeout = timeout
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, fmt: str, *args: Any) -> None:  # quiet
-                log.debug(fmt, *args)
-
-            def _send(self, code: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                if self.path.rstrip("/") == "/v1/models":
-                    self._send(200, {"object": "list", "data": [
-                        {"id": endpoint.model_name, "object": "model", "owned_by": "rlsys"}]})
-                else:
-                    self._send(404, _error(f"no route {self.path}"))
-
-            def do_POST(self) -> None:
-                try:
-                    n = int(self.headers.get("Content-Length", 0))
-                    body = json.loads(self.rfile.read(n) or b"{}")
-                    if not isinstance(body, dict):
-                        raise ConfigError("request body must be a JSON object")
-                    route = self.path.rstrip("/")
-                    if route == "/v1/completions":
-                        self._send(200, endpoint.completions(body))
-                    elif route == "/v1/chat/completions":
-                        self._send(200, endpoint.chat(body))
-                    else:
-                        self._send(404, _error(f"no route {self.path}"))
-                except (ConfigError, ValueError, TypeError, KeyError) as e:
-                    self._send(400, _error(str(e)))
-                except Exception as e:  # the engine failed
-                    log.exception("request failed")
-                    self._send(500, _error(f"{type(e).__name__}: {e}", "server_error"))
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
+        self.limits = limits or HttpLimits()
+        self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not re-entrant
+        self.server = JsonHttpServer(host, port, self, api_key, self.limits)
         self.address = f"http://{host}:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, name="openai-http",
                                         daemon=True)
         self._thread.start()
 
-    def _sampling(self, body: dict) -> tuple[Sampling, int]:
-        n = int(body.get("n", 1))
-        stop = body.get("stop_token_ids") or ()
-        return Sampling(max_tokens=int(body.get("max_tokens", 16)),
-                        temperature=float(body.get("temperature", 1.0)),
-                        top_p=float(body.get("top_p", 1.0)), stop_token_ids=tuple(stop)), n
+    def handle(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        route = path.split("?", 1)[0].rstrip("/")
+        routes = {"/v1/models": ("GET", self.models), "/v1/completions": ("POST", self.completions),
+                  "/v1/chat/completions": ("POST", self.chat)}
+        if route not in routes:
+            raise HttpError(404, f"no route {route[:100]!r}")
+        want, fn = routes[route]
+        if method != want:
+            raise HttpError(405, f"{route} takes {want}", {"Allow": want})
+        try:
+            return fn(body or {})
+        except ConfigError as e:
+            raise HttpError(400, str(e)) from None
 
-    def _run(self, prompt_ids: list[int], body: dict) -> tuple[list[dict], int]:
-        sampling, n = self._sampling(body)
-        samples = self.engine.submit(prompt_ids, n, sampling).result(self.timeout)
-        return samples, len(prompt_ids)
+    def models(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "owned_by": "rlsys"}]}
 
-    def completions(self, body: dict) -> dict:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids = prompt
-        elif isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            raise ConfigError("prompt must be a string or a list of token ids")
-        samples, plen = self._run(ids, body)
+    def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        req = generation_request(body, self.limits.max_n)
+        prompt = completion_prompt(body)
+        ids = self._encode(prompt) if isinstance(prompt, str) else prompt
+        samples = self._run(ids, req)
         choices = []
         for i, s in enumerate(samples):
             tokens = [int(t) for t in s["tokens"]]
             choice = {"index": i, "text": self._decode(tokens), "finish_reason": s["finish"],
                       "weight_versions": s["segments"]}
-            if body.get("logprobs") is not None:
-                choice["logprobs"] = {
-                    "tokens": [self.tokenizer.decode([t]) for t in tokens],
-                    "token_ids": tokens, "token_logprobs": [float(x) for x in s["logprobs"]]}
+            if req.logprobs:
+                with self._tokenizer_lock:
+                    pieces = [self.tokenizer.decode([t]) for t in tokens]
+                choice["logprobs"] = {"tokens": pieces, "token_ids": tokens,
+                                      "token_logprobs": [float(x) for x in s["logprobs"]]}
             choices.append(choice)
-        return self._envelope("text_completion", choices, plen, samples)
+        return self._envelope("text_completion", choices, len(ids), samples)
 
-    def chat(self, body: dict) -> dict:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ConfigError("messages must be a non-empty list")
-        if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=True)
-            if hasattr(ids, "keys"):  # a BatchEncoding
-                ids = ids["input_ids"]
-        else:  # a tokenizer without a template: plain concatenation of the contents
-            ids = self.tokenizer.encode("".join(str(m.get("content", "")) for m in messages))
-        samples, plen = self._run(list(ids), body)
+    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        req = generation_request(body, self.limits.max_n)
+        ids = self._chat_ids(chat_messages(body))
+        samples = self._run(ids, req)
         choices = [{"index": i, "message": {"role": "assistant",
                                             "content": self._decode([int(t) for t in s["tokens"]])},
                     "finish_reason": s["finish"], "weight_versions": s["segments"]}
                    for i, s in enumerate(samples)]
-        return self._envelope("chat.completion", choices, plen, samples)
+        return self._envelope("chat.completion", choices, len(ids), samples)
+
+    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):  # plain concatenation
+            return self._encode("".join(m["content"] for m in messages))
+        try:
+            with self._tokenizer_lock:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                         tokenize=True)
+        except Exception as e:  # the template refused these messages (jinja raised)
+            raise ConfigError(f"messages: the chat template failed: {type(e).__name__}: "
+                              f"{str(e)[:200]}") from None
+        if hasattr(ids, "keys"):  # a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def _run(self, ids: list[int], req: GenerationRequest) -> list[dict[str, Any]]:
+        """Submit to the engine and wait; its refusals and failures as HTTP errors."""
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            future = self.engine.submit(ids, req.n, req.sampling)
+        except RuntimeError as e:  # GenerationLoopDied, or the engine is stopping
+            raise HttpError(503, f"the generation engine is not serving: {e}") from None
+        try:
+            return future.result(self.limits.request_timeout)
+        except FutureTimeout:
+            raise HttpError(504, f"no answer within {self.limits.request_timeout:g} s") from None
+        except (ConfigError, VLLMClientError, ValueError, TypeError) as e:  # refused in the loop
+            raise HttpError(400, f"{type(e).__name__}: {str(e)[:500]}") from None
+        except RuntimeError as e:
+            raise HttpError(503, f"the generation engine failed: {e}") from None
+
+    def _encode(self, text: str) -> list[int]:
+        with self._tokenizer_lock:
+            return list(self.tokenizer.encode(text))
 
     def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        with self._tokenizer_lock:
+            return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
 
-    def _envelope(self, obj: str, choices: list, plen: int, samples: list[dict]) -> dict:
+    def _envelope(self, obj: str, choices: list, plen: int,
+                  samples: list[dict[str, Any]]) -> dict[str, Any]:
         completion = sum(len(s["tokens"]) for s in samples)
         return {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": obj, "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
@@ -138,7 +136,3 @@ class OpenAIEndpoint:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-def _error(message: str, kind: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": kind}}

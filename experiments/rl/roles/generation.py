@@ -1,4 +1,5 @@
-"""Generation servers: open vLLM and the OpenAI-compatible endpoint, serve until stopped."""
+"""Generation servers: open vLLM and the OpenAI-compatible endpoint (guarded by the trial's API
+key; none with ``generation.http=false``), serve until stopped."""
 from __future__ import annotations
 
 from typing import Any
