@@ -19,11 +19,25 @@ class Safe(str):
     """Text already quoted or checked for a job script (what every filter returns)."""
 
 
+_SBATCH_BLANKED = re.compile(r"hetjob|packjob", re.IGNORECASE)
+
+
+def check_sbatch_text(key: str, value: object) -> None:
+    """``value`` can be written on an ``#SBATCH`` line: one line, and neither ``hetjob`` nor
+    ``packjob`` (sbatch blanks those words out of a directive line wherever they are)."""
+    check_line(key, value)
+    assert isinstance(value, str)
+    found = _SBATCH_BLANKED.search(value)
+    if found:
+        raise ConfigError(f"{key}={value!r} contains {found.group(0)!r}, which sbatch removes "
+                          "from #SBATCH lines; valid: text without 'hetjob' or 'packjob'")
+
+
 def sbatch_quote(value: object) -> Safe:
     """A value for an ``#SBATCH`` line: double-quoted, ``\\`` and ``"`` escaped (sbatch's own
     directive parser understands that, and a quoted ``#`` does not start a comment)."""
     s = str(value)
-    check_line("an #SBATCH value", s)
+    check_sbatch_text("an #SBATCH value", s)
     return Safe('"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"')
 
 
@@ -53,6 +67,21 @@ def shell_words(text: str) -> Safe:
     """Arguments given as one string (``apptainer_args``): split, then each word quoted, so
     ``$(...)`` or ``;`` in them is an argument, never a command."""
     return shell_join(split_words("a list of shell words", text))
+
+
+PATH_REFUSED = "backslashes and without '%' before a digit"
+
+
+def slurm_path_problem(path: str) -> str | None:
+    """Why Slurm would not write a log at ``path`` given as an ``--output`` pattern with its
+    ``%`` doubled, or None: a backslash (Slurm drops it, and then expands no pattern, ``%j``
+    and ``%t`` included), or a ``%`` before a digit (srun's parser reads ``%%5t`` as a padded
+    task rank and loses the 5)."""
+    if "\\" in path:
+        return "a backslash, which Slurm removes from --output paths"
+    if re.search(r"%\d", path):
+        return "a '%' before a digit, which srun reads as a padded %-pattern"
+    return None
 
 
 def number(value: object) -> Safe:
@@ -129,13 +158,13 @@ def _owner(option: str) -> str:
         return f"set it with scheduler.slurm.<group>.{option.replace('-', '_')}"
     if option in _BY_SLURM_KEY:
         return f"set it with {_BY_SLURM_KEY[option]}"
-    return "the launcher fixes it (job names and log paths the controller watches)"
+    return "the launcher sets it for the job names and log paths the controller watches"
 
 
 def parse_sbatch_option(key: str, line: object) -> tuple[str, str | None]:
     """``(option, value or None)`` of one ``extra_sbatch`` entry; ConfigError naming ``key``
     for anything but one long option, or for an option the launcher sets itself."""
-    check_line(key, line)
+    check_sbatch_text(key, line)
     assert isinstance(line, str)
     m = _OPTION_RE.fullmatch(line)
     if m is None:

@@ -5,15 +5,17 @@ import dataclasses
 import re
 from typing import Dict, List
 
-from scheduler.script_text import ENV_RE, ENV_VALID, parse_sbatch_option, split_words
+from scheduler.script_text import (ENV_RE, ENV_VALID, check_sbatch_text, parse_sbatch_option,
+                                   split_words)
 from system.checks import check_int, check_line, check_lines
 from system.errors import ConfigError
 
 _MEM_RE = re.compile(r"\d+[KMGT]?")
 _TIME_RE = re.compile(r"(\d+-)?\d+(:\d+){0,2}")
-_TEXT = ("partition", "account", "qos", "constraint", "nodelist", "exclude", "container_image",
-         "container_mounts", "apptainer_image")
-"""Fields written (quoted) into a job script: one line each."""
+_SBATCH_TEXT = ("partition", "account", "qos", "constraint", "nodelist", "exclude")
+"""Fields written (quoted) on an ``#SBATCH`` line."""
+_SHELL_TEXT = ("container_image", "container_mounts", "apptainer_image")
+"""Fields written (quoted) as shell words."""
 
 
 @dataclasses.dataclass
@@ -71,7 +73,9 @@ class SlurmGroupConfig:
             check_int(key, getattr(self, key), 1)
         for key in ("ntasks_per_node", "gpus_per_node"):
             check_int(key, getattr(self, key), 0)
-        for key in _TEXT:
+        for key in _SBATCH_TEXT:
+            check_sbatch_text(key, getattr(self, key))
+        for key in _SHELL_TEXT:
             check_line(key, getattr(self, key))
         check_slurm_time("time", self.time)
         check_line("mem", self.mem)
@@ -163,7 +167,9 @@ class SlurmConfig:
         if self.poll_interval <= 0:
             raise ConfigError(f"poll_interval must be > 0, got {self.poll_interval}")
         check_slurm_time("time", self.time)
-        for key in ("partition", "account", "qos", "python", "workdir"):
+        for key in ("partition", "account", "qos"):
+            check_sbatch_text(key, getattr(self, key))
+        for key in ("python", "workdir"):
             check_line(key, getattr(self, key))
 
     def group(self, kind: str) -> SlurmGroupConfig:

@@ -13,14 +13,16 @@ from typing import Mapping, Sequence
 import jinja2
 
 from scheduler.base import GroupSpec
-from scheduler.script_text import FILTERS, finalize
+from scheduler.script_text import FILTERS, PATH_REFUSED, finalize, slurm_path_problem
 from scheduler.slurm_config import SlurmConfig, SlurmGroupConfig
 from system.errors import ConfigError
 
 TEMPLATES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "slurm")
 
 
-def _env() -> jinja2.Environment:
+def template_environment() -> jinja2.Environment:
+    """The Jinja2 environment of the sbatch templates: the filters of
+    :mod:`scheduler.script_text`, and nothing written unfiltered."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              autoescape=False, finalize=finalize)
@@ -64,12 +66,12 @@ def tasks_per_node(kind: str, count: int, group: SlurmGroupConfig) -> int:
 
 def slurm_literal(path: str) -> str:
     """``path`` inside a Slurm filename pattern (``#SBATCH --output``, ``srun --output``):
-    ``%`` doubled, so Slurm writes exactly ``path``. A backslash is refused: Slurm drops it and
-    then expands no pattern at all (``%j``, ``%t``), so no pattern would name the file."""
-    if "\\" in path:
-        raise ConfigError(f"the log path {path!r} contains a backslash, which Slurm removes "
-                          "from --output paths; valid: a cluster.fileroot (and working "
-                          "directory) without backslashes")
+    ``%`` doubled, so Slurm writes exactly ``path``; ConfigError for a path no pattern can
+    name (:func:`~scheduler.script_text.slurm_path_problem`)."""
+    problem = slurm_path_problem(path)
+    if problem:
+        raise ConfigError(f"the log path {path!r} contains {problem}; valid: a "
+                          f"cluster.fileroot (and working directory) without {PATH_REFUSED}")
     return path.replace("%", "%%")
 
 
@@ -101,7 +103,7 @@ def render_worker_script(*, exp: str, trial: str, group: GroupSpec, slurm: Slurm
     kind, g = group.kind, slurm.group(group.kind)
     per_node = tasks_per_node(kind, group.count, g) if group.count != 1 else 1
     logs_dir = os.path.dirname(group.log_paths[0])
-    return _env().get_template("worker.sbatch.j2").render(
+    return template_environment().get_template("worker.sbatch.j2").render(
         exp=exp, trial=trial, kind=kind, count=group.count, first=group.first, g=g,
         nodes=g.nodes if group.count != 1 else 1, ntasks_per_node=per_node,
         job_name=job_name(exp, trial, job_label(group)),
@@ -118,7 +120,7 @@ def render_controller_script(*, exp: str, trial: str, slurm: SlurmConfig, argv: 
     """The sbatch script that runs the controller itself (``--detach``); Slurm writes its
     output to exactly ``<logs_dir>/controller.log``."""
     group = slurm.controller
-    return _env().get_template("controller.sbatch.j2").render(
+    return template_environment().get_template("controller.sbatch.j2").render(
         exp=exp, trial=trial, g=group, job_name=job_name(exp, trial, "controller"),
         batch_log=os.path.join(slurm_literal(logs_dir), "controller.log"),
         env={**env, **group.env}, workdir=workdir, argv=argv, **_inherit(group, slurm))

@@ -10,6 +10,7 @@ import dataclasses
 import enum
 
 from scheduler.config import SchedulerConfig, SchedulerKind
+from scheduler.script_text import PATH_REFUSED, slurm_path_problem
 from system.checks import check_line, check_name
 from system.errors import ConfigError
 from system.name_resolve import NameResolveConfig
@@ -137,10 +138,10 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         check_name("exp", self.exp)
         check_name("trial", self.trial)
-        if self.scheduler.type == SchedulerKind.SLURM and "\\" in self.cluster.fileroot:
-            raise ConfigError(f"cluster.fileroot={self.cluster.fileroot!r} contains a backslash, "
-                              "which Slurm removes from log paths (--output); valid with "
-                              "scheduler=slurm: a path without backslashes")
+        problem = slurm_path_problem(self.cluster.fileroot)
+        if self.scheduler.type == SchedulerKind.SLURM and problem:
+            raise ConfigError(f"cluster.fileroot={self.cluster.fileroot!r} contains {problem}; "
+                              f"valid with scheduler=slurm: a path without {PATH_REFUSED}")
 
     def recovery(self) -> RecoverConfig | None:
         """The trial's recovery settings; None for experiments without checkpoints."""
