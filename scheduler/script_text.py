@@ -50,6 +50,8 @@ def shell_quote(value: object) -> Safe:
 
 def shell_join(argv: Sequence[str]) -> Safe:
     """A command line: every argument quoted (:func:`shell_quote`)."""
+    if isinstance(argv, str):
+        raise ConfigError(f"{argv!r}: a command to quote must be a list of arguments")
     return Safe(" ".join(shell_quote(a) for a in argv))
 
 

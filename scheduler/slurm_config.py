@@ -80,7 +80,7 @@ class SlurmGroupConfig:
         check_slurm_time("time", self.time)
         check_line("mem", self.mem)
         if self.mem and not _MEM_RE.fullmatch(self.mem):
-            raise ConfigError(f"mem={self.mem!r} is not valid; valid: a number of megabytes "
+            raise ConfigError(f"mem={self.mem!r} is not valid; valid: an integer (megabytes) "
                               "with an optional K/M/G/T suffix, e.g. 64G, 512M, 16000")
         if self.container_image and self.apptainer_image:
             raise ConfigError("set container_image (pyxis) or apptainer_image, not both")
