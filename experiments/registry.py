@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, TypeVar
 
+from system.errors import ConfigError
 from system.launcher.config import ExperimentConfig
 from workers.base import Worker
 from workers.generation import GenerationServer
@@ -29,6 +30,11 @@ class Roles:
     rollout: Callable[[RolloutWorker], dict[str, Any] | None]
 
     def of(self, kind: str) -> Callable[[Any], dict[str, Any] | None]:
+        """The role of worker kind ``kind``: one of this registry's own fields, never an
+        attribute looked up by an arbitrary name."""
+        kinds = [f.name for f in dataclasses.fields(self)]
+        if kind not in kinds:
+            raise ConfigError(f"no role for worker kind {kind!r}; valid: {kinds}")
         return getattr(self, kind)
 
 

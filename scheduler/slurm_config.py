@@ -5,11 +5,17 @@ import dataclasses
 import re
 from typing import Dict, List
 
+from scheduler.script_text import (ENV_RE, ENV_VALID, check_sbatch_text, parse_sbatch_option,
+                                   split_words)
+from system.checks import check_int, check_line, check_lines
 from system.errors import ConfigError
 
-_MEM_RE = re.compile(r"^\d+[KMGT]?$")
-_TIME_RE = re.compile(r"^(\d+-)?\d+(:\d+){0,2}$|^\d+$")
-_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MEM_RE = re.compile(r"\d+[KMGT]?")
+_TIME_RE = re.compile(r"(\d+-)?\d+(:\d+){0,2}")
+_SBATCH_TEXT = ("partition", "account", "qos", "constraint", "nodelist", "exclude")
+"""Fields written (quoted) on an ``#SBATCH`` line."""
+_SHELL_TEXT = ("container_image", "container_mounts", "apptainer_image")
+"""Fields written (quoted) as shell words."""
 
 
 @dataclasses.dataclass
@@ -44,9 +50,12 @@ class SlurmGroupConfig:
     exclude: str = ""
     """Never run on these nodes (``--exclude``)."""
     extra_sbatch: List[str] = dataclasses.field(default_factory=list)
-    """Site-specific directives, each without ``#SBATCH``, e.g. ``[--reservation=rl]``."""
+    """Site-specific directives, one ``--option`` or ``--option=value`` each, without
+    ``#SBATCH``, e.g. ``[--reservation=rl]``; the value is written quoted. Options the
+    launcher sets itself (resources, names, logs, signal, requeue) are refused."""
     setup: List[str] = dataclasses.field(default_factory=list)
-    """Shell lines run before the workers start (module loads, venv activation...)."""
+    """Shell lines run before the workers start (module loads, venv activation...), written
+    as they are: shell code, one line each."""
     env: Dict[str, str] = dataclasses.field(default_factory=dict)
     """Environment variables exported to the workers."""
     container_image: str = ""
@@ -56,28 +65,48 @@ class SlurmGroupConfig:
     apptainer_image: str = ""
     """Apptainer image: the worker runs under ``apptainer exec [apptainer_args] IMAGE``."""
     apptainer_args: str = "--nv"
-    """Extra arguments of ``apptainer exec``."""
+    """Extra arguments of ``apptainer exec``, split like shell words and each written quoted
+    (``--nv --bind "/a b:/data"``)."""
 
     def __post_init__(self) -> None:
         for key in ("nodes", "cpus_per_task"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+            check_int(key, getattr(self, key), 1)
         for key in ("ntasks_per_node", "gpus_per_node"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
-        if self.mem and not _MEM_RE.match(self.mem):
-            raise ConfigError(f"mem={self.mem!r} is not like 64G / 512M / 16000")
-        if self.time and not _TIME_RE.match(self.time):
-            raise ConfigError(f"time={self.time!r} is not [D-]HH:MM:SS or minutes")
+            check_int(key, getattr(self, key), 0)
+        for key in _SBATCH_TEXT:
+            check_sbatch_text(key, getattr(self, key))
+        for key in _SHELL_TEXT:
+            check_line(key, getattr(self, key))
+        check_slurm_time("time", self.time)
+        check_line("mem", self.mem)
+        if self.mem and not _MEM_RE.fullmatch(self.mem):
+            raise ConfigError(f"mem={self.mem!r} is not valid; valid: an integer (megabytes) "
+                              "with an optional K/M/G/T suffix, e.g. 64G, 512M, 16000")
         if self.container_image and self.apptainer_image:
             raise ConfigError("set container_image (pyxis) or apptainer_image, not both")
-        for k in self.env:
-            if not _ENV_RE.match(k):
-                raise ConfigError(f"env: {k!r} is not a valid variable name")
-        for line in self.extra_sbatch:
-            if "\n" in line or not line.strip().startswith("-"):
-                raise ConfigError(f"extra_sbatch: {line!r} must be one option like "
-                                  "--reservation=x (without #SBATCH)")
+        split_words("apptainer_args", self.apptainer_args)
+        self._check_lists()
+
+    def _check_lists(self) -> None:
+        """``env``, ``setup`` and ``extra_sbatch``: one line per entry, valid names/options."""
+        if not isinstance(self.env, dict):
+            raise ConfigError(f"env={self.env!r} must be a map of variable names to strings")
+        for k, v in self.env.items():
+            if not (isinstance(k, str) and ENV_RE.fullmatch(k)):
+                raise ConfigError(f"env: {k!r} is not a valid variable name; valid: {ENV_VALID}")
+            check_line(f"env[{k!r}]", v)
+        check_lines("setup", self.setup)
+        check_lines("extra_sbatch", self.extra_sbatch)
+        for i, line in enumerate(self.extra_sbatch):
+            parse_sbatch_option(f"extra_sbatch[{i}]", line)
+
+
+def check_slurm_time(key: str, value: str) -> None:
+    """A Slurm time limit: minutes, ``[D-]HH[:MM[:SS]]`` (empty: inherited/the partition's)."""
+    check_line(key, value)
+    if value and not _TIME_RE.fullmatch(value):
+        raise ConfigError(f"{key}={value!r} is not valid; valid: minutes, or "
+                          "[D-]HH:MM:SS such as 04:00:00 or 2-00:00:00")
 
 
 def _group(**kw: object) -> SlurmGroupConfig:
@@ -130,16 +159,18 @@ class SlurmConfig:
     """The controller's own job with ``--detach``."""
 
     def __post_init__(self) -> None:
-        if self.signal_seconds < 0:
-            raise ConfigError(f"signal_seconds must be >= 0, got {self.signal_seconds}")
+        check_int("signal_seconds", self.signal_seconds, 0)
         if self.requeue_release < 0:
             raise ConfigError(f"requeue_release must be >= 0, got {self.requeue_release}")
         if self.requeue_grace < 0:
             raise ConfigError(f"requeue_grace must be >= 0, got {self.requeue_grace}")
         if self.poll_interval <= 0:
             raise ConfigError(f"poll_interval must be > 0, got {self.poll_interval}")
-        if self.time and not _TIME_RE.match(self.time):
-            raise ConfigError(f"time={self.time!r} is not [D-]HH:MM:SS or minutes")
+        check_slurm_time("time", self.time)
+        for key in ("partition", "account", "qos"):
+            check_sbatch_text(key, getattr(self, key))
+        for key in ("python", "workdir"):
+            check_line(key, getattr(self, key))
 
     def group(self, kind: str) -> SlurmGroupConfig:
         return getattr(self, kind)

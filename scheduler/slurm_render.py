@@ -1,42 +1,32 @@
-"""Pure rendering of sbatch scripts from ``slurm/*.sbatch.j2`` (golden-file tested)."""
+"""Pure rendering of sbatch scripts from ``slurm/*.sbatch.j2`` (golden-file tested).
+
+Every ``{{ ... }}`` of a template ends in a filter of :mod:`scheduler.script_text` that quotes
+or checks its value; the environment refuses anything else. Paths in Slurm filename patterns
+(``--output``) have their ``%`` doubled, so Slurm writes exactly the log paths the controller
+reads."""
 from __future__ import annotations
 
 import math
 import os
-import shlex
 from typing import Mapping, Sequence
 
 import jinja2
 
 from scheduler.base import GroupSpec
+from scheduler.script_text import FILTERS, PATH_REFUSED, finalize, slurm_path_problem
 from scheduler.slurm_config import SlurmConfig, SlurmGroupConfig
 from system.errors import ConfigError
 
 TEMPLATES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "slurm")
 
 
-def sbatch_quote(value: object) -> str:
-    """A value for an ``#SBATCH`` line: double-quoted, ``\\`` and ``"`` escaped (sbatch's own
-    directive parser understands that); newlines cannot be expressed and are refused."""
-    s = str(value)
-    if "\n" in s or "\r" in s:
-        raise ConfigError(f"{s!r}: an #SBATCH value cannot contain a newline")
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def shell_quote(value: object) -> str:
-    s = str(value)
-    if "\n" in s:
-        raise ConfigError(f"{s!r}: a shell word in a job script cannot contain a newline")
-    return shlex.quote(s)
-
-
-def _env() -> jinja2.Environment:
+def template_environment() -> jinja2.Environment:
+    """The Jinja2 environment of the sbatch templates: the filters of
+    :mod:`scheduler.script_text`, and nothing written unfiltered."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                             autoescape=False)
-    env.filters["sq"] = sbatch_quote
-    env.filters["shq"] = shell_quote
+                             autoescape=False, finalize=finalize)
+    env.filters.update(FILTERS)
     return env
 
 
@@ -74,10 +64,15 @@ def tasks_per_node(kind: str, count: int, group: SlurmGroupConfig) -> int:
     return n
 
 
-def _literal(path: str) -> str:
-    """``path`` inside a Slurm filename pattern: ``%`` doubled (a backslash anywhere already
-    turns every replacement off)."""
-    return path if "\\" in path else path.replace("%", "%%")
+def slurm_literal(path: str) -> str:
+    """``path`` inside a Slurm filename pattern (``#SBATCH --output``, ``srun --output``):
+    ``%`` doubled, so Slurm writes exactly ``path``; ConfigError for a path no pattern can
+    name (:func:`~scheduler.script_text.slurm_path_problem`)."""
+    problem = slurm_path_problem(path)
+    if problem:
+        raise ConfigError(f"the log path {path!r} contains {problem}; valid: a "
+                          f"cluster.fileroot (and working directory) without {PATH_REFUSED}")
+    return path.replace("%", "%%")
 
 
 def task_log(group: GroupSpec) -> str:
@@ -86,17 +81,17 @@ def task_log(group: GroupSpec) -> str:
     no pattern gives them all, e.g. workers from past 0 (ranks count from 0)."""
     paths = group.log_paths
     if group.count == 1:
-        return _literal(paths[0])
+        return slurm_literal(paths[0])
     if group.first:
         raise ConfigError(f"the {group.kind} job of workers {group.first}.."
                           f"{group.first + group.count - 1}: a Slurm job starting past worker 0 "
                           "runs one worker alone")
     head = os.path.commonprefix([paths[0], paths[1]])
     tail = paths[0][len(head) + 1:]
-    if "\\" in paths[0] or any(p != f"{head}{i}{tail}" for i, p in enumerate(paths)):
+    if any(p != f"{head}{i}{tail}" for i, p in enumerate(paths)):
         raise ConfigError(f"the log paths of the {group.kind} workers ({paths[0]} ..) are not "
                           "one srun --output pattern with the task rank")
-    return f"{_literal(head)}%t{_literal(tail)}"
+    return f"{slurm_literal(head)}%t{slurm_literal(tail)}"
 
 
 def render_worker_script(*, exp: str, trial: str, group: GroupSpec, slurm: SlurmConfig,
@@ -108,24 +103,24 @@ def render_worker_script(*, exp: str, trial: str, group: GroupSpec, slurm: Slurm
     kind, g = group.kind, slurm.group(group.kind)
     per_node = tasks_per_node(kind, group.count, g) if group.count != 1 else 1
     logs_dir = os.path.dirname(group.log_paths[0])
-    return _env().get_template("worker.sbatch.j2").render(
+    return template_environment().get_template("worker.sbatch.j2").render(
         exp=exp, trial=trial, kind=kind, count=group.count, first=group.first, g=g,
         nodes=g.nodes if group.count != 1 else 1, ntasks_per_node=per_node,
         job_name=job_name(exp, trial, job_label(group)),
-        batch_log=os.path.join(_literal(logs_dir), f"slurm-{kind}-%j.log"),
+        batch_log=os.path.join(slurm_literal(logs_dir), f"slurm-{kind}-%j.log"),
         task_log=task_log(group),
         signal_seconds=slurm.signal_seconds, requeue=slurm.requeue,
         requeue_mark=os.path.join(logs_dir, f".requeue-{kind}-"),
         env={**group.env, **g.env}, workdir=workdir,
-        command=" ".join(shell_quote(a) for a in group.argv), **_inherit(g, slurm))
+        argv=group.argv, **_inherit(g, slurm))
 
 
 def render_controller_script(*, exp: str, trial: str, slurm: SlurmConfig, argv: Sequence[str],
                              env: Mapping[str, str], logs_dir: str, workdir: str) -> str:
-    """The sbatch script that runs the controller itself (``--detach``)."""
+    """The sbatch script that runs the controller itself (``--detach``); Slurm writes its
+    output to exactly ``<logs_dir>/controller.log``."""
     group = slurm.controller
-    return _env().get_template("controller.sbatch.j2").render(
+    return template_environment().get_template("controller.sbatch.j2").render(
         exp=exp, trial=trial, g=group, job_name=job_name(exp, trial, "controller"),
-        batch_log=os.path.join(logs_dir, "controller.log"), env={**env, **group.env},
-        workdir=workdir, command=" ".join(shell_quote(a) for a in argv),
-        **_inherit(group, slurm))
+        batch_log=os.path.join(slurm_literal(logs_dir), "controller.log"),
+        env={**env, **group.env}, workdir=workdir, argv=argv, **_inherit(group, slurm))

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import re
 
-from scheduler.config import SchedulerConfig
+from scheduler.config import SchedulerConfig, SchedulerKind
+from scheduler.script_text import PATH_REFUSED, slurm_path_problem
+from system.checks import check_line, check_name
 from system.errors import ConfigError
 from system.name_resolve import NameResolveConfig
 from system.rpc import RpcConfig
@@ -18,9 +19,6 @@ from workers.generation import GenerationServerConfig
 from workers.master import MasterConfig
 from workers.model import ModelWorkerConfig
 from workers.rollout import RolloutWorkerConfig
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-
 
 @dataclasses.dataclass
 class ClusterConfig:
@@ -33,8 +31,10 @@ class ClusterConfig:
     under Slurm."""
 
     def __post_init__(self) -> None:
+        check_line("fileroot", self.fileroot)
+        check_line("interface", self.interface)
         if not self.fileroot:
-            raise ConfigError("fileroot must not be empty")
+            raise ConfigError("fileroot must not be empty; valid: a directory path")
 
 
 @dataclasses.dataclass
@@ -136,10 +136,12 @@ class ExperimentConfig:
     """Rollout workers."""
 
     def __post_init__(self) -> None:
-        for key in ("exp", "trial"):
-            value = getattr(self, key)
-            if value and not _NAME_RE.match(value):
-                raise ConfigError(f"{key}={value!r} must be letters, digits, '_', '-' or '.'")
+        check_name("exp", self.exp)
+        check_name("trial", self.trial)
+        problem = slurm_path_problem(self.cluster.fileroot)
+        if self.scheduler.type == SchedulerKind.SLURM and problem:
+            raise ConfigError(f"cluster.fileroot={self.cluster.fileroot!r} contains {problem}; "
+                              f"valid with scheduler=slurm: a path without {PATH_REFUSED}")
 
     def recovery(self) -> RecoverConfig | None:
         """The trial's recovery settings; None for experiments without checkpoints."""

@@ -3,6 +3,7 @@ nothing; ``--detach`` submits the controller itself as a Slurm job and returns."
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 
 from scheduler.base import Scheduler
@@ -50,8 +51,8 @@ def detach(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, argv:
     job_id = scheduler.schedule(request)[0]
     kinds = ("controller", "master", *(k for k in groups if k != "master"))
     print(f"submitted the controller of {cfg.exp}/{cfg.trial} as job {job_id}\n"
-          f"  follow:  tail -f {paths.logs}/controller.log\n"
+          f"  follow:  tail -f {shlex.quote(os.path.join(paths.logs, 'controller.log'))}\n"
           f"  jobs:    squeue -n {','.join(job_name(cfg.exp, cfg.trial, k) for k in kinds)}\n"
-          f"  result:  {paths.summary}\n"
+          f"  result:  {shlex.quote(paths.summary)}\n"
           f"  stop:    scancel {job_id}   (the controller then cancels every worker job)")
     return 0

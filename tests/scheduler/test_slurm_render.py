@@ -10,8 +10,8 @@ from scheduler.base import GroupSpec, JobState
 from scheduler.slurm import (STATE_TABLE, SlurmScheduler, map_state, parse_sbatch_parsable,
                              parse_scontrol_job)
 from scheduler.slurm_config import SlurmConfig, SlurmGroupConfig
-from scheduler.slurm_render import (render_controller_script, render_worker_script, sbatch_quote,
-                                    task_log)
+from scheduler.script_text import sbatch_quote
+from scheduler.slurm_render import render_controller_script, render_worker_script, task_log
 from system.errors import ConfigError, SchedulerError
 from system.launch import build_config
 from system.launcher.groups import group_spec
