@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         if "--detach" in args.flags:
             return detach(cfg, paths, scheduler, [a for a in argv if a != "--detach"])
         controller = Controller(cfg, experiment, paths, scheduler,
-                                make_name_resolve(cfg.name_resolve, name_resolve_root(cfg)),
+                                make_name_resolve(cfg.name_resolve, name_resolve_root(cfg),
+                                                  secret),
                                 Codec(secret, cfg.rpc.max_message_bytes))
     except RLSystemError as e:
         print(f"error: {e}", file=sys.stderr)
