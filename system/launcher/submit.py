@@ -43,7 +43,8 @@ def detach(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, argv:
     script = render_controller_script(
         exp=cfg.exp, trial=cfg.trial, slurm=scheduler.slurm,
         argv=[scheduler.python, "-m", "system.launch", *argv, "controller.progress=false"],
-        env={"PYTHONUNBUFFERED": "1"}, logs_dir=paths.logs, workdir=scheduler.workdir)
+        env={"PYTHONUNBUFFERED": "1"}, logs_dir=paths.logs, workdir=scheduler.workdir,
+        umask=scheduler.umask)
     groups = group_specs(cfg, paths, scheduler.python)
     request = SlurmRequest(groups["master"], os.path.join(paths.root, "jobs", "controller.sbatch"),
                            script)
