@@ -53,6 +53,11 @@ def test_smoke_end_to_end(fileroot):
     # every name-resolution key of the trial is gone
     nr = trial_name_resolve(fileroot, "smoke", "e2e")
     assert nr.find_subtree("smoke/e2e") == [] and nr.refused == 0
+    # nothing the trial wrote is open to anyone else (cluster.group_readable=false)
+    for top in (trial_dir, nr.root):
+        for dirpath, dirs, files in os.walk(top):
+            for p in [dirpath, *(os.path.join(dirpath, f) for f in files)]:
+                assert os.stat(p).st_mode & 0o077 == 0, p
 
 
 @pytest.mark.redis
