@@ -16,7 +16,7 @@ import socket
 import time
 from typing import IO
 
-from system.errors import TrialLocked
+from system.errors import RLSystemError, TrialLocked
 
 LOCK_MODE = 0o600
 """Never group-readable: anyone who can open the file can hold a shared lock on it."""
@@ -59,6 +59,11 @@ class TrialLock:
             f.close()
             raise TrialLocked(f"trial {trial} is already running: held by {holder}; stop it or "
                               f"wait for it to end (lock: {path})") from None
+        except OSError as e:  # ENOLCK: an NFS mount without lock support (nolock)
+            f.close()
+            raise RLSystemError(f"cannot lock {path} ({e.strerror}): the file root's filesystem "
+                                "does not support file locks; two launches of this trial could "
+                                "not be told apart") from e
         f.seek(0)
         f.truncate()
         f.write(json.dumps(holder_record()) + "\n")
