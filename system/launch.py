@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    umask = private_files(cfg.cluster.group_readable)
+    umask = private_modes(cfg.cluster.group_readable)
     experiment = get_experiment(args.exp)
     resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     try:
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         trial.lock.release()
 
 
-def private_files(group_readable: bool) -> int:
+def private_modes(group_readable: bool) -> int:
     """From here on every file of the trial is private (0600/0700; 0640/0750 group-readable),
     in this process, its children, and the Slurm jobs it submits (``sbatch`` passes
     ``SLURM_UMASK`` on, taking it from the environment before its own umask)."""
