@@ -80,9 +80,8 @@ class SlurmRequest(JobRequest):
 
     def write(self) -> str:
         os.makedirs(os.path.dirname(self.script_path), exist_ok=True)
-        with open(self.script_path, "w") as f:
-            f.write(self.script)
-        os.chmod(self.script_path, 0o755)
+        with open(self.script_path, "w") as f:  # under the trial's umask: sbatch reads it,
+            f.write(self.script)                 # nobody executes it
         return self.script_path
 
 
@@ -101,9 +100,11 @@ class SlurmScheduler(Scheduler):
     scancel_timeout: float = 30.0
     """Seconds one ``scancel`` may take before it counts as unanswered (and is tried again)."""
 
-    def __init__(self, slurm: SlurmConfig, exp: str, trial: str, trial_dir: str, workdir: str
-                 ) -> None:
+    def __init__(self, slurm: SlurmConfig, exp: str, trial: str, trial_dir: str, workdir: str,
+                 umask: int = 0o077) -> None:
         self.slurm = slurm
+        self.umask = umask
+        """File-creation mask of the jobs (set in every script, and passed to srun's tasks)."""
         self.exp, self.trial = exp, trial
         self.trial_dir = trial_dir
         self.workdir = workdir
@@ -127,7 +128,7 @@ class SlurmScheduler(Scheduler):
         """The script of ``group``'s job, under the trial's ``jobs/`` (a single worker's job
         past 0 gets its own file, beside its group's)."""
         script = render_worker_script(exp=self.exp, trial=self.trial, group=group,
-                                      slurm=self.slurm, workdir=self.workdir)
+                                      slurm=self.slurm, workdir=self.workdir, umask=self.umask)
         return SlurmRequest(group, os.path.join(self.trial_dir, "jobs", script_name(group)),
                             script)
 

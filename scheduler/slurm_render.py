@@ -94,12 +94,20 @@ def task_log(group: GroupSpec) -> str:
     return f"{slurm_literal(head)}%t{slurm_literal(tail)}"
 
 
+def umask_text(umask: int) -> str:
+    """``0077``: a umask as the shell and ``SLURM_UMASK`` write it."""
+    if not 0 <= umask <= 0o777:
+        raise ConfigError(f"umask {umask:o} is not a file-creation mask")
+    return f"{umask:04o}"
+
+
 def render_worker_script(*, exp: str, trial: str, group: GroupSpec, slurm: SlurmConfig,
-                         workdir: str) -> str:
+                         workdir: str, umask: int) -> str:
     """The sbatch script of ``group``'s job: its ``srun`` starts ``count`` tasks running
     ``argv``, task ``i`` being worker ``first + i`` (``RLSYS_WORKER_BASE``) and writing
     ``log_paths[i]``. A job of one worker (a one-worker group, or a recovery's restart of one
-    worker alone) asks for one node, with the group's per-node resources."""
+    worker alone) asks for one node, with the group's per-node resources. The script and srun's
+    tasks create files under ``umask`` (srun passes ``SLURM_UMASK`` on, before its own umask)."""
     kind, g = group.kind, slurm.group(group.kind)
     per_node = tasks_per_node(kind, group.count, g) if group.count != 1 else 1
     logs_dir = os.path.dirname(group.log_paths[0])
@@ -111,16 +119,18 @@ def render_worker_script(*, exp: str, trial: str, group: GroupSpec, slurm: Slurm
         task_log=task_log(group),
         signal_seconds=slurm.signal_seconds, requeue=slurm.requeue,
         requeue_mark=os.path.join(logs_dir, f".requeue-{kind}-"),
-        env={**group.env, **g.env}, workdir=workdir,
+        env={**group.env, **g.env}, workdir=workdir, umask=umask_text(umask),
         argv=group.argv, **_inherit(g, slurm))
 
 
 def render_controller_script(*, exp: str, trial: str, slurm: SlurmConfig, argv: Sequence[str],
-                             env: Mapping[str, str], logs_dir: str, workdir: str) -> str:
-    """The sbatch script that runs the controller itself (``--detach``); Slurm writes its
-    output to exactly ``<logs_dir>/controller.log``."""
+                             env: Mapping[str, str], logs_dir: str, workdir: str,
+                             umask: int) -> str:
+    """The sbatch script that runs the controller itself (``--detach``), creating files under
+    ``umask``; Slurm writes its output to exactly ``<logs_dir>/controller.log``."""
     group = slurm.controller
     return template_environment().get_template("controller.sbatch.j2").render(
         exp=exp, trial=trial, g=group, job_name=job_name(exp, trial, "controller"),
         batch_log=os.path.join(slurm_literal(logs_dir), "controller.log"),
-        env={**env, **group.env}, workdir=workdir, argv=argv, **_inherit(group, slurm))
+        env={**env, **group.env}, workdir=workdir, umask=umask_text(umask), argv=argv,
+        **_inherit(group, slurm))

@@ -1,13 +1,15 @@
 """What a worker process reads at start-up, before the controller configures it: the bootstrap
-file of its trial (who it is, where name resolution lives, which interface to bind) and the
-trial's secret."""
+file of its trial (who it is, where name resolution lives, which interface to bind, which file
+modes to create) and the trial's secret, checked to be the user's own and private."""
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import socket
 from typing import Any
+
+from system.private_files import (check_private_parent, file_mode, read_private_file,
+                                  write_private)
 
 
 @dataclasses.dataclass
@@ -27,12 +29,12 @@ class Bootstrap:
     heartbeat_ttl: float
     orphan_timeout: float = 60.0
     """Seconds without the controller's liveness key after which a worker stops by itself."""
+    group_readable: bool = False
+    """``cluster.group_readable``: the trial's files are 0640/0750 instead of 0600/0700."""
 
     def write(self, path: str) -> None:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(dataclasses.asdict(self), f, indent=1)
-        os.replace(tmp, path)
+        write_private(path, json.dumps(dataclasses.asdict(self), indent=1).encode(),
+                      file_mode(self.group_readable))
 
     @staticmethod
     def read(path: str) -> "Bootstrap":
@@ -41,8 +43,11 @@ class Bootstrap:
 
 
 def read_secret(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+    """The trial's secret: a regular file of this user with mode 0600, in a directory of theirs
+    nobody else can write (:class:`~system.errors.UnsafeFileError` otherwise: a secret someone
+    else wrote or swapped in would let them forge frames and name-resolution entries)."""
+    check_private_parent(path, "the trial's secret")
+    return read_private_file(path, "the trial's secret", (0o600,))
 
 
 def bind_host(interface: str, scheduler: str) -> str:

@@ -10,6 +10,16 @@ class ConfigError(RLSystemError):
     """A configuration value or override is invalid; the message names the key."""
 
 
+class UnsafeFileError(RLSystemError):
+    """A file or directory that must be private (the trial's secret, the Redis password file, the
+    trial directory, a user's name-resolution directory) is owned by someone else, readable or
+    writable by others, or a symbolic link."""
+
+
+class TrialLocked(RLSystemError):
+    """Another launcher or controller holds the trial's lock: the trial is running."""
+
+
 class NameResolveError(RLSystemError):
     """Name-resolution backend failure."""
 

@@ -24,14 +24,16 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from experiments.catalog import all_experiments, get_experiment
+from experiments.registry import Experiment
 from scheduler.registry import make_scheduler
 from system.launcher.config import ExperimentConfig
 from system.launcher.controller import Controller
 from system.errors import ConfigError, RLSystemError
 from system.name_resolve import make_name_resolve
-from system.launcher.overrides import apply_overrides, describe_config, parse_cli
+from system.launcher.overrides import CliArgs, apply_overrides, describe_config, parse_cli
 from system.launcher.submit import detach, dry_run
-from system.launcher.trial_dir import name_resolve_root, prepare_trial
+from system.launcher.trial_dir import PreparedTrial, name_resolve_root, prepare_trial
+from system.private_files import set_umask
 from system.wire import Codec
 
 
@@ -129,29 +131,53 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    umask = private_modes(cfg.cluster.group_readable)
     experiment = get_experiment(args.exp)
     resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     try:
-        paths, secret = prepare_trial(cfg, experiment.name, resolved,
-                                      dry_run=args.dry_run or "--test-only" in args.flags)
+        trial = prepare_trial(cfg, experiment.name, resolved,
+                              dry_run=args.dry_run or "--test-only" in args.flags)
     except ConfigError as e:  # e.g. recover=off on a trial that has checkpoints
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (RLSystemError, OSError) as e:  # running already, not the user's, not writable
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:  # the lock is held until the controller is done (with --detach: until submitted)
+        return run_trial(cfg, experiment, trial, args, argv, resolved, umask)
+    finally:
+        trial.lock.release()
+
+
+def private_modes(group_readable: bool) -> int:
+    """From here on every file of the trial is private (0600/0700; 0640/0750 group-readable),
+    in this process, its children, and the Slurm jobs it submits (``sbatch`` passes
+    ``SLURM_UMASK`` on, taking it from the environment before its own umask)."""
+    umask = set_umask(group_readable)
+    os.environ["SLURM_UMASK"] = f"{umask:04o}"
+    return umask
+
+
+def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTrial,
+              args: CliArgs, argv: list[str], resolved: str, umask: int) -> int:
+    """Show, submit, or run the trial's controller (the launcher holds the trial's lock)."""
+    paths = trial.paths
     try:
-        scheduler = make_scheduler(cfg.scheduler, cfg.exp, cfg.trial, paths.root)
+        scheduler = make_scheduler(cfg.scheduler, cfg.exp, cfg.trial, paths.root, umask)
         if args.dry_run or "--test-only" in args.flags:
             return dry_run(cfg, paths, scheduler, resolved, "--test-only" in args.flags)
         if "--detach" in args.flags:
-            return detach(cfg, paths, scheduler, [a for a in argv if a != "--detach"])
+            return detach(cfg, paths, scheduler, [a for a in argv if a != "--detach"],
+                          trial.lock)
         controller = Controller(cfg, experiment, paths, scheduler,
-                                make_name_resolve(cfg.name_resolve, name_resolve_root(cfg)),
-                                Codec(secret, cfg.rpc.max_message_bytes))
+                                make_name_resolve(cfg.name_resolve, name_resolve_root(cfg),
+                                                  trial.secret),
+                                Codec(trial.secret, cfg.rpc.max_message_bytes))
     except RLSystemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     StopOnSignal().install()
     return controller.run()
-
 
 if __name__ == "__main__":
     sys.exit(main())

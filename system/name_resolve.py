@@ -4,6 +4,11 @@ Keys are slash-separated paths under ``<exp>/<trial>/`` (see :mod:`system.names`
 share one API: ``file`` (a directory, possibly on NFS: atomic write-then-rename, exclusive create
 by ``link``, no file locks, TTL via expiry timestamps checked on read) and ``redis`` (a real Redis
 server: native TTLs, SCAN not KEYS).
+
+Values are authenticated with the trial's secret (:mod:`system.name_auth`): an entry not written
+by a holder of the secret reads as absent. Each user has a namespace of their own: the ``file``
+backend keeps a user's entries in ``<root>/<uid>/`` (mode 0700, refused unless the user owns it),
+the ``redis`` backend under the key prefix ``rlsys:<uid>:``.
 """
 from __future__ import annotations
 
@@ -12,13 +17,17 @@ import dataclasses
 import enum
 import json
 import os
-import shutil
 import threading
 import time
 import uuid
-from typing import Iterator
+from typing import ClassVar, Iterator
 
 from system.errors import ConfigError, NameEntryExists, NameEntryNotFound, NameResolveError
+from system.name_auth import EntrySealer
+from system.private_files import ensure_owned_dir, ensure_shared_dir, read_private_file
+
+PASSWORD_ENV = "RLSYS_REDIS_PASSWORD"
+"""The environment variable the Redis password may come from (see ``redis_password_file``)."""
 
 
 class NameResolveBackend(str, enum.Enum):
@@ -33,15 +42,25 @@ class NameResolveConfig:
     type: NameResolveBackend = NameResolveBackend.FILE
     """Backend: ``file`` (a directory, shared filesystem on a cluster) or ``redis``."""
     file_root: str = ""
-    """Directory of the ``file`` backend; empty means ``<cluster.fileroot>/.name_resolve``."""
+    """Directory of the ``file`` backend; empty means ``<cluster.fileroot>/.name_resolve``. Each
+    user's entries live in ``<file_root>/<uid>/`` (mode 0700, refused unless owned by the user)."""
     redis_host: str = "127.0.0.1"
     """Redis server host (``redis`` backend)."""
     redis_port: int = 6379
     """Redis server port (``redis`` backend)."""
     redis_db: int = 0
     """Redis database number."""
-    redis_password: str = ""
-    """Redis password (empty: none)."""
+    redis_password_file: str = ""
+    """File holding the Redis password, yours and readable by you only (mode 0600 or 0400; refused
+    otherwise); empty: the RLSYS_REDIS_PASSWORD environment variable, else no password. The
+    password itself is never written to a config, a bootstrap file, a job script or a command
+    line."""
+
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {
+        "redis_password": "a password given on the command line lands in config.yaml, job scripts "
+                          "and the process list; put it in a file only you can read (chmod 600) and "
+                          "set name_resolve.redis_password_file=PATH, or export "
+                          f"{PASSWORD_ENV}"}
 
     def __post_init__(self) -> None:
         if isinstance(self.type, str):
@@ -54,6 +73,22 @@ class NameResolveConfig:
                 ) from None
         if not 0 < self.redis_port < 65536:
             raise ConfigError(f"redis_port={self.redis_port} is not a valid port")
+        if self.redis_password_file:  # workers may start elsewhere: keep an absolute path
+            self.redis_password_file = os.path.abspath(os.path.expanduser(self.redis_password_file))
+
+
+def redis_password(cfg: NameResolveConfig) -> str:
+    """The Redis password: from ``cfg.redis_password_file`` (a private file of this user), else
+    from the environment variable :data:`PASSWORD_ENV`, else none."""
+    if not cfg.redis_password_file:
+        return os.environ.get(PASSWORD_ENV, "")
+    try:
+        data = read_private_file(cfg.redis_password_file, "the Redis password file "
+                                 "(name_resolve.redis_password_file)", (0o600, 0o400))
+    except FileNotFoundError:
+        raise ConfigError(f"name_resolve.redis_password_file={cfg.redis_password_file}: "
+                          "no such file") from None
+    return data.decode().rstrip("\r\n")
 
 
 def _check_key(key: str) -> str:
@@ -65,9 +100,12 @@ def _check_key(key: str) -> str:
 
 
 class NameResolve(abc.ABC):
-    """The name-resolution API shared by all backends."""
+    """The name-resolution API shared by all backends. Values are sealed with ``secret`` when
+    stored and checked when read (``secret=None``: stored as they are, for tools that run outside
+    a trial in a private directory of their own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, secret: bytes | None) -> None:
+        self._sealer = EntrySealer(secret)
         self._keepalive: dict[str, tuple[str, float]] = {}
         self._ka_lock = threading.Lock()
         self._ka_thread: threading.Thread | None = None
@@ -86,6 +124,15 @@ class NameResolve(abc.ABC):
     @abc.abstractmethod
     def _keys_under(self, prefix: str) -> Iterator[str]: ...
 
+    @property
+    def refused(self) -> int:
+        """Entries read so far that failed authentication (each treated as absent)."""
+        return self._sealer.refused
+
+    def _value(self, key: str) -> str | None:
+        """The authentic value under ``key``; None if absent, expired or refused."""
+        return self._sealer.open(key, self._get(key))
+
     # --- public API ---
     def add(self, key: str, value: str, *, replace: bool = False,
             keepalive_ttl: float | None = None) -> None:
@@ -94,15 +141,16 @@ class NameResolve(abc.ABC):
         key = _check_key(key)
         if keepalive_ttl is not None and keepalive_ttl <= 0:
             raise NameResolveError(f"keepalive_ttl must be > 0, got {keepalive_ttl}")
-        self._put(key, str(value), keepalive_ttl, replace)
+        stored = self._sealer.seal(key, str(value))
+        self._put(key, stored, keepalive_ttl, replace)
         if keepalive_ttl is not None:
             with self._ka_lock:
-                self._keepalive[key] = (str(value), keepalive_ttl)
+                self._keepalive[key] = (stored, keepalive_ttl)
             self._ensure_keepalive_thread()
 
     def get(self, key: str) -> str:
         """The live value under ``key``; :class:`NameEntryNotFound` if absent or expired."""
-        value = self._get(_check_key(key))
+        value = self._value(_check_key(key))
         if value is None:
             raise NameEntryNotFound(key)
         return value
@@ -111,7 +159,7 @@ class NameResolve(abc.ABC):
         """Block until ``key`` exists; :class:`NameEntryNotFound` after ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            value = self._get(_check_key(key))
+            value = self._value(_check_key(key))
             if value is not None:
                 return value
             if deadline is not None and time.monotonic() >= deadline:
@@ -121,13 +169,13 @@ class NameResolve(abc.ABC):
     def find_subtree(self, prefix: str) -> list[str]:
         """Sorted keys of live entries at or below ``prefix``."""
         prefix = _check_key(prefix)
-        return sorted(k for k in self._keys_under(prefix) if self._get(k) is not None)
+        return sorted(k for k in self._keys_under(prefix) if self._value(k) is not None)
 
     def get_subtree(self, prefix: str) -> dict[str, str]:
         """``{key: value}`` of live entries at or below ``prefix``."""
         out = {}
         for k in sorted(self._keys_under(_check_key(prefix))):
-            v = self._get(k)
+            v = self._value(k)
             if v is not None:
                 out[k] = v
         return out
@@ -180,24 +228,35 @@ class NameResolve(abc.ABC):
 
 class FileNameResolve(NameResolve):
     """Directory backend. Each key is a directory holding an ``ENTRY`` JSON file
-    ``{"value": ..., "expires": unix_time|null}``; writes go to a temp file renamed into place."""
+    ``{"value": ..., "expires": unix_time|null}``; writes go to a temp file renamed into place.
+    ``root`` is shared by every user of a file root (created 1777, like ``/tmp``, when absent);
+    this user's entries live in ``root/<uid>/``, a directory of theirs with mode 0700."""
 
     ENTRY = "ENTRY"
 
-    def __init__(self, root: str) -> None:
-        super().__init__()
-        self.root = os.path.abspath(root)
-        os.makedirs(self.root, exist_ok=True)
+    def __init__(self, root: str, *, secret: bytes | None) -> None:
+        super().__init__(secret)
+        shared = os.path.abspath(root)
+        try:
+            ensure_shared_dir(shared)
+            self.root = ensure_owned_dir(os.path.join(shared, str(os.getuid())), 0o700,
+                                         "your name-resolution directory")
+        except PermissionError as e:
+            raise NameResolveError(
+                f"cannot create your name-resolution directory in {shared} ({e.strerror}): its "
+                "owner can make it shared (chmod 1777), or set name_resolve.file_root to a "
+                "directory of yours") from e
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"), self.ENTRY)
 
     def _put(self, key: str, value: str, ttl: float | None, replace: bool) -> None:
         path = self._path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
         body = json.dumps({"value": value, "expires": None if ttl is None else time.time() + ttl})
-        with open(tmp, "w") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
             f.write(body)
         try:
             if replace:
@@ -207,9 +266,9 @@ class FileNameResolve(NameResolve):
                 os.link(tmp, path)
                 return
             except FileExistsError:
-                if self._read(path) is not None:
+                if self._sealer.open(key, self._read(path)) is not None:
                     raise NameEntryExists(key) from None
-                os.replace(tmp, path)  # the old entry had expired
+                os.replace(tmp, path)  # the old entry had expired (or was not authentic)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -221,12 +280,15 @@ class FileNameResolve(NameResolve):
                 entry = json.load(f)
         except (FileNotFoundError, NotADirectoryError):
             return None
-        except (json.JSONDecodeError, OSError):
+        except (json.JSONDecodeError, OSError, UnicodeDecodeError):
             return None  # torn or foreign file: treat as absent
-        expires = entry.get("expires")
-        if expires is not None and time.time() > expires:
+        if not isinstance(entry, dict):
             return None
-        return entry.get("value")
+        expires = entry.get("expires")
+        if isinstance(expires, (int, float)) and time.time() > expires:
+            return None
+        value = entry.get("value")
+        return value if isinstance(value, str) else None
 
     def _get(self, key: str) -> str | None:
         return self._read(self._path(key))
@@ -260,11 +322,12 @@ class RedisNameResolve(NameResolve):
     """Redis backend: ``SET NX PX`` for add, native TTLs, ``SCAN MATCH`` for subtrees."""
 
     def __init__(self, host: str, port: int, db: int = 0, password: str = "",
-                 namespace: str = "rlsys") -> None:
-        super().__init__()
+                 namespace: str = "rlsys", *, secret: bytes | None) -> None:
+        super().__init__(secret)
         import redis  # only this backend needs the client
 
-        self._ns = namespace.rstrip(":") + ":"
+        self._ns = f"{namespace.rstrip(':')}:{os.getuid()}:"  # each user's keys apart
+        self._watch_error = redis.WatchError
         self._r = redis.Redis(host=host, port=port, db=db, password=password or None,
                               socket_timeout=10, socket_connect_timeout=10, decode_responses=True)
         try:
@@ -277,9 +340,27 @@ class RedisNameResolve(NameResolve):
 
     def _put(self, key: str, value: str, ttl: float | None, replace: bool) -> None:
         px = None if ttl is None else max(1, int(ttl * 1000))
-        ok = self._r.set(self._k(key), value, px=px, nx=not replace)
-        if not ok:
+        if self._r.set(self._k(key), value, px=px, nx=not replace):
+            return
+        if not self._replace_refused(key, value, px):
             raise NameEntryExists(key)
+
+    def _replace_refused(self, key: str, value: str, px: int | None) -> bool:
+        """``add(replace=False)`` met an entry: take its place if it is not authentic, unless
+        another writer changes it meanwhile (``WATCH``); False if an authentic one is there."""
+        with self._r.pipeline() as pipe:
+            for _ in range(5):
+                try:
+                    pipe.watch(self._k(key))
+                    if self._sealer.open(key, pipe.get(self._k(key))) is not None:
+                        return False
+                    pipe.multi()
+                    pipe.set(self._k(key), value, px=px)
+                    pipe.execute()
+                    return True
+                except self._watch_error:
+                    continue
+        return False
 
     def _get(self, key: str) -> str | None:
         return self._r.get(self._k(key))
@@ -304,8 +385,10 @@ def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
 
-def make_name_resolve(cfg: NameResolveConfig, default_file_root: str) -> NameResolve:
-    """Build the backend named by ``cfg``."""
+def make_name_resolve(cfg: NameResolveConfig, default_file_root: str, secret: bytes
+                      ) -> NameResolve:
+    """Build the backend named by ``cfg`` for the trial whose secret is ``secret``."""
     if cfg.type == NameResolveBackend.FILE:
-        return FileNameResolve(cfg.file_root or default_file_root)
-    return RedisNameResolve(cfg.redis_host, cfg.redis_port, cfg.redis_db, cfg.redis_password)
+        return FileNameResolve(cfg.file_root or default_file_root, secret=secret)
+    return RedisNameResolve(cfg.redis_host, cfg.redis_port, cfg.redis_db, redis_password(cfg),
+                            secret=secret)

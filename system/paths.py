@@ -32,6 +32,11 @@ class TrialPaths:
         return os.path.join(self.root, "api_key")
 
     @property
+    def lock(self) -> str:
+        """Locked by the process that runs the trial's controller, for the trial's life."""
+        return os.path.join(self.root, "lock")
+
+    @property
     def summary(self) -> str:
         return os.path.join(self.root, "summary.json")
 

@@ -7,6 +7,11 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from system.name_resolve import FileNameResolve
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,6 +48,32 @@ def run_launch(*args: str, timeout: float = 180, env: dict | None = None
                ) -> subprocess.CompletedProcess:
     return subprocess.run(launch_argv(*args), cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def trial_name_resolve(fileroot: str, exp: str, trial: str, timeout: float = 60) -> "FileNameResolve":
+    """The file name resolution of a trial launched under ``fileroot``, holding its secret (a
+    reader without it sees no entry); waits for the launcher to write the trial's files."""
+    from system.bootstrap import read_secret
+    from system.name_resolve import FileNameResolve
+
+    trial_dir = os.path.join(fileroot, exp, trial)
+    deadline = time.time() + timeout
+    while not os.path.exists(os.path.join(trial_dir, "bootstrap.json")):
+        if time.time() > deadline:
+            raise TimeoutError(f"{trial_dir}/bootstrap.json did not appear within {timeout}s")
+        time.sleep(0.05)
+    return FileNameResolve(os.path.join(fileroot, ".name_resolve"),
+                           secret=read_secret(os.path.join(trial_dir, "secret")))
+
+
+def write_secret_file(directory: str) -> bytes:
+    """A fresh trial secret in ``directory``/secret, as the launcher writes it (mode 0600)."""
+    from system.private_files import write_private
+    from system.wire import new_secret
+
+    secret = new_secret()
+    write_private(os.path.join(directory, "secret"), secret, 0o600)
+    return secret
 
 
 def read_summary(fileroot: str, exp: str, trial: str) -> dict:

@@ -57,10 +57,10 @@ class Worker:
         self.local_rank = local_rank
         self.exp, self.trial = boot.exp, boot.trial
         self.rpc_cfg = RpcConfig(**boot.rpc)
-        self.codec = Codec(read_secret(os.path.join(boot.trial_dir, "secret")),
-                           self.rpc_cfg.max_message_bytes)
+        secret = read_secret(os.path.join(boot.trial_dir, "secret"))
+        self.codec = Codec(secret, self.rpc_cfg.max_message_bytes)
         self.name_resolve = make_name_resolve(NameResolveConfig(**boot.name_resolve),
-                                              boot.name_resolve_root)
+                                              boot.name_resolve_root, secret)
         self.host = bind_host(boot.interface, boot.scheduler)
         self.server = RpcServer(self.codec, self.host, self.rpc_handlers())
         self.state = WorkerState.CREATED

@@ -29,6 +29,10 @@ class ClusterConfig:
     interface: str = ""
     """Address sockets bind to; empty: loopback under the local scheduler, the node's address
     under Slurm."""
+    group_readable: bool = False
+    """Let the trial's group read its files: logs, configs, checkpoints, metrics and job scripts
+    are created 0640 and directories 0750 (umask 027) instead of 0600/0700 (umask 077). The secret
+    stays 0600 and name-resolution entries stay private either way."""
 
     def __post_init__(self) -> None:
         check_line("fileroot", self.fileroot)

@@ -76,6 +76,9 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
             if not isinstance(node, DictConfig):
                 raise ConfigError(f"unknown key {key!r}: {where!r} is a value, not a section")
             if part not in node:
+                retired = getattr(OmegaConf.get_type(node), "RETIRED_KEYS", {})
+                if part in retired:  # a section says why a key it dropped is gone
+                    raise ConfigError(f"{key} is not accepted: {retired[part]}")
                 raise ConfigError(f"unknown key {key!r}: no {part!r} at {where}; "
                                   f"valid keys there: {_describe(node)}")
             node = node._get_node(part)

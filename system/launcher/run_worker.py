@@ -15,6 +15,7 @@ import sys
 
 from experiments.catalog import get_experiment
 from system.bootstrap import Bootstrap
+from system.private_files import set_umask
 from workers.kinds import KINDS, worker_class
 
 
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s {args.kind}/{index} %(levelname)s %(message)s")
     boot = Bootstrap.read(os.path.join(args.trial_dir, "bootstrap.json"))
+    set_umask(boot.group_readable)  # whoever started us: checkpoints, metrics stay private
     role = get_experiment(boot.experiment).roles.of(args.kind)
     worker = worker_class(args.kind)(boot, index, local_rank)
     return worker.run(role)

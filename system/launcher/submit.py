@@ -11,6 +11,7 @@ from scheduler.slurm import SlurmRequest, SlurmScheduler
 from scheduler.slurm_render import job_name, render_controller_script
 from system.launcher.config import ExperimentConfig
 from system.launcher.groups import group_specs
+from system.launcher.trial_lock import TrialLock
 from system.paths import TrialPaths
 
 
@@ -36,19 +37,29 @@ def dry_run(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, reso
     return 0 if ok else 1
 
 
-def detach(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, argv: list[str]
-           ) -> int:
-    """Submit the controller itself as a CPU job running ``system.launch argv`` and return;
-    print how to follow, list and stop the trial."""
-    assert isinstance(scheduler, SlurmScheduler), "--detach needs scheduler=slurm"
+def controller_request(cfg: ExperimentConfig, paths: TrialPaths, scheduler: SlurmScheduler,
+                       argv: list[str]) -> SlurmRequest:
+    """The job that runs the controller itself (``system.launch argv``) on a CPU node (pure)."""
     script = render_controller_script(
         exp=cfg.exp, trial=cfg.trial, slurm=scheduler.slurm,
         argv=[scheduler.python, "-m", "system.launch", *argv, "controller.progress=false"],
-        env={"PYTHONUNBUFFERED": "1"}, logs_dir=paths.logs, workdir=scheduler.workdir)
+        env={"PYTHONUNBUFFERED": "1"}, logs_dir=paths.logs, workdir=scheduler.workdir,
+        umask=scheduler.umask)
     groups = group_specs(cfg, paths, scheduler.python)
-    request = SlurmRequest(groups["master"], os.path.join(paths.root, "jobs", "controller.sbatch"),
-                           script)
+    return SlurmRequest(groups["master"], os.path.join(paths.root, "jobs", "controller.sbatch"),
+                        script)
+
+
+def detach(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, argv: list[str],
+           lock: TrialLock) -> int:
+    """Submit the controller itself as a CPU job running ``system.launch argv`` and return;
+    print how to follow, list and stop the trial. The trial's lock passes to that job: this
+    process lets it go just before submitting."""
+    assert isinstance(scheduler, SlurmScheduler), "--detach needs scheduler=slurm"
+    request = controller_request(cfg, paths, scheduler, argv)
+    lock.release()
     job_id = scheduler.schedule(request)[0]
+    groups = group_specs(cfg, paths, scheduler.python)
     kinds = ("controller", "master", *(k for k in groups if k != "master"))
     print(f"submitted the controller of {cfg.exp}/{cfg.trial} as job {job_id}\n"
           f"  follow:  tail -f {shlex.quote(os.path.join(paths.logs, 'controller.log'))}\n"

@@ -1,7 +1,13 @@
 """Writing the trial directory ``<fileroot>/<exp>/<trial>/``: resolved config, secret, bootstrap
-file, and the JSON files the launcher keeps there."""
+file, and the JSON files the launcher keeps there.
+
+The directory is the user's own (a pre-existing one of another user is refused) with mode 0700
+(0750 with ``cluster.group_readable=true``); the launcher locks it (:mod:`trial_lock`) before it
+writes anything, so a second launch cannot replace the secret of a running trial.
+"""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -12,19 +18,28 @@ from system.api_key import write_api_key
 from system.bootstrap import Bootstrap
 from system.errors import ConfigError
 from system.launcher.config import ExperimentConfig, RecoverMode
+from system.launcher.trial_lock import TrialLock
 from system.paths import TrialPaths
+from system.private_files import dir_mode, ensure_owned_dir, file_mode, write_private
 from system.structs import plain
 from system.wire import new_secret
 
 
+@dataclasses.dataclass
+class PreparedTrial:
+    """A written trial directory, its fresh secret, and its lock (held until released or the
+    process ends)."""
+
+    paths: TrialPaths
+    secret: bytes
+    lock: TrialLock
+
+
 def write_secret(path: str) -> bytes:
-    """Create a fresh 32-byte per-trial secret, readable by the owner only (mode 0600)."""
+    """Create a fresh 32-byte per-trial secret, readable by the owner only (mode 0600), in place
+    of the old one at once (a fresh file renamed over it)."""
     secret = new_secret()
-    if os.path.exists(path):
-        os.unlink(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(secret)
+    write_private(path, secret, 0o600)
     return secret
 
 
@@ -63,20 +78,35 @@ def check_existing(cfg: ExperimentConfig, paths: TrialPaths, dry_run: bool = Fal
         shutil.rmtree(paths.checkpoints)
 
 
+def make_trial_dir(cfg: ExperimentConfig, paths: TrialPaths) -> None:
+    """Create the trial directory with its mode (parents under the umask; existing ones keep
+    theirs); refuse one that is a link or another user's
+    (:class:`~system.errors.UnsafeFileError`)."""
+    ensure_owned_dir(paths.root, dir_mode(cfg.cluster.group_readable), "the trial directory")
+
+
 def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: str,
-                  dry_run: bool = False) -> tuple[TrialPaths, bytes]:
-    """Create the trial directory: resolved config, fresh secret (0600), bootstrap file
-    (:class:`~system.errors.ConfigError` for a trial that must not be overwritten)."""
+                  dry_run: bool = False) -> PreparedTrial:
+    """Create and lock the trial directory, then write the resolved config, a fresh secret
+    (0600) and the bootstrap file (:class:`~system.errors.ConfigError` for a trial that must not
+    be overwritten, :class:`~system.errors.TrialLocked` for one that is running)."""
     paths = TrialPaths.of(cfg.cluster.fileroot, cfg.exp, cfg.trial)
-    check_existing(cfg, paths, dry_run)
-    os.makedirs(paths.logs, exist_ok=True)
-    with open(paths.config, "w") as f:
-        f.write(resolved_yaml)
-    secret = write_secret(paths.secret)
-    write_api_key(paths.api_key)  # before any worker starts: generation servers read it
-    Bootstrap(exp=cfg.exp, trial=cfg.trial, experiment=experiment_name, trial_dir=paths.root,
-              interface=cfg.cluster.interface, scheduler=cfg.scheduler.type.value,
-              name_resolve=plain(cfg.name_resolve), name_resolve_root=name_resolve_root(cfg),
-              rpc=plain(cfg.rpc), heartbeat_ttl=cfg.controller.heartbeat_ttl,
-              orphan_timeout=cfg.controller.orphan_timeout).write(paths.bootstrap)
-    return paths, secret
+    make_trial_dir(cfg, paths)
+    lock = TrialLock.acquire(paths.lock, f"{cfg.exp}/{cfg.trial}")
+    try:
+        check_existing(cfg, paths, dry_run)
+        os.makedirs(paths.logs, exist_ok=True)
+        mode = file_mode(cfg.cluster.group_readable)
+        write_private(paths.config, resolved_yaml.encode(), mode)
+        secret = write_secret(paths.secret)
+        write_api_key(paths.api_key)  # before any worker starts: generation servers read it
+        Bootstrap(exp=cfg.exp, trial=cfg.trial, experiment=experiment_name, trial_dir=paths.root,
+                  interface=cfg.cluster.interface, scheduler=cfg.scheduler.type.value,
+                  name_resolve=plain(cfg.name_resolve), name_resolve_root=name_resolve_root(cfg),
+                  rpc=plain(cfg.rpc), heartbeat_ttl=cfg.controller.heartbeat_ttl,
+                  orphan_timeout=cfg.controller.orphan_timeout,
+                  group_readable=cfg.cluster.group_readable).write(paths.bootstrap)
+    except BaseException:
+        lock.release()
+        raise
+    return PreparedTrial(paths, secret, lock)

@@ -66,7 +66,7 @@ def _rank_main(rank: int, spec: WeightSyncSpec, opts: tuple[int, int | None], nr
 def _rank_body(rank: int, spec: WeightSyncSpec, opts: tuple[int, int | None], nr_root: str,
                seed: int) -> tuple[list[str], ReshardStats]:
     torch.set_num_threads(1)
-    store = lookup_store(FileNameResolve(nr_root), STORE_KEY, spec.world_size, 120)
+    store = lookup_store(FileNameResolve(nr_root, secret=None), STORE_KEY, spec.world_size, 120)
     dtype = getattr(torch, spec.dtype)
     executor = spec.executor(rank, store, plan=spec.plan(direct_bytes=opts[0]), lanes=opts[1])
     by_name = {s.name: s for s in spec.specs()}
@@ -102,9 +102,9 @@ def run_check(src: TrainLayout, dst: GenLayout, shape: ModelShape, *, bucket_byt
     check catches it)."""
     spec = WeightSyncSpec(src, dst, shape, DTYPES[dtype], "gloo", "fast", bucket_bytes, 120)
     plan = spec.plan(direct_bytes=direct_bytes)  # validates first
-    with tempfile.TemporaryDirectory() as nr_root:
-        store = host_store(FileNameResolve(nr_root), STORE_KEY, "127.0.0.1", spec.world_size,
-                           timeout)
+    with tempfile.TemporaryDirectory() as nr_root:  # private (0700): no trial secret needed
+        store = host_store(FileNameResolve(nr_root, secret=None), STORE_KEY, "127.0.0.1",
+                           spec.world_size, timeout)
         stats = _run_ranks(spec, (direct_bytes, lanes), nr_root, seed, corrupt_rank, threads,
                            timeout)
         del store

@@ -13,12 +13,12 @@ import pytest
 import zmq
 
 from system import names
-from system.name_resolve import FileNameResolve
 from system.rpc import RpcClient
 from workers.generation import GenerationClient
 from system.bootstrap import read_secret
 from system.wire import Codec, new_secret
-from tests.helpers import REPO, launch_argv, read_summary, run_launch, trial_processes
+from tests.helpers import (REPO, launch_argv, read_summary, run_launch, trial_name_resolve,
+                           trial_processes)
 
 FAST = ["controller.heartbeat_ttl=2", "scheduler.stop_grace=3"]
 
@@ -51,7 +51,13 @@ def test_smoke_end_to_end(fileroot):
     assert os.path.exists(os.path.join(trial_dir, "config.yaml"))
     _assert_nothing_left(fileroot, "smoke", "e2e")
     # every name-resolution key of the trial is gone
-    assert FileNameResolve(os.path.join(fileroot, ".name_resolve")).find_subtree("smoke/e2e") == []
+    nr = trial_name_resolve(fileroot, "smoke", "e2e")
+    assert nr.find_subtree("smoke/e2e") == [] and nr.refused == 0
+    # nothing the trial wrote is open to anyone else (cluster.group_readable=false)
+    for top in (trial_dir, nr.root):
+        for dirpath, dirs, files in os.walk(top):
+            for p in [dirpath, *(os.path.join(dirpath, f) for f in files)]:
+                assert os.stat(p).st_mode & 0o077 == 0, p
 
 
 @pytest.mark.redis
@@ -100,7 +106,7 @@ def test_ctrl_c_stops_everything(fileroot):
     proc = subprocess.Popen(launch_argv("exp=smoke", "trial=ctrlc", f"cluster.fileroot={fileroot}",
                                         "smoke.min_duration=120", *FAST),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    nr = FileNameResolve(os.path.join(fileroot, ".name_resolve"))
+    nr = trial_name_resolve(fileroot, "smoke", "ctrlc")
     deadline = time.time() + 60
     while len(nr.find_subtree("smoke/ctrlc/heartbeat")) < 9 and time.time() < deadline:
         time.sleep(0.1)
@@ -146,7 +152,7 @@ def test_closing_the_terminal_stops_everything(fileroot):
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     try:
-        nr = FileNameResolve(os.path.join(fileroot, ".name_resolve"))
+        nr = trial_name_resolve(fileroot, "smoke", "tty")
         deadline = time.time() + 60
         while len(nr.find_subtree("smoke/tty/heartbeat")) < 9 and time.time() < deadline:
             time.sleep(0.1)
@@ -173,7 +179,7 @@ def test_hangup_and_term_stop_everything(fileroot, signals):
                                         f"cluster.fileroot={fileroot}", "smoke.min_duration=120",
                                         *FAST),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    nr = FileNameResolve(os.path.join(fileroot, ".name_resolve"))
+    nr = trial_name_resolve(fileroot, "smoke", trial)
     deadline = time.time() + 60
     while len(nr.find_subtree(f"smoke/{trial}/heartbeat")) < 9 and time.time() < deadline:
         time.sleep(0.1)
@@ -204,7 +210,7 @@ def test_bad_frames_to_live_worker_are_dropped_and_counted(fileroot):
                                         *FAST),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        nr = FileNameResolve(os.path.join(fileroot, ".name_resolve"))
+        nr = trial_name_resolve(fileroot, "smoke", "frames")
         address = nr.wait(names.worker_address("smoke", "frames", "generation", 0), timeout=60)
         secret = read_secret(os.path.join(fileroot, "smoke", "frames", "secret"))
         codec = Codec(secret, 1 << 20)

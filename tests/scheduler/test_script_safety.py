@@ -137,7 +137,7 @@ def odd(tmp_path) -> tuple[str, list[str], TrialPaths, str, str]:
 def test_hostile_values_reach_srun_verbatim_and_never_run(odd):
     tmp, values, paths, python, workdir = odd
     group = group_spec("model", 2, paths, python)
-    text = render_worker_script(exp="smoke", trial="t1", group=group,
+    text = render_worker_script(exp="smoke", trial="t1", umask=0o077, group=group,
                                 slurm=nasty_config(values, tmp), workdir=workdir)
     got = run_script(text, tmp)
     assert not os.path.exists(f"{tmp}/pwned")
@@ -154,7 +154,7 @@ def test_apptainer_args_are_arguments_not_commands(odd):
     """``apptainer_args`` used to be written as it was: ``$(...)`` or a newline in it ran."""
     tmp, values, paths, python, workdir = odd
     group = group_spec("rollout", 1, paths, python)
-    text = render_worker_script(exp="smoke", trial="t1", group=group,
+    text = render_worker_script(exp="smoke", trial="t1", umask=0o077, group=group,
                                 slurm=nasty_config(values, tmp), workdir=workdir)
     got = run_script(text, tmp)
     assert not os.path.exists(f"{tmp}/pwned")
@@ -166,7 +166,7 @@ def test_apptainer_args_are_arguments_not_commands(odd):
 
 def test_sbatch_reads_hostile_values_back_exactly(odd):
     tmp, values, paths, python, workdir = odd
-    text = render_worker_script(exp="smoke", trial="t1", group=group_spec("model", 2, paths,
+    text = render_worker_script(exp="smoke", trial="t1", umask=0o077, group=group_spec("model", 2, paths,
                                                                           python),
                                 slurm=nasty_config(values, tmp), workdir=workdir)
     args = sbatch_arguments(text)
@@ -181,7 +181,7 @@ def test_sbatch_reads_hostile_values_back_exactly(odd):
 def test_the_controller_script_runs_its_argv_verbatim(odd):
     tmp, values, paths, _, workdir = odd
     argv = ["record", "-m", "system.launch", *values, f"cluster.fileroot={values[4]}"]
-    text = render_controller_script(exp="smoke", trial="t1", slurm=nasty_config(values, tmp),
+    text = render_controller_script(exp="smoke", trial="t1", umask=0o077, slurm=nasty_config(values, tmp),
                                     argv=argv, env={"PYTHONUNBUFFERED": "1", "V": values[1]},
                                     logs_dir=paths.logs, workdir=workdir)
     got = run_script(text, tmp)
@@ -204,7 +204,7 @@ def test_a_percent_in_the_trial_path_gives_the_log_paths_the_controller_reads(tm
     paths the controller reads and prints; elsewhere (the requeue mark, cd) it stays one."""
     paths = TrialPaths(os.path.join(str(tmp_path), "100% %j %t %%x", "smoke", "t1"))
     group = group_spec("rollout", 3, paths, "python")
-    text = render_worker_script(exp="smoke", trial="t1", group=group, slurm=SlurmConfig(),
+    text = render_worker_script(exp="smoke", trial="t1", umask=0o077, group=group, slurm=SlurmConfig(),
                                 workdir=str(tmp_path))
     output = next(a for a in sbatch_arguments(text) if a.startswith("--output="))
     assert expand_slurm_pattern(output[len("--output="):], "77") == \
@@ -212,7 +212,7 @@ def test_a_percent_in_the_trial_path_gives_the_log_paths_the_controller_reads(tm
     assert [expand_slurm_pattern(task_log(group), "77", i) for i in range(3)] == \
         list(group.log_paths)
     assert f"export RLSYS_REQUEUE_MARK={shell_quote(paths.logs + '/.requeue-rollout-')}" in text
-    controller = render_controller_script(exp="smoke", trial="t1", slurm=SlurmConfig(),
+    controller = render_controller_script(exp="smoke", trial="t1", umask=0o077, slurm=SlurmConfig(),
                                           argv=["python"], env={}, logs_dir=paths.logs,
                                           workdir=str(tmp_path))
     output = next(a for a in sbatch_arguments(controller) if a.startswith("--output="))
@@ -226,7 +226,7 @@ def test_log_paths_slurm_would_rewrite_are_refused(tmp_path, root, what):
     digit of ``%%5t``: no pattern could name the log the controller reads."""
     paths = TrialPaths(os.path.join(str(tmp_path), root, "smoke", "t1"))
     with pytest.raises(ConfigError, match=f"{what}.*cluster.fileroot"):
-        render_worker_script(exp="smoke", trial="t1", group=group_spec("rollout", 2, paths, "p"),
+        render_worker_script(exp="smoke", trial="t1", umask=0o077, group=group_spec("rollout", 2, paths, "p"),
                              slurm=SlurmConfig(), workdir=str(tmp_path))
 
 
@@ -241,7 +241,7 @@ def test_log_paths_slurm_would_rewrite_are_refused(tmp_path, root, what):
 def test_extra_sbatch_lines_are_one_option_with_a_quoted_value(line, rendered):
     text = render_worker_script(
         exp="smoke", trial="t1", group=group_spec("master", 1, TrialPaths("/r/smoke/t1"), "p"),
-        slurm=SlurmConfig(master=SlurmGroupConfig(extra_sbatch=[line])), workdir="/w")
+        slurm=SlurmConfig(master=SlurmGroupConfig(extra_sbatch=[line])), workdir="/w", umask=0o077)
     assert f"\n#SBATCH {rendered}\n" in text
     assert sbatch_arguments(text)[-1] == line
 

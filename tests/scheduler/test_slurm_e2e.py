@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from system.name_resolve import FileNameResolve
-from tests.helpers import REPO, launch_argv, read_summary, run_launch
+from tests.helpers import REPO, launch_argv, read_summary, run_launch, trial_name_resolve
 
 pytestmark = pytest.mark.slurm
 
@@ -44,7 +43,7 @@ def job_of(env, exp, trial, kind) -> str:
 
 
 def heartbeats(fileroot: str, exp: str, trial: str) -> int:
-    return len(FileNameResolve(os.path.join(fileroot, ".name_resolve")).find_subtree(
+    return len(trial_name_resolve(fileroot, exp, trial).find_subtree(
         f"{exp}/{trial}/heartbeat"))
 
 
@@ -209,7 +208,7 @@ def _preempt_rollout_job(slurm_cluster, root: str, trial: str, extra: list[str],
     env = {**os.environ, **slurm_cluster.env}
     with running_trial(slurm_cluster, root, trial, "smoke.min_duration=25", *extra,
                        ready=9 if when == "running" else 0) as proc:
-        nr = FileNameResolve(os.path.join(root, ".name_resolve"))
+        nr = trial_name_resolve(root, "smoke", trial)
         if when == "running":  # the master publishes its stream once every worker was started
             nr.wait(f"smoke/{trial}/stream/trajectories", timeout=90)
             time.sleep(3.0)  # and let the job's srun step settle

@@ -51,7 +51,7 @@ def render(kind: str, count: int, slurm: SlurmConfig, attempt: int = 0, first: i
     group = group_spec(kind, count, TrialPaths(f"{ODD}/gsm8k/t1"), "/opt/py env/bin/python",
                        attempt, first)
     return render_worker_script(exp="gsm8k", trial="t1", group=group, slurm=slurm,
-                                workdir="/home/a b/project")
+                                workdir="/home/a b/project", umask=0o077)
 
 
 def test_golden_model_group_pyxis():
@@ -71,7 +71,8 @@ def test_golden_controller():
         exp="gsm8k", trial="t1", slurm=full_config(),
         argv=["/opt/py env/bin/python", "-m", "system.launch", "exp=gsm8k", "trial=t1",
               f"cluster.fileroot={ODD}"],
-        env={"PYTHONUNBUFFERED": "1"}, logs_dir=f"{ODD}/gsm8k/t1/logs", workdir="/home/a b/p"))
+        env={"PYTHONUNBUFFERED": "1"}, logs_dir=f"{ODD}/gsm8k/t1/logs", workdir="/home/a b/p",
+        umask=0o077))
 
 
 def test_sbatch_quote():

@@ -15,12 +15,16 @@ from system.launcher.trial_dir import prepare_trial
 
 def test_trial_setup_writes_an_owner_only_key(tmp_path):
     cfg = build_config("smoke", "k", [f"cluster.fileroot={tmp_path}"])
-    paths, _ = prepare_trial(cfg, "smoke", "{}\n")
+    first = prepare_trial(cfg, "smoke", "{}\n")
+    first.lock.release()
+    paths = first.paths
     mode = os.stat(paths.api_key).st_mode
     assert stat.S_ISREG(mode) and stat.S_IMODE(mode) == 0o600
     key = read_api_key(paths.api_key)
     assert len(key) >= 40 and key.isascii() and key.strip() == key
-    again, _ = prepare_trial(cfg, "smoke", "{}\n")  # a new launch of the trial: a new key
+    relaunch = prepare_trial(cfg, "smoke", "{}\n")  # a new launch of the trial: a new key
+    relaunch.lock.release()
+    again = relaunch.paths
     assert stat.S_IMODE(os.stat(again.api_key).st_mode) == 0o600
     assert read_api_key(again.api_key) != key
 

@@ -8,15 +8,18 @@ import pytest
 
 from system.errors import NameEntryExists, NameEntryNotFound, NameResolveError
 from system.name_resolve import FileNameResolve, RedisNameResolve
+from system.wire import new_secret
+
+SECRET = new_secret()
 
 
 @pytest.fixture(params=["file", pytest.param("redis", marks=pytest.mark.redis)])
 def nr(request, tmp_path):
     if request.param == "file":
-        backend = FileNameResolve(str(tmp_path / "nr"))
+        backend = FileNameResolve(str(tmp_path / "nr"), secret=SECRET)
     else:
         host, port = request.getfixturevalue("redis_server")
-        backend = RedisNameResolve(host, port, namespace=f"t{time.time_ns()}")
+        backend = RedisNameResolve(host, port, namespace=f"t{time.time_ns()}", secret=SECRET)
     yield backend
     backend.close()
 
@@ -88,7 +91,8 @@ def test_bad_keys_rejected(nr):
 
 
 def test_file_backend_two_instances_share_root(tmp_path):
-    a, b = FileNameResolve(str(tmp_path)), FileNameResolve(str(tmp_path))
+    a, b = (FileNameResolve(str(tmp_path), secret=SECRET),
+            FileNameResolve(str(tmp_path), secret=SECRET))
     a.add("e/t/k", "v")
     assert b.get("e/t/k") == "v"
     with pytest.raises(NameEntryExists):
@@ -101,7 +105,7 @@ def test_file_backend_concurrent_exclusive_add(tmp_path):
 
     def attempt(i):
         try:
-            FileNameResolve(str(tmp_path)).add("e/t/leader", str(i))
+            FileNameResolve(str(tmp_path), secret=SECRET).add("e/t/leader", str(i))
             wins.append(i)
         except NameEntryExists:
             losses.append(i)
@@ -112,4 +116,4 @@ def test_file_backend_concurrent_exclusive_add(tmp_path):
     for t in threads:
         t.join()
     assert len(wins) == 1 and len(losses) == 15
-    assert FileNameResolve(str(tmp_path)).get("e/t/leader") == str(wins[0])
+    assert FileNameResolve(str(tmp_path), secret=SECRET).get("e/t/leader") == str(wins[0])

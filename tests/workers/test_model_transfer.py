@@ -11,20 +11,19 @@ import pytest
 from system import names
 from system.bootstrap import Bootstrap
 from system.name_resolve import FileNameResolve
-from system.wire import new_secret
+from tests.helpers import write_secret_file
 from workers.model import ModelWorker
 
 
 @pytest.fixture
 def worker(tmp_path):
     root = str(tmp_path / "nr")
-    with open(tmp_path / "secret", "wb") as f:
-        f.write(new_secret())
+    secret = write_secret_file(str(tmp_path))
     Bootstrap(exp="mt", trial="t", experiment="smoke", trial_dir=str(tmp_path),
               interface="127.0.0.1", scheduler="local", name_resolve={"type": "file"},
               name_resolve_root=root, rpc={}, heartbeat_ttl=2.0,
               orphan_timeout=30.0).write(str(tmp_path / "bootstrap.json"))
-    nr = FileNameResolve(root)
+    nr = FileNameResolve(root, secret=secret)
     w = ModelWorker(Bootstrap.read(str(tmp_path / "bootstrap.json")), 0)
     yield w, nr
     w.name_resolve.close()

@@ -14,8 +14,8 @@ from system import names
 from system.bootstrap import Bootstrap
 from system.name_resolve import FileNameResolve
 from system.rpc import RpcClient
-from system.wire import Codec, new_secret
-from tests.helpers import REPO
+from system.wire import Codec
+from tests.helpers import REPO, write_secret_file
 from workers.client import WorkerClient
 
 # a worker whose role runs until stopped; with "stuck", a role that never looks at `stopping`
@@ -44,14 +44,12 @@ ORPHAN_TIMEOUT = 1.5
 def trial(tmp_path):
     """A trial directory with its secret and bootstrap file, and its name resolution."""
     root = str(tmp_path / "nr")
-    secret = new_secret()
-    with open(tmp_path / "secret", "wb") as f:
-        f.write(secret)
+    secret = write_secret_file(str(tmp_path))
     Bootstrap(exp="orph", trial="t", experiment="smoke", trial_dir=str(tmp_path),
               interface="127.0.0.1", scheduler="local", name_resolve={"type": "file"},
               name_resolve_root=root, rpc={}, heartbeat_ttl=2.0,
               orphan_timeout=ORPHAN_TIMEOUT).write(str(tmp_path / "bootstrap.json"))
-    nr = FileNameResolve(root)
+    nr = FileNameResolve(root, secret=secret)
     yield tmp_path, nr, Codec(secret)
     nr.close()
 

@@ -249,10 +249,9 @@ def _kill_engine_core(eng: GenerationEngine, how: str) -> tuple[list, str]:
 
 def _bootstrap(tmp_path) -> "Bootstrap":
     from system.bootstrap import Bootstrap
-    from system.wire import new_secret
+    from tests.helpers import write_secret_file
 
-    with open(tmp_path / "secret", "wb") as f:
-        f.write(new_secret())
+    write_secret_file(str(tmp_path))
     return Bootstrap(exp="gen", trial="dead", experiment="smoke", trial_dir=str(tmp_path),
                      interface="127.0.0.1", scheduler="local", name_resolve={"type": "file"},
                      name_resolve_root=str(tmp_path / "nr"), rpc={}, heartbeat_ttl=5.0)
@@ -265,6 +264,7 @@ def test_loop_death_fails_every_request_and_the_server(doomed_llm, tmp_path, how
     fail at once with an error naming the cause, later requests and control tasks are refused,
     and the generation server's role raises it, so the worker fails under its error key."""
     from system import names
+    from system.bootstrap import read_secret
     from system.name_resolve import FileNameResolve
     from workers.client import WorkerClient
     from system.rpc import RpcClient
@@ -285,8 +285,9 @@ def test_loop_death_fails_every_request_and_the_server(doomed_llm, tmp_path, how
     boot = _bootstrap(tmp_path)
     server = GenerationServer(boot, 0)
     server.engine = eng
-    nr = FileNameResolve(boot.name_resolve_root)
-    codec = Codec(open(tmp_path / "secret", "rb").read())
+    secret = read_secret(str(tmp_path / "secret"))
+    nr = FileNameResolve(boot.name_resolve_root, secret=secret)
+    codec = Codec(secret)
 
     def controller() -> None:  # configure and start the worker, as the controller does
         address = nr.wait(names.worker_address("gen", "dead", "generation", 0), 30)

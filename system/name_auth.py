@@ -1,0 +1,74 @@
+"""Authenticated name-resolution values.
+
+A trial's entries are stored as ``v1:<mac>:<value>``, ``mac`` being HMAC-SHA256 (hex) over the
+key and the value under a key derived from the trial's secret. An entry whose mac does not check
+(written by someone without the secret, altered, or copied from another key or another run of
+the trial, whose secret differs) reads as absent; each such entry is counted and logged once.
+
+Every key is written after the launcher created the trial's secret and read by processes that
+hold it (the launcher and controller, every worker), so no key needs to be readable without it.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import threading
+
+log = logging.getLogger("name_resolve")
+
+VERSION = "v1"
+_MAC_HEX = 64
+_LOGGED_MAX = 1000  # refused keys remembered for "logged once"; a flood does not grow memory
+
+
+class EntrySealer:
+    """Seals values before they are stored and opens what is read back. ``secret=None`` stores
+    values as they are (tools that run outside a trial, in a private directory of their own)."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        self._key = (None if secret is None else
+                     hmac.new(secret, b"rlsys name-resolve " + VERSION.encode(),
+                              hashlib.sha256).digest())
+        self.refused = 0
+        """Entries refused so far (forged, altered, or sealed with another secret)."""
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def authenticated(self) -> bool:
+        return self._key is not None
+
+    def _mac(self, key: str, value: str) -> str:
+        assert self._key is not None
+        k = key.encode()
+        msg = len(k).to_bytes(4, "big") + k + value.encode()
+        return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
+
+    def seal(self, key: str, value: str) -> str:
+        """What is stored under ``key`` for ``value``."""
+        if self._key is None:
+            return value
+        return f"{VERSION}:{self._mac(key, value)}:{value}"
+
+    def open(self, key: str, stored: str | None) -> str | None:
+        """The value of an authentic entry; None for an absent or refused one."""
+        if stored is None or self._key is None:
+            return stored
+        head, mac, value = VERSION + ":", stored[3:3 + _MAC_HEX], stored[4 + _MAC_HEX:]
+        if (stored.startswith(head) and stored[3 + _MAC_HEX:4 + _MAC_HEX] == ":"
+                and hmac.compare_digest(mac.encode(), self._mac(key, value).encode())):
+            return value
+        self._refuse(key)
+        return None
+
+    def _refuse(self, key: str) -> None:
+        with self._lock:
+            self.refused += 1
+            first = key not in self._logged and len(self._logged) < _LOGGED_MAX
+            if first:
+                self._logged.add(key)
+        if first:
+            log.warning("name-resolution entry %r failed authentication (not written with this "
+                        "trial's secret: forged, altered, or left by an earlier run): treated "
+                        "as absent", key)

@@ -1,0 +1,171 @@
+"""The trial directory against another user of the same file root: it is private (or
+group-readable when asked), a pre-created one of someone else is refused, a swapped or loose
+secret is refused, and the trial's lock lets one launcher or controller in at a time."""
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from system.bootstrap import Bootstrap, read_secret
+from system.errors import TrialLocked, UnsafeFileError
+from system.launcher.trial_lock import TrialLock
+from tests.helpers import REPO, run_launch, write_secret_file
+
+OTHER_UID = 65534  # nobody
+as_root = pytest.mark.skipif(os.getuid() != 0, reason="chown to another user needs root")
+
+
+def _modes(root: str) -> dict[str, int]:
+    """``{relative path: permission bits}`` of everything under ``root`` (itself as ``.``)."""
+    out = {".": stat.S_IMODE(os.stat(root).st_mode)}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(dirpath, name)
+            out[os.path.relpath(path, root)] = stat.S_IMODE(os.lstat(path).st_mode)
+    return out
+
+
+def _dry_run(fileroot: str, trial: str, *extra: str) -> subprocess.CompletedProcess:
+    return run_launch("exp=smoke", f"trial={trial}", f"cluster.fileroot={fileroot}",
+                      "scheduler=slurm", "--dry-run", *extra)
+
+
+@pytest.mark.parametrize("group, dirs, files", [(False, 0o700, 0o600), (True, 0o750, 0o640)])
+def test_trial_files_are_private_unless_group_readable(fileroot, group, dirs, files):
+    os.makedirs(fileroot)
+    os.chmod(fileroot, 0o755)  # an existing parent keeps its mode: never loosened nor changed
+    r = _dry_run(fileroot, "modes", f"cluster.group_readable={str(group).lower()}")
+    assert r.returncode == 0, r.stderr
+    trial_dir = os.path.join(fileroot, "smoke", "modes")
+    modes = _modes(trial_dir)
+    assert {"config.yaml", "secret", "bootstrap.json", "lock", "logs", "jobs",
+            "jobs/master.sbatch"} <= set(modes)
+    assert modes.pop("secret") == 0o600 and modes.pop("lock") == 0o600  # private either way
+    assert modes.pop("api_key") == 0o600
+    for path, mode in modes.items():
+        expected = dirs if os.path.isdir(os.path.join(trial_dir, path)) else files
+        assert mode == expected, f"{path}: {mode:o}, expected {expected:o}"
+    assert stat.S_IMODE(os.stat(fileroot).st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(os.path.join(fileroot, "smoke")).st_mode) == dirs  # new parent
+    assert Bootstrap.read(os.path.join(trial_dir, "bootstrap.json")).group_readable is group
+
+
+def test_an_existing_trial_directory_of_yours_is_tightened(fileroot):
+    trial_dir = os.path.join(fileroot, "smoke", "loose")
+    os.makedirs(trial_dir)
+    os.chmod(trial_dir, 0o777)
+    assert _dry_run(fileroot, "loose").returncode == 0
+    assert stat.S_IMODE(os.stat(trial_dir).st_mode) == 0o700
+
+
+@as_root
+def test_a_trial_directory_created_by_someone_else_is_refused(fileroot):
+    trial_dir = os.path.join(fileroot, "smoke", "theirs")
+    os.makedirs(trial_dir)
+    os.chown(trial_dir, OTHER_UID, OTHER_UID)
+    r = _dry_run(fileroot, "theirs")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: the trial directory") and len(r.stderr.splitlines()) == 1
+    assert f"owned by uid {OTHER_UID}" in r.stderr
+    assert os.listdir(trial_dir) == []  # nothing written into it
+
+
+def test_a_trial_directory_that_is_a_link_is_refused(fileroot, tmp_path):
+    os.makedirs(os.path.join(fileroot, "smoke"))
+    os.symlink(tmp_path, os.path.join(fileroot, "smoke", "link"))
+    r = _dry_run(fileroot, "link")
+    assert r.returncode == 1 and "symbolic link" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.fixture
+def trial_dir(tmp_path) -> str:
+    d = tmp_path / "trial"
+    d.mkdir(mode=0o700)
+    write_secret_file(str(d))
+    return str(d)
+
+
+def test_the_secret_is_read_when_private(trial_dir):
+    assert len(read_secret(os.path.join(trial_dir, "secret"))) == 32
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o400])
+def test_a_secret_with_another_mode_is_refused(trial_dir, mode):
+    os.chmod(os.path.join(trial_dir, "secret"), mode)
+    with pytest.raises(UnsafeFileError, match=f"mode {mode:04o}.*must be 0600"):
+        read_secret(os.path.join(trial_dir, "secret"))
+
+
+@as_root
+def test_a_swapped_secret_is_refused(trial_dir):
+    """Someone else put their own secret in place (they would know every key)."""
+    secret = os.path.join(trial_dir, "secret")
+    os.unlink(secret)
+    write_secret_file(trial_dir)
+    os.chown(secret, OTHER_UID, OTHER_UID)
+    with pytest.raises(UnsafeFileError, match=f"owned by uid {OTHER_UID}"):
+        read_secret(secret)
+
+
+def test_a_secret_that_is_a_link_or_in_a_writable_directory_is_refused(trial_dir, tmp_path):
+    secret = os.path.join(trial_dir, "secret")
+    os.rename(secret, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", secret)
+    with pytest.raises(UnsafeFileError, match="symbolic link"):
+        read_secret(secret)
+    os.unlink(secret)
+    write_secret_file(trial_dir)
+    os.chmod(trial_dir, 0o777)
+    with pytest.raises(UnsafeFileError, match="others may write"):
+        read_secret(secret)
+
+
+def test_a_worker_refuses_to_start_with_a_loose_secret(trial_dir):
+    from workers.base import Worker
+
+    boot = Bootstrap(exp="e", trial="t", experiment="smoke", trial_dir=trial_dir,
+                     interface="127.0.0.1", scheduler="local", name_resolve={"type": "file"},
+                     name_resolve_root=os.path.join(trial_dir, "nr"), rpc={}, heartbeat_ttl=2.0)
+    os.chmod(os.path.join(trial_dir, "secret"), 0o644)
+    with pytest.raises(UnsafeFileError, match="the trial's secret"):
+        Worker(boot, 0)
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from system.launcher.trial_lock import TrialLock
+    lock = TrialLock.acquire(sys.argv[1], "e/t")
+    print("held", flush=True)
+    sys.stdin.readline()  # hold the lock until told to go
+""")
+
+
+def test_the_lock_names_its_holder_and_is_free_once_it_ends(tmp_path):
+    path = str(tmp_path / "lock")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, path], cwd=REPO, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(TrialLocked, match=rf"trial e/t is already running: held by pid "
+                                              rf"{holder.pid} on host {os.uname().nodename}"):
+            TrialLock.acquire(path, "e/t")
+    finally:
+        holder.kill()  # however it ends, the kernel frees the lock
+        holder.wait()
+    deadline = time.time() + 5
+    while True:
+        try:
+            lock = TrialLock.acquire(path, "e/t")
+            break
+        except TrialLocked:
+            assert time.time() < deadline
+            time.sleep(0.05)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    lock.release()
+    TrialLock.acquire(path, "e/t").release()  # released: free again
