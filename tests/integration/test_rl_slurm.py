@@ -1,10 +1,11 @@
-"""The RL experiment on a real Slurm (the single-node test cluster), preempted job by job: a
-generation server's job and the model worker's job get Slurm's preemption warning (SIGUSR2) and
-requeue themselves; the trial goes on by itself and ends at the same step."""
+"""The RL experiment on a real Slurm (the single-node test cluster), preempted job by job: the
+job of each RL worker kind in turn (generation, rollout, model, master) gets Slurm's preemption
+warning (SIGUSR2) and requeues itself; the trial goes on by itself and ends at the same step."""
 from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 
 import pytest
@@ -32,43 +33,81 @@ def _steps(root: str) -> list[int]:
         return [json.loads(line)["step"] for line in f]
 
 
-def test_preempted_generation_and_model_jobs_continue_by_themselves(slurm_cluster, tmp_path):
-    """USR2 to the generation job: the server stops, its job requeues, comes back, joins a fresh
-    weight-sync group with the current weights (no restart of anything else). Then USR2 to the
-    model job: the model worker asks for a checkpoint, stops once it is written, its job
-    requeues, and the controller restarts the master and model worker from that checkpoint
-    (no step lost). The trial completes its steps and leaves no job behind."""
+class _Stderr:
+    """The launcher's stderr, read as it comes (what an operator sees)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.text = ""
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stderr:
+            self.text += line
+
+    def count(self, needle: str) -> int:
+        return self.text.count(needle)
+
+    def rejoined(self) -> set[str]:
+        """Workers the controller reported as rejoined."""
+        return {w for line in self.text.splitlines() if line.startswith("rejoined: ")
+                for w in line[len("rejoined: "):].split(", ")}
+
+
+def _preempt(env: dict, kind: str) -> str:
+    job = job_of(env, "arith-tiny", "preempt", kind)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True, env=env)
+    return job
+
+
+def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_path):
+    """USR2 to each RL job in turn, each once the trial is back from the previous one:
+    - generation: the server stops, its job requeues, comes back, joins a fresh weight-sync
+      group with the current weights (no restart of anything else);
+    - rollout: both rollout workers stop, their job requeues, they rejoin and take tasks again
+      (their leases are released);
+    - model: the model worker asks for a checkpoint and stops once it is written; its job
+      requeues, and the controller restarts the master and model worker from that checkpoint;
+    - master: the master checkpoints and stops; the same recovery follows.
+    No step is lost, the trial completes its steps and leaves no job behind."""
     root = str(tmp_path / "runs")
     trial_root = os.path.join(root, "arith-tiny", "preempt")
     env = {**os.environ, **slurm_cluster.env}
     proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=preempt",
-                                        f"cluster.fileroot={root}", "rl.total_steps=40", *SLURM,
+                                        f"cluster.fileroot={root}", "rl.total_steps=60", *SLURM,
                                         *SMALL),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    err = _Stderr(proc)
+    jobs = {}
     try:
         wait_for(lambda: max(_steps(trial_root), default=0) >= 2, 300, "step 2")
-        gen_job = job_of(slurm_cluster.env, "arith-tiny", "preempt", "generation")
-        subprocess.run(["scancel", "--signal=USR2", gen_job], check=True, env=env)
+        jobs["generation"] = _preempt(env, "generation")
         master_log = os.path.join(trial_root, "logs", "master-0.log")
-        # 600 s: a server that dies mid-transfer can leave the trainer's send waiting out the
-        # weight-sync group timeout (rl.weight_sync.timeout, 300 s) before it rejoins
-        wait_for(lambda: "generation server 0 rejoined" in open(master_log).read(), 600,
+        wait_for(lambda: "generation server 0 rejoined" in open(master_log).read(), 300,
                  "the generation server to rejoin")
-        model_job = job_of(slurm_cluster.env, "arith-tiny", "preempt", "model")
-        subprocess.run(["scancel", "--signal=USR2", model_job], check=True, env=env)
-        _, err = proc.communicate(timeout=400)
+        jobs["rollout"] = _preempt(env, "rollout")
+        wait_for(lambda: {"rollout/0", "rollout/1"} <= err.rejoined(), 300,
+                 "the rollout workers to rejoin")
+        for n, kind in enumerate(("model", "master"), start=1):
+            step = max(_steps(trial_root), default=0)
+            wait_for(lambda: max(_steps(trial_root), default=0) > step, 300, "a new step")
+            jobs[kind] = _preempt(env, kind)
+            wait_for(lambda n=n: err.count("recovered: ") == n, 300, f"{kind} recovery")
+        proc.wait(timeout=400)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, err[-4000:]
+    assert proc.returncode == 0, err.text[-4000:]
     s = read_summary(root, "arith-tiny", "preempt")
-    assert s["status"] == "completed" and s["steps"] == 40
-    assert s["restarts"].get(gen_job) == 1, s["restarts"]
-    (rec,) = s["recoveries"]
-    assert rec["worker"] == "model/0" and rec["stateful"] and "requeued" in rec["cause"], rec
-    assert rec["steps_lost"] == 0 and rec["resumed_from"] == rec["failed_step"], rec
+    assert s["status"] == "completed" and s["steps"] == 60
+    assert s["restarts"].get(jobs["generation"]) == 1, s["restarts"]
+    assert s["restarts"].get(jobs["rollout"]) == 1, s["restarts"]
+    model, master = s["recoveries"]
+    for rec, worker in ((model, "model/0"), (master, "master/0")):
+        assert rec["worker"] == worker and rec["stateful"] and "requeued" in rec["cause"], rec
+        assert rec["steps_lost"] == 0 and rec["resumed_from"] == rec["failed_step"], rec
     with open(os.path.join(trial_root, "logs", "model-0.log")) as f:
         assert "checkpoint committed after SIGUSR2" in f.read()
-    assert "rejoined: generation/0" in err
+    assert "generation/0" in err.rejoined()
     assert squeue(slurm_cluster.env, "arith-tiny", "preempt") == []
