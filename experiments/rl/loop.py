@@ -177,7 +177,8 @@ class RLLoop:
             step=f"{state.step}/{rl.total_steps}", reward=f"{row['reward']:.3f}",
             samples_s=f"{row['samples_per_s']:.1f}",
             staleness=f"{row['staleness_max']}/{rl.eta}", version=state.step,
-            eval=None if acc is None else f"{acc:.3f}", servers=self.servers())
+            eval=None if acc is None else f"{acc:.3f}", servers=self.servers(),
+            resumed_from=self.resumed_from)  # also here: a poll can miss "starting"
         preempts = self.preempt_requests()
         if preempts or self.checkpoint_due():
             self.checkpoint()

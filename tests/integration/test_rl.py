@@ -226,11 +226,13 @@ def test_a_preemption_warning_checkpoints_before_the_stateful_restart(fileroot):
 
     root = os.path.join(fileroot, "arith-tiny", "usr2")
     code, err = _launch_signalling(fileroot, "usr2", [
-        "rl.total_steps=6", "rl.save_interval=0", "rl.save_interval_s=0", "rl.save_overhead=0",
+        "rl.total_steps=16", "rl.save_interval=0", "rl.save_interval_s=0", "rl.save_overhead=0",
         "recover.backoff=0.5", *SMALL], [(2, "model", None, signal.SIGUSR2)], timeout=400)
     assert code == 0, err[-4000:]
     s = read_summary(fileroot, "arith-tiny", "usr2")
-    assert s["status"] == "completed" and s["steps"] == 6
+    # (16 steps: the master reads preemption requests once a second, and a step can take less
+    # than half of one: the warning must not arrive as the trial completes)
+    assert s["status"] == "completed" and s["steps"] == 16
     (rec,) = s["recoveries"]
     assert rec["worker"] == "model/0" and rec["stateful"], rec
     assert rec["steps_lost"] == 0 and rec["resumed_from"] == rec["failed_step"] >= 2, rec

@@ -40,8 +40,19 @@ class VllmConfig:
     versions per segment) or finish (complete on the old weights first)."""
     seed: int = 0
     """Sampling seed of the engine."""
+    engine_process: str = "auto"
+    """Where vLLM's engine core runs: inline (in the generation server's own process, on its loop
+    thread: a (re)start takes seconds, as nothing imports torch and vLLM again), separate (vLLM's
+    engine-core and worker processes), or auto (inline on CPU with tensor_parallel_size=1,
+    separate otherwise)."""
 
     def __post_init__(self) -> None:
+        if self.engine_process not in ("auto", "inline", "separate"):
+            raise ConfigError(f"engine_process={self.engine_process!r} is not one of auto, "
+                              "inline, separate")
+        if self.engine_process == "inline" and self.tensor_parallel_size > 1:
+            raise ConfigError("engine_process=inline needs tensor_parallel_size=1 (vLLM runs "
+                              "tensor-parallel ranks in worker processes)")
         if self.interrupt not in ("cut", "finish"):
             raise ConfigError(f"interrupt={self.interrupt!r} is not one of cut, finish")
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -51,6 +62,13 @@ class VllmConfig:
         if self.tensor_parallel_size < 1 or self.max_model_len < 8:
             raise ConfigError("tensor_parallel_size must be >= 1 and "
                               "max_model_len >= 8")
+
+
+    def inline(self, on_gpu: bool) -> bool:
+        """Whether the engine core runs in the calling process (see :attr:`engine_process`)."""
+        if self.engine_process == "auto":
+            return not on_gpu and self.tensor_parallel_size == 1
+        return self.engine_process == "inline"
 
 
 def as_int(name: str, value: Any, lo: int | None = None) -> int:

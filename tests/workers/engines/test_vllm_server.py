@@ -311,3 +311,41 @@ def test_loop_death_fails_every_request_and_the_server(doomed_llm, tmp_path, how
     assert code == 1
     error = json.loads(nr.get(names.worker_error("gen", "dead", "generation", 0)))
     assert error["type"] == "GenerationLoopDied" and re.search(cause, error["message"])
+
+
+def test_engine_process_choice():
+    """auto: vLLM's engine core inline on CPU at tensor_parallel_size=1, in its own processes
+    otherwise; inline with tensor parallelism is refused."""
+    from system.errors import ConfigError
+
+    assert VllmConfig().inline(on_gpu=False)
+    assert not VllmConfig().inline(on_gpu=True)
+    assert not VllmConfig(tensor_parallel_size=2).inline(on_gpu=False)
+    assert not VllmConfig(engine_process="separate").inline(on_gpu=False)
+    assert VllmConfig(engine_process="inline").inline(on_gpu=True)
+    with pytest.raises(ConfigError, match="engine_process=inline needs tensor_parallel_size=1"):
+        VllmConfig(engine_process="inline", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="not one of auto, inline, separate"):
+        VllmConfig(engine_process="thread")
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.mark.slow
+def test_an_inline_engine_runs_in_the_servers_process(tiny_model_dir):
+    """What a generation server builds on CPU (engine_process=auto): no engine-core or worker
+    process is started (a restarted server is back in seconds); it samples and closes."""
+    before = _children()
+    eng = GenerationEngine(tiny_model_dir, VllmConfig(max_model_len=128,
+                                                      gpu_memory_utilization=0.05))
+    try:
+        assert _children() == before
+        out = eng.submit(PROMPT, 2, Sampling(max_tokens=4, ignore_eos=True)).result(60)
+        assert [len(s["tokens"]) for s in out] == [4, 4]
+        assert all(np.isfinite(s["logprobs"]).all() for s in out)
+    finally:
+        eng.close()
