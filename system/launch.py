@@ -32,7 +32,6 @@ from system.name_resolve import make_name_resolve
 from system.launcher.overrides import apply_overrides, describe_config, parse_cli
 from system.launcher.submit import detach, dry_run
 from system.launcher.trial_dir import name_resolve_root, prepare_trial
-from system.wire import Codec
 
 
 def help_text(exp: str = "") -> str:
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             return detach(cfg, paths, scheduler, [a for a in argv if a != "--detach"])
         controller = Controller(cfg, experiment, paths, scheduler,
                                 make_name_resolve(cfg.name_resolve, name_resolve_root(cfg)),
-                                Codec(secret, cfg.rpc.max_message_bytes))
+                                cfg.rpc.codec(secret))
     except RLSystemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

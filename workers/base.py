@@ -25,7 +25,6 @@ from system.bootstrap import Bootstrap, bind_host, read_secret
 from system.errors import NameEntryNotFound
 from system.name_resolve import NameResolveConfig, make_name_resolve
 from system.rpc import RpcClient, RpcConfig, RpcServer
-from system.wire import Codec
 from workers.schema import ConfigureReply, PingReply, WorkerReport, WorkerSetup
 
 log = logging.getLogger("worker")
@@ -57,8 +56,7 @@ class Worker:
         self.local_rank = local_rank
         self.exp, self.trial = boot.exp, boot.trial
         self.rpc_cfg = RpcConfig(**boot.rpc)
-        self.codec = Codec(read_secret(os.path.join(boot.trial_dir, "secret")),
-                           self.rpc_cfg.max_message_bytes)
+        self.codec = self.rpc_cfg.codec(read_secret(os.path.join(boot.trial_dir, "secret")))
         self.name_resolve = make_name_resolve(NameResolveConfig(**boot.name_resolve),
                                               boot.name_resolve_root)
         self.host = bind_host(boot.interface, boot.scheduler)
