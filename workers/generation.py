@@ -17,6 +17,7 @@ import numpy as np
 from system import names
 from system.errors import ConfigError
 from system.name_resolve import NameEntryNotFound
+from system.rendezvous import store_prefix
 from system.reshard.spec import WeightSyncSpec
 from workers.base import Worker
 from workers.client import Pending, WorkerClient
@@ -105,10 +106,12 @@ class GenerationServer(Worker):
         replica; the trainer's rank 0 hosts the group's store under ``store/<group>``)."""
         sync = WeightSyncSpec.from_wire(spec)
 
+        prefix = store_prefix(self.codec, group)  # the secret stays here, the prefix goes
+
         def init(llm: Any) -> Any:
             address = self._wait_store(group, sync.timeout)
             return llm.collective_rpc("rlsys_weight_sync_init",
-                                      args=(sync.to_wire(), 0, address))
+                                      args=(sync.to_wire(), 0, address, prefix))
         return self._engine().control(init)
 
     def _wait_store(self, group: str, timeout: float) -> str:
