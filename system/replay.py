@@ -30,6 +30,7 @@ WINDOW = 1024
 MAX_SENDERS = 4096
 """Senders a receiver remembers by default (each costs a few hundred bytes)."""
 _LATE_KEPT = 1024
+_WINDOW_MASK = (1 << WINDOW) - 1
 
 
 class Sealed(NamedTuple):
@@ -106,7 +107,7 @@ def _accept(state: list[int], counter: int) -> None:
     if counter > high:
         shift = counter - high
         state[0] = counter
-        state[1] = (((bits << shift) | 1) & ((1 << WINDOW) - 1)) if shift < WINDOW else 1
+        state[1] = (((bits << shift) | 1) & _WINDOW_MASK) if shift < WINDOW else 1
         return
     offset = high - counter
     if offset >= WINDOW or (bits >> offset) & 1:

@@ -58,8 +58,7 @@ class Channel(enum.IntEnum):
     STREAM = 3
 
 
-@dataclasses.dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
     """The authenticated header of one message."""
 
     channel: Channel
@@ -73,8 +72,11 @@ class Header:
     """A reply: the counter of the request it answers; otherwise 0."""
 
     def pack(self) -> bytes:
-        return _HEADER.pack(VERSION, int(self.channel), self.sender, self.counter,
-                            self.recipient, self.reply_to)
+        return _HEADER.pack(VERSION, self.channel, self.sender, self.counter, self.recipient,
+                            self.reply_to)
+
+
+_CHANNELS = {int(c): c for c in Channel}
 
 
 class Message(NamedTuple):
@@ -145,6 +147,8 @@ class Codec:
         """Encrypt and authenticate every connection with CURVE (:mod:`system.sockets`)."""
         self.recv_hwm = int(recv_hwm)
         """Messages queued per connection on a receiving socket before its sender waits."""
+        self._small_mac = hashlib.blake2b(key=self._secret, digest_size=TAG_BYTES,
+                                          person=b"rlsys-mac-v2")  # copied per message
 
     def derive(self, purpose: bytes, context: bytes = b"", size: int = 32) -> bytes:
         """A key for ``purpose`` (at most 10 bytes, e.g. ``b"curve"``) and ``context``, derived
@@ -195,39 +199,41 @@ class Codec:
         total = sum(v.nbytes for v in views) - OVERHEAD_BYTES
         if total > self.max_message_bytes:
             raise DroppedMessage("oversized", f"{total} bytes > limit {self.max_message_bytes}")
-        head, tag = views[0][:HEADER_BYTES], bytes(views[0][HEADER_BYTES:OVERHEAD_BYTES])
+        head, tag = bytes(views[0][:HEADER_BYTES]), bytes(views[0][HEADER_BYTES:OVERHEAD_BYTES])
         body, buffers = views[0][OVERHEAD_BYTES:], views[1:]
         if not hmac.compare_digest(tag, self._tag(head, [body, *buffers])):
             raise DroppedMessage("unauthenticated", "tag does not verify")
-        header = _parse_header(bytes(head))
+        header = _parse_header(head)
         admit(header)
         try:
-            payload = msgpack.unpackb(body, raw=False, ext_hook=ext_decoder(list(buffers)),
-                                      strict_map_key=False)
+            payload = msgpack.unpackb(body, raw=False, strict_map_key=False,
+                                      ext_hook=ext_decoder(buffers) if buffers else _no_ext)
         except Exception as e:  # TensorFrameError, msgpack's errors, ...
             raise DroppedMessage("malformed", f"bad payload: {e}") from None
         return Message(header, payload)
 
-    def _tag(self, head: Any, frames: Sequence[memoryview]) -> bytes:
+    def _tag(self, head: bytes, frames: Sequence[memoryview]) -> bytes:
         lengths = [f.nbytes for f in frames]  # memoryviews
         prefix = struct.pack(f"<{len(lengths) + 1}Q", len(lengths), *lengths)
         if sum(lengths) <= SMALL_MESSAGE_BYTES:
-            mac: Any = hashlib.blake2b(key=self._secret, digest_size=TAG_BYTES,
-                                       person=b"rlsys-mac-v2")
+            mac: Any = self._small_mac.copy()
         else:  # the one-time key: sender id and counter, which never repeat
-            mac = Poly1305(self.derive(b"poly-v2", bytes(head[2:26])))
-        mac.update(head)
-        mac.update(prefix)
+            mac = Poly1305(self.derive(b"poly-v2", head[2:26]))
+        mac.update(head + prefix)
         for f in frames:
             mac.update(f)
         return mac.digest() if hasattr(mac, "digest") else mac.finalize()
 
 
+def _no_ext(code: int, data: bytes) -> Any:
+    raise TensorFrameError("a tensor record, but the message has no tensor frames")
+
+
 def _parse_header(head: bytes) -> Header:
     version, channel, sender, counter, recipient, reply_to = _HEADER.unpack(head)
-    if version != VERSION or channel not in Channel._value2member_map_:
+    if version != VERSION or channel not in _CHANNELS:
         raise DroppedMessage("malformed", f"version {version}, channel {channel}")
-    return Header(Channel(channel), sender, counter, recipient, reply_to)
+    return Header(_CHANNELS[channel], sender, counter, recipient, reply_to)
 
 
 def _view(frame: Any) -> memoryview:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import msgpack
 import numpy as np
@@ -83,7 +83,7 @@ def _checked_shape(shape: Any, itemsize: int, nbytes: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def ext_decoder(buffers: list[memoryview]) -> Callable[[int, bytes], Any]:
+def ext_decoder(buffers: Sequence[memoryview]) -> Callable[[int, bytes], Any]:
     """The msgpack ``ext_hook`` that turns records back into arrays over ``buffers`` (read-only
     views, no copies). Raises :class:`TensorFrameError` for a record that does not fit."""
     def ext_hook(code: int, data: bytes) -> Any:

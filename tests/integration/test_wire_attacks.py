@@ -69,14 +69,17 @@ def _launch(fileroot: str, trial: str, *extra: str, nofile: int | None = None
                             preexec_fn=limit)
 
 
-def _connect(fileroot: str, trial: str, proc: subprocess.Popen) -> Trial:
+def _connect(fileroot: str, trial: str, proc: subprocess.Popen, curve: bool = False) -> Trial:
     nr = FileNameResolve(os.path.join(fileroot, ".name_resolve"))
     workers = ("master/0", "generation/0", "generation/1")
     addresses = {w: nr.wait(names.worker_address("smoke", trial, *w.split("/")), timeout=120)
                  for w in workers}
     addresses["stream"] = nr.wait(names.stream("smoke", trial, "trajectories"), timeout=120)
     secret = read_secret(os.path.join(fileroot, "smoke", trial, "secret"))
-    return Trial(proc, fileroot, nr, Codec(secret, 1 << 20), addresses)
+    t = Trial(proc, fileroot, nr, Codec(secret, 1 << 20, curve=curve), addresses)
+    _until(lambda: t.ping("master/0")["progress"].get("trajectories")  # rollouts are done
+           == f"{TRAJECTORIES}/{TRAJECTORIES}", 120)
+    return t
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -94,10 +97,7 @@ def trial(tmp_path_factory):
     fileroot = str(tmp_path_factory.mktemp("attacks") / "runs")
     proc = _launch(fileroot, "attacks", "smoke.min_duration=900")
     try:
-        t = _connect(fileroot, "attacks", proc)
-        _until(lambda: t.ping("master/0")["progress"].get("trajectories")
-               == f"{TRAJECTORIES}/{TRAJECTORIES}", 120)
-        yield t
+        yield _connect(fileroot, "attacks", proc)
     finally:
         _stop(proc)
 
@@ -250,3 +250,35 @@ def test_a_worker_out_of_descriptors_fails_visibly(tmp_path):
         out = f.read()
     assert proc.returncode != 0
     assert "generation/0 ran out of file descriptors" in out, out[-3000:]
+
+
+def test_with_curve_a_peer_without_the_secret_gets_nothing_buffered(tmp_path):
+    """``rpc.curve=true``: the flood above, from a peer that cannot complete the CURVE handshake,
+    costs the worker nothing; the trial's own clients (CURVE) are served."""
+    fileroot = str(tmp_path / "runs")
+    proc = _launch(fileroot, "curve", "smoke.min_duration=900", "rpc.curve=true")
+    try:
+        t = _connect(fileroot, "curve", proc, curve=True)
+        pid, echoed = t.ping("generation/1")["pid"], _echo_count(t, "generation/1")
+        hwm = _status_kib(pid, "VmHWM")
+        # a ZeroMQ socket without the keys never gets a connection to send on; raw TCP does
+        raw = _raw(zmq.DEALER, t.addresses["generation/1"])
+        raw.send_multipart(_captured(t.codec, Channel.REQUEST, t.addresses["generation/1"],
+                                     {"m": "echo", "a": {"tokens": np.arange(3)}}), zmq.NOBLOCK)
+        host, port = endpoint(t.addresses["generation/1"])[6:].rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as tcp:
+            tcp.settimeout(5)
+            try:  # ZMTP 3.0 greeting (NULL mechanism), then 500,000 empty frames
+                tcp.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03\x00NULL" + b"\0" * 48
+                            + b"\x01\x00" * 500_000)
+            except OSError:
+                pass  # the worker hung up
+        time.sleep(3)
+        grown = (_status_kib(pid, "VmHWM") - hwm) / 1024
+        assert grown < 4, f"peak memory grew {grown:.1f} MiB"
+        ping = t.ping("generation/1")
+        assert ping["state"] == "running" and sum(ping["drops"].values()) == 0
+        assert _echo_count(t, "generation/1") == echoed + 1  # the request without CURVE: lost
+        raw.close(0)
+    finally:
+        _stop(proc)

@@ -306,3 +306,36 @@ def test_deferred_replies_do_not_block_other_calls(codec):
         stop.set()
         t.join()
         srv.close()
+
+
+def test_curve_connections_need_the_trial_secret():
+    """With CURVE a peer without the secret cannot complete the handshake: nothing it sends
+    reaches the server (not even to be counted); peers with the secret talk as before."""
+    secret = new_secret()
+    codec = Codec(secret, 1 << 20, curve=True)
+    srv = RpcServer(codec, "127.0.0.1", {"add": lambda a, b: a + b})
+    puller = StreamPuller(codec, "127.0.0.1")
+    stop = threading.Event()
+    t = threading.Thread(target=srv.serve_forever, args=(stop, 0.02), daemon=True)
+    t.start()
+    plain = _raw(zmq.DEALER, srv.address)                         # no CURVE at all
+    plain.send_multipart(_request(codec, srv.address, "add", a=1, b=2))
+    plain.send_multipart([b""] * 100_000)
+    stranger = RpcClient(Codec(new_secret(), 1 << 20, curve=True), srv.address, timeout=0.5)
+    try:
+        with pytest.raises(RpcTimeout):                           # other keys: no handshake
+            stranger.call("add", a=1, b=2)
+        c = RpcClient(codec, srv.address, timeout=5)
+        assert c.call("add", a=2, b=3) == 5 and c.call("add", a=np.ones(3), b=1).sum() == 6
+        pusher = StreamPusher(codec, puller.address)
+        pusher.send({"t": np.arange(5)})
+        assert puller.recv(5)["t"].tolist() == [0, 1, 2, 3, 4]
+        assert srv.drops.total == 0 and srv.served == 2           # the others never got in
+        c.close()
+        pusher.close()
+    finally:
+        stop.set()
+        t.join()
+        for s in (srv, puller, stranger):
+            s.close()
+        plain.close(0)
