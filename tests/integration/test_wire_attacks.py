@@ -215,11 +215,12 @@ def test_a_flood_of_connections_leaves_the_worker_serving(trial):
         s = socket.socket()
         s.connect((host, int(port)))
         flood.append(s)
-    _until(lambda: _fds(pid) >= base + 1400)
-    t0 = time.time()
+    held, t0 = 0, time.time()
     while time.time() - t0 < 6:  # longer than the heartbeat's TTL (5 s)
+        held = max(held, _fds(pid) - base)
         assert trial.ping("generation/0")["state"] == "running"
         time.sleep(0.5)
+    assert held >= 1000  # (the first ones may already be closed: see below)
     assert trial.nr.get(names.heartbeat("smoke", "attacks", "generation", 0))
     # connections that never complete ZeroMQ's handshake are closed after 10 s
     _until(lambda: _fds(pid) < base + 50, 30)
