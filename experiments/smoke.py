@@ -120,6 +120,17 @@ def _checksum(tokens: np.ndarray) -> int:
     return int(tokens.astype(np.int64).sum())
 
 
+def _trajectory_problem(msg: Any) -> str | None:
+    """What is wrong with a smoke trajectory (the master drops and counts it), or None."""
+    if not isinstance(msg, dict):
+        return "not a map"
+    for key, kind in (("worker", int), ("seq", int), ("checksum", int),
+                      ("tokens", np.ndarray), ("logprobs", np.ndarray)):
+        if not isinstance(msg.get(key), kind):
+            return f"{key} is not {kind.__name__}"
+    return None
+
+
 def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
     cfg = _cfg(worker)
     pusher = worker.trajectory_stream()
@@ -175,7 +186,8 @@ def master_role(master: MasterWorker) -> dict[str, Any]:
     cfg = _cfg(master)
     counts: dict[str, int] = master.config["counts"]
     expected = counts["rollout"] * cfg.trajectories_per_worker
-    puller = StreamPuller(master.codec, master.host, master.rpc_cfg.stream_hwm)
+    puller = StreamPuller(master.codec, master.host, master.rpc_cfg.stream_hwm,
+                          validate=_trajectory_problem)
     master.name_resolve.add(names.stream(master.exp, master.trial, "trajectories"),
                             puller.address, replace=True)
     ping_timeout = min(master.master_cfg.peer_timeout, 2.0)
@@ -199,20 +211,21 @@ def master_role(master: MasterWorker) -> dict[str, Any]:
                 pings += len(results)
                 ping_failures += sum(isinstance(r, Exception) for r in results)
                 next_ping = time.monotonic() + cfg.ping_interval
-            master.set_progress(trajectories=f"{len(inbox.seen)}/{expected}")
+            master.set_progress(trajectories=f"{len(inbox.seen)}/{expected}",
+                                dropped=puller.drops.total or None)
         _wait_peers_done(master, peers, cfg, ping_timeout, inbox)
         clients = peers.all()
         reports = collect_settled([c.report() for c in clients], master.master_cfg.peer_timeout)
     finally:
         peers.close()
         puller.close()
-    return _results(inbox, expected, clients, reports, puller.drops.total,
+    return _results(inbox, expected, clients, reports, puller.drops.as_dict(),
                     {"pings": pings, "ping_failures": ping_failures,
                      "seconds": round(time.monotonic() - t0, 3)})
 
 
 def _results(inbox: "_Inbox", expected: int, clients: list[WorkerClient],
-             reports: list[WorkerReport | RpcError], stream_drops: int,
+             reports: list[WorkerReport | RpcError], stream_drops: dict[str, int],
              extra: dict[str, Any]) -> dict[str, Any]:
     """The smoke run's figures, from the stream and every worker's report."""
     failed = {c.name: str(r) for c, r in zip(clients, reports) if isinstance(r, Exception)}
@@ -238,7 +251,9 @@ def _results(inbox: "_Inbox", expected: int, clients: list[WorkerClient],
         "model_gpus_on_node": [m["gpus_on_node"] for m in model],
         "model_local_ranks": [m["local_rank"] for m in model],
         "model_devices": [m["device"] for m in model],
-        "dropped_messages": sum(sum(r["drops"].values()) for _, r in ok) + stream_drops,
+        "dropped_messages": sum(sum(r["drops"].values()) for _, r in ok)
+        + sum(stream_drops.values()),
+        "stream_drops": stream_drops,
         "seconds": extra["seconds"],
     }
 

@@ -58,6 +58,10 @@ class WireError(RLSystemError):
     """A message could not be encoded, decoded or authenticated."""
 
 
+class FdExhausted(RLSystemError):
+    """A process ran out of file descriptors (e.g. a flood of connections to its sockets)."""
+
+
 class SchedulerError(RLSystemError):
     """A job could not be submitted, tracked or stopped."""
 

@@ -34,7 +34,6 @@ from system.launcher.overrides import CliArgs, apply_overrides, describe_config,
 from system.launcher.submit import detach, dry_run
 from system.launcher.trial_dir import PreparedTrial, name_resolve_root, prepare_trial
 from system.private_files import set_umask
-from system.wire import Codec
 
 
 def help_text(exp: str = "") -> str:
@@ -172,7 +171,7 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
         controller = Controller(cfg, experiment, paths, scheduler,
                                 make_name_resolve(cfg.name_resolve, name_resolve_root(cfg),
                                                   trial.secret),
-                                Codec(trial.secret, cfg.rpc.max_message_bytes))
+                                cfg.rpc.codec(trial.secret))
     except RLSystemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

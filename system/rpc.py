@@ -1,33 +1,39 @@
 """Control RPC and data streams over ZeroMQ, in the authenticated format of :mod:`system.wire`.
 
-- :class:`RpcServer` (ROUTER) dispatches ``{"id", "m", "a"}`` requests to an explicit table of
-  handlers and replies ``{"id", "ok", "r"}`` or ``{"id", "ok": False, "e": {type, message,
-  traceback}}``. A request that fails to parse, authenticate or exceeds the size limit is dropped
-  and counted in :attr:`RpcServer.drops`; the server keeps serving. A handler that returns a
-  :class:`concurrent.futures.Future` is answered when it completes (long calls such as
-  generation do not hold up the others).
-- :class:`RpcClient` (DEALER) sends requests with ids; every call has a timeout
+- :class:`RpcServer` (ROUTER) dispatches requests (:class:`Request`) to an explicit table of
+  handlers and answers each with one :class:`Reply`, bound to the request it answers. A request
+  that fails to parse, authenticate, is too large, is meant for another server or was already
+  received (:mod:`system.replay`) is dropped and counted in :attr:`RpcServer.drops`; the server
+  keeps serving. A handler that returns a :class:`concurrent.futures.Future` is answered when it
+  completes (long calls such as generation do not hold up the others).
+- :class:`RpcClient` (DEALER) sends requests; every call has a timeout
   (:class:`~system.errors.RpcTimeout`) and remote exceptions come back as
-  :class:`~system.errors.RemoteError`.
+  :class:`~system.errors.RemoteError`. It accepts one reply per request in flight.
 - :class:`StreamPusher` / :class:`StreamPuller` (PUSH/PULL) move trajectories and samples through
-  bounded queues (high-water marks, in messages).
+  bounded queues (high-water marks, in messages); a puller may check each message's schema.
+
+Sockets and their limits: :mod:`system.sockets`.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
+import logging
 import os
 import threading
 import time
 import traceback
 from concurrent.futures import Future
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypedDict
 
 import zmq
 
-from system.errors import ConfigError, RemoteError, RpcError, RpcTimeout
-from system.wire import Codec, DropCounters, DroppedMessage
+from system.errors import ConfigError, RemoteError, RpcError, RpcTimeout, WireError
+from system.replay import LateReply, ReplyReceiver, Receiver, Sender
+from system.sockets import bind, endpoint, make_socket, recv_frames, send_frames
+from system.wire import Channel, Codec, DropCounters, DroppedMessage, Header, recipient_id
+
+log = logging.getLogger("rpc")
 
 
 @dataclasses.dataclass
@@ -37,10 +43,18 @@ class RpcConfig:
     request_timeout: float = 30.0
     """Default seconds to wait for a reply to a control call."""
     max_message_bytes: int = 1 << 30
-    """Messages larger than this are dropped and counted (ZeroMQ itself disconnects a peer whose
-    single frame exceeds four times this)."""
+    """Largest message (msgpack body plus tensor frames) a worker sends or accepts. A sender
+    refuses a larger one (``WireError``); ZeroMQ cuts the connection of a peer that sends a
+    larger frame before buffering it; a larger message of several frames is dropped and
+    counted."""
     stream_hwm: int = 64
     """Bounded queue length (messages) of each stream socket, per side."""
+    recv_hwm: int = 1000
+    """Bounded receive queue (messages per connection) of every request/reply socket."""
+    curve: bool = False
+    """Encrypt and authenticate every ZeroMQ connection with CURVE, keys derived from the trial
+    secret (see ``system/sockets.py``): a peer without the secret cannot complete a handshake,
+    so nothing it sends is buffered or read. Costs throughput on large messages."""
 
     def __post_init__(self) -> None:
         if self.request_timeout <= 0:
@@ -49,47 +63,42 @@ class RpcConfig:
             raise ConfigError(f"max_message_bytes must be >= 4096, got {self.max_message_bytes}")
         if self.stream_hwm < 1:
             raise ConfigError(f"stream_hwm must be >= 1, got {self.stream_hwm}")
+        if self.recv_hwm < 1:
+            raise ConfigError(f"recv_hwm must be >= 1, got {self.recv_hwm}")
+
+    def codec(self, secret: bytes) -> Codec:
+        """The codec of a trial whose secret is ``secret``, with these limits."""
+        return Codec(secret, self.max_message_bytes, curve=self.curve, recv_hwm=self.recv_hwm)
 
 
-def _context() -> zmq.Context:
-    return zmq.Context.instance()
+class RemoteErrorInfo(TypedDict):
+    type: str
+    message: str
+    traceback: str
 
 
-def _bind_random(sock: zmq.Socket, host: str) -> str:
-    sock.bind(f"tcp://{host}:*")
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+class Request(TypedDict):
+    """What a client sends: method name and keyword arguments."""
+
+    m: str
+    a: dict[str, Any]
 
 
-def _limit_frames(sock: zmq.Socket, max_message_bytes: int) -> None:
-    sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)
+class Reply(TypedDict, total=False):
+    """What a server answers: ``ok`` and the result ``r``, or ``ok: False`` and the error ``e``."""
+
+    ok: bool
+    r: Any
+    e: RemoteErrorInfo
 
 
-_COPY_BELOW = 1 << 16
-_SNDMORE = int(zmq.SNDMORE)
-_RCVMORE = int(zmq.RCVMORE)
-
-
-def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
-    """Send a multipart message: small frames by copy (cheaper), large ones zero-copy."""
-    last = len(frames) - 1
-    for i, f in enumerate(frames):
-        n = f.nbytes if isinstance(f, memoryview) else len(f)
-        sock.send(f, flags | (_SNDMORE if i < last else 0), copy=n < _COPY_BELOW)
-
-
-def recv_frames(sock: zmq.Socket, timeout: float) -> list[Any] | None:
-    """One multipart message, or ``None`` after ``timeout`` seconds. Small frames are copied
-    (cheaper than zero-copy frame objects); large ones are received without a copy."""
-    sock.setsockopt(zmq.RCVTIMEO, max(0, int(timeout * 1000)))
-    try:
-        first = sock.recv(copy=False)
-    except zmq.Again:
-        return None
-    frames: list[Any] = [first.bytes if len(first) < _COPY_BELOW else first]
-    while sock.getsockopt(_RCVMORE):
-        f = sock.recv(copy=False)
-        frames.append(f.bytes if len(f) < _COPY_BELOW else f)
-    return frames
+def _request(payload: Any) -> Request:
+    if not isinstance(payload, dict) or not isinstance(payload.get("m"), str):
+        raise DroppedMessage("malformed", "request is not {m, a}")
+    args = payload.get("a") or {}
+    if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
+        raise DroppedMessage("malformed", "request args are not a map of names")
+    return {"m": payload["m"], "a": args}
 
 
 Handler = Callable[..., Any]
@@ -100,19 +109,17 @@ class RpcServer:
     either :meth:`serve_forever` in a thread of its own, or :meth:`poll_once` from a loop."""
 
     def __init__(self, codec: Codec, host: str, handlers: Mapping[str, Handler]) -> None:
-        self._codec = codec
         self._handlers = dict(handlers)
-        self._sock = _context().socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock = make_socket(codec, zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        _limit_frames(self._sock, codec.max_message_bytes)
-        self.address = _bind_random(self._sock, host)
+        self.address = bind(self._sock, host)
+        self._in = Receiver(codec, Channel.REQUEST, self.address)
+        self._out = Sender(codec, Channel.REPLY)
         self.drops = DropCounters()
         self.served = 0
-        self._lock = threading.Lock()
         # deferred replies: a handler may return a Future; its reply is sent when it completes
         # (other requests are served meanwhile). Completion wakes the poller through a pipe.
-        self._done: collections.deque[tuple[bytes, Any, Future]] = collections.deque()
+        self._done: collections.deque[tuple[bytes, Header, Future]] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._poller = zmq.Poller()
@@ -128,36 +135,29 @@ class RpcServer:
             self._send_completed()
         if self._sock not in events:
             return False
-        frames = recv_frames(self._sock, 0)
-        if frames is None:
-            return False
-        ident, body = frames[0], frames[1:]
-        if not isinstance(ident, bytes):
-            ident = ident.bytes
         try:
-            req = self._codec.decode(body)
-            if not isinstance(req, dict) or not isinstance(req.get("m"), str):
-                raise DroppedMessage("malformed", "request is not {id, m, a}")
-            args = req.get("a") or {}
-            if not isinstance(args, dict):
-                raise DroppedMessage("malformed", "request args are not a map")
+            frames = recv_frames(self._sock, 0)
+            if frames is None:
+                return False
+            ident = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+            msg = self._in.open(frames[1:])
+            req = _request(msg.payload)
         except DroppedMessage as e:
-            with self._lock:
-                setattr(self.drops, e.reason, getattr(self.drops, e.reason) + 1)
+            self.drops.count(e.reason)
             return True
-        reply = self._dispatch(req.get("id"), req["m"], args)
+        reply = self._dispatch(req["m"], req["a"])
         result = reply.get("r")
         if isinstance(result, Future):
-            self._defer(ident, req.get("id"), result)
+            self._defer(ident, msg.header, result)
             return True
-        self._reply(ident, reply)
+        self._reply(ident, msg.header, reply)
         return True
 
-    def _defer(self, ident: bytes, req_id: Any, fut: Future) -> None:
+    def _defer(self, ident: bytes, request: Header, fut: Future) -> None:
         self.pending += 1
 
         def done(f: Future) -> None:
-            self._done.append((ident, req_id, f))
+            self._done.append((ident, request, f))
             os.write(self._wake_w, b"x")
 
         fut.add_done_callback(done)
@@ -169,43 +169,47 @@ class RpcServer:
         except BlockingIOError:
             pass
         while self._done:
-            ident, req_id, fut = self._done.popleft()
+            ident, request, fut = self._done.popleft()
             self.pending -= 1
             exc = fut.exception()
             if exc is not None:
                 try:
                     raise exc
                 except Exception as e:
-                    reply = _error_reply(req_id, e)
+                    reply = _error_reply(e)
             else:
-                reply = {"id": req_id, "ok": True, "r": fut.result()}
-            self._reply(ident, reply)
+                reply = {"ok": True, "r": fut.result()}
+            self._reply(ident, request, reply)
 
-    def _reply(self, ident: bytes, reply: dict) -> None:
+    def _reply(self, ident: bytes, request: Header, reply: Reply) -> None:
+        """Answer ``request`` (the reply is bound to its sender and counter)."""
         try:
-            out = self._codec.encode(reply)
+            out = self._out.seal(reply, request.sender, request.counter).frames
         except Exception as e:  # the result could not be encoded: say so instead
-            out = self._codec.encode(_error_reply(reply.get("id"), e))
+            out = self._out.seal(_error_reply(e), request.sender, request.counter).frames
         send_frames(self._sock, [ident, *out])
         self.served += 1
 
-    def _dispatch(self, req_id: Any, method: str, args: dict) -> dict:
+    def _dispatch(self, method: str, args: dict[str, Any]) -> Reply:
         handler = self._handlers.get(method)
         if handler is None:
-            return {"id": req_id, "ok": False, "e": {
+            return {"ok": False, "e": {
                 "type": "NoSuchMethod",
                 "message": f"no method {method!r}; valid: {sorted(self._handlers)}",
                 "traceback": ""}}
         try:
-            return {"id": req_id, "ok": True, "r": handler(**args)}
+            return {"ok": True, "r": handler(**args)}
         except Exception as e:
-            return _error_reply(req_id, e)
+            return _error_reply(e)
 
     def serve_forever(self, stop: threading.Event, poll: float = 0.1) -> None:
         while not stop.is_set():
             self.poll_once(poll)
 
     def close(self) -> None:
+        """Close the socket (and every connection to it); idempotent."""
+        if self._sock.closed:
+            return
         self._sock.close(linger=0)
         for fd in (self._wake_r, self._wake_w):
             try:
@@ -214,9 +218,21 @@ class RpcServer:
                 pass
 
 
-def _error_reply(req_id: Any, e: BaseException) -> dict:
-    return {"id": req_id, "ok": False, "e": {
-        "type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}}
+def _error_reply(e: BaseException) -> Reply:
+    return {"ok": False, "e": {"type": type(e).__name__, "message": str(e),
+                               "traceback": traceback.format_exc()}}
+
+
+def _reply(payload: Any) -> Reply | None:
+    """The reply in ``payload``, or None if it is not ``{ok, r | e}``."""
+    if isinstance(payload, dict) and payload.get("ok") is True:
+        return {"ok": True, "r": payload.get("r")}
+    err = payload.get("e") if isinstance(payload, dict) else None
+    if isinstance(payload, dict) and payload.get("ok") is False and isinstance(err, dict):
+        return {"ok": False, "e": {"type": str(err.get("type", "Error")),
+                                   "message": str(err.get("message", "")),
+                                   "traceback": str(err.get("traceback", ""))}}
+    return None
 
 
 class RpcClient:
@@ -225,58 +241,60 @@ class RpcClient:
     :meth:`call` is a blocking round trip; :meth:`submit` + :meth:`result` let one thread keep
     many calls in flight (on one or several clients)."""
 
-    _ids = itertools.count(1)
-
     def __init__(self, codec: Codec, address: str, timeout: float = 30.0) -> None:
-        self._codec = codec
         self.address = address
         self.timeout = timeout
-        self._sock = _context().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        _limit_frames(self._sock, codec.max_message_bytes)
-        self._sock.connect(address)
-        self._replies: dict[int, dict] = {}
-        self._waiting: set[int] = set()
+        self._sock = make_socket(codec, zmq.DEALER)
+        self._sock.connect(endpoint(address))
+        self._server = recipient_id(address)
+        self._out = Sender(codec, Channel.REQUEST)
+        self._in = ReplyReceiver(codec, self._out)
+        self._replies: dict[int, Reply] = {}
         self.drops = DropCounters()
 
     def submit(self, method: str, **args: Any) -> int:
-        req_id = next(self._ids)
-        send_frames(self._sock, self._codec.encode({"id": req_id, "m": method, "a": args}))
-        self._waiting.add(req_id)
-        return req_id
+        """Send a request; returns its id (the request's counter) for :meth:`result`."""
+        sealed = self._out.seal({"m": method, "a": args}, self._server)
+        self._in.expect(sealed.counter)
+        send_frames(self._sock, sealed.frames)
+        return sealed.counter
 
     def result(self, req_id: int, timeout: float | None = None, abandon: bool = True) -> Any:
         """The reply to ``req_id``. On :class:`RpcTimeout` the call is abandoned (a late reply
         is discarded) unless ``abandon`` is False: then it can be waited for again."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        done = False
-        try:
-            while req_id not in self._replies:
+        while req_id not in self._replies:
+            try:
                 frames = recv_frames(self._sock, deadline - time.monotonic())
-                if frames is None:
-                    raise RpcTimeout(f"no reply from {self.address} within {timeout:.1f}s")
-                self._receive_one(frames)
-            done = True
-        finally:
-            if done or abandon:
-                self._waiting.discard(req_id)
+            except DroppedMessage as e:  # too many frames
+                self.drops.count(e.reason)
+                continue
+            if frames is None:
+                if abandon:
+                    self._in.abandon(req_id)
+                raise RpcTimeout(f"no reply from {self.address} within {timeout:.1f}s")
+            self._receive_one(frames)
         reply = self._replies.pop(req_id)
         if reply.get("ok"):
             return reply.get("r")
-        err = reply.get("e") or {}
-        raise RemoteError(str(err.get("type", "Error")), str(err.get("message", "")),
-                          str(err.get("traceback", "")))
+        err = reply["e"]
+        raise RemoteError(err["type"], err["message"], err["traceback"])
 
     def _receive_one(self, frames: list[Any]) -> None:
         try:
-            reply = self._codec.decode(frames)
-        except DroppedMessage as e:
-            setattr(self.drops, e.reason, getattr(self.drops, e.reason) + 1)
+            msg = self._in.open(frames)
+        except LateReply:  # the reply to an abandoned (timed-out) call
             return
-        rid = reply.get("id") if isinstance(reply, dict) else None
-        if rid in self._waiting:  # replies to abandoned (timed-out) calls are discarded
-            self._replies[rid] = reply
+        except DroppedMessage as e:
+            self.drops.count(e.reason)
+            return
+        reply = _reply(msg.payload)
+        if reply is None:  # authentic but not a reply: fail the call rather than hang it
+            self.drops.count("malformed")
+            reply = {"ok": False, "e": {"type": "MalformedReply", "traceback": "",
+                                        "message": f"not {{ok, r|e}}: {str(msg.payload)[:200]}"}}
+        self._replies[msg.header.reply_to] = reply
 
     def call(self, method: str, timeout: float | None = None, **args: Any) -> Any:
         """One blocking round trip."""
@@ -284,23 +302,28 @@ class RpcClient:
 
     def abandon(self, req_id: int) -> None:
         """Stop waiting for ``req_id`` (its reply, if it comes, is discarded)."""
-        self._waiting.discard(req_id)
+        self._in.abandon(req_id)
         self._replies.pop(req_id, None)
 
     def close(self) -> None:
         self._sock.close(linger=0)
 
 
-class StreamPuller:
-    """The receiving end of a stream (PULL, binds). Many pushers may connect."""
+Validate = Callable[[Any], "str | None"]
+"""A stream's schema check: ``None`` for a valid message, else what is wrong with it."""
 
-    def __init__(self, codec: Codec, host: str, hwm: int = 64) -> None:
-        self._codec = codec
-        self._sock = _context().socket(zmq.PULL)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, hwm)
-        _limit_frames(self._sock, codec.max_message_bytes)
-        self.address = _bind_random(self._sock, host)
+
+class StreamPuller:
+    """The receiving end of a stream (PULL, binds). Many pushers may connect. ``validate``
+    (optional) checks each message's schema: one it rejects is dropped and counted as
+    ``malformed``, so a consumer only ever sees messages of the shape it reads."""
+
+    def __init__(self, codec: Codec, host: str, hwm: int = 64,
+                 validate: Validate | None = None) -> None:
+        self._sock = make_socket(codec, zmq.PULL, hwm)
+        self.address = bind(self._sock, host)
+        self._in = Receiver(codec, Channel.STREAM, self.address)
+        self._validate = validate
         self.drops = DropCounters()
 
     def recv(self, timeout: float) -> Any | None:
@@ -308,13 +331,17 @@ class StreamPuller:
         Invalid messages are dropped, counted, and waiting continues."""
         deadline = time.monotonic() + timeout
         while True:
-            frames = recv_frames(self._sock, deadline - time.monotonic())
-            if frames is None:
-                return None
             try:
-                msg = self._codec.decode(frames)
+                frames = recv_frames(self._sock, deadline - time.monotonic())
+                if frames is None:
+                    return None
+                msg = self._in.open(frames).payload
+                problem = self._validate(msg) if self._validate is not None else None
+                if problem is not None:
+                    raise DroppedMessage("malformed", problem)
             except DroppedMessage as e:
-                setattr(self.drops, e.reason, getattr(self.drops, e.reason) + 1)
+                self.drops.count(e.reason)
+                log.debug("stream %s dropped a message: %s", self.address, e)
                 continue
             return msg
 
@@ -327,15 +354,16 @@ class StreamPusher:
     queue is full, up to ``timeout`` seconds, then raises :class:`RpcTimeout`."""
 
     def __init__(self, codec: Codec, address: str, hwm: int = 64) -> None:
-        self._codec = codec
         self.address = address
-        self._sock = _context().socket(zmq.PUSH)
+        self._sock = make_socket(codec, zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
-        self._sock.connect(address)
+        self._sock.connect(endpoint(address))
+        self._to = recipient_id(address)
+        self._out = Sender(codec, Channel.STREAM)
 
     def send(self, payload: Any, timeout: float = 30.0) -> None:
-        frames = self._codec.encode(payload)
+        frames = self._out.seal(payload, self._to).frames
         self._sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
         try:
             send_frames(self._sock, frames)
@@ -346,4 +374,5 @@ class StreamPusher:
         self._sock.close(linger=int(linger * 1000))
 
 
-__all__ = ["RpcConfig", "RpcServer", "RpcClient", "StreamPuller", "StreamPusher", "RpcError"]
+__all__ = ["Reply", "Request", "RpcConfig", "RpcServer", "RpcClient", "StreamPuller",
+           "StreamPusher", "RpcError", "WireError"]

@@ -1,49 +1,98 @@
-"""Wire format of every socket: msgpack body + zero-copy tensor frames, authenticated.
+"""Wire format of every socket: an authenticated header, a msgpack body and zero-copy tensor
+frames.
 
-A message is a ZeroMQ multipart ``[auth || body, buf_0, ..., buf_n-1]``:
+A message is a ZeroMQ multipart ``[header || tag || body, buf_0, ..., buf_n-1]``:
 
+- ``header`` (:class:`Header`, 50 bytes) says which channel the message travels on (request,
+  reply, stream), who sent it (a random per-socket sender id and that sender's message counter),
+  whom it is for (the recipient's identity: a server's or stream's address, or for a reply the
+  client's sender id) and, for a reply, the counter of the request it answers. Receivers drop
+  a message meant for another recipient or channel, or one they have already seen
+  (:mod:`system.replay`), so a captured message cannot be replayed, nor sent elsewhere.
 - ``body`` is msgpack of the payload; numpy arrays and torch tensors inside it are replaced by an
-  ext record ``(index, dtype, shape)`` pointing at ``buf_i``, so tensors never pass through
+  ext record pointing at ``buf_i`` (:mod:`system.wire_tensors`), so tensors never pass through
   msgpack and are sent and received without copies.
-- ``auth`` is ``nonce(16) || tag(16)``. The tag covers the frame count, every frame's length and
-  every frame's bytes, so frames cannot be reordered, dropped, added or resized. Small messages
-  (control calls) are tagged with keyed BLAKE2b; large ones with Poly1305 under a one-time key
-  ``BLAKE2b(secret, nonce)`` (Poly1305 keys must never repeat, the random nonce guarantees it),
-  which runs at several GB/s, so authenticating 64 MiB tensors costs milliseconds. The two
-  uses of the secret are domain-separated by BLAKE2b's personalisation string.
+- ``tag`` (16 bytes) covers the header, the frame count, every frame's length and every frame's
+  bytes, so nothing can be changed, reordered, dropped, added or resized. Small messages (control
+  calls) are tagged with keyed BLAKE2b; large ones with Poly1305 under a one-time key
+  ``BLAKE2b(secret, sender id || counter)`` (a sender never repeats a counter, so the key never
+  repeats), which runs at several GB/s. Uses of the secret are domain-separated by BLAKE2b's
+  personalisation string (:meth:`Codec.derive`).
 
 No pickle anywhere: only msgpack types, numpy arrays and torch tensors cross the wire.
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import hmac
 import os
 import struct
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import msgpack
 import numpy as np
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from system.errors import WireError
+from system.wire_tensors import (TensorFrameError, ext_decoder, is_torch_tensor, numpy_record,
+                                 torch_record)
 
-NONCE_BYTES = 16
+VERSION = 2
+ID_BYTES = 16
 TAG_BYTES = 16
-AUTH_BYTES = NONCE_BYTES + TAG_BYTES
+_HEADER = struct.Struct(">BB16sQ16sQ")  # version, channel, sender, counter, recipient, reply_to
+HEADER_BYTES = _HEADER.size
+OVERHEAD_BYTES = HEADER_BYTES + TAG_BYTES
+"""Bytes the wire adds to a payload's body (frame 0)."""
 SECRET_BYTES = 32
 SMALL_MESSAGE_BYTES = 2048  # up to this, BLAKE2b (no per-message key setup); above, Poly1305
 
-_EXT_NUMPY = 1
-_EXT_TORCH = 2
-# torch dtypes that numpy cannot hold travel as raw bytes with their torch name
-_TORCH_ONLY = {"bfloat16", "float8_e4m3fn", "float8_e5m2"}
+
+class Channel(enum.IntEnum):
+    """What a message is: the MAC binds it, so a request cannot be pushed into a stream."""
+
+    REQUEST = 1
+    REPLY = 2
+    STREAM = 3
+
+
+class Header(NamedTuple):
+    """The authenticated header of one message."""
+
+    channel: Channel
+    sender: bytes
+    """The sending socket's random id (:class:`system.replay.Sender`)."""
+    counter: int
+    """The sender's message number: starts at 1, never repeats."""
+    recipient: bytes
+    """The recipient's identity: :func:`recipient_id` of its address, or a client's sender id."""
+    reply_to: int = 0
+    """A reply: the counter of the request it answers; otherwise 0."""
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(VERSION, self.channel, self.sender, self.counter, self.recipient,
+                            self.reply_to)
+
+
+_CHANNELS = {int(c): c for c in Channel}
+
+
+class Message(NamedTuple):
+    header: Header
+    payload: Any
 
 
 def new_secret() -> bytes:
     """32 random bytes: the per-trial secret every peer authenticates with."""
     return os.urandom(SECRET_BYTES)
+
+
+def recipient_id(address: str) -> bytes:
+    """The identity a server or stream is addressed by: a digest of its published address
+    (which carries a random part per incarnation, so a restarted one is a new recipient)."""
+    return hashlib.blake2b(address.encode(), digest_size=ID_BYTES, person=b"rlsys-rcpt").digest()
 
 
 @dataclasses.dataclass
@@ -53,14 +102,20 @@ class DropCounters:
     malformed: int = 0
     unauthenticated: int = 0
     oversized: int = 0
+    replayed: int = 0
+    """Authentic, but already received (or a reply to no request in flight)."""
+    misdirected: int = 0
+    """Authentic, but meant for another recipient or channel."""
 
     @property
     def total(self) -> int:
-        return self.malformed + self.unauthenticated + self.oversized
+        return sum(self.as_dict().values())
 
     def as_dict(self) -> dict[str, int]:
-        return {"malformed": self.malformed, "unauthenticated": self.unauthenticated,
-                "oversized": self.oversized}
+        return dataclasses.asdict(self)
+
+    def count(self, reason: str) -> None:
+        setattr(self, reason, getattr(self, reason) + 1)
 
 
 class DroppedMessage(WireError):
@@ -72,49 +127,49 @@ class DroppedMessage(WireError):
         self.reason = reason
 
 
-def _torch_dtype_name(t: Any) -> str:
-    return str(t.dtype).removeprefix("torch.")
+Admit = Callable[[Header], None]
+"""What a receiver checks of an authentic header before the body is parsed (raises
+:class:`DroppedMessage`): recipient, channel, replay."""
 
 
 class Codec:
-    """Encodes payloads to authenticated frames and back. One per trial secret."""
+    """Seals payloads into authenticated frames and opens them. One per trial secret; it also
+    holds what every socket of the trial needs (size limit, receive queue bound, CURVE)."""
 
-    def __init__(self, secret: bytes, max_message_bytes: int = 1 << 30) -> None:
+    def __init__(self, secret: bytes, max_message_bytes: int = 1 << 30, *, curve: bool = False,
+                 recv_hwm: int = 1000) -> None:
         if len(secret) < 16:
             raise WireError("secret must be at least 16 bytes")
         self._secret = bytes(secret)
         self.max_message_bytes = int(max_message_bytes)
+        """Largest payload (body plus tensor frames) sent or accepted."""
+        self.curve = curve
+        """Encrypt and authenticate every connection with CURVE (:mod:`system.sockets`)."""
+        self.recv_hwm = int(recv_hwm)
+        """Messages queued per connection on a receiving socket before its sender waits."""
+        self._small_mac = hashlib.blake2b(key=self._secret, digest_size=TAG_BYTES,
+                                          person=b"rlsys-mac-v2")  # copied per message
+
+    def derive(self, purpose: bytes, context: bytes = b"", size: int = 32) -> bytes:
+        """A key for ``purpose`` (at most 10 bytes, e.g. ``b"curve"``) and ``context``, derived
+        from the secret."""
+        return hashlib.blake2b(context, key=self._secret, digest_size=size,
+                               person=b"rlsys-" + purpose).digest()
 
     # --- encode ---
-    def encode(self, payload: Any) -> list[Any]:
-        """Frames for ``payload``: ``[auth + body, *buffers]`` (buffers are zero-copy views)."""
+    def encode(self, payload: Any, header: Header) -> list[Any]:
+        """Frames for ``payload``: ``[header + tag + body, *buffers]`` (buffers are zero-copy
+        views). Use a :class:`system.replay.Sender`, which numbers the headers."""
         buffers: list[memoryview] = []
 
         def default(obj: Any) -> Any:
-            if isinstance(obj, np.ndarray):
-                arr = np.ascontiguousarray(obj)
-                if arr.dtype.hasobject:
-                    raise WireError("object arrays cannot be sent")
-                buffers.append(memoryview(arr).cast("B") if arr.size else memoryview(b""))
-                return msgpack.ExtType(_EXT_NUMPY, msgpack.packb(
-                    [len(buffers) - 1, arr.dtype.str, list(arr.shape)]))
-            if type(obj).__module__.startswith("torch") and type(obj).__name__ in (
-                    "Tensor", "Parameter"):
-                t = obj.detach()
-                if t.device.type != "cpu":
-                    t = t.cpu()
-                t = t.contiguous()
-                name = _torch_dtype_name(t)
-                flat = t.reshape(-1)
-                if name in _TORCH_ONLY:
-                    import torch
-                    flat = flat.view(torch.uint8) if t.numel() else flat
-                    arr = flat.numpy() if t.numel() else np.empty(0, np.uint8)
-                else:
-                    arr = flat.numpy()
-                buffers.append(memoryview(arr).cast("B") if arr.size else memoryview(b""))
-                return msgpack.ExtType(_EXT_TORCH, msgpack.packb(
-                    [len(buffers) - 1, name, list(t.shape)]))
+            try:
+                if isinstance(obj, np.ndarray):
+                    return numpy_record(obj, buffers)
+                if is_torch_tensor(obj):
+                    return torch_record(obj, buffers)
+            except TypeError as e:
+                raise WireError(str(e)) from None
             if isinstance(obj, (np.integer, np.floating, np.bool_)):
                 return obj.item()
             if isinstance(obj, (set, frozenset)):
@@ -127,54 +182,58 @@ class Codec:
             raise
         except Exception as e:
             raise WireError(f"cannot encode payload: {e}") from e
-        nonce = os.urandom(NONCE_BYTES)
-        return [nonce + self._tag(nonce, [memoryview(body), *buffers]) + body, *buffers]
+        size = len(body) + sum(b.nbytes for b in buffers)
+        if size > self.max_message_bytes:
+            raise WireError(f"message of {size} bytes exceeds rpc.max_message_bytes="
+                            f"{self.max_message_bytes}")
+        head = header.pack()
+        return [head + self._tag(head, [memoryview(body), *buffers]) + body, *buffers]
 
     # --- decode ---
-    def decode(self, frames: Sequence[Any]) -> Any:
-        """Verify and decode frames (bytes, memoryviews or ``zmq.Frame``). Raises
-        :class:`DroppedMessage` for anything that must be dropped."""
+    def decode(self, frames: Sequence[Any], admit: Admit) -> Message:
+        """Verify frames (bytes, memoryviews or ``zmq.Frame``), let ``admit`` check the header,
+        then parse. Raises :class:`DroppedMessage` for anything that must be dropped."""
         views = [_view(f) for f in frames]
-        if not views or views[0].nbytes < AUTH_BYTES:
-            raise DroppedMessage("malformed", "no frame with an auth header")
-        total = sum(v.nbytes for v in views)
+        if not views or views[0].nbytes < OVERHEAD_BYTES:
+            raise DroppedMessage("malformed", "no frame with a header")
+        total = sum(v.nbytes for v in views) - OVERHEAD_BYTES
         if total > self.max_message_bytes:
             raise DroppedMessage("oversized", f"{total} bytes > limit {self.max_message_bytes}")
-        head, buffers = views[0], views[1:]
-        body = head[AUTH_BYTES:]
-        nonce, tag = bytes(head[:NONCE_BYTES]), bytes(head[NONCE_BYTES:AUTH_BYTES])
-        if not hmac.compare_digest(tag, self._tag(nonce, [body, *buffers])):
+        head, tag = bytes(views[0][:HEADER_BYTES]), bytes(views[0][HEADER_BYTES:OVERHEAD_BYTES])
+        body, buffers = views[0][OVERHEAD_BYTES:], views[1:]
+        if not hmac.compare_digest(tag, self._tag(head, [body, *buffers])):
             raise DroppedMessage("unauthenticated", "tag does not verify")
-
-        def ext_hook(code: int, data: bytes) -> Any:
-            idx, dtype, shape = msgpack.unpackb(data, raw=False)
-            if not isinstance(idx, int) or not 0 <= idx < len(buffers):
-                raise ValueError(f"tensor frame {idx!r} does not exist")
-            buf = buffers[idx]
-            if code == _EXT_NUMPY:
-                return np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
-            if code == _EXT_TORCH:
-                return _torch_from_buffer(buf, dtype, shape)
-            raise ValueError(f"unknown ext type {code}")
-
+        header = _parse_header(head)
+        admit(header)
         try:
-            return msgpack.unpackb(body, raw=False, ext_hook=ext_hook, strict_map_key=False)
-        except Exception as e:
+            payload = msgpack.unpackb(body, raw=False, strict_map_key=False,
+                                      ext_hook=ext_decoder(buffers) if buffers else _no_ext)
+        except Exception as e:  # TensorFrameError, msgpack's errors, ...
             raise DroppedMessage("malformed", f"bad payload: {e}") from None
+        return Message(header, payload)
 
-    def _tag(self, nonce: bytes, frames: Sequence[memoryview]) -> bytes:
+    def _tag(self, head: bytes, frames: Sequence[memoryview]) -> bytes:
         lengths = [f.nbytes for f in frames]  # memoryviews
         prefix = struct.pack(f"<{len(lengths) + 1}Q", len(lengths), *lengths)
         if sum(lengths) <= SMALL_MESSAGE_BYTES:
-            mac: Any = hashlib.blake2b(nonce, key=self._secret, digest_size=TAG_BYTES,
-                                       person=b"rlsys-mac-v1")
-        else:
-            mac = Poly1305(hashlib.blake2b(nonce, key=self._secret, digest_size=32,
-                                           person=b"rlsys-poly-v1").digest())
-        mac.update(prefix)
+            mac: Any = self._small_mac.copy()
+        else:  # the one-time key: sender id and counter, which never repeat
+            mac = Poly1305(self.derive(b"poly-v2", head[2:26]))
+        mac.update(head + prefix)
         for f in frames:
             mac.update(f)
         return mac.digest() if hasattr(mac, "digest") else mac.finalize()
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise TensorFrameError("a tensor record, but the message has no tensor frames")
+
+
+def _parse_header(head: bytes) -> Header:
+    version, channel, sender, counter, recipient, reply_to = _HEADER.unpack(head)
+    if version != VERSION or channel not in _CHANNELS:
+        raise DroppedMessage("malformed", f"version {version}, channel {channel}")
+    return Header(_CHANNELS[channel], sender, counter, recipient, reply_to)
 
 
 def _view(frame: Any) -> memoryview:
@@ -186,16 +245,5 @@ def _view(frame: Any) -> memoryview:
     return memoryview(frame)
 
 
-def _torch_from_buffer(buf: memoryview, dtype: str, shape: list[int]) -> Any:
-    import torch
-
-    tdtype = getattr(torch, dtype)
-    if buf.nbytes == 0:
-        return torch.empty(shape, dtype=tdtype)
-    # received frames are read-only views; torch warns about (but supports) such buffers, and we
-    # hand out a tensor that owns a writable copy only if the caller writes into it.
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(buf, dtype=torch.uint8)
-    return raw.view(tdtype).reshape(shape)
+__all__ = ["Channel", "Codec", "DropCounters", "DroppedMessage", "Header", "Message",
+           "TensorFrameError", "new_secret", "recipient_id"]

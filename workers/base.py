@@ -22,10 +22,10 @@ from typing import Any, Callable, ClassVar
 
 from system import names
 from system.bootstrap import Bootstrap, bind_host, read_secret
-from system.errors import NameEntryNotFound
+from system.errors import FdExhausted, NameEntryNotFound
+from system.limits import FdWatch, raise_fd_limit
 from system.name_resolve import NameResolveConfig, make_name_resolve
 from system.rpc import RpcClient, RpcConfig, RpcServer
-from system.wire import Codec
 from workers.schema import ConfigureReply, PingReply, WorkerReport, WorkerSetup
 
 log = logging.getLogger("worker")
@@ -58,7 +58,8 @@ class Worker:
         self.exp, self.trial = boot.exp, boot.trial
         self.rpc_cfg = RpcConfig(**boot.rpc)
         secret = read_secret(os.path.join(boot.trial_dir, "secret"))
-        self.codec = Codec(secret, self.rpc_cfg.max_message_bytes)
+        self.fd_limit = raise_fd_limit()  # (soft, hard): every connection to us costs one
+        self.codec = self.rpc_cfg.codec(secret)
         self.name_resolve = make_name_resolve(NameResolveConfig(**boot.name_resolve),
                                               boot.name_resolve_root, secret)
         self.host = bind_host(boot.interface, boot.scheduler)
@@ -228,6 +229,34 @@ class Worker:
             logging.shutdown()
             os._exit(3)
 
+    def _watch_fds(self, serve: threading.Thread, period: float = 1.0) -> None:
+        """Warn when file descriptors run short; fail the worker, saying why, once none has
+        been free for a few seconds (a flood of connections): it could not refresh its
+        heartbeat, open a file or accept a call, and would otherwise just go silent."""
+        watch = FdWatch()
+        warned = 0.0
+        while not self._serve_stop.wait(period):
+            state = watch.check()
+            if state == "low" and time.monotonic() - warned > 60:
+                warned = time.monotonic()
+                log.warning("%s: file descriptors running out (%s)", self.name, watch.detail)
+            elif state == "exhausted":
+                self._fail_out_of_fds(watch.detail, serve)
+                return
+
+    def _fail_out_of_fds(self, detail: str, serve: threading.Thread) -> None:
+        message = (f"{self.name} ran out of file descriptors ({detail}; a flood of "
+                   f"connections to {self.server.address}?): stopping")
+        log.error(message)
+        self.state = WorkerState.FAILED
+        self._serve_stop.set()
+        serve.join(timeout=5)
+        self.server.close()  # closes every connection to it: descriptors to report with
+        time.sleep(0.5)
+        self._report_failure(FdExhausted(message), "")
+        logging.shutdown()
+        os._exit(4)
+
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
@@ -277,6 +306,8 @@ class Worker:
         log.info("%s registered at %s", self.name, self.server.address)
         threading.Thread(target=self._watch_controller, name="controller-watch", daemon=True,
                          args=(min(max(self.boot.orphan_timeout / 10, 0.1), 5.0),)).start()
+        threading.Thread(target=self._watch_fds, name="fd-watch", daemon=True,
+                         args=(serve,)).start()
         code = 0
         try:
             while not self._start.wait(0.1):

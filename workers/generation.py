@@ -19,6 +19,7 @@ from system.api_key import read_api_key
 from system.errors import ConfigError
 from system.name_resolve import NameEntryNotFound
 from system.paths import TrialPaths
+from system.rendezvous import store_prefix
 from system.reshard.spec import WeightSyncSpec
 from workers.base import Worker
 from workers.client import Pending, WorkerClient
@@ -142,11 +143,12 @@ class GenerationServer(Worker):
         :class:`~system.reshard.spec.WeightSyncSpec` on the wire, has this server as its one
         replica; the trainer's rank 0 hosts the group's store under ``store/<group>``)."""
         sync = WeightSyncSpec.from_wire(spec)
+        prefix = store_prefix(self.codec, group)  # the secret stays here, the prefix goes
 
         def init(llm: Any) -> Any:
             address = self._wait_store(group, sync.timeout)
             return llm.collective_rpc("rlsys_weight_sync_init",
-                                      args=(sync.to_wire(), 0, address))
+                                      args=(sync.to_wire(), 0, address, prefix))
         return self._engine().control(init)
 
     def _wait_store(self, group: str, timeout: float) -> str:
@@ -157,7 +159,8 @@ class GenerationServer(Worker):
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self.name_resolve.wait(key, min(0.5, max(0.0, deadline - time.monotonic())))
+                left = max(0.0, deadline - time.monotonic())
+                return self.name_resolve.wait(key, min(0.5, left))
             except NameEntryNotFound:
                 if 0 not in self.alive("model"):
                     raise RuntimeError(f"model worker 0, the host of weight-update group "

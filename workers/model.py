@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 from system import names
 from system.errors import ConfigError
 from system.files import fsync_path
-from system.rendezvous import host_store, lookup_store
+from system.rendezvous import host_store, lookup_store, store_prefix
 from system.reshard.spec import WeightSyncSpec
 from workers.base import Worker
 from workers.client import Pending, WorkerClient
@@ -303,13 +303,16 @@ class ModelWorker(Worker):
 
     # --- groups ---
     def _store(self, name: str, world: int | None = None, keep: bool = True) -> Any:
-        """The TCPStore of group ``name``: rank 0 hosts it under ``store/<name>``; ``keep``:
-        held as long as this worker lives (else the caller keeps it)."""
+        """The TCPStore of group ``name``: rank 0 hosts it on this worker's interface under
+        ``store/<name>``; its keys lie under the group's secret prefix. ``keep``: held as long
+        as this worker lives (else the caller keeps it)."""
         world = world or self.world_size
         key = names.store(self.exp, self.trial, name)
         timeout = self.model_cfg.group_timeout
-        store = (host_store(self.name_resolve, key, self.host, world, timeout) if self.index == 0
-                 else lookup_store(self.name_resolve, key, world, timeout))
+        prefix = store_prefix(self.codec, name)
+        store = (host_store(self.name_resolve, key, self.host, world, timeout, prefix)
+                 if self.index == 0 else lookup_store(self.name_resolve, key, world, timeout,
+                                                      prefix))
         if keep:
             self._stores.append(store)
         return store

@@ -35,6 +35,7 @@ from system.errors import RpcError
 from system.rpc import StreamPuller
 from workers.master import MasterWorker
 from workers.schema import Task
+from workers.schema_check import group_message_problem
 
 log = logging.getLogger("rl-master")
 
@@ -68,7 +69,8 @@ class RLLoop:
         self.router = Router(self.cluster.n_gen)
         self.source = TaskSource(self.admission, cursor, self.router, rl.group_size,
                                  rl.lease_timeout)
-        self.puller = StreamPuller(master.codec, master.host, master.rpc_cfg.stream_hwm)
+        self.puller = StreamPuller(master.codec, master.host, master.rpc_cfg.stream_hwm,
+                                   validate=group_message_problem)
         master.name_resolve.add(names.stream(master.exp, master.trial, "trajectories"),
                                 self.puller.address, replace=True)
         self.agent = make_agent(rl.agent, self.tok)

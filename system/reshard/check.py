@@ -53,20 +53,25 @@ def reference(spec: ParamSpec, seed: int, dtype: torch.dtype) -> torch.Tensor:
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _rank_main(rank: int, spec: WeightSyncSpec, opts: tuple[int, int | None], nr_root: str,
+def _rank_main(rank: int, spec: WeightSyncSpec, opts: tuple[int, int | None],
+               rendezvous: tuple[str, str],
                seed: int, corrupt_rank: int | None, out: Any) -> None:
     try:
         if rank == corrupt_rank:
             seed += 1  # fault injection: this rank's shards are not the reference's
-        out.put((rank, *_rank_body(rank, spec, opts, nr_root, seed)))
+        out.put((rank, *_rank_body(rank, spec, opts, rendezvous, seed)))
     except Exception as e:  # report, do not hang the parent
         out.put((rank, [f"rank {rank} failed: {type(e).__name__}: {e}"], None))
 
 
-def _rank_body(rank: int, spec: WeightSyncSpec, opts: tuple[int, int | None], nr_root: str,
-               seed: int) -> tuple[list[str], ReshardStats]:
+def _rank_body(rank: int, spec: WeightSyncSpec, opts: tuple[int, int | None],
+               rendezvous: tuple[str, str], seed: int) -> tuple[list[str], ReshardStats]:
+    """``rendezvous``: the name-resolution root where the store is published, and its key
+    prefix."""
     torch.set_num_threads(1)
-    store = lookup_store(FileNameResolve(nr_root, secret=None), STORE_KEY, spec.world_size, 120)
+    nr_root, prefix = rendezvous
+    store = lookup_store(FileNameResolve(nr_root, secret=None), STORE_KEY, spec.world_size,
+                         120, prefix)
     dtype = getattr(torch, spec.dtype)
     executor = spec.executor(rank, store, plan=spec.plan(direct_bytes=opts[0]), lanes=opts[1])
     by_name = {s.name: s for s in spec.specs()}
@@ -103,10 +108,11 @@ def run_check(src: TrainLayout, dst: GenLayout, shape: ModelShape, *, bucket_byt
     spec = WeightSyncSpec(src, dst, shape, DTYPES[dtype], "gloo", "fast", bucket_bytes, 120)
     plan = spec.plan(direct_bytes=direct_bytes)  # validates first
     with tempfile.TemporaryDirectory() as nr_root:  # private (0700): no trial secret needed
+        prefix = os.urandom(16).hex()  # this run's own key prefix (the trial secret's role)
         store = host_store(FileNameResolve(nr_root, secret=None), STORE_KEY, "127.0.0.1",
-                           spec.world_size, timeout)
-        stats = _run_ranks(spec, (direct_bytes, lanes), nr_root, seed, corrupt_rank, threads,
-                           timeout)
+                           spec.world_size, timeout, prefix)
+        stats = _run_ranks(spec, (direct_bytes, lanes), (nr_root, prefix), seed, corrupt_rank,
+                           threads, timeout)
         del store
     bad = [e for errors, _ in stats.values() for e in errors]
     done = [st for _, st in stats.values() if st is not None]
@@ -120,11 +126,11 @@ def run_check(src: TrainLayout, dst: GenLayout, shape: ModelShape, *, bucket_byt
     return bad, figures
 
 
-def _run_ranks(spec: WeightSyncSpec, opts: tuple[int, int | None], nr_root: str, seed: int,
-               corrupt_rank: int | None, threads: bool, timeout: float
-               ) -> dict[int, tuple[list[str], ReshardStats | None]]:
+def _run_ranks(spec: WeightSyncSpec, opts: tuple[int, int | None],
+               rendezvous: tuple[str, str], seed: int, corrupt_rank: int | None, threads: bool,
+               timeout: float) -> dict[int, tuple[list[str], ReshardStats | None]]:
     """One process (or thread) per rank; each rank's mismatches and figures."""
-    args = (spec, opts, nr_root, seed, corrupt_rank)
+    args = (spec, opts, rendezvous, seed, corrupt_rank)
     if threads:
         import queue
 

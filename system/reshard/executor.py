@@ -1,9 +1,10 @@
 """The resharding executor: runs one rank's part of a :class:`~system.reshard.plan.ReshardPlan`.
 
 Process groups are built from one TCPStore (whose address the caller publishes in name
-resolution), one group per distinct broadcast member set and lane, each through its own
-``PrefixStore``, so trainer ranks and vLLM workers (which each have their own default group) can
-share them. Buckets run in the plan's global order with a window of asynchronous broadcasts in
+resolution, and which :mod:`system.rendezvous` hands over already under the group's secret key
+prefix), one group per distinct broadcast member set and lane, each through its own
+``PrefixStore`` below that prefix, so trainer ranks and vLLM workers (which each have their own
+default group) can share them. Buckets run in the plan's global order with a window of asynchronous broadcasts in
 flight: packing the next bucket overlaps the current transfer, and since every rank issues its
 operations in the same global order no collective can wait on another. On gloo, consecutive
 broadcasts among the same ranks alternate between two lanes (their own TCP connections), so one's

@@ -1,17 +1,21 @@
 """Control-plane benchmarks, each measured side by side with its bare baseline in one run.
 
     .venv/bin/python tests/benchmarks/control_plane.py          # or: make bench
+    .venv/bin/python tests/benchmarks/control_plane.py --only rpc,tensor
 
 Prints ``name: value`` lines:
 - rpc_latency_ratio: our request/reply round trip / a bare pyzmq DEALER-ROUTER echo (target <= 1.5)
 - tensor_throughput_ratio: 64 MiB tensor messages through our authenticated stream / bare pyzmq
   PUSH-PULL of the same bytes (target >= 0.6)
+- rpc_latency_ratio_curve, tensor_throughput_ratio_curve: the same with ``rpc.curve`` on
+  (CURVE-encrypted connections), measured in the same rounds as the two above
 - startup_ratio: launch + register + configure 32 smoke workers / 32 bare processes importing the
   same modules (target <= 1.5)
 - name_resolve_{file,redis}_ops_per_s: add+get+delete operations per second
 """
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing as mp
 import os
@@ -22,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any, Callable
 
 import numpy as np
 import zmq
@@ -50,49 +55,54 @@ def _bare_echo_server(q: mp.Queue) -> None:
         sock.send_multipart(frames)
 
 
-def _our_echo_server(q: mp.Queue, secret: bytes) -> None:
+def _our_echo_server(q: mp.Queue, secret: bytes, curve: bool = False) -> None:
     stop = threading.Event()
-    srv = RpcServer(Codec(secret), "127.0.0.1", {"echo": lambda x: x, "quit": stop.set})
+    srv = RpcServer(Codec(secret, curve=curve), "127.0.0.1",
+                    {"echo": lambda x: x, "quit": stop.set})
     q.put(srv.address)
     srv.serve_forever(stop, poll=0.5)
 
 
-def rpc_latency(n: int = 4000) -> tuple[float, float]:
-    """Median round trip of both, with both servers up and calls interleaved one by one, so
-    that whatever else the machine does affects both alike."""
+def rpc_latency(n: int = 4000) -> dict[str, float]:
+    """Median round trip of each (bare, ours, ours with CURVE), with all servers up and calls
+    interleaved one by one, so that whatever else the machine does affects all alike."""
     ctx = mp.get_context("spawn")
-    q_bare, q_ours = ctx.Queue(), ctx.Queue()
-    bare_p = ctx.Process(target=_bare_echo_server, args=(q_bare,))
-    ours_p = ctx.Process(target=_our_echo_server, args=(q_ours, SECRET))
-    bare_p.start()
-    ours_p.start()
+    queues = {k: ctx.Queue() for k in ("bare", "ours", "curve")}
+    procs = [ctx.Process(target=_bare_echo_server, args=(queues["bare"],)),
+             ctx.Process(target=_our_echo_server, args=(queues["ours"], SECRET)),
+             ctx.Process(target=_our_echo_server, args=(queues["curve"], SECRET, True))]
+    for p in procs:
+        p.start()
     dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.connect(q_bare.get())
-    client = RpcClient(Codec(SECRET), q_ours.get(), timeout=10)
+    dealer.connect(queues["bare"].get())
+    clients = {"ours": RpcClient(Codec(SECRET), queues["ours"].get(), timeout=10),
+               "curve": RpcClient(Codec(SECRET, curve=True), queues["curve"].get(), timeout=10)}
     payload = b"\x81\xa1x\x01"  # msgpack {"x": 1}, the same logical payload
 
     def bare() -> None:
         dealer.send_multipart([payload])
         dealer.recv_multipart()
 
-    def ours() -> None:
-        client.call("echo", x={"x": 1})
-
-    samples: dict[str, list[float]] = {"bare": [], "ours": []}
+    calls: dict[str, Callable[[], Any]] = {
+        "bare": bare, "ours": lambda: clients["ours"].call("echo", x={"x": 1}),
+        "curve": lambda: clients["curve"].call("echo", x={"x": 1})}
+    samples: dict[str, list[float]] = {k: [] for k in calls}
+    order = list(calls)
     for i in range(n + 500):
-        for name, call in (("bare", bare), ("ours", ours)) if i % 2 else (("ours", ours),
-                                                                          ("bare", bare)):
+        for name in order[i % 3:] + order[:i % 3]:
             t = time.perf_counter()
-            call()
+            calls[name]()
             if i >= 500:  # warm-up
                 samples[name].append(time.perf_counter() - t)
     dealer.send_multipart([b"quit"])
-    client.submit("quit")
-    bare_p.join()
-    ours_p.join()
+    for c in clients.values():
+        c.submit("quit")
+    for p in procs:
+        p.join()
     dealer.close(0)
-    client.close()
-    return statistics.median(samples["ours"]), statistics.median(samples["bare"])
+    for c in clients.values():
+        c.close()
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 # --- tensor throughput -------------------------------------------------------------------------
@@ -108,8 +118,8 @@ def _bare_pusher(address: str, n: int, nbytes: int) -> None:
     zmq.Context.instance().term()  # wait until zmq has sent (and released) the buffer
 
 
-def _our_pusher(address: str, n: int, nbytes: int, secret: bytes) -> None:
-    pusher = StreamPusher(Codec(secret, 1 << 31), address, hwm=4)
+def _our_pusher(address: str, n: int, nbytes: int, secret: bytes, curve: bool) -> None:
+    pusher = StreamPusher(Codec(secret, 1 << 31, curve=curve), address, hwm=4)
     t = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8).view(np.float32)
     for i in range(n):
         pusher.send({"seq": i, "tensor": t}, timeout=120)
@@ -135,10 +145,10 @@ def _bare_throughput(n: int, nbytes: int) -> float:
     return bps
 
 
-def _our_throughput(n: int, nbytes: int) -> float:
-    puller = StreamPuller(Codec(SECRET, 1 << 31), "127.0.0.1", hwm=4)
+def _our_throughput(n: int, nbytes: int, curve: bool = False) -> float:
+    puller = StreamPuller(Codec(SECRET, 1 << 31, curve=curve), "127.0.0.1", hwm=4)
     p = mp.get_context("spawn").Process(target=_our_pusher,
-                                        args=(puller.address, n, nbytes, SECRET))
+                                        args=(puller.address, n, nbytes, SECRET, curve))
     p.start()
     puller.recv(120)
     t = time.perf_counter()
@@ -152,13 +162,16 @@ def _our_throughput(n: int, nbytes: int) -> float:
     return bps
 
 
-def tensor_throughput(n: int = 16, nbytes: int = 64 * MiB, rounds: int = 3) -> tuple[float, float]:
-    """Median over alternating rounds of bare and ours (bytes per second at the receiver)."""
-    bare, ours = [], []
+def tensor_throughput(n: int = 16, nbytes: int = 64 * MiB, rounds: int = 3
+                      ) -> dict[str, float]:
+    """Median over alternating rounds of bare, ours and ours with CURVE (bytes per second at
+    the receiver)."""
+    out: dict[str, list[float]] = {"bare": [], "ours": [], "curve": []}
     for _ in range(rounds):
-        bare.append(_bare_throughput(n, nbytes))
-        ours.append(_our_throughput(n, nbytes))
-    return statistics.median(ours), statistics.median(bare)
+        out["bare"].append(_bare_throughput(n, nbytes))
+        out["ours"].append(_our_throughput(n, nbytes))
+        out["curve"].append(_our_throughput(n, nbytes, curve=True))
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 # --- startup -----------------------------------------------------------------------------------
@@ -221,33 +234,67 @@ def start_redis() -> tuple[subprocess.Popen, int] | None:
     return proc, port
 
 
-def main() -> None:
-    os.chdir(REPO)
-    ours, bare = rpc_latency()
-    print(f"rpc_latency_us_ours: {ours * 1e6:.1f}")
-    print(f"rpc_latency_us_bare: {bare * 1e6:.1f}")
-    print(f"rpc_latency_ratio: {ours / bare:.2f}")
-    ours, bare = tensor_throughput()
-    print(f"tensor_throughput_GBps_ours: {ours / 1e9:.2f}")
-    print(f"tensor_throughput_GBps_bare: {bare / 1e9:.2f}")
-    print(f"tensor_throughput_ratio: {ours / bare:.2f}")
+def _report_latency() -> None:
+    t = rpc_latency()
+    print(f"rpc_latency_us_ours: {t['ours'] * 1e6:.1f}")
+    print(f"rpc_latency_us_curve: {t['curve'] * 1e6:.1f}")
+    print(f"rpc_latency_us_bare: {t['bare'] * 1e6:.1f}")
+    print(f"rpc_latency_ratio: {t['ours'] / t['bare']:.2f}")
+    print(f"rpc_latency_ratio_curve: {t['curve'] / t['bare']:.2f}")
+
+
+def _report_throughput() -> None:
+    bps = tensor_throughput()
+    print(f"tensor_throughput_GBps_ours: {bps['ours'] / 1e9:.2f}")
+    print(f"tensor_throughput_GBps_curve: {bps['curve'] / 1e9:.2f}")
+    print(f"tensor_throughput_GBps_bare: {bps['bare'] / 1e9:.2f}")
+    print(f"tensor_throughput_ratio: {bps['ours'] / bps['bare']:.2f}")
+    print(f"tensor_throughput_ratio_curve: {bps['curve'] / bps['bare']:.2f}")
+
+
+def _report_startup_and_name_resolve(sections: set[str]) -> None:
     with tempfile.TemporaryDirectory() as root:
-        ours, bare = startup(root)
-        print(f"startup_s_ours_32_workers: {ours:.2f}")
-        print(f"startup_s_bare_32_processes: {bare:.2f}")
-        print(f"startup_ratio: {ours / bare:.2f}")
-        nr = FileNameResolve(os.path.join(root, "nr"), secret=SECRET)  # authenticated, as in a trial
-        print(f"name_resolve_file_ops_per_s: {nr_ops_per_s(nr):.0f}")
+        if "startup" in sections:
+            ours, bare = startup(root)
+            print(f"startup_s_ours_32_workers: {ours:.2f}")
+            print(f"startup_s_bare_32_processes: {bare:.2f}")
+            print(f"startup_ratio: {ours / bare:.2f}")
+        if "name_resolve" in sections:
+            # authenticated, as in a trial
+            nr = FileNameResolve(os.path.join(root, "nr"), secret=SECRET)
+            print(f"name_resolve_file_ops_per_s: {nr_ops_per_s(nr):.0f}")
+    if "name_resolve" not in sections:
+        return
     redis = start_redis()
     if redis is None:
         print("name_resolve_redis_ops_per_s: skipped (no redis-server)")
-    else:
-        proc, port = redis
-        try:
-            print(f"name_resolve_redis_ops_per_s: {nr_ops_per_s(RedisNameResolve('127.0.0.1', port, secret=SECRET)):.0f}")
-        finally:
-            proc.terminate()
-            proc.wait()
+        return
+    proc, port = redis
+    try:
+        nr = RedisNameResolve('127.0.0.1', port, secret=SECRET)
+        print(f"name_resolve_redis_ops_per_s: {nr_ops_per_s(nr):.0f}")
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+SECTIONS = ("rpc", "tensor", "startup", "name_resolve")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(SECTIONS),
+                   help=f"comma-separated sections to run (default: all of {','.join(SECTIONS)})")
+    sections = set(p.parse_args().only.split(","))
+    if sections - set(SECTIONS):
+        p.error(f"unknown sections {sorted(sections - set(SECTIONS))}; valid: {SECTIONS}")
+    os.chdir(REPO)
+    if "rpc" in sections:
+        _report_latency()
+    if "tensor" in sections:
+        _report_throughput()
+    _report_startup_and_name_resolve(sections)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ from system import names
 from system.rpc import RpcClient
 from workers.generation import GenerationClient
 from system.bootstrap import read_secret
-from system.wire import Codec, new_secret
+from system.replay import Sender
+from system.sockets import endpoint
+from system.wire import Channel, Codec, new_secret, recipient_id
 from tests.helpers import (REPO, launch_argv, read_summary, run_launch, trial_name_resolve,
                            trial_processes)
 
@@ -214,13 +216,19 @@ def test_bad_frames_to_live_worker_are_dropped_and_counted(fileroot):
         address = nr.wait(names.worker_address("smoke", "frames", "generation", 0), timeout=60)
         secret = read_secret(os.path.join(fileroot, "smoke", "frames", "secret"))
         codec = Codec(secret, 1 << 20)
+        big = Codec(secret, 1 << 30)
         raw = zmq.Context.instance().socket(zmq.DEALER)
-        raw.connect(address)
+        raw.connect(endpoint(address))
+
+        def request(c: Codec, method: str, **args) -> list:
+            return Sender(c, Channel.REQUEST).seal({"m": method, "a": args},
+                                                   recipient_id(address)).frames
+
         raw.send_multipart([b"\x00"])                                          # truncated
-        raw.send_multipart([b"A" * 32, b"\x93\x01\x02", b"tail"])              # bad tag
-        raw.send_multipart(Codec(new_secret()).encode({"id": 1, "m": "ping"}))  # other secret
-        raw.send_multipart(codec.encode({"id": 2, "m": "echo",                  # oversized
-                                         "a": {"tokens": np.zeros(1 << 18)}}))
+        raw.send_multipart([b"A" * 80, b"\x93\x01\x02", b"tail"])              # bad tag
+        raw.send_multipart(request(Codec(new_secret()), "ping"))               # other secret
+        raw.send_multipart(request(big, "echo", tokens=np.zeros(1 << 16),     # oversized: two
+                                   more=np.zeros(1 << 16)))                    # frames of 0.5 MB
         client = RpcClient(codec, address, timeout=10)
         deadline = time.time() + 10
         while time.time() < deadline:
@@ -228,7 +236,8 @@ def test_bad_frames_to_live_worker_are_dropped_and_counted(fileroot):
             if sum(drops.values()) >= 4:
                 break
             time.sleep(0.1)
-        assert drops == {"malformed": 1, "unauthenticated": 2, "oversized": 1}
+        assert drops == {"malformed": 1, "unauthenticated": 2, "oversized": 1, "replayed": 0,
+                         "misdirected": 0}
         gen = GenerationClient(client, "generation/0")
         assert gen.echo(np.arange(5)).result()["server"] == 0  # still serving
         assert gen.ping().result()["kind"] == "generation"

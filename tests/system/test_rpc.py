@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import zmq
 
-from system.errors import RemoteError, RpcTimeout
+from system.errors import RemoteError, RpcTimeout, WireError
+from system.replay import Receiver, Sender
 from system.rpc import RpcClient, RpcServer, StreamPuller, StreamPusher
-from system.wire import Codec, new_secret
+from system.sockets import bind, endpoint, make_socket
+from system.wire import Channel, Codec, new_secret, recipient_id
 
 
 @pytest.fixture
@@ -76,20 +78,155 @@ def test_many_in_flight(codec, server):
     c.close()
 
 
-def test_raw_garbage_is_dropped_and_counted(codec, server):
-    raw = zmq.Context.instance().socket(zmq.DEALER)
-    raw.connect(server.address)
-    raw.send_multipart([b"garbage"])                               # truncated
-    raw.send_multipart([b"x" * 32, b"not msgpack", b"frame"])      # unauthenticated
-    raw.send_multipart(Codec(new_secret()).encode({"id": 1, "m": "add", "a": {}}))  # wrong key
-    raw.send_multipart(codec.encode({"id": 1, "m": "add", "a": {"x": np.zeros(200_000)}}))
-    raw.send_multipart([bytes(f) for f in codec.encode({"no": "method"})])  # authentic nonsense
-    c = RpcClient(codec, server.address, timeout=5)
+def _raw(kind: int, address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint(address))
+    return sock
+
+
+def _request(codec: Codec, address: str, method: str, **args) -> list:
+    """The frames of a request to ``address``, as a client sends them (and a sniffer sees)."""
+    return [bytes(f) for f in Sender(codec, Channel.REQUEST).seal(
+        {"m": method, "a": args}, recipient_id(address)).frames]
+
+
+def _wait_drops(server, n: int) -> None:
     deadline = time.time() + 5
-    while server.drops.total < 5 and time.time() < deadline:
+    while server.drops.total < n and time.time() < deadline:
         time.sleep(0.02)
+
+
+def test_raw_garbage_is_dropped_and_counted(codec, server):
+    raw = _raw(zmq.DEALER, server.address)
+    big = Codec(codec._secret, 1 << 30)
+    raw.send_multipart([b"garbage"])                               # truncated
+    raw.send_multipart([b"x" * 80, b"not msgpack", b"frame"])      # unauthenticated
+    raw.send_multipart(_request(Codec(new_secret()), server.address, "add"))  # wrong key
+    raw.send_multipart(_request(big, server.address, "add",  # 2 x 0.6 MB: each frame fits
+                                x=np.zeros(75_000), y=np.zeros(75_000)))
+    raw.send_multipart([bytes(f) for f in Sender(codec, Channel.REQUEST).seal(
+        {"no": "method"}, recipient_id(server.address)).frames])  # authentic nonsense
+    c = RpcClient(codec, server.address, timeout=5)
+    _wait_drops(server, 5)
     assert c.call("add", a=1, b=2) == 3   # still serving
-    assert server.drops.as_dict() == {"malformed": 2, "unauthenticated": 2, "oversized": 1}
+    assert server.drops.as_dict() == {"malformed": 2, "unauthenticated": 2, "oversized": 1,
+                                      "replayed": 0, "misdirected": 0}
+    raw.close(0)
+    c.close()
+
+
+def test_replayed_request_is_dropped_by_the_same_and_any_other_server(codec):
+    """A captured request, sent again to its server or to another one, has no effect."""
+    bumps = {"a": 0, "b": 0}
+    servers = {k: RpcServer(codec, "127.0.0.1", {"bump": lambda k=k: bumps.update({k: bumps[k] + 1})
+                                                  or bumps[k]}) for k in bumps}
+    stop = threading.Event()
+    threads = [threading.Thread(target=s.serve_forever, args=(stop, 0.02), daemon=True)
+               for s in servers.values()]
+    for t in threads:
+        t.start()
+    captured = _request(codec, servers["a"].address, "bump")
+    raw_a, raw_b = _raw(zmq.DEALER, servers["a"].address), _raw(zmq.DEALER, servers["b"].address)
+    try:
+        raw_a.send_multipart(captured)
+        assert raw_a.poll(5000) and bumps["a"] == 1          # the original is served
+        raw_a.recv_multipart()
+        raw_a.send_multipart(captured)                       # replayed to its server
+        raw_b.send_multipart(captured)                       # and to another worker
+        _wait_drops(servers["a"], 1)
+        _wait_drops(servers["b"], 1)
+        assert not raw_a.poll(300) and not raw_b.poll(10)    # no reply, no effect
+        assert bumps == {"a": 1, "b": 0}
+        assert servers["a"].drops.replayed == 1 and servers["a"].drops.total == 1
+        assert servers["b"].drops.misdirected == 1 and servers["b"].drops.total == 1
+        c = RpcClient(codec, servers["a"].address, timeout=5)
+        assert c.call("bump") == 2                           # the next real call: +1
+        c.close()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        for s in servers.values():
+            s.close()
+        raw_a.close(0)
+        raw_b.close(0)
+
+
+def test_replayed_reply_is_dropped(codec):
+    """A reply is accepted once, by the client and for the request it answers."""
+    sock = make_socket(codec, zmq.ROUTER)  # a server the test drives by hand
+    address = bind(sock, "127.0.0.1")
+    requests, replies = Receiver(codec, Channel.REQUEST, address), Sender(codec, Channel.REPLY)
+    c = RpcClient(codec, address, timeout=5)
+
+    def serve_one() -> tuple[bytes, list]:
+        ident, *frames = sock.recv_multipart()
+        h = requests.open(frames).header
+        return ident, [bytes(f) for f in replies.seal({"ok": True, "r": h.counter}, h.sender,
+                                                      h.counter).frames]
+
+    try:
+        first = c.submit("x")
+        ident, reply1 = serve_one()
+        sock.send_multipart([ident, *reply1])
+        sock.send_multipart([ident, *reply1])       # the same reply again
+        assert c.result(first) == first
+        second = c.submit("y")
+        ident, reply2 = serve_one()
+        sock.send_multipart([ident, *reply1])       # an old reply, to the new request
+        sock.send_multipart([ident, *reply2])
+        assert c.result(second) == second           # answered by its own reply only
+        assert c.drops.replayed == 2 and c.drops.total == 2
+    finally:
+        c.close()
+        sock.close(0)
+
+
+def test_messages_on_the_wrong_channel_are_dropped(codec, server):
+    puller = StreamPuller(codec, "127.0.0.1")
+    push = _raw(zmq.PUSH, puller.address)
+    ping = _request(codec, puller.address, "add", a=1, b=2)  # a request, pushed into a stream
+    push.send_multipart(ping)
+    stream_msg = [bytes(f) for f in Sender(codec, Channel.STREAM).seal(
+        {"m": "add", "a": {"a": 1, "b": 2}}, recipient_id(server.address)).frames]
+    raw = _raw(zmq.DEALER, server.address)
+    raw.send_multipart(stream_msg)                          # a stream message, as a request
+    assert puller.recv(0.5) is None
+    _wait_drops(server, 1)
+    assert puller.drops.misdirected == 1 and server.drops.misdirected == 1
+    assert not raw.poll(100)
+    for s in (push, raw):
+        s.close(0)
+    puller.close()
+
+
+def test_a_stream_drops_messages_of_the_wrong_schema(codec):
+    def problem(msg) -> str | None:
+        return None if isinstance(msg, dict) and isinstance(msg.get("seq"), int) else "no seq"
+
+    puller = StreamPuller(codec, "127.0.0.1", validate=problem)
+    pusher = StreamPusher(codec, puller.address)
+    for msg in ({"m": "ping"}, [1, 2], {"seq": "1"}, {"seq": 1}):
+        pusher.send(msg)
+    assert puller.recv(5) == {"seq": 1}
+    assert puller.drops.malformed == 3 and puller.drops.total == 3
+    pusher.close()
+    puller.close()
+
+
+def test_frames_over_the_limit_are_cut_by_zeromq(codec, server):
+    """A frame larger than the limit never reaches the handler (ZeroMQ drops the connection
+    when it reads the frame's length); the largest message that fits still passes."""
+    c = RpcClient(codec, server.address, timeout=5)
+    fits = np.ones((1 << 20) - 200, np.uint8)
+    assert c.call("sum", x=fits) == fits.size
+    with pytest.raises(WireError):
+        c.submit("sum", x=np.ones(1 << 20, np.uint8))    # refused by the sender
+    raw = _raw(zmq.DEALER, server.address)
+    raw.send_multipart([b"x" * (3 << 20)])               # over the limit, under 4x the limit
+    time.sleep(0.3)
+    assert c.call("add", a=1, b=1) == 2 and server.drops.total == 0
     raw.close(0)
     c.close()
 
@@ -115,16 +252,16 @@ def test_stream_roundtrip_and_bounded_queue(codec):
 
 def test_stream_drops_bad_messages(codec):
     puller = StreamPuller(codec, "127.0.0.1")
-    raw = zmq.Context.instance().socket(zmq.PUSH)
-    raw.connect(puller.address)
-    raw.send_multipart([b"j" * 40, b"junk"])
+    raw = _raw(zmq.PUSH, puller.address)
+    raw.send_multipart([b"j" * 80, b"junk"])
     good = StreamPusher(codec, puller.address)
     good.send({"ok": 1})
     assert puller.recv(5) == {"ok": 1}
     deadline = time.time() + 5  # the two connections' messages may arrive in either order
     while puller.drops.unauthenticated < 1 and time.time() < deadline:
         puller.recv(0.05)
-    assert puller.drops.as_dict() == {"malformed": 0, "unauthenticated": 1, "oversized": 0}
+    assert puller.drops.as_dict() == {"malformed": 0, "unauthenticated": 1, "oversized": 0,
+                                      "replayed": 0, "misdirected": 0}
     raw.close(0)
     good.close()
     puller.close()
@@ -169,3 +306,39 @@ def test_deferred_replies_do_not_block_other_calls(codec):
         stop.set()
         t.join()
         srv.close()
+
+
+def test_curve_connections_need_the_trial_secret():
+    """With CURVE a peer without the secret cannot complete the handshake: nothing it sends
+    reaches the server (not even to be counted); peers with the secret talk as before."""
+    secret = new_secret()
+    codec = Codec(secret, 1 << 20, curve=True)
+    srv = RpcServer(codec, "127.0.0.1", {"add": lambda a, b: a + b})
+    puller = StreamPuller(codec, "127.0.0.1")
+    stop = threading.Event()
+    t = threading.Thread(target=srv.serve_forever, args=(stop, 0.02), daemon=True)
+    t.start()
+    plain = _raw(zmq.DEALER, srv.address)                         # no CURVE at all
+    for frames in (_request(codec, srv.address, "add", a=1, b=2), [b""] * 100_000):
+        try:  # its connection is cut at the handshake: there may be none to queue on
+            plain.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+    stranger = RpcClient(Codec(new_secret(), 1 << 20, curve=True), srv.address, timeout=0.5)
+    try:
+        with pytest.raises(RpcTimeout):                           # other keys: no handshake
+            stranger.call("add", a=1, b=2)
+        c = RpcClient(codec, srv.address, timeout=5)
+        assert c.call("add", a=2, b=3) == 5 and c.call("add", a=np.ones(3), b=1).sum() == 6
+        pusher = StreamPusher(codec, puller.address)
+        pusher.send({"t": np.arange(5)})
+        assert puller.recv(5)["t"].tolist() == [0, 1, 2, 3, 4]
+        assert srv.drops.total == 0 and srv.served == 2           # the others never got in
+        c.close()
+        pusher.close()
+    finally:
+        stop.set()
+        t.join()
+        for s in (srv, puller, stranger):
+            s.close()
+        plain.close(0)

@@ -2,9 +2,9 @@
 
 Mixed into vLLM's worker with ``LLM(..., worker_extension_cls=
 "workers.engines.vllm_weight_sync.WeightSyncExtension")`` and driven from the engine side with
-``llm.collective_rpc("rlsys_weight_sync_init", args=(spec, replica, store_address))`` and
-``llm.collective_rpc("rlsys_weight_sync_receive")`` (blocking: the trainer ranks run their half
-concurrently).
+``llm.collective_rpc("rlsys_weight_sync_init", args=(spec, replica, store_address, prefix))``
+and ``llm.collective_rpc("rlsys_weight_sync_receive")`` (blocking: the trainer ranks run their
+half concurrently).
 
 Two ways to land the weights:
 
@@ -44,17 +44,19 @@ class _SyncState:
 class WeightSyncExtension:
     """Methods added to vLLM's worker class (``self`` is the vLLM worker)."""
 
-    def rlsys_weight_sync_init(self, spec: dict[str, Any], replica: int, store_address: str
-                               ) -> dict[str, Any]:
+    def rlsys_weight_sync_init(self, spec: dict[str, Any], replica: int, store_address: str,
+                               store_prefix: str) -> dict[str, Any]:
         """Join the weight-update groups as generation replica ``replica``: ``spec`` is a
         :class:`~system.reshard.spec.WeightSyncSpec` on the wire, ``store_address`` the
-        ``host:port`` of the trainer's TCPStore."""
+        ``host:port`` of the trainer's TCPStore and ``store_prefix`` its group's key prefix
+        (:func:`system.rendezvous.store_prefix`: derived from the trial secret, which never
+        reaches vLLM's processes)."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
         sync = WeightSyncSpec.from_wire(spec)
         tp_rank = get_tensor_model_parallel_rank()
         rank = sync.gen_rank(replica, tp_rank)
-        store = join_store(store_address, sync.world_size, sync.timeout)
+        store = join_store(store_address, sync.world_size, sync.timeout, store_prefix)
         device = next(self.model_runner.model.parameters()).device
         self._rlsys_sync = _SyncState(sync, sync.dst_params(tp_rank),
                                       sync.executor(rank, store, device), store,

