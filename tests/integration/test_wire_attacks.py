@@ -28,7 +28,7 @@ from system.replay import Sender
 from system.rpc import RpcClient
 from system.sockets import endpoint
 from system.wire import Channel, Codec, recipient_id
-from tests.helpers import REPO, launch_argv
+from tests.helpers import REPO, launch_argv, trial_name_resolve
 from workers.generation import GenerationClient
 
 TRAJECTORIES = 4 * 2  # 4 rollout workers, 2 each: they finish before the attacks begin
@@ -70,7 +70,7 @@ def _launch(fileroot: str, trial: str, *extra: str, nofile: int | None = None
 
 
 def _connect(fileroot: str, trial: str, proc: subprocess.Popen, curve: bool = False) -> Trial:
-    nr = FileNameResolve(os.path.join(fileroot, ".name_resolve"))
+    nr = trial_name_resolve(fileroot, "smoke", trial)
     workers = ("master/0", "generation/0", "generation/1")
     addresses = {w: nr.wait(names.worker_address("smoke", trial, *w.split("/")), timeout=120)
                  for w in workers}

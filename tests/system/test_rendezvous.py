@@ -26,7 +26,7 @@ def test_prefix_is_secret_and_per_group():
 
 
 def test_store_binds_to_the_interface_and_keys_carry_the_prefix(tmp_path):
-    nr = FileNameResolve(str(tmp_path))
+    nr = FileNameResolve(str(tmp_path), secret=new_secret())
     prefix = store_prefix(Codec(new_secret()), "weights")
     store = host_store(nr, "t/store", "127.0.0.1", 1, 30, prefix)
     host, port = nr.get("t/store").rsplit(":", 1)
@@ -42,7 +42,7 @@ def test_store_binds_to_the_interface_and_keys_carry_the_prefix(tmp_path):
 
 
 def test_a_gloo_group_forms_over_the_prefixed_store(tmp_path):
-    nr = FileNameResolve(str(tmp_path))
+    nr = FileNameResolve(str(tmp_path), secret=new_secret())
     prefix = store_prefix(Codec(new_secret()), "smoke")
     store = host_store(nr, "t/store", "127.0.0.1", 2, 30, prefix)
     out: dict[int, float] = {}
@@ -64,4 +64,4 @@ def test_a_gloo_group_forms_over_the_prefixed_store(tmp_path):
 
 def test_an_unknown_host_fails_clearly(tmp_path):
     with pytest.raises(OSError):
-        host_store(FileNameResolve(str(tmp_path)), "t/store", "no-such-host.invalid", 1, 5, "p")
+        host_store(FileNameResolve(str(tmp_path), secret=new_secret()), "t/store", "no-such-host.invalid", 1, 5, "p")
