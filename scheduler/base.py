@@ -89,6 +89,11 @@ class Scheduler(abc.ABC):
         """Stop every worker of group ``kind`` and forget its jobs (the group may then be
         submitted again, as a recovery does); must leave none of them running or queued."""
 
+    def preempted(self, name: str) -> bool:
+        """Whether worker ``name`` is stopping for a requeue of its job (a scheduler without
+        requeues: never)."""
+        return False
+
     @abc.abstractmethod
     def stop_worker(self, name: str, grace: float) -> None:
         """Stop worker ``name`` (``kind/index``) and forget it, so it may be submitted again

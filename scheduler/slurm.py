@@ -17,7 +17,8 @@ from typing import Sequence
 from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
 from scheduler.requeue import RequeuePolicy
 from scheduler.slurm_config import SlurmConfig
-from scheduler.slurm_render import job_label, job_name, render_worker_script, script_name
+from scheduler.slurm_render import (job_label, job_name, render_worker_script,
+                                    requeue_mark_prefix, script_name)
 from system.errors import SchedulerError
 
 log = logging.getLogger("slurm")
@@ -269,6 +270,18 @@ class SlurmScheduler(Scheduler):
             self._cancel([job_id], grace, f"job {job_id} of {name}")
             self._forget([job_id])
         self._last_poll = 0.0
+
+    def preempted(self, name: str) -> bool:
+        """Whether worker ``name``'s job is marked for a requeue (its worker got SIGUSR2 and
+        stops): until the job is requeued, a heartbeat that expires is the requeue under way,
+        not a death."""
+        kind = name.split("/")[0]
+        for job_id, group in self._jobs.items():
+            if name in self._live(job_id)[0]:
+                logs_dir = os.path.dirname(group.log_paths[0])
+                if os.path.exists(requeue_mark_prefix(logs_dir, kind) + job_id):
+                    return True
+        return False
 
     def _live(self, job_id: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The workers of job ``job_id`` and their logs, but those :meth:`stop_worker` forgot."""

@@ -101,6 +101,12 @@ def umask_text(umask: int) -> str:
     return f"{umask:04o}"
 
 
+def requeue_mark_prefix(logs_dir: str, kind: str) -> str:
+    """Job ``J`` of ``kind`` is marked for a requeue by the file ``<prefix>J``: a worker that got
+    SIGUSR2 creates it, the job's script requeues the job once srun has returned."""
+    return os.path.join(logs_dir, f".requeue-{kind}-")
+
+
 def render_worker_script(*, exp: str, trial: str, group: GroupSpec, slurm: SlurmConfig,
                          workdir: str, umask: int) -> str:
     """The sbatch script of ``group``'s job: its ``srun`` starts ``count`` tasks running
@@ -118,7 +124,7 @@ def render_worker_script(*, exp: str, trial: str, group: GroupSpec, slurm: Slurm
         batch_log=os.path.join(slurm_literal(logs_dir), f"slurm-{kind}-%j.log"),
         task_log=task_log(group),
         signal_seconds=slurm.signal_seconds, requeue=slurm.requeue,
-        requeue_mark=os.path.join(logs_dir, f".requeue-{kind}-"),
+        requeue_mark=requeue_mark_prefix(logs_dir, kind),
         env={**group.env, **g.env}, workdir=workdir, umask=umask_text(umask),
         argv=group.argv, **_inherit(g, slurm))
 

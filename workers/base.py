@@ -157,6 +157,7 @@ class Worker:
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.signalled = signal.Signals(signum).name
         if signum == signal.SIGUSR2:
+            self._requeue_if_preempted()  # now: the controller reads it as "stopping for a requeue"
             try:
                 if self.on_preempt():
                     log.warning("%s got SIGUSR2: stopping once the state is checkpointed",
@@ -168,9 +169,11 @@ class Worker:
         self.stop()
 
     def _requeue_if_preempted(self) -> None:
-        """After SIGUSR2 under Slurm with requeue on, ask for a requeue of the job: create the
-        file its batch script checks once srun has returned (it then runs ``scontrol requeue``;
-        the workers rejoin the trial, and the controller configures and starts them again)."""
+        """On SIGUSR2 under Slurm with requeue on, ask for a requeue of the job: create the file
+        its batch script checks once srun has returned (it then runs ``scontrol requeue``; the
+        workers rejoin the trial, and the controller configures and starts them again). Made at
+        the signal, so that the controller, seeing the heartbeat expire while the worker stops,
+        waits for the requeue instead of judging the worker dead."""
         mark = os.environ.get("RLSYS_REQUEUE_MARK")
         if self.signalled != "SIGUSR2" or not mark:
             return
@@ -341,7 +344,6 @@ class Worker:
                     except Exception:
                         pass
             nr.close()
-            self._requeue_if_preempted()
         return code
 
 

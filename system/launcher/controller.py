@@ -299,7 +299,8 @@ class Controller:
         self.requeue.rejoined([w for w in workers if w in self.requeue.rejoining])
         for k in kinds:
             self.scheduler.stop_group(k, min(self.cfg.scheduler.stop_grace, RESTART_GRACE))
-        clear_worker_keys(self.nr, self.cfg.exp, self.cfg.trial, workers, stateful=bool(set(kinds) & set(self.experiment.stateful)))
+        clear_worker_keys(self.nr, self.cfg.exp, self.cfg.trial, workers,
+                          stateful=bool(set(kinds) & set(self.experiment.stateful)))
         time.sleep(self.recovery.backoff())
         for k in kinds:
             group = group_spec(k, self.groups[k].count, self.paths, self.scheduler.python,
@@ -366,7 +367,8 @@ class Controller:
                 statuses = self._poll(fresh=True)
                 self._note_restarts(statuses)
                 self._check_jobs("before the trial completed", statuses)
-                dead = [w for w in dead if w not in self.requeue.rejoining]
+                dead = [w for w in dead if w not in self.requeue.rejoining
+                        and not (self.scheduler.preempted(w) and self._requeued(w))]
             if dead:
                 raise WorkerFailure(
                     f"worker {', '.join(dead)} stopped heart-beating (no refresh within "

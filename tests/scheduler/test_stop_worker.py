@@ -111,3 +111,26 @@ def test_task_identity_outside_slurm(monkeypatch):
     monkeypatch.setenv("RLSYS_WORKER_BASE", "3")  # only Slurm tasks add it
     monkeypatch.setenv("RLSYS_WORKER_INDEX", "2")
     assert task_identity(None) == (2, 0)
+
+
+def test_a_worker_whose_job_is_marked_for_a_requeue_is_preempted(tmp_path):
+    """A worker that got SIGUSR2 marks its job (the file its script checks once srun returns):
+    the Slurm scheduler reports the worker as stopping for a requeue, until the mark is gone;
+    workers of other jobs, and schedulers without requeues, never."""
+    from scheduler.slurm import SlurmScheduler
+    from scheduler.slurm_config import SlurmConfig
+    from scheduler.slurm_render import requeue_mark_prefix
+
+    paths = TrialPaths(str(tmp_path))
+    os.makedirs(paths.logs)
+    slurm = SlurmScheduler(SlurmConfig(), "e", "t", str(tmp_path), str(tmp_path))
+    gen, roll = group_spec("generation", 2, paths, "py"), group_spec("rollout", 2, paths, "py")
+    slurm._jobs.update({"41": gen, "42": roll})  # as schedule() records them
+    mark = requeue_mark_prefix(paths.logs, "generation") + "41"
+    assert not slurm.preempted("generation/1")
+    open(mark, "w").close()
+    assert slurm.preempted("generation/0") and slurm.preempted("generation/1")
+    assert not slurm.preempted("rollout/0")
+    os.remove(mark)
+    assert not slurm.preempted("generation/1")
+    assert not LocalScheduler().preempted("generation/1")
