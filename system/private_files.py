@@ -101,16 +101,17 @@ def check_private_parent(path: str, what: str) -> None:
                               f"(chmod go-w {parent})")
 
 
-def ensure_owned_dir(path: str, mode: int, what: str) -> str:
+def ensure_owned_dir(path: str, mode: int, what: str, adjust: bool = True) -> str:
     """Create directory ``path`` with ``mode`` if absent (its parents under the umask, existing
-    ones left as they are); refuse one that is a link or another user's; give it ``mode``."""
+    ones left as they are); refuse one that is a link or another user's; give it ``mode``
+    (``adjust=False``: an existing one keeps its own)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
         os.mkdir(path, mode)
     except FileExistsError:
         pass
     st = check_owned_dir(path, what)
-    if stat.S_IMODE(st.st_mode) != mode:
+    if adjust and stat.S_IMODE(st.st_mode) != mode:
         os.chmod(path, mode)
     return path
 
@@ -118,7 +119,18 @@ def ensure_owned_dir(path: str, mode: int, what: str) -> str:
 def ensure_shared_dir(path: str) -> str:
     """A directory every user of a shared file root creates their own entry in: created like
     ``/tmp`` (1777: anyone may add, only an entry's owner may remove or rename it) when absent;
-    an existing one is left as it is."""
+    an existing one is left as it is, unless it is a link, or others may write there without
+    the sticky bit (they could rename a user's entries away) and it is neither ours nor
+    root's (:class:`UnsafeFileError`)."""
+    if os.path.lexists(path):
+        st = os.lstat(path)
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise UnsafeFileError(f"the shared directory {path} is a link or not a directory")
+        if mode & 0o022 and not mode & stat.S_ISVTX and st.st_uid not in (0, os.getuid()):
+            raise UnsafeFileError(f"the shared directory {path} (mode {mode:04o}, uid "
+                                  f"{st.st_uid}) lets others rename your entries away: it "
+                                  "needs the sticky bit (chmod +t), or use a root of your own")
     if not os.path.isdir(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         try:

@@ -35,7 +35,7 @@ def store_prefix(codec: Codec, group: str) -> str:
 
 
 def _listening_socket(host: str) -> tuple[int, int]:
-    """A TCP socket listening on a free port of ``host`` only: ``(fd, port)``; the caller owns
+    """A TCP socket listening on a free port of ``host`` only: ``(port, fd)``; the caller owns
     the descriptor."""
     family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)

@@ -342,6 +342,8 @@ class StreamPuller:
             except DroppedMessage as e:
                 self.drops.count(e.reason)
                 log.debug("stream %s dropped a message: %s", self.address, e)
+                if time.monotonic() >= deadline:  # a flood of bad messages cannot hold us
+                    return None
                 continue
             return msg
 

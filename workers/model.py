@@ -17,6 +17,7 @@ import datetime
 import logging
 import os
 import random
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
@@ -75,6 +76,21 @@ class _WeightSync:
     address: str
     """Where the replica's server was registered when it joined: a server that stops serving
     there died (or was replaced), and a transfer waiting for it is given up."""
+
+
+def _in_daemon_thread(fn: Callable[[], Any], name: str) -> Future:
+    """``fn()`` in a daemon thread of its own; its future. (A ThreadPoolExecutor's threads
+    are joined at interpreter exit, so one stuck in a dead peer's rendezvous would hold the
+    process up until the group's timeout.)"""
+    fut: Future = Future()
+
+    def body() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as e:
+            fut.set_exception(e)
+    threading.Thread(target=body, name=name, daemon=True).start()
+    return fut
 
 
 class ModelWorker(Worker):
@@ -245,14 +261,14 @@ class ModelWorker(Worker):
         (results, why each failed). A replica whose server stops serving at the address it
         joined from is given up at once: a peer that died before connecting is otherwise
         noticed only at the group's timeout (minutes), and the engine thread would wait that
-        long. Its thread is left to end at that timeout."""
-        pool = ThreadPoolExecutor(max(1, len(work)), thread_name_prefix="replica")
-        futures = {r: pool.submit(fn) for r, fn in work.items()}
-        pool.shutdown(wait=False)
+        long. Its thread (a daemon: it never holds up this process's exit) ends at that
+        timeout."""
+        futures = {r: _in_daemon_thread(fn, f"replica-{r}") for r, fn in work.items()}
         done: dict[int, Any] = {}
         failed: dict[int, str] = {}
         while futures:
             wait(futures.values(), timeout=period, return_when=FIRST_COMPLETED)
+            serving = self._serving_generation()  # one read of the registry per round
             for r, f in list(futures.items()):
                 if f.done():
                     try:
@@ -260,10 +276,27 @@ class ModelWorker(Worker):
                     except Exception as e:  # its server died mid-transfer (connection reset)
                         failed[r] = f"{type(e).__name__}: {e}"
                     del futures[r]
-                elif self.serving_at("generation", r) != addresses[r]:
+                elif serving is not None and serving.get(r) != addresses[r]:
                     failed[r] = f"generation server {r} stopped serving during the transfer"
                     del futures[r]
         return done, failed
+
+    def _serving_generation(self) -> dict[int, str] | None:
+        """``{index: address}`` of the generation servers that heart-beat (None: name
+        resolution could not be read this time; nothing is judged on it)."""
+        try:
+            alive = self.alive("generation")
+            found = self.name_resolve.get_subtree(
+                names.worker_addresses(self.exp, self.trial, "generation"))
+        except Exception as e:
+            log.warning("could not read the generation servers' registry: %s", e)
+            return None
+        out = {}
+        for key, address in found.items():
+            index = key.rsplit("/", 1)[1]
+            if index.isdigit() and int(index) in alive:
+                out[int(index)] = address
+        return out
 
     def save_weights(self, directory: str) -> Future:
         """Write the actor as a Hugging Face safetensors checkpoint (rank 0; collective)."""

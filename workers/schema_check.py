@@ -7,6 +7,7 @@ which drops and counts what fails, so the consumer never crashes on a bad messag
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -44,16 +45,23 @@ def trajectory_problem(t: Any) -> str | None:
             return f"{key} is not a 1-d array of kind {kinds}"
         if len(a) != completion:
             return f"{key} has {len(a)} entries for {completion} completion tokens"
-    if "reward" in t and not isinstance(t["reward"], (int, float)):
-        return f"reward is {type(t['reward']).__name__}"
+    reward = t.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+        return f"reward is {type(reward).__name__}, not a number"
+    if not math.isfinite(reward):
+        return f"reward is {reward}"
     return None
 
 
-def group_message_problem(msg: Any) -> str | None:
-    """What is wrong with a :class:`~workers.schema.GroupMessage`, or None."""
+def group_message_problem(msg: Any, group_size: int | None = None) -> str | None:
+    """What is wrong with a :class:`~workers.schema.GroupMessage`, or None; with
+    ``group_size``, a group that did not fail must hold exactly that many trajectories (the
+    advantages are normalised within each group)."""
     problem = _fields_problem(msg, _GROUP_FIELDS)
     if problem:
         return f"group message: {problem}"
+    if group_size is not None and not msg["failed"] and len(msg["trajs"]) != group_size:
+        return f"group message: {len(msg['trajs'])} trajectories, not {group_size}"
     for i, t in enumerate(msg["trajs"]):
         problem = trajectory_problem(t)
         if problem:

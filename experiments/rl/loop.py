@@ -10,6 +10,7 @@ batch is generated, then trained.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -70,7 +71,8 @@ class RLLoop:
         self.source = TaskSource(self.admission, cursor, self.router, rl.group_size,
                                  rl.lease_timeout)
         self.puller = StreamPuller(master.codec, master.host, master.rpc_cfg.stream_hwm,
-                                   validate=group_message_problem)
+                                   validate=functools.partial(group_message_problem,
+                                                            group_size=rl.group_size))
         master.name_resolve.add(names.stream(master.exp, master.trial, "trajectories"),
                                 self.puller.address, replace=True)
         self.agent = make_agent(rl.agent, self.tok)

@@ -82,7 +82,8 @@ def make_trial_dir(cfg: ExperimentConfig, paths: TrialPaths) -> None:
     """Create the trial directory with its mode (parents under the umask; existing ones keep
     theirs); refuse one that is a link or another user's
     (:class:`~system.errors.UnsafeFileError`)."""
-    ensure_owned_dir(paths.root, dir_mode(cfg.cluster.group_readable), "the trial directory")
+    ensure_owned_dir(paths.root, dir_mode(cfg.cluster.group_readable), "the trial directory",
+                     adjust=False)  # its mode is set once the lock is held
 
 
 def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: str,
@@ -93,7 +94,8 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
     paths = TrialPaths.of(cfg.cluster.fileroot, cfg.exp, cfg.trial)
     make_trial_dir(cfg, paths)
     lock = TrialLock.acquire(paths.lock, f"{cfg.exp}/{cfg.trial}")
-    try:
+    try:  # a second launch is refused above before it changes anything
+        os.chmod(paths.root, dir_mode(cfg.cluster.group_readable))
         check_existing(cfg, paths, dry_run)
         os.makedirs(paths.logs, exist_ok=True)
         mode = file_mode(cfg.cluster.group_readable)

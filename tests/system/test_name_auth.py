@@ -87,6 +87,25 @@ def test_file_entries_are_private(tmp_path):
 
 
 @as_root
+def test_a_shared_root_others_could_rename_entries_in_is_refused(tmp_path):
+    """Another user's shared root without the sticky bit (they could move a user's entries
+    away), or a link in its place, is refused; a sticky one, or one of ours, is used."""
+    from system.errors import UnsafeFileError
+
+    root = tmp_path / "nr"
+    root.mkdir(mode=0o777)
+    os.chmod(root, 0o777)
+    os.chown(root, OTHER_UID, OTHER_UID)
+    with pytest.raises(UnsafeFileError, match="sticky bit"):
+        FileNameResolve(str(root), secret=SECRET)
+    os.chmod(root, 0o1777)
+    FileNameResolve(str(root), secret=SECRET).close()
+    os.symlink(root, tmp_path / "link")
+    with pytest.raises(UnsafeFileError, match="link"):
+        FileNameResolve(str(tmp_path / "link"), secret=SECRET)
+
+
+@as_root
 def test_users_have_separate_file_namespaces(tmp_path):
     """Another user runs the same exp/trial under the same root: neither sees nor deletes the
     other's keys."""

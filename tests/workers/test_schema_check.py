@@ -37,9 +37,19 @@ def test_a_good_group_passes():
     _group(trajs=[{**_traj(), "logprobs": np.zeros(4, np.int64)}]),
     _group(trajs=[{k: v for k, v in _traj().items() if k != "versions"}]),
     _group(trajs=[{**_traj(), "reward": "high"}]),
+    _group(trajs=[{k: v for k, v in _traj().items() if k != "reward"}]),
+    _group(trajs=[{**_traj(), "reward": float("nan")}]),
+    _group(trajs=[{**_traj(), "reward": True}]),
 ])
 def test_a_bad_group_is_named(bad):
     assert isinstance(group_message_problem(bad), str)
+
+
+def test_a_group_of_the_wrong_size_is_named_unless_it_failed():
+    assert group_message_problem(_group(), group_size=2) is None
+    assert "3 trajectories, not 2" in group_message_problem(
+        _group(trajs=[_traj(), _traj(), _traj()]), group_size=2)
+    assert group_message_problem(_group(trajs=[], failed=True, error="x"), group_size=2) is None
 
 
 def test_the_master_stream_drops_bad_groups():

@@ -222,6 +222,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self.handle_one_request()
         except HeadersTooLarge:
+            # a request line past the cap leaves the parsed fields unset (as for 414)
+            self.requestline = getattr(self, "requestline", "")
+            self.request_version = getattr(self, "request_version", "HTTP/1.0")
+            self.command = getattr(self, "command", "")
             self.send_error(431, f"request line and headers exceed {MAX_HEADER_BYTES} bytes")
         finally:
             self.server.reaper.unwatch(self.deadline)

@@ -242,6 +242,9 @@ def test_an_oversized_body_is_refused_unread(engine, client, served):
     with client.connect() as s:  # the stdlib's own errors are JSON too
         s.sendall(b"GET /v1/models HTTP/1.1\r\nX-Big: " + b"a" * (40 << 10) + b"\r\n\r\n")
         assert _answer(s)[0] == 431
+    with client.connect() as s:  # the request line itself past the cap
+        s.sendall(b"GET /" + b"a" * (40 << 10) + b" HTTP/1.1\r\n\r\n")
+        assert _answer(s)[0] == 431
     with client.connect() as s:
         s.sendall(b"GARBAGE\r\n\r\n")
         assert _answer(s)[0] == 400
