@@ -4,6 +4,8 @@ run of the same experiment, measured in one run.
     .venv/bin/python tests/benchmarks/chaos.py                     # or: make bench
     .venv/bin/python tests/benchmarks/chaos.py --steps 40 --kills rollout:8,generation:16,model:24,master:32
 
+The default is the default run (arith-tiny's 160 steps) with one kill of each kind.
+
 Prints ``name: value`` lines:
 - recovered: 1 when the run with kills completed (exit 0) at the same step count
 - steps_lost: steps trained again after the recoveries (from summary.json's ``recoveries``)
@@ -116,8 +118,8 @@ def loop_seconds(seen: dict[int, float]) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--kills", default="rollout:10,generation:20,model:30,master:40",
+    p.add_argument("--steps", type=int, default=160)
+    p.add_argument("--kills", default="rollout:30,generation:60,model:90,master:120",
                    help="KIND:STEP,... (one SIGKILL each once the step was trained)")
     p.add_argument("--prompts", type=int, default=256,
                    help="rl.task.train_size (small enough that epochs complete)")
