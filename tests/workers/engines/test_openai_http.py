@@ -18,7 +18,7 @@ import pytest
 
 from system.api_key import write_api_key
 from system.errors import ConfigError
-from system.wire import new_secret
+from tests.helpers import write_secret_file
 from workers.engines.vllm_server import GenerationEngine, Sampling, VllmConfig
 
 PROMPT = [1, 5, 9, 17, 33]
@@ -32,7 +32,7 @@ def _generation_server(trial_dir: Any, worker: dict[str, Any]) -> Any:
     from system.bootstrap import Bootstrap
     from workers.generation import GenerationServer
 
-    (trial_dir / "secret").write_bytes(new_secret())
+    write_secret_file(str(trial_dir))  # 0600: a worker refuses a secret others can read
     boot = Bootstrap(exp="gen", trial="http", experiment="smoke", trial_dir=str(trial_dir),
                      interface="127.0.0.1", scheduler="local", name_resolve={"type": "file"},
                      name_resolve_root=str(trial_dir / "nr"), rpc={}, heartbeat_ttl=5.0)
