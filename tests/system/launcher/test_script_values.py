@@ -75,6 +75,15 @@ def test_trial_names_are_matched_whole(trial):
         build_config("smoke", trial, [])
 
 
+@pytest.mark.parametrize("trial", ["a${smoke.crash}", "t${HOME}"])
+def test_a_trial_name_is_checked_before_the_config_parser_sees_it(trial):
+    """Found by tests/fuzzing: OmegaConf resolved ``${...}`` in the trial name before it was
+    checked, so ``trial=a${smoke.crash}`` ran as trial ``a`` (and ``${HOME}``'s error named no
+    key)."""
+    with pytest.raises(ConfigError, match=re.escape(f"trial={trial!r} is not a valid name")):
+        build_config("smoke", trial, [])
+
+
 def test_experiment_names_are_matched_whole():
     with pytest.raises(ConfigError, match="unknown experiment"):
         build_config("smoke\n", "t1", [])
