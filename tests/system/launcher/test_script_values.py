@@ -146,3 +146,18 @@ def test_no_package_imports_code_by_name():
                         found += [f"{dirpath}/{name}: {m.group(0)}"
                                   for m in bad.finditer(f.read())]
     assert found == []
+
+
+@pytest.mark.parametrize("trial, override, key", [
+    ("my-hetjob", "scheduler=slurm", "trial"),
+    ("t1", "cluster.fileroot=/data/PackJob-runs", "cluster.fileroot"),
+])
+def test_a_trial_or_file_root_that_sbatch_would_blank_is_refused_naming_it(trial, override,
+                                                                          key):
+    """Found by tests/fuzzing: both reach ``#SBATCH`` lines (job names, log paths), where sbatch
+    removes 'hetjob' and 'packjob'; rendering refused them with an error that named no key."""
+    with pytest.raises(ConfigError) as e:
+        build_config("smoke", trial, ["scheduler=slurm", override])
+    assert str(e.value).startswith(f"{key}=") and "hetjob" in str(e.value), str(e.value)
+    local = [] if override == "scheduler=slurm" else [override]
+    build_config("smoke", trial, local)  # the local scheduler writes no #SBATCH line
