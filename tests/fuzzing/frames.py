@@ -122,10 +122,12 @@ def bitflip(rng: random.Random, f: Forger) -> Bad:
     """A legitimate message with 1 to 8 bits flipped anywhere (header, tag, body, tensors)."""
     frames = [bytearray(x) for x in _legit(rng, f)]
     flips = rng.randint(1, 8)
-    for _ in range(flips):
+    bits: set[tuple[int, int, int]] = set()  # distinct: two flips of one bit would cancel
+    while len(bits) < flips:
         i = rng.choice([j for j, x in enumerate(frames) if x])
-        k = rng.randrange(len(frames[i]))
-        frames[i][k] ^= 1 << rng.randrange(8)
+        bits.add((i, rng.randrange(len(frames[i])), rng.randrange(8)))
+    for i, k, b in bits:
+        frames[i][k] ^= 1 << b
     out = [bytes(x) for x in frames]
     return Bad(out, f.expected(out), f"{flips} bits flipped")
 
