@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -107,6 +108,10 @@ def main() -> int:
         trial.close()
         stop(trial.proc)  # only if something above failed before it completed
     print(f"seconds: {time.monotonic() - t0:.0f}")
+    if ok:
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        print(f"kept for a look: {root}")
     return 0 if ok else 1
 
 
