@@ -18,6 +18,7 @@ bench: setup
 	$(PY) tests/benchmarks/reshard.py
 	$(PY) tests/benchmarks/rl.py
 	$(PY) tests/benchmarks/chaos.py
+	$(PY) tests/benchmarks/fuzz.py
 
 # GPU checks of the torch engine on cuda:0 (exit 2: no CUDA device here)
 .PHONY: gpu-check

@@ -1,6 +1,8 @@
 """Build the scheduler a config names."""
 from __future__ import annotations
 
+import os
+
 from scheduler.base import Scheduler
 from scheduler.config import SchedulerConfig, SchedulerKind
 from system.paths import PROJECT_ROOT
@@ -13,8 +15,10 @@ def make_scheduler(sched: SchedulerConfig, exp: str, trial: str, trial_dir: str,
     if sched.type == SchedulerKind.SLURM:
         from scheduler.slurm import SlurmScheduler
 
+        # absolute: the job's scripts start where sbatch ran (here), and `cd -x` or `cd -`
+        # would read a relative directory that starts with '-' as an option
         return SlurmScheduler(sched.slurm, exp, trial, trial_dir,
-                              sched.slurm.workdir or PROJECT_ROOT, umask)
+                              os.path.abspath(sched.slurm.workdir or PROJECT_ROOT), umask)
     from scheduler.local import LocalScheduler
 
     return LocalScheduler()

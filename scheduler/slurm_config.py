@@ -146,7 +146,8 @@ class SlurmConfig:
     python: str = ""
     """Python executable on the compute nodes (empty: the launcher's own)."""
     workdir: str = ""
-    """Directory the workers start in (empty: this project's root)."""
+    """Directory the workers start in (empty: this project's root; a relative one is taken
+    from where the launcher runs, as sbatch would)."""
     master: SlurmGroupConfig = dataclasses.field(default_factory=SlurmGroupConfig)
     """The master worker's job."""
     model: SlurmGroupConfig = dataclasses.field(default_factory=SlurmGroupConfig)

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from experiments.catalog import all_experiments, get_experiment
 from experiments.registry import Experiment
 from scheduler.registry import make_scheduler
+from system.checks import check_name
 from system.launcher.config import ExperimentConfig
 from system.launcher.controller import Controller
 from system.errors import ConfigError, RLSystemError
@@ -50,6 +51,7 @@ def help_text(exp: str = "") -> str:
 
 
 def build_config(exp: str, trial: str, overrides: list[str]) -> ExperimentConfig:
+    check_name("trial", trial)  # before OmegaConf, which would resolve a '${...}' in it
     base = get_experiment(exp).make_config()
     base.exp, base.trial = exp, trial
     return apply_overrides(base, overrides)

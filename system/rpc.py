@@ -95,7 +95,9 @@ class Reply(TypedDict, total=False):
 def _request(payload: Any) -> Request:
     if not isinstance(payload, dict) or not isinstance(payload.get("m"), str):
         raise DroppedMessage("malformed", "request is not {m, a}")
-    args = payload.get("a") or {}
+    # not `.get("a") or {}`: an array has no truth value (the serving thread died on one), and
+    # 0, "", [] or None are no map of arguments either
+    args = payload.get("a")
     if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
         raise DroppedMessage("malformed", "request args are not a map of names")
     return {"m": payload["m"], "a": args}

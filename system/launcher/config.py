@@ -10,7 +10,7 @@ import dataclasses
 import enum
 
 from scheduler.config import SchedulerConfig, SchedulerKind
-from scheduler.script_text import PATH_REFUSED, slurm_path_problem
+from scheduler.script_text import PATH_REFUSED, check_sbatch_text, slurm_path_problem
 from system.checks import check_line, check_name
 from system.errors import ConfigError
 from system.name_resolve import NameResolveConfig
@@ -146,6 +146,9 @@ class ExperimentConfig:
         if self.scheduler.type == SchedulerKind.SLURM and problem:
             raise ConfigError(f"cluster.fileroot={self.cluster.fileroot!r} contains {problem}; "
                               f"valid with scheduler=slurm: a path without {PATH_REFUSED}")
+        if self.scheduler.type == SchedulerKind.SLURM:  # job names and log paths: #SBATCH lines
+            check_sbatch_text("trial", self.trial)
+            check_sbatch_text("cluster.fileroot", self.cluster.fileroot)
 
     def recovery(self) -> RecoverConfig | None:
         """The trial's recovery settings; None for experiments without checkpoints."""

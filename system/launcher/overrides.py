@@ -100,6 +100,10 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
             node_conf = OmegaConf.select(conf, key)
             if node_conf is not None:  # replace, do not merge, a list or map
                 OmegaConf.update(conf, key, expected(), merge=False)
+        problem = _not_literal(value)
+        if problem:
+            raise ConfigError(f"{key}={raw!r} {problem}; valid: a value without '${{' (a "
+                              "shell variable: $NAME) that is not '???'")
         try:
             OmegaConf.update(conf, key, value, merge=True)
         except OmegaConfBaseException as e:
@@ -114,6 +118,21 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
         raise ConfigError(_with_key(conf, str(e))) from None
     except (ValueError, TypeError, OmegaConfBaseException) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def _not_literal(value: Any) -> str | None:
+    """Why OmegaConf would not keep ``value`` as it is given, or None: ``${`` starts an
+    interpolation (it would be replaced by another key's value or an environment variable, and
+    ``\\${`` by a literal ``${``) and ``???`` marks a missing value. Overrides are literal."""
+    if isinstance(value, str):
+        if "${" in value:
+            return "contains '${', which the config parser reads as an interpolation"
+        return "is '???', the config parser's marker of a missing value" if value == "???" \
+            else None
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+    if isinstance(items, list):
+        return next((p for p in map(_not_literal, items) if p), None)
+    return None
 
 
 def _failing_section(conf: DictConfig, path: str = "") -> tuple[str, type] | None:

@@ -293,3 +293,23 @@ def test_no_filter_lets_a_control_character_through(bad):
             f([bad] if f is FILTERS["shjoin"] else bad)
     with pytest.raises(ConfigError, match="control character"):
         sbatch_quote(bad)
+
+
+@pytest.mark.parametrize("workdir", ["-x", "-", "--", "-P a"])
+def test_a_relative_workdir_starting_with_a_dash_is_entered(tmp_path, monkeypatch, workdir):
+    """Found by tests/fuzzing: the scripts ran ``cd -x`` (an invalid option: the workers
+    started in the submit directory), ``cd -`` (the previous directory) or ``cd --`` (home).
+    The directory is now made absolute from where the launcher runs, as sbatch starts the
+    job there."""
+    from scheduler.registry import make_scheduler
+    from system.launch import build_config
+
+    tmp = str(tmp_path)
+    os.makedirs(os.path.join(tmp, workdir))
+    monkeypatch.chdir(tmp)
+    cfg = build_config("smoke", "t1", ["scheduler=slurm", f"scheduler.slurm.workdir={workdir}"])
+    paths = TrialPaths(os.path.join(tmp, "runs", "smoke", "t1"))
+    scheduler = make_scheduler(cfg.scheduler, "smoke", "t1", paths.root)
+    got = run_script(scheduler.plan(group_spec("master", 1, paths, "python")).materialize(), tmp)
+    pwd = dict(e.split("=", 1) for e in got["srun.env"])["PWD"]
+    assert pwd == os.path.join(tmp, workdir)

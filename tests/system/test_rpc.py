@@ -116,6 +116,24 @@ def test_raw_garbage_is_dropped_and_counted(codec, server):
     c.close()
 
 
+@pytest.mark.parametrize("args", [np.arange(3), np.zeros(1), 0, "", [], None, "missing"])
+def test_authentic_requests_whose_args_are_no_map_are_dropped(codec, server, args):
+    """Found by tests/fuzzing: ``a`` was read as ``payload.get("a") or {}``, so an array of
+    several elements raised out of the serving loop (the worker stopped answering), and 0, "",
+    [], None, a falsy array or no ``a`` at all called the method with no arguments."""
+    payload = {"m": "add"} if isinstance(args, str) and args == "missing" else {"m": "add",
+                                                                              "a": args}
+    raw = _raw(zmq.DEALER, server.address)
+    raw.send_multipart([bytes(f) for f in Sender(codec, Channel.REQUEST).seal(
+        payload, recipient_id(server.address)).frames])
+    _wait_drops(server, 1)
+    assert server.drops.malformed == 1 and not raw.poll(100)  # counted, and no reply
+    c = RpcClient(codec, server.address, timeout=5)
+    assert c.call("add", a=1, b=2) == 3  # still serving
+    raw.close(0)
+    c.close()
+
+
 def test_replayed_request_is_dropped_by_the_same_and_any_other_server(codec):
     """A captured request, sent again to its server or to another one, has no effect."""
     bumps = {"a": 0, "b": 0}

@@ -70,3 +70,27 @@ def test_cli_requires_exp_and_trial():
         parse_cli(["exp=smoke", "trial=t", "--dryrun"])
     with pytest.raises(ConfigError, match="key=value"):
         parse_cli(["exp=smoke", "trial=t", "rollout.count"])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("scheduler.slurm.partition=${cluster.fileroot}", "scheduler.slurm.partition"),
+    ("scheduler.slurm.model.account=${oc.env:HOME}", "scheduler.slurm.model.account"),
+    ("scheduler.slurm.model.qos=a\\${x}", "scheduler.slurm.model.qos"),
+    ("scheduler.slurm.master.mem=${HOME}", "scheduler.slurm.master.mem"),
+    ('scheduler.slurm.model.setup=["export P=${HOME}/bin"]', "scheduler.slurm.model.setup"),
+    ("scheduler.slurm.rollout.env={A: '${oc.env:RLSYS_REDIS_PASSWORD}'}",
+     "scheduler.slurm.rollout.env"),
+    ("rollout.count=${generation.count}", "rollout.count"),
+    ("scheduler.slurm.controller.exclude=???", "scheduler.slurm.controller.exclude"),
+])
+def test_override_values_are_literal(override, key):
+    """Found by tests/fuzzing: OmegaConf resolved ``${...}`` in an override (another key's value,
+    an environment variable: the value written into config.yaml and job scripts was not the one
+    given), turned ``\\${x}`` into ``${x}``, and read ``???`` as missing; the errors for an
+    unknown interpolation or ``???`` did not name the key. Now each is refused, naming it."""
+    with pytest.raises(ConfigError) as e:
+        build_config("smoke", "t", [override])
+    assert str(e.value).startswith(f"{key}="), str(e.value)
+    assert "valid: a value without '${'" in str(e.value)
+    assert build_config("smoke", "t", ["scheduler.slurm.partition=$HOME{a}??"]
+                        ).scheduler.slurm.partition == "$HOME{a}??"

@@ -75,6 +75,15 @@ def test_trial_names_are_matched_whole(trial):
         build_config("smoke", trial, [])
 
 
+@pytest.mark.parametrize("trial", ["a${smoke.crash}", "t${HOME}"])
+def test_a_trial_name_is_checked_before_the_config_parser_sees_it(trial):
+    """Found by tests/fuzzing: OmegaConf resolved ``${...}`` in the trial name before it was
+    checked, so ``trial=a${smoke.crash}`` ran as trial ``a`` (and ``${HOME}``'s error named no
+    key)."""
+    with pytest.raises(ConfigError, match=re.escape(f"trial={trial!r} is not a valid name")):
+        build_config("smoke", trial, [])
+
+
 def test_experiment_names_are_matched_whole():
     with pytest.raises(ConfigError, match="unknown experiment"):
         build_config("smoke\n", "t1", [])
@@ -137,3 +146,18 @@ def test_no_package_imports_code_by_name():
                         found += [f"{dirpath}/{name}: {m.group(0)}"
                                   for m in bad.finditer(f.read())]
     assert found == []
+
+
+@pytest.mark.parametrize("trial, override, key", [
+    ("my-hetjob", "scheduler=slurm", "trial"),
+    ("t1", "cluster.fileroot=/data/PackJob-runs", "cluster.fileroot"),
+])
+def test_a_trial_or_file_root_that_sbatch_would_blank_is_refused_naming_it(trial, override,
+                                                                          key):
+    """Found by tests/fuzzing: both reach ``#SBATCH`` lines (job names, log paths), where sbatch
+    removes 'hetjob' and 'packjob'; rendering refused them with an error that named no key."""
+    with pytest.raises(ConfigError) as e:
+        build_config("smoke", trial, ["scheduler=slurm", override])
+    assert str(e.value).startswith(f"{key}=") and "hetjob" in str(e.value), str(e.value)
+    local = [] if override == "scheduler=slurm" else [override]
+    build_config("smoke", trial, local)  # the local scheduler writes no #SBATCH line

@@ -18,36 +18,12 @@ import pytest
 
 from system.api_key import write_api_key
 from system.errors import ConfigError
-from system.wire import new_secret
+from tests.helpers import generation_server, word_tokenizer
 from workers.engines.vllm_server import GenerationEngine, Sampling, VllmConfig
 
 PROMPT = [1, 5, 9, 17, 33]
 LIMITS = {"http_max_connections": 4, "http_max_queued": 4, "http_read_timeout": 2.0,
           "http_max_body_bytes": 64 << 10, "http_max_n": 8, "http_request_timeout": 120.0}
-
-
-def _generation_server(trial_dir: Any, worker: dict[str, Any]) -> Any:
-    """A generation server of a trial in ``trial_dir`` (secret and bootstrap as the launcher
-    writes them), configured with ``worker`` (the ``generation`` section)."""
-    from system.bootstrap import Bootstrap
-    from workers.generation import GenerationServer
-
-    (trial_dir / "secret").write_bytes(new_secret())
-    boot = Bootstrap(exp="gen", trial="http", experiment="smoke", trial_dir=str(trial_dir),
-                     interface="127.0.0.1", scheduler="local", name_resolve={"type": "file"},
-                     name_resolve_root=str(trial_dir / "nr"), rpc={}, heartbeat_ttl=5.0)
-    server = GenerationServer(boot, 0)
-    server.on_configure({"worker": worker, "experiment": {}, "counts": {}, "recover": "off"})
-    return server
-
-
-def _tokenizer() -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0")
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +38,9 @@ def served(engine, tmp_path_factory):
     """``(server, key)``: a generation server's endpoint on the module's engine."""
     trial_dir = tmp_path_factory.mktemp("trial")
     key = write_api_key(str(trial_dir / "api_key"))
-    server = _generation_server(trial_dir, dict(LIMITS))
+    server = generation_server(str(trial_dir), dict(LIMITS))
     server.engine = engine
-    http = server.serve_http(_tokenizer(), "tiny")
+    http = server.serve_http(word_tokenizer(), "tiny")
     assert http is not None
     yield http, key
     http.close()
@@ -348,14 +324,14 @@ def test_the_endpoint_can_be_switched_off_and_needs_its_key(tmp_path):
     from system import names
     from system.name_resolve import NameEntryNotFound
 
-    server = _generation_server(tmp_path, {"http": False})
+    server = generation_server(str(tmp_path), {"http": False})
     try:
-        assert server.serve_http(_tokenizer(), "tiny") is None and server.http is None
+        assert server.serve_http(word_tokenizer(), "tiny") is None and server.http is None
         with pytest.raises(NameEntryNotFound):
             server.name_resolve.get(names.http_address("gen", "http", 0))
         server.gen_cfg.http = True
         with pytest.raises(ConfigError, match="api_key"):
-            server.serve_http(_tokenizer(), "tiny")
+            server.serve_http(word_tokenizer(), "tiny")
     finally:
         server.server.close()
     from workers.generation import GenerationServerConfig
