@@ -46,7 +46,7 @@ class FdWatch:
     the soft limit is in use, ``"exhausted"`` once none has been free for ``grace`` seconds,
     else ``None``; :attr:`detail` says how many are open."""
 
-    def __init__(self, grace: float = 3.0, warn_fraction: float = 0.9) -> None:
+    def __init__(self, grace: float = 1.0, warn_fraction: float = 0.9) -> None:
         self.grace = grace
         self.warn_fraction = warn_fraction
         self.detail = ""

@@ -232,7 +232,7 @@ class Worker:
             logging.shutdown()
             os._exit(3)
 
-    def _watch_fds(self, serve: threading.Thread, period: float = 1.0) -> None:
+    def _watch_fds(self, serve: threading.Thread, period: float = 0.25) -> None:
         """Warn when file descriptors run short; fail the worker, saying why, once none has
         been free for a few seconds (a flood of connections): it could not refresh its
         heartbeat, open a file or accept a call, and would otherwise just go silent."""
@@ -253,9 +253,9 @@ class Worker:
         log.error(message)
         self.state = WorkerState.FAILED
         self._serve_stop.set()
-        serve.join(timeout=5)
+        serve.join(timeout=1)  # quickly: the heartbeat has not been refreshed since
         self.server.close()  # closes every connection to it: descriptors to report with
-        time.sleep(0.5)
+        time.sleep(0.2)
         self._report_failure(FdExhausted(message), "")
         logging.shutdown()
         os._exit(4)

@@ -38,6 +38,7 @@ from workers.kinds import KINDS, client_for
 log = logging.getLogger("controller")
 
 RESTART_GRACE = 1.0
+REPORT_GRACE = 1.0  # for a worker whose heartbeat expired to say why (out of descriptors, say)
 """Seconds a recovery gives the stateful workers it stops before SIGKILL (their state is
 abandoned for the checkpoint's)."""
 
@@ -181,6 +182,13 @@ class Controller:
             self.nr.get_subtree(names.worker_errors(self.cfg.exp, self.cfg.trial)), self.logs)
         if failure is not None:
             raise failure
+
+    def _await_report(self, seconds: float) -> None:
+        """Raise a worker's own report of its failure if one arrives within ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self._check_reported_errors()
+            time.sleep(0.1)
 
     def _wait_registered(self, expected: set[str] | None = None) -> None:
         """Until every worker (or every one of ``expected``) registered its address."""
@@ -370,6 +378,7 @@ class Controller:
                 dead = [w for w in dead if w not in self.requeue.rejoining
                         and not (self.scheduler.preempted(w) and self._requeued(w))]
             if dead:
+                self._await_report(REPORT_GRACE)  # a worker that says why is named with it
                 raise WorkerFailure(
                     f"worker {', '.join(dead)} stopped heart-beating (no refresh within "
                     f"{cc.heartbeat_ttl:.1f}s); log: {self.logs[dead[0]]}", dead[0],
