@@ -91,8 +91,10 @@ def _launch_signalling(fileroot: str, trial: str, args: list[str],
                        schedule: list[tuple[int, str, int | None, int]], timeout: float = 500
                        ) -> tuple[int, str]:
     """Launch arith-tiny trial ``trial``; send each ``(step, kind, index, signal)`` of
-    ``schedule``, in order, once that step was trained and the worker (``index`` None: any of
-    its kind) runs. Returns the launcher's exit code and stderr."""
+    ``schedule``, in order, once that step was trained, two steps were trained since the
+    previous signal (steps can be faster than this poll: two signals must not land together)
+    and the worker (``index`` None: any of its kind) runs. Returns the launcher's exit code and
+    stderr."""
     import subprocess
     import time
 
@@ -103,6 +105,7 @@ def _launch_signalling(fileroot: str, trial: str, args: list[str],
                                         f"cluster.fileroot={fileroot}", *args),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     todo = list(schedule)
+    sent_at = -2
     try:
         deadline = time.time() + timeout
         while todo and time.time() < deadline and proc.poll() is None:
@@ -110,9 +113,10 @@ def _launch_signalling(fileroot: str, trial: str, args: list[str],
             steps = [r["step"] for r in _metrics(root)] if os.path.exists(
                 os.path.join(root, "metrics.jsonl")) else []
             pid = _pid_of(root, kind, index)
-            if steps and max(steps) >= step and pid:
+            if steps and max(steps) >= max(step, sent_at + 2) and pid:
                 os.kill(pid, sig)
                 todo.pop(0)
+                sent_at = max(steps)
             time.sleep(0.2)
         _, err = proc.communicate(timeout=timeout)
     finally:

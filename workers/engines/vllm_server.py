@@ -251,13 +251,15 @@ class GenerationEngine:
                 self._cv.wait()
             if self._stop:
                 return False
-            control = self._controls[0] if self._controls else None
-            draining = control is not None and self.cfg.interrupt == "finish"
+            # a pending control runs now (cut), or once the running samples finish (finish);
+            # either way nothing new is admitted before it
+            control = bool(self._controls)
+            run_control = control and not (self.cfg.interrupt == "finish" and self._active)
             incoming: list[_Seq] = []
-            if not draining:
+            if not control:
                 while self._incoming:
                     incoming.append(self._incoming.popleft())
-        if control is not None and not (draining and self._active):
+        if run_control:
             self._run_control()
             return True
         for seq in incoming:

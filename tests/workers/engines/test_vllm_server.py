@@ -130,6 +130,28 @@ def test_finish_mode_completes_on_old_weights(engine):
         engine.version = v + 1
 
 
+@pytest.mark.parametrize("interrupt", ["cut", "finish"])
+def test_a_request_arriving_with_an_update_waits_for_it_and_is_served(engine, interrupt):
+    """A request and a weight update that arrive together (here: while an earlier update runs)
+    are both served, the update first. Once the request was dropped: its caller hung forever (a
+    restarted master's first publish met the rollouts' requests this way)."""
+    engine.cfg = dataclasses.replace(engine.cfg, interrupt=interrupt)
+    v = engine.version
+    busy, release = threading.Event(), threading.Event()
+    try:
+        first = engine.control(lambda llm: (busy.set(), release.wait(30)), version=v + 1)
+        assert busy.wait(30)
+        request = engine.submit(PROMPT, 2, Sampling(max_tokens=4))
+        second = engine.control(lambda llm: None, version=v + 2)
+        release.set()
+        first.result(30), second.result(30)
+        samples = request.result(60)
+        assert [s["segments"] for s in samples] == [[[v + 2, len(s["tokens"])]] for s in samples]
+    finally:
+        release.set()
+        engine.cfg = dataclasses.replace(engine.cfg, interrupt="cut")
+
+
 def test_segments_of():
     assert segments_of(np.array([0, 0, 1, 1, 1, 3])) == [[0, 2], [1, 3], [3, 1]]
     assert segments_of(np.array([], dtype=np.int32)) == []
