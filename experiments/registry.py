@@ -5,7 +5,7 @@ The experiments themselves are listed in :mod:`experiments.catalog`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 from system.errors import ConfigError
 from system.launcher.config import ExperimentConfig
@@ -51,6 +51,9 @@ class Experiment:
     """Worker kinds that hold training state: when one dies (and ``recover=auto``), all of
     these restart from the latest checkpoint; the others stay up. A worker of any other kind
     that dies is restarted alone."""
+    warm: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """Modules a worker kind imports before it is needed: a warm spare (local scheduler,
+    :mod:`scheduler.spares`) imports them ahead of the restart that takes it over."""
 
     @property
     def doc(self) -> str:

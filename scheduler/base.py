@@ -89,6 +89,10 @@ class Scheduler(abc.ABC):
         """Stop every worker of group ``kind`` and forget its jobs (the group may then be
         submitted again, as a recovery does); must leave none of them running or queued."""
 
+    def warm_spares(self) -> None:
+        """The trial runs: from now on keep warm spare processes that a restart can take over,
+        where this scheduler has any (default: none)."""
+
     def preempted(self, name: str) -> bool:
         """Whether worker ``name`` is stopping for a requeue of its job (a scheduler without
         requeues: never)."""

@@ -21,6 +21,10 @@ class SchedulerConfig:
     """``local`` (subprocesses on this machine) or ``slurm`` (sbatch jobs)."""
     stop_grace: float = 5.0
     """Seconds between the polite stop (SIGTERM) and SIGKILL / forced cancel."""
+    spares: bool = True
+    """Local scheduler, with recovery on: keep one warm spare process per worker group, already
+    past its imports, that a restart takes over (a restart then skips about 4-8 s of imports;
+    each spare holds a few hundred MB). Slurm has none (a restart there is a requeue)."""
     slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
     """Slurm job settings (used with ``scheduler=slurm``)."""
 

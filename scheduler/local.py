@@ -15,6 +15,7 @@ import subprocess
 import time
 
 from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
+from scheduler.spares import Activation, Spares
 from system.errors import SchedulerError
 
 _PR_SET_PDEATHSIG = 1
@@ -59,10 +60,17 @@ class LocalRequest(JobRequest):
             + " " + shlex.join(p.argv) for p in self.processes)
 
 
+def _popen(argv: list[str], **kw: object) -> subprocess.Popen:
+    """A worker process: its own session (stopped as a group), killed with the launcher."""
+    return subprocess.Popen(argv, start_new_session=True, preexec_fn=_child_setup,
+                            close_fds=True, **kw)  # type: ignore[call-overload]
+
+
 class LocalScheduler(Scheduler):
-    def __init__(self) -> None:
+    def __init__(self, spares: bool = True) -> None:
         self._procs: dict[str, tuple[subprocess.Popen, LocalProcess]] = {}
         self._logs: list = []
+        self._spares = Spares(_popen) if spares else None
 
     def plan(self, group: GroupSpec) -> LocalRequest:
         """One process per worker ``first + i``, told its index (``--index`` and
@@ -76,22 +84,36 @@ class LocalScheduler(Scheduler):
     def schedule(self, request: JobRequest) -> list[str]:
         assert isinstance(request, LocalRequest)
         ids = []
+        if self._spares is not None:
+            self._spares.remember(request.group)
         for w in request.processes:
             if w.name in self._procs:
                 raise SchedulerError(f"worker {w.name} was already submitted")
             os.makedirs(os.path.dirname(w.log_path), exist_ok=True)
-            log = open(w.log_path, "ab", buffering=0)
-            self._logs.append(log)
-            try:
-                proc = subprocess.Popen(list(w.argv), stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env={**os.environ, **w.env},
-                                        start_new_session=True, preexec_fn=_child_setup,
-                                        close_fds=True)
-            except OSError as e:
-                raise SchedulerError(f"cannot start {w.name}: {e}") from e
+            proc = self._from_spare(request.group, w) or self._start(w)
             self._procs[w.name] = (proc, w)
             ids.append(str(proc.pid))
         return ids
+
+    def _from_spare(self, group: GroupSpec, w: LocalProcess) -> subprocess.Popen | None:
+        if self._spares is None:
+            return None
+        return self._spares.take(group, Activation(int(w.env["RLSYS_WORKER_INDEX"]), w.env,
+                                                   os.path.abspath(w.log_path)))
+
+    def _start(self, w: LocalProcess) -> subprocess.Popen:
+        log = open(w.log_path, "ab", buffering=0)
+        self._logs.append(log)
+        try:
+            return _popen(list(w.argv), stdout=log, stderr=subprocess.STDOUT,
+                          stdin=subprocess.DEVNULL, env={**os.environ, **w.env})
+        except OSError as e:
+            raise SchedulerError(f"cannot start {w.name}: {e}") from e
+
+    def warm_spares(self) -> None:
+        """Keep one warm spare per worker group from now on (:mod:`scheduler.spares`)."""
+        if self._spares is not None:
+            self._spares.warm()
 
     def poll(self, fresh: bool = False) -> list[JobStatus]:
         out = []
@@ -104,7 +126,10 @@ class LocalScheduler(Scheduler):
         return out
 
     def stop_all(self, grace: float) -> None:
-        _terminate([p for p, _ in self._procs.values()], grace)
+        spares = self._spares.processes() if self._spares is not None else []
+        _terminate([p for p, _ in self._procs.values()] + spares, grace)
+        if self._spares is not None:
+            self._spares.forget()
         for log in self._logs:
             log.close()
         self._logs.clear()

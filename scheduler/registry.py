@@ -21,4 +21,4 @@ def make_scheduler(sched: SchedulerConfig, exp: str, trial: str, trial_dir: str,
                               os.path.abspath(sched.slurm.workdir or PROJECT_ROOT), umask)
     from scheduler.local import LocalScheduler
 
-    return LocalScheduler()
+    return LocalScheduler(spares=sched.spares)

@@ -91,8 +91,9 @@ class RecoverConfig:
     retries: int = 3
     """Automatic recoveries per trial before a failure ends it."""
     backoff: float = 1.0
-    """Seconds before a recovery starts; doubled for each recovery in a row whose workers
-    failed again within a minute (a crash loop)."""
+    """Seconds before a recovery whose previous attempt's workers failed again within a
+    minute (a crash loop), doubled for each such attempt in a row; a recovery after an
+    independent failure starts at once."""
     overwrite: bool = False
     """With recover=off: delete the trial's checkpoints and start over."""
 

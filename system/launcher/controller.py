@@ -266,6 +266,8 @@ class Controller:
         self._start_all(self._ordered(tuple(k for k in KINDS if k != "master")))
         self._start_all(self._ordered(("master",)))
         self.timeline["started"] = time.time()
+        if self.recovery.enabled:  # restarts will come: spares that are already imported
+            self.scheduler.warm_spares()
 
     # --- automatic recovery ---
     def _watch_recovering(self, summary: TrialSummary) -> dict[str, Any]:

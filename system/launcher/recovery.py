@@ -112,9 +112,10 @@ class Recovery:
         return a
 
     def backoff(self) -> float:
-        """Seconds to wait before the current attempt: ``recover.backoff``, doubled for each
-        earlier attempt whose workers failed again within ``CRASH_LOOP_S`` of running (a crash
-        loop); independent failures far apart each wait only the base back-off."""
+        """Seconds to wait before the current attempt: none after an independent failure (the
+        restart starts at once), ``recover.backoff`` when the previous attempt's workers failed
+        again within ``CRASH_LOOP_S`` of running (a crash loop), doubled for each such attempt
+        before it."""
         assert self.cfg is not None
         loops = 0
         restarts = [a for a in self.attempts if a.stateful]
@@ -122,7 +123,7 @@ class Recovery:
             if prev.recovered_at_s is None or cur.failed_at_s - prev.recovered_at_s > CRASH_LOOP_S:
                 break
             loops += 1
-        return self.cfg.backoff * 2 ** loops
+        return self.cfg.backoff * 2 ** (loops - 1) if loops else 0.0
 
     def running(self, workers: list[str] | None = None) -> None:
         """The restarted stateful workers (or the restarted ``workers``) run again."""

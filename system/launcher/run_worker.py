@@ -14,7 +14,9 @@ import os
 import sys
 
 from experiments.catalog import get_experiment
+from scheduler.spares import STANDBY_FLAG
 from system.bootstrap import Bootstrap
+from system.launcher.standby import set_process_name, wait_for_activation, warm
 from system.private_files import set_umask
 from workers.kinds import KINDS, worker_class
 
@@ -24,11 +26,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trial-dir", required=True)
     p.add_argument("--kind", required=True, choices=sorted(KINDS))
     p.add_argument("--index", type=int, default=None)
+    p.add_argument(STANDBY_FLAG, action="store_true",
+                   help="a warm spare (scheduler.spares): import, then wait to be activated")
     args = p.parse_args(argv)
+    bootstrap = os.path.join(args.trial_dir, "bootstrap.json")
+    if args.standby:
+        set_process_name(f"warm/{args.kind}")  # importing; then "spare/KIND": ready
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                            format=f"%(asctime)s spare/{args.kind} %(levelname)s %(message)s")
+        experiment = get_experiment(Bootstrap.read(bootstrap).experiment)
+        warm(experiment.warm.get(args.kind, ()))
+        set_process_name(f"spare/{args.kind}")
+        activation = wait_for_activation()
+        if activation is None:
+            return 0
+        args.index = activation.index
+        logging.getLogger().handlers.clear()  # the worker's own log format, on its log file
     index, local_rank = task_identity(args.index)
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+    set_process_name(f"{args.kind}/{index}")
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
                         format=f"%(asctime)s {args.kind}/{index} %(levelname)s %(message)s")
-    boot = Bootstrap.read(os.path.join(args.trial_dir, "bootstrap.json"))
+    if args.standby:
+        logging.getLogger("standby").info("a warm spare (pid %d) is %s/%d", os.getpid(),
+                                          args.kind, index)
+    boot = Bootstrap.read(bootstrap)
     set_umask(boot.group_readable)  # whoever started us: checkpoints, metrics stay private
     role = get_experiment(boot.experiment).roles.of(args.kind)
     worker = worker_class(args.kind)(boot, index, local_rank)

@@ -32,7 +32,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _pids(root: str, kind: str) -> list[int]:
-    """Live worker processes of ``kind`` of the trial in ``root``."""
+    """Live worker processes of ``kind`` of the trial in ``root``, by process name (``kind/i``;
+    a warm spare is ``spare/kind`` until a restart takes it over)."""
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -40,9 +41,11 @@ def _pids(root: str, kind: str) -> list[int]:
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry}/comm") as f:
+                name = f.read().strip()
         except OSError:
             continue
-        if root in cmd and f"--kind {kind}" in cmd and "run_worker" in cmd:
+        if root in cmd and "run_worker" in cmd and name.split("/")[0] == kind:
             out.append(int(entry))
     return out
 

@@ -74,27 +74,35 @@ def _epochs_exact(history: list, prompts: int) -> None:
     assert sorted(per_epoch[0]) == list(range(prompts))
 
 
-def _pids(root: str, kind: str) -> list[int]:
-    return [p for p in trial_processes(root)
-            if f"--kind {kind}" in open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ")
-            .decode()]
+def _pids(root: str, kind: str, index: int | None = None) -> list[int]:
+    """Live workers of ``kind`` (of index ``index``, if given) by their process name
+    (``kind/index``; a warm spare is ``spare/kind`` until a restart takes it over)."""
+    out = []
+    for p in trial_processes(root):
+        try:
+            with open(f"/proc/{p}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        if kind in (name, name.split("/")[0]) and (index is None or name == f"{kind}/{index}"):
+            out.append(p)
+    return out
 
 
 def _pid_of(root: str, kind: str, index: int | None = None) -> int | None:
     """A live worker process of ``kind`` (of index ``index``, if given)."""
-    pids = [p for p in _pids(root, kind) if index is None or f"--index {index}" in
-            open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ").decode()]
+    pids = _pids(root, kind, index)
     return pids[0] if pids else None
 
 
 def _launch_signalling(fileroot: str, trial: str, args: list[str],
-                       schedule: list[tuple[int, str, int | None, int]], timeout: float = 500
-                       ) -> tuple[int, str]:
+                       schedule: list[tuple[int, str, int | None, int]], timeout: float = 500,
+                       spares: bool = False) -> tuple[int, str]:
     """Launch arith-tiny trial ``trial``; send each ``(step, kind, index, signal)`` of
     ``schedule``, in order, once that step was trained, two steps were trained since the
     previous signal (steps can be faster than this poll: two signals must not land together)
-    and the worker (``index`` None: any of its kind) runs. Returns the launcher's exit code and
-    stderr."""
+    and the worker (``index`` None: any of its kind) runs (``spares``: and a warm spare of its
+    kind is ready). Returns the launcher's exit code and stderr."""
     import subprocess
     import time
 
@@ -113,6 +121,8 @@ def _launch_signalling(fileroot: str, trial: str, args: list[str],
             steps = [r["step"] for r in _metrics(root)] if os.path.exists(
                 os.path.join(root, "metrics.jsonl")) else []
             pid = _pid_of(root, kind, index)
+            if spares and not _pids(root, f"spare/{kind}"[:15]):
+                pid = None
             if steps and max(steps) >= max(step, sent_at + 2) and pid:
                 os.kill(pid, sig)
                 todo.pop(0)
@@ -133,14 +143,15 @@ def test_automatic_recovery_after_master_failure_and_model_worker_kill(fileroot)
     import signal
 
     root = os.path.join(fileroot, "arith-tiny", "auto")
-    # the master raises after step 3 and resumes at 2: step 5 is trained after the recovery
+    # the master raises after step 3 and resumes at 2: step 5 is trained after the recovery;
+    # the kill waits for the warm spare that takes the model worker's place (steps to spare)
     code, err = _launch_signalling(fileroot, "auto", [
-        "rl.total_steps=8", "rl.save_interval=2", "rl.save_interval_s=0", "rl.save_overhead=0",
+        "rl.total_steps=40", "rl.save_interval=2", "rl.save_interval_s=0", "rl.save_overhead=0",
         "rl.crash_at_step=3", "recover.backoff=0.5", *SMALL],
-        [(5, "model", None, signal.SIGKILL)], timeout=400)
+        [(5, "model", None, signal.SIGKILL)], timeout=400, spares=True)
     assert code == 0, err[-4000:]
     s = read_summary(fileroot, "arith-tiny", "auto")
-    assert s["status"] == "completed" and s["steps"] == 8
+    assert s["status"] == "completed" and s["steps"] == 40
     rec = s["recoveries"]
     assert len(rec) == 2, rec
     assert rec[0]["worker"] == "master/0" and "injected failure" in rec[0]["cause"]
@@ -148,7 +159,7 @@ def test_automatic_recovery_after_master_failure_and_model_worker_kill(fileroot)
     assert rec[1]["worker"].startswith("model/") and rec[1]["resumed_from"] >= 4
     assert rec[1]["steps_lost"] == rec[1]["failed_step"] - rec[1]["resumed_from"] >= 0
     _epochs_exact(s["results"]["prompts_per_step"], 14)
-    assert len(s["results"]["prompts_per_step"]) == 8
+    assert len(s["results"]["prompts_per_step"]) == 40
     # the generation server and the rollout workers were never restarted (one process each,
     # registered once); every attempt of the master and model workers logged on its own
     logs = os.path.join(root, "logs")
@@ -159,6 +170,8 @@ def test_automatic_recovery_after_master_failure_and_model_worker_kill(fileroot)
     for attempt in (1, 2):
         assert os.path.isfile(os.path.join(logs, f"master-0.attempt{attempt}.log"))
         assert os.path.isfile(os.path.join(logs, f"model-0.attempt{attempt}.log"))
+    with open(os.path.join(logs, "model-0.attempt2.log")) as f:  # the kill waited for it
+        assert "a warm spare (pid" in f.read()
     assert "recovering (attempt 1 of 3)" in err
     assert trial_processes(root) == []
 

@@ -60,7 +60,7 @@ def test_retries_backoff_and_attempts():
     assert r.should_recover(failure)
     a = r.begin(failure, failed_step=7)
     assert a.cause == "worker master/0 raised RuntimeError: boom" and a.failed_at_s == 10.0
-    assert r.backoff() == 3.0
+    assert r.backoff() == 0.0  # the first failure: at once
     clock.t += 20
     r.running()
     r.resumed(6)
@@ -71,7 +71,7 @@ def test_retries_backoff_and_attempts():
                             "steps_lost": 1}]
     clock.t += 30  # fails again 30 s after running: a crash loop
     r.begin(failure, failed_step=None)
-    assert r.backoff() == 6.0  # doubled
+    assert r.backoff() == 3.0  # a crash loop: the back-off
     assert not r.should_recover(failure)  # retries used up
     assert r.summary()[1]["steps_lost"] is None
 
@@ -98,7 +98,7 @@ def test_master_progress_follows_steps_and_stalls():
     assert p.resumed_from is None and p.unchanged_for() < 1
 
 
-def test_independent_failures_far_apart_wait_the_base_backoff():
+def test_independent_failures_far_apart_restart_at_once_a_crash_loop_backs_off():
     clock = Clock()
     r = Recovery(RecoverConfig(retries=5, backoff=2.0), ("model", "master"), t0=1000.0,
                  clock=clock)
@@ -106,13 +106,13 @@ def test_independent_failures_far_apart_wait_the_base_backoff():
     for _ in range(3):
         clock.t += 120  # each fault two minutes after the last recovery
         r.begin(failure, failed_step=1)
-        assert r.backoff() == 2.0
+        assert r.backoff() == 0.0
         clock.t += 10
         r.running()
-    clock.t += 5  # now one right after: 4 s, then 8 s
+    clock.t += 5  # now one right after: 2 s, then 4 s
     r.begin(failure, failed_step=1)
-    assert r.backoff() == 4.0
+    assert r.backoff() == 2.0
     r.running()
     clock.t += 1
     r.begin(failure, failed_step=1)
-    assert r.backoff() == 8.0
+    assert r.backoff() == 4.0
