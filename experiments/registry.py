@@ -51,9 +51,9 @@ class Experiment:
     """Worker kinds that hold training state: when one dies (and ``recover=auto``), all of
     these restart from the latest checkpoint; the others stay up. A worker of any other kind
     that dies is restarted alone."""
-    warm: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-    """Modules a worker kind imports before it is needed: a warm spare (local scheduler,
-    :mod:`scheduler.spares`) imports them ahead of the restart that takes it over."""
+    warm: Mapping[str, Callable[[], None]] = dataclasses.field(default_factory=dict)
+    """Per worker kind, what it imports before it is needed: a warm spare (local scheduler,
+    :mod:`scheduler.spares`) calls it ahead of the restart that takes it over."""
 
     @property
     def doc(self) -> str:

@@ -14,6 +14,7 @@ from experiments.rl.roles.generation import generation_role
 from experiments.rl.roles.master import master_role
 from experiments.rl.roles.model import model_role
 from experiments.rl.roles.rollout import rollout_role
+from experiments.rl.warm import WARM
 from workers.engines.configs import TorchEngineConfig
 
 ROLES = Roles(master=master_role, model=model_role, generation=generation_role,
@@ -48,19 +49,6 @@ def smollm2_arith() -> RLExperimentConfig:
 
 
 STATEFUL = ("model", "master")
-# transformers resolves its Auto* classes lazily: importing modeling_auto is what makes a later
-# AutoConfig / AutoTokenizer / AutoModelForCausalLM call fast (about 4 s of a cold start here)
-_HF = ("torch", "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto")
-WARM = {
-    "master": ("experiments.rl.loop", *_HF),
-    "model": ("experiments.rl.roles.model", "workers.engines.torch_engine", *_HF,
-              "transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama"),
-    "generation": ("experiments.rl.roles.generation", "workers.engines.vllm_server", *_HF,
-                   "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core",
-                   "workers.engines.vllm_weight_sync", "vllm.model_executor.models.qwen2",
-                   "vllm.model_executor.models.llama"),
-    "rollout": ("experiments.rl.roles.rollout", *_HF),
-}
 ARITH_TINY = Experiment("arith-tiny", arith_tiny, ROLES, section="rl", stateful=STATEFUL,
                         warm=WARM)
 SMOLLM2_ARITH = Experiment("smollm2-arith", smollm2_arith, ROLES, section="rl",

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                             format=f"%(asctime)s spare/{args.kind} %(levelname)s %(message)s")
         experiment = get_experiment(Bootstrap.read(bootstrap).experiment)
-        warm(experiment.warm.get(args.kind, ()))
+        warm(experiment.warm.get(args.kind))
         set_process_name(f"spare/{args.kind}")
         activation = wait_for_activation()
         if activation is None:

@@ -7,11 +7,11 @@ show), since a spare's command line cannot say which worker it became; a spare i
 from __future__ import annotations
 
 import ctypes
-import importlib
 import logging
 import os
 import sys
 import time
+from typing import Callable
 
 from scheduler.spares import Activation
 from system.errors import ConfigError
@@ -29,16 +29,16 @@ def set_process_name(name: str) -> None:
         pass
 
 
-def warm(modules: tuple[str, ...]) -> None:
-    """Import ``modules`` now (best effort: one that fails is imported again, and fails for
-    real, where the worker needs it)."""
+def warm(imports: Callable[[], None] | None) -> None:
+    """Run the kind's warm-up imports now (best effort: an import that fails here fails for
+    real, and is reported, where the worker needs it)."""
     t0 = time.monotonic()
-    for name in modules:
+    if imports is not None:
         try:
-            importlib.import_module(name)
+            imports()
         except Exception as e:  # noqa: BLE001 - a warm-up only
-            log.warning("warm-up import of %s failed: %s: %s", name, type(e).__name__, e)
-    log.info("warm: %d modules in %.1fs; waiting", len(modules), time.monotonic() - t0)
+            log.warning("warm-up failed: %s: %s", type(e).__name__, e)
+    log.info("warm in %.1fs; waiting", time.monotonic() - t0)
 
 
 def wait_for_activation() -> Activation | None:

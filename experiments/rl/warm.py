@@ -1,0 +1,46 @@
+"""What a warm spare of each RL worker kind imports before a restart takes it over
+(:mod:`scheduler.spares`). transformers resolves its Auto* classes lazily: importing
+``modeling_auto`` is what makes a later AutoConfig / AutoTokenizer / AutoModelForCausalLM call
+fast (about 4 s of a cold start on two cores); vLLM's engine modules are another 4-8 s."""
+from __future__ import annotations
+
+# ruff: noqa: F401  (imported for their side effect: loaded modules)
+
+
+def _hf() -> None:
+    import torch
+    import transformers.models.auto.modeling_auto
+    import transformers.models.auto.tokenization_auto
+
+
+def master() -> None:
+    _hf()
+    import experiments.rl.loop
+
+
+def model() -> None:
+    _hf()
+    import experiments.rl.roles.model
+    import transformers.models.llama.modeling_llama
+    import transformers.models.qwen2.modeling_qwen2
+    import workers.engines.torch_engine
+
+
+def generation() -> None:
+    _hf()
+    import experiments.rl.roles.generation
+    import vllm.entrypoints.llm
+    import vllm.model_executor.models.llama
+    import vllm.model_executor.models.qwen2
+    import vllm.v1.engine.core
+    import vllm.v1.engine.llm_engine
+    import workers.engines.vllm_server
+    import workers.engines.vllm_weight_sync
+
+
+def rollout() -> None:
+    _hf()
+    import experiments.rl.roles.rollout
+
+
+WARM = {"master": master, "model": model, "generation": generation, "rollout": rollout}
