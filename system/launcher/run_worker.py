@@ -4,7 +4,10 @@ experiment gives that kind.
     python -m system.launcher.run_worker --trial-dir runs/smoke/t1 --kind rollout --index 3
 
 Under Slurm the index is omitted: each task derives its worker index (global rank) and local
-rank from the Slurm environment through submitit's ``JobEnvironment``.
+rank from the Slurm environment through submitit's ``JobEnvironment``, and before anything
+touches CUDA sets its ranks (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``...) and,
+in a job that requests GPUs, narrows ``CUDA_VISIBLE_DEVICES`` to its own
+(:func:`scheduler.gpu_plan.task_env`).
 """
 from __future__ import annotations
 
@@ -13,8 +16,9 @@ import logging
 import os
 import sys
 
-from experiments.catalog import get_experiment
+from scheduler.gpu_plan import task_env
 from system.bootstrap import Bootstrap
+from system.errors import ConfigError
 from system.private_files import set_umask
 from workers.kinds import KINDS, worker_class
 
@@ -25,6 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kind", required=True, choices=sorted(KINDS))
     p.add_argument("--index", type=int, default=None)
     args = p.parse_args(argv)
+    try:
+        os.environ.update(task_env(os.environ))  # before CUDA is initialised, here or in vLLM
+    except ConfigError as e:
+        print(f"{args.kind}: GPU placement: {e}", file=sys.stderr)
+        return 2
+    from experiments.catalog import get_experiment
+
     index, local_rank = task_identity(args.index)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s {args.kind}/{index} %(levelname)s %(message)s")
