@@ -25,6 +25,10 @@ class LocalConfig:
     launcher's ``CUDA_VISIBLE_DEVICES`` if set, else every GPU ``nvidia-smi`` lists, else none:
     workers run on the CPU), ``none`` (every worker on the CPU), or comma-separated device ids,
     e.g. ``2,5,7`` (kept as given: non-contiguous ids map onto those devices)."""
+    share_gpus: bool = False
+    """Fewer GPUs than workers need (a one-GPU machine): hand them out round-robin, so workers
+    share devices, instead of refusing to start; then leave the trainer room on a shared GPU
+    (e.g. ``rl.vllm.gpu_memory_utilization=0.4``)."""
 
     def __post_init__(self) -> None:
         check_line("gpus", self.gpus)

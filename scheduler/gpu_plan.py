@@ -66,24 +66,30 @@ def parse_visible(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def plan_gpus(visible: Sequence[str], demands: Sequence[GpuDemand]) -> dict[str, tuple[str, ...]]:
+def plan_gpus(visible: Sequence[str], demands: Sequence[GpuDemand],
+              share: bool = False) -> dict[str, tuple[str, ...]]:
     """Worker name (``kind/index``) -> the GPU ids it sees, for every worker of ``demands``:
     consecutive slices of ``visible`` in demand order; a worker that needs none sees none
-    (``()``). GpuPlanError naming the keys when ``visible`` is too short."""
+    (``()``). GpuPlanError naming the keys when ``visible`` is too short, unless ``share``:
+    then the slices wrap around (workers share devices; one worker's own are still distinct)."""
     need = sum(d.total for d in demands)
-    if need > len(visible):
+    widest = max((d.per_worker for d in demands if d.count), default=0)
+    if need > len(visible) and (not share or widest > len(visible)):
         parts = " + ".join(f"{d.count} x {d.per_worker} ({d.keys})"
                            for d in demands if d.total)
         shown = ",".join(visible) if visible else "none"
+        what = f"{need} GPUs, one set per worker: {parts}" if not share else \
+            f"{widest} GPUs for one worker ({parts})"
         raise GpuPlanError(
-            f"the trial needs {need} GPUs, one set per worker: {parts}; {len(visible)} visible "
-            f"({shown}); lower those keys, or give more GPUs with scheduler.local.gpus or "
-            "CUDA_VISIBLE_DEVICES")
+            f"the trial needs {what}; {len(visible)} visible ({shown}); lower those keys, give "
+            "more GPUs (scheduler.local.gpus or CUDA_VISIBLE_DEVICES), let workers share them "
+            "(scheduler.local.share_gpus=true), or run on the CPU (scheduler.local.gpus=none)")
     plan: dict[str, tuple[str, ...]] = {}
     at = 0
     for d in demands:
         for i in range(d.count):
-            plan[f"{d.kind}/{i}"] = tuple(visible[at:at + d.per_worker])
+            plan[f"{d.kind}/{i}"] = tuple(visible[(at + j) % len(visible)]
+                                          for j in range(d.per_worker))
             at += d.per_worker
     return plan
 

@@ -110,15 +110,16 @@ def _nvidia_smi_indices() -> tuple[str, ...]:
 
 
 class LocalScheduler(Scheduler):
-    def __init__(self, gpus: LocalGpus = LocalGpus(),
-                 demands: Sequence[GpuDemand] = ()) -> None:
+    def __init__(self, gpus: LocalGpus = LocalGpus(), demands: Sequence[GpuDemand] = (),
+                 share_gpus: bool = False) -> None:
         """``gpus``: what the workers share out; ``demands``: every GPU-using group of the
         trial. Too few GPUs for them is a :class:`~scheduler.gpu_plan.GpuPlanError` here,
-        before anything starts (no GPUs at all: every worker on the CPU)."""
+        before anything starts, unless ``share_gpus`` (no GPUs at all: every worker on the
+        CPU)."""
         self._procs: dict[str, tuple[subprocess.Popen, LocalProcess]] = {}
         self._logs: list = []
         self._gpus = gpus
-        self._placement = plan_gpus(gpus.ids, demands) if gpus.ids else {}
+        self._placement = plan_gpus(gpus.ids, demands, share_gpus) if gpus.ids else {}
 
     def devices(self, name: str) -> tuple[str, ...]:
         """The GPU ids worker ``name`` sees (none: not a GPU worker, or no GPUs here)."""

@@ -26,4 +26,5 @@ def make_scheduler(sched: SchedulerConfig, exp: str, trial: str, trial_dir: str,
                               {d.kind: d.per_worker for d in gpu_demands})
     from scheduler.local import LocalScheduler, local_gpus
 
-    return LocalScheduler(local_gpus(sched.local.gpus, os.environ), gpu_demands)
+    return LocalScheduler(local_gpus(sched.local.gpus, os.environ), gpu_demands,
+                          sched.local.share_gpus)

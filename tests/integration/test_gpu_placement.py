@@ -44,3 +44,12 @@ def test_local_refuses_too_few_gpus_in_one_line(fileroot):
     assert len(lines) == 1, r.stderr
     assert "needs 4 GPUs" in lines[0] and "model.count" in lines[0]
     assert "generation.count x smoke.generation_gpus" in lines[0]
+
+
+def test_one_gpu_shared_when_asked(fileroot):
+    r = run_launch("exp=smoke", "trial=share", f"cluster.fileroot={fileroot}", *FAST,
+                   "model.count=2", "generation.count=1", "scheduler.local.share_gpus=true",
+                   env={"CUDA_VISIBLE_DEVICES": "6"})
+    assert r.returncode == 0, r.stderr
+    got = _visible(fileroot, "share")
+    assert got["model/0"] == got["model/1"] == got["generation/0"] == "6"

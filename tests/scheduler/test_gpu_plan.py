@@ -44,7 +44,18 @@ def test_too_few_gpus_is_one_line_naming_the_keys():
     assert "\n" not in msg
     assert "needs 6 GPUs" in msg and "3 visible (0,2,5)" in msg
     assert "model.count" in msg and "generation.count x tp" in msg
-    assert "scheduler.local.gpus" in msg
+    assert "scheduler.local.gpus" in msg and "scheduler.local.share_gpus=true" in msg
+    assert "scheduler.local.gpus=none" in msg
+
+
+def test_sharing_wraps_around_but_never_gives_one_worker_a_device_twice():
+    plan = plan_gpus(("4",), [GpuDemand("model", 1, 1, "model.count"),
+                              GpuDemand("generation", 1, 1, "generation.count")], share=True)
+    assert plan == {"model/0": ("4",), "generation/0": ("4",)}
+    plan = plan_gpus(("0", "1", "2"), MODEL2_GEN2_TP2, share=True)
+    assert plan["generation/0"] == ("2", "0") and plan["generation/1"] == ("1", "2")
+    with pytest.raises(GpuPlanError, match="needs 2 GPUs for one worker"):
+        plan_gpus(("0",), MODEL2_GEN2_TP2, share=True)
 
 
 def test_parse_visible_follows_cuda():
