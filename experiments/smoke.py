@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from experiments.registry import Experiment, Roles
+from scheduler.gpu_plan import GpuDemand
 from system import names
 from system.launcher.config import ExperimentConfig
 from system.errors import ConfigError, RpcError
@@ -53,9 +55,13 @@ class SmokeConfig:
     """The master fails if the trajectories have not all arrived within this many seconds."""
     crash: str = ""
     """Fault injection ``KIND:INDEX:SECONDS[:kill|stop]`` (empty: none)."""
+    generation_gpus: int = 1
+    """GPUs each generation server claims where GPUs are placed (what an RL experiment's
+    tensor-parallel size claims); the echo servers use none of them."""
 
     def __post_init__(self) -> None:
-        for key in ("trajectories_per_worker", "tokens_per_trajectory", "allreduce_numel"):
+        for key in ("trajectories_per_worker", "tokens_per_trajectory", "allreduce_numel",
+                    "generation_gpus"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.timeout <= 0:
@@ -96,6 +102,11 @@ class SmokeExperimentConfig(ExperimentConfig):
             raise ConfigError(f"smoke.crash={self.smoke.crash!r}: there are only "
                               f"{self.worker_counts()[spec[0]]} {spec[0]} worker(s)")
 
+    def gpu_demands(self) -> list[GpuDemand]:
+        return [GpuDemand("model", self.model.count, 1, "model.count"),
+                GpuDemand("generation", self.generation.count, self.smoke.generation_gpus,
+                          "generation.count x smoke.generation_gpus")]
+
 
 def smoke() -> SmokeExperimentConfig:
     """Control-plane smoke test: real processes, sockets, streams and a gloo all-reduce; no model."""
@@ -114,6 +125,15 @@ def _cfg(worker: Worker) -> SmokeConfig:
         timer.daemon = True
         timer.start()
     return cfg
+
+
+PLACEMENT_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                 "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURMD_NODENAME")
+
+
+def _placement() -> dict[str, Any]:
+    """Where this worker runs and what it was told of its devices and ranks (absent: None)."""
+    return {"host": socket.gethostname(), **{k: os.environ.get(k) for k in PLACEMENT_ENV}}
 
 
 def _checksum(tokens: np.ndarray) -> int:
@@ -158,13 +178,14 @@ def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
         for c in clients:
             c.close()
         pusher.close()
-    return {"sent": sent, "echoed": echoed}
+    return {"sent": sent, "echoed": echoed, "placement": _placement()}
 
 
 def generation_role(worker: GenerationServer) -> dict[str, Any]:
     _cfg(worker)
+    worker.result = {"placement": _placement()}  # reported while it serves (the master asks then)
     worker.wait_stop()  # serves echo requests from its RPC thread until stopped
-    return {"requests": worker.requests}
+    return {"requests": worker.requests, "placement": _placement()}
 
 
 def model_role(worker: ModelWorker) -> dict[str, Any]:
@@ -179,7 +200,8 @@ def model_role(worker: ModelWorker) -> dict[str, Any]:
     return {"allreduce_ok": bool(torch.all(t == expected)), "allreduce_value": float(t[0]),
             "expected": expected, "world_size": n, "tensor": t[:8],
             "local_rank": worker.local_rank, "device": worker.device,
-            "gpus_on_node": int(os.environ.get("SLURM_GPUS_ON_NODE", 0))}
+            "gpus_on_node": int(os.environ.get("SLURM_GPUS_ON_NODE", 0)),
+            "placement": _placement()}
 
 
 def master_role(master: MasterWorker) -> dict[str, Any]:
@@ -219,9 +241,11 @@ def master_role(master: MasterWorker) -> dict[str, Any]:
     finally:
         peers.close()
         puller.close()
-    return _results(inbox, expected, clients, reports, puller.drops.as_dict(),
-                    {"pings": pings, "ping_failures": ping_failures,
-                     "seconds": round(time.monotonic() - t0, 3)})
+    out = _results(inbox, expected, clients, reports, puller.drops.as_dict(),
+                   {"pings": pings, "ping_failures": ping_failures,
+                    "seconds": round(time.monotonic() - t0, 3)})
+    out["placement"][master.name] = _placement()
+    return out
 
 
 def _results(inbox: "_Inbox", expected: int, clients: list[WorkerClient],
@@ -251,6 +275,8 @@ def _results(inbox: "_Inbox", expected: int, clients: list[WorkerClient],
         "model_gpus_on_node": [m["gpus_on_node"] for m in model],
         "model_local_ranks": [m["local_rank"] for m in model],
         "model_devices": [m["device"] for m in model],
+        "placement": {c.name: r["result"]["placement"] for c, r in ok
+                      if isinstance(r["result"], dict) and "placement" in r["result"]},
         "dropped_messages": sum(sum(r["drops"].values()) for _, r in ok)
         + sum(stream_drops.values()),
         "stream_drops": stream_drops,

@@ -4,13 +4,48 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from scheduler.gpu_plan import parse_visible
 from scheduler.slurm_config import SlurmConfig
+from system.checks import check_line
 from system.errors import ConfigError
 
 
 class SchedulerKind(str, enum.Enum):
     LOCAL = "local"
     SLURM = "slurm"
+
+
+@dataclasses.dataclass
+class LocalConfig:
+    """The local scheduler (``scheduler=local``)."""
+
+    gpus: str = "auto"
+    """GPUs the local workers share out, each model worker one, each generation server its
+    tensor-parallel size, given to each worker as its ``CUDA_VISIBLE_DEVICES``: ``auto`` (the
+    launcher's ``CUDA_VISIBLE_DEVICES`` if set, else every GPU ``nvidia-smi`` lists, else none:
+    workers run on the CPU), ``none`` (every worker on the CPU), or comma-separated device ids,
+    e.g. ``2,5,7`` (kept as given: non-contiguous ids map onto those devices)."""
+    spares: bool = True
+    """With recovery on: keep one warm spare process per worker group, already past its
+    imports, that a restart takes over (a restart then skips about 4-8 s of imports; each spare
+    holds a few hundred MB). Not for workers given GPUs (CUDA fixes a process's devices when it
+    first initialises). Slurm has none (a restart there is a requeue)."""
+    share_gpus: bool = False
+    """Fewer GPUs than workers need (a one-GPU machine): hand them out round-robin, so workers
+    share devices, instead of refusing to start; then leave the trainer room on a shared GPU
+    (e.g. ``rl.vllm.gpu_memory_utilization=0.4``)."""
+
+    def __post_init__(self) -> None:
+        check_line("gpus", self.gpus)
+        if self.gpus not in ("auto", "none"):
+            try:
+                ids = parse_visible(str(self.gpus))
+            except ConfigError as e:
+                raise ConfigError(f"gpus={self.gpus!r}: {e}; valid: auto, none or device ids "
+                                  "such as 0,2,5") from None
+            if not ids:
+                raise ConfigError(f"gpus={self.gpus!r} names no device; valid: auto, none or "
+                                  "device ids such as 0,2,5")
 
 
 @dataclasses.dataclass
@@ -21,10 +56,8 @@ class SchedulerConfig:
     """``local`` (subprocesses on this machine) or ``slurm`` (sbatch jobs)."""
     stop_grace: float = 5.0
     """Seconds between the polite stop (SIGTERM) and SIGKILL / forced cancel."""
-    spares: bool = True
-    """Local scheduler, with recovery on: keep one warm spare process per worker group, already
-    past its imports, that a restart takes over (a restart then skips about 4-8 s of imports;
-    each spare holds a few hundred MB). Slurm has none (a restart there is a requeue)."""
+    local: LocalConfig = dataclasses.field(default_factory=LocalConfig)
+    """Local scheduler settings (GPU placement)."""
     slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
     """Slurm job settings (used with ``scheduler=slurm``)."""
 

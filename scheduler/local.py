@@ -3,6 +3,11 @@
 Stopping sends SIGTERM to each process group, then SIGKILL after a grace period, so a worker's
 own children go too. Each child also asks the kernel (``PR_SET_PDEATHSIG``) to be killed if the
 launching process dies without cleaning up, so even ``kill -9`` of launch leaves nothing behind.
+
+GPU placement: with GPUs (``scheduler.local.gpus``, see :func:`local_gpus`) every worker gets
+its own as its ``CUDA_VISIBLE_DEVICES`` (:func:`~scheduler.gpu_plan.plan_gpus`, decided for the
+whole trial at construction, so a restarted worker gets its devices again); without, the
+environment is left as it is.
 """
 from __future__ import annotations
 
@@ -10,11 +15,14 @@ import ctypes
 import dataclasses
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import time
+from typing import Mapping, Sequence
 
 from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
+from scheduler.gpu_plan import GpuDemand, parse_visible, plan_gpus
 from scheduler.spares import Activation, Spares
 from system.errors import SchedulerError
 
@@ -60,6 +68,48 @@ class LocalRequest(JobRequest):
             + " " + shlex.join(p.argv) for p in self.processes)
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalGpus:
+    """The GPUs the local workers share out: ``ids`` (empty: none), whether the workers' GPU
+    environment is set at all (``managed``: not on a machine without GPUs left on auto), and
+    extra variables every worker gets (the device order the ids were listed in)."""
+
+    ids: tuple[str, ...] = ()
+    managed: bool = False
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def local_gpus(setting: str, environ: Mapping[str, str]) -> LocalGpus:
+    """What ``scheduler.local.gpus`` means here: ``none``; device ids; or ``auto``: the
+    launcher's ``CUDA_VISIBLE_DEVICES`` if set, else what ``nvidia-smi`` lists (indices in PCI
+    order, so the workers get ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` unless an order is set), else
+    none, the environment untouched (a CPU machine)."""
+    if setting == "none":
+        return LocalGpus((), True)
+    if setting != "auto":
+        return LocalGpus(parse_visible(setting), True)
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return LocalGpus(parse_visible(environ["CUDA_VISIBLE_DEVICES"]), True)
+    ids = _nvidia_smi_indices()
+    if not ids:
+        return LocalGpus()
+    order = {} if "CUDA_DEVICE_ORDER" in environ else {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    return LocalGpus(ids, True, order)
+
+
+def _nvidia_smi_indices() -> tuple[str, ...]:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return ()
+    try:
+        r = subprocess.run([exe, "--query-gpu=index", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return tuple(line.strip() for line in r.stdout.splitlines() if line.strip().isdigit()) \
+        if r.returncode == 0 else ()
+
+
 def _popen(argv: list[str], **kw: object) -> subprocess.Popen:
     """A worker process: its own session (stopped as a group), killed with the launcher."""
     return subprocess.Popen(argv, start_new_session=True, preexec_fn=_child_setup,
@@ -67,25 +117,44 @@ def _popen(argv: list[str], **kw: object) -> subprocess.Popen:
 
 
 class LocalScheduler(Scheduler):
-    def __init__(self, spares: bool = True) -> None:
+    def __init__(self, gpus: LocalGpus = LocalGpus(), demands: Sequence[GpuDemand] = (),
+                 share_gpus: bool = False, spares: bool = True) -> None:
+        """``gpus``: what the workers share out; ``demands``: every GPU-using group of the
+        trial. Too few GPUs for them is a :class:`~scheduler.gpu_plan.GpuPlanError` here,
+        before anything starts, unless ``share_gpus`` (no GPUs at all: every worker on the
+        CPU). ``spares``: keep warm spares for the groups that use no GPU, once asked
+        (:meth:`warm_spares`)."""
         self._procs: dict[str, tuple[subprocess.Popen, LocalProcess]] = {}
         self._logs: list = []
+        self._gpus = gpus
+        self._placement = plan_gpus(gpus.ids, demands, share_gpus) if gpus.ids else {}
         self._spares = Spares(_popen) if spares else None
+
+    def devices(self, name: str) -> tuple[str, ...]:
+        """The GPU ids worker ``name`` sees (none: not a GPU worker, or no GPUs here)."""
+        return self._placement.get(name, ())
+
+    def _gpu_env(self, name: str) -> dict[str, str]:
+        if not self._gpus.managed:
+            return {}
+        return {**self._gpus.env, "CUDA_VISIBLE_DEVICES": ",".join(self.devices(name))}
 
     def plan(self, group: GroupSpec) -> LocalRequest:
         """One process per worker ``first + i``, told its index (``--index`` and
-        ``RLSYS_WORKER_INDEX``)."""
+        ``RLSYS_WORKER_INDEX``) and, with GPUs, its devices (``CUDA_VISIBLE_DEVICES``)."""
         return LocalRequest(group, tuple(
             LocalProcess(name, (*group.argv, "--index", str(group.first + i)),
-                         {**group.env, "RLSYS_WORKER_INDEX": str(group.first + i)},
+                         {**group.env, "RLSYS_WORKER_INDEX": str(group.first + i),
+                          **self._gpu_env(name)},
                          group.log_paths[i])
             for i, name in enumerate(group.worker_names())))
 
     def schedule(self, request: JobRequest) -> list[str]:
         assert isinstance(request, LocalRequest)
         ids = []
-        if self._spares is not None:
-            self._spares.remember(request.group)
+        if self._spares is not None and not any(self.devices(w.name) for w in request.processes):
+            # (a spare cannot take a worker's GPUs: CUDA fixes them when it first initialises)
+            self._spares.remember(request.group, self._gpu_env(request.processes[0].name))
         for w in request.processes:
             if w.name in self._procs:
                 raise SchedulerError(f"worker {w.name} was already submitted")

@@ -2,23 +2,29 @@
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 from scheduler.base import Scheduler
 from scheduler.config import SchedulerConfig, SchedulerKind
+from scheduler.gpu_plan import GpuDemand
 from system.paths import PROJECT_ROOT
 
 
 def make_scheduler(sched: SchedulerConfig, exp: str, trial: str, trial_dir: str,
-                   umask: int = 0o077) -> Scheduler:
+                   umask: int = 0o077, gpu_demands: Sequence[GpuDemand] = ()) -> Scheduler:
     """The scheduler ``sched`` names, for trial ``exp/trial`` in ``trial_dir``; its jobs create
-    files under ``umask`` (local workers inherit the launcher's)."""
+    files under ``umask`` (local workers inherit the launcher's). ``gpu_demands``: the GPUs
+    each worker kind uses (local: placed, refused if too few are here; Slurm: requested and
+    bound per task)."""
     if sched.type == SchedulerKind.SLURM:
         from scheduler.slurm import SlurmScheduler
 
         # absolute: the job's scripts start where sbatch ran (here), and `cd -x` or `cd -`
         # would read a relative directory that starts with '-' as an option
         return SlurmScheduler(sched.slurm, exp, trial, trial_dir,
-                              os.path.abspath(sched.slurm.workdir or PROJECT_ROOT), umask)
-    from scheduler.local import LocalScheduler
+                              os.path.abspath(sched.slurm.workdir or PROJECT_ROOT), umask,
+                              {d.kind: d.per_worker for d in gpu_demands})
+    from scheduler.local import LocalScheduler, local_gpus
 
-    return LocalScheduler(spares=sched.spares)
+    return LocalScheduler(local_gpus(sched.local.gpus, os.environ), gpu_demands,
+                          sched.local.share_gpus, spares=sched.local.spares)

@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 import time
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
 from scheduler.requeue import RequeuePolicy
@@ -102,8 +102,10 @@ class SlurmScheduler(Scheduler):
     """Seconds one ``scancel`` may take before it counts as unanswered (and is tried again)."""
 
     def __init__(self, slurm: SlurmConfig, exp: str, trial: str, trial_dir: str, workdir: str,
-                 umask: int = 0o077) -> None:
+                 umask: int = 0o077, gpus_per_worker: Mapping[str, int] | None = None) -> None:
         self.slurm = slurm
+        self.gpus_per_worker = dict(gpus_per_worker or {})
+        """Kind -> GPUs each of its workers uses (the experiment's demands; absent: none)."""
         self.umask = umask
         """File-creation mask of the jobs (set in every script, and passed to srun's tasks)."""
         self.exp, self.trial = exp, trial
@@ -129,7 +131,8 @@ class SlurmScheduler(Scheduler):
         """The script of ``group``'s job, under the trial's ``jobs/`` (a single worker's job
         past 0 gets its own file, beside its group's)."""
         script = render_worker_script(exp=self.exp, trial=self.trial, group=group,
-                                      slurm=self.slurm, workdir=self.workdir, umask=self.umask)
+                                      slurm=self.slurm, workdir=self.workdir, umask=self.umask,
+                                      gpus_per_worker=self.gpus_per_worker.get(group.kind, 0))
         return SlurmRequest(group, os.path.join(self.trial_dir, "jobs", script_name(group)),
                             script)
 

@@ -28,7 +28,9 @@ class SlurmGroupConfig:
     ntasks_per_node: int = 0
     """Worker tasks per node (0: the group's count divided over its nodes, rounded up)."""
     gpus_per_node: int = 0
-    """GPUs per node (``--gpus-per-node``); model workers pick theirs by local rank."""
+    """GPUs per node (``--gpus-per-node``); 0: with ``scheduler.slurm.gpus=true``, what the
+    group's tasks on a node use (tasks per node x GPUs per worker), else none. Each task of a
+    group that uses GPUs takes its own slice of them (by local rank)."""
     cpus_per_task: int = 1
     """CPU cores per worker task."""
     mem: str = ""
@@ -143,6 +145,11 @@ class SlurmConfig:
     requeue_grace: float = 30.0
     """Seconds the controller waits, after a worker failed a start-up call (configure, start),
     for its job to show a requeue before it fails the trial."""
+    gpus: bool = False
+    """Request GPUs for the groups that use them: one per model worker, the tensor-parallel
+    size per generation server (``--gpus-per-node`` = tasks per node x that, unless the group
+    sets ``gpus_per_node``); each task sees only its own (``CUDA_VISIBLE_DEVICES`` narrowed by
+    local rank). false: only a group's own ``gpus_per_node`` requests any."""
     python: str = ""
     """Python executable on the compute nodes (empty: the launcher's own)."""
     workdir: str = ""

@@ -64,6 +64,25 @@ def tasks_per_node(kind: str, count: int, group: SlurmGroupConfig) -> int:
     return n
 
 
+def job_gpus(kind: str, tasks_on_node: int, g: SlurmGroupConfig, slurm: SlurmConfig,
+             gpus_per_worker: int) -> tuple[int, int]:
+    """``(GPUs per node, GPUs per task)`` of a job that runs ``tasks_on_node`` tasks of
+    ``kind`` per node, each worker using ``gpus_per_worker``: the group's own
+    ``gpus_per_node``, or with ``scheduler.slurm.gpus`` what its tasks use; each task gets its
+    own slice (0: no binding, a group that uses no GPUs or requests none). ConfigError, naming
+    the keys, when the group's ``gpus_per_node`` cannot give every task its own."""
+    need = tasks_on_node * gpus_per_worker
+    per_node = g.gpus_per_node or (need if slurm.gpus else 0)
+    if not per_node or not gpus_per_worker:
+        return per_node, 0
+    if per_node < need:
+        raise ConfigError(f"scheduler.slurm.{kind}.gpus_per_node={per_node} cannot give each of "
+                          f"{tasks_on_node} {kind} task(s) per node its own {gpus_per_worker} "
+                          f"GPU(s); valid: >= {need}, or 0 with scheduler.slurm.gpus=true "
+                          f"(or lower the {kind} workers per node: scheduler.slurm.{kind}.nodes)")
+    return per_node, gpus_per_worker
+
+
 def slurm_literal(path: str) -> str:
     """``path`` inside a Slurm filename pattern (``#SBATCH --output``, ``srun --output``):
     ``%`` doubled, so Slurm writes exactly ``path``; ConfigError for a path no pattern can
@@ -108,18 +127,22 @@ def requeue_mark_prefix(logs_dir: str, kind: str) -> str:
 
 
 def render_worker_script(*, exp: str, trial: str, group: GroupSpec, slurm: SlurmConfig,
-                         workdir: str, umask: int) -> str:
+                         workdir: str, umask: int, gpus_per_worker: int = 0) -> str:
     """The sbatch script of ``group``'s job: its ``srun`` starts ``count`` tasks running
     ``argv``, task ``i`` being worker ``first + i`` (``RLSYS_WORKER_BASE``) and writing
     ``log_paths[i]``. A job of one worker (a one-worker group, or a recovery's restart of one
     worker alone) asks for one node, with the group's per-node resources. The script and srun's
-    tasks create files under ``umask`` (srun passes ``SLURM_UMASK`` on, before its own umask)."""
+    tasks create files under ``umask`` (srun passes ``SLURM_UMASK`` on, before its own umask).
+    Each worker uses ``gpus_per_worker`` GPUs (:func:`job_gpus`: requested per node, and
+    ``RLSYS_GPUS_PER_TASK`` tells each task to take its own slice)."""
     kind, g = group.kind, slurm.group(group.kind)
     per_node = tasks_per_node(kind, group.count, g) if group.count != 1 else 1
+    gpus_per_node, gpus_per_task = job_gpus(kind, per_node, g, slurm, gpus_per_worker)
     logs_dir = os.path.dirname(group.log_paths[0])
     return template_environment().get_template("worker.sbatch.j2").render(
         exp=exp, trial=trial, kind=kind, count=group.count, first=group.first, g=g,
         nodes=g.nodes if group.count != 1 else 1, ntasks_per_node=per_node,
+        gpus_per_node=gpus_per_node, gpus_per_task=gpus_per_task,
         job_name=job_name(exp, trial, job_label(group)),
         batch_log=os.path.join(slurm_literal(logs_dir), f"slurm-{kind}-%j.log"),
         task_log=task_log(group),

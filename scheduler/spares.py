@@ -74,8 +74,11 @@ class Spares:
         self._spares: dict[tuple[str, ...], _Spare] = {}
         self.enabled = False
 
-    def remember(self, group: GroupSpec) -> None:
-        """``group``'s workers may restart: once spares are on, keep one of its kind ready."""
+    def remember(self, group: GroupSpec, env: dict[str, str] | None = None) -> None:
+        """``group``'s workers may restart: once spares are on, keep one of its kind ready
+        (started with ``env`` added, as every worker of the group)."""
+        if env:
+            group = dataclasses.replace(group, env={**group.env, **env})
         self._groups.setdefault(tuple(group.argv), group)
 
     def warm(self) -> None:

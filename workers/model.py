@@ -29,6 +29,7 @@ from system.rendezvous import host_store, lookup_store, store_prefix
 from system.reshard.spec import WeightSyncSpec
 from workers.base import Worker
 from workers.client import Pending, WorkerClient
+from workers.devices import select_device
 from workers.schema import EngineInfo, TrainItem, TrainStats, WeightsSent, WorkerSetup
 
 if TYPE_CHECKING:  # torch is imported by the model worker process, not by the launcher
@@ -352,14 +353,13 @@ class ModelWorker(Worker):
 
     @property
     def device(self) -> str:
-        """This worker's device: under Slurm the job's GPUs are the visible ones
-        (``CUDA_VISIBLE_DEVICES`` set from the allocation) and each task takes the one at its
-        local rank; without GPUs, the CPU."""
+        """This worker's device (:func:`~workers.devices.select_device`): the one GPU its
+        placement left visible (local: ``CUDA_VISIBLE_DEVICES`` per worker; Slurm: each task's
+        slice), else the one at its local rank among its node's; without GPUs, the CPU."""
         import torch
 
-        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            return f"cuda:{self.local_rank % torch.cuda.device_count()}"
-        return "cpu"
+        return select_device(self.local_rank,
+                             torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
     def new_group(self, name: str) -> Any:
         """A gloo process group over all model workers (rank = worker index)."""

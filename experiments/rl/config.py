@@ -7,6 +7,7 @@ import os
 from experiments.rl.agents import AgentConfig
 from experiments.rl.algorithms.objectives import ActorLossConfig
 from experiments.rl.tasks import TaskConfig
+from scheduler.gpu_plan import GpuDemand
 from system.paths import PROJECT_ROOT
 from system.launcher.config import ExperimentConfig, RecoverConfig
 from system.errors import ConfigError
@@ -154,6 +155,13 @@ class RLExperimentConfig(ExperimentConfig):
 
     def recovery(self) -> RecoverConfig:
         return self.recover
+
+    def gpu_demands(self) -> list[GpuDemand]:
+        """One GPU per model worker, ``tensor_parallel_size`` per generation server."""
+        return [GpuDemand("model", self.model.count, 1, "model.count"),
+                GpuDemand("generation", self.generation.count,
+                          self.rl.vllm.tensor_parallel_size,
+                          "generation.count x rl.vllm.tensor_parallel_size")]
 
 
 def resolve_model_path(rl: RLConfig, default: str) -> str:

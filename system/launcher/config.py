@@ -10,6 +10,7 @@ import dataclasses
 import enum
 
 from scheduler.config import SchedulerConfig, SchedulerKind
+from scheduler.gpu_plan import GpuDemand
 from scheduler.script_text import PATH_REFUSED, check_sbatch_text, slurm_path_problem
 from system.checks import check_line, check_name
 from system.errors import ConfigError
@@ -158,3 +159,10 @@ class ExperimentConfig:
     def worker_counts(self) -> dict[str, int]:
         return {"master": 1, "model": self.model.count, "generation": self.generation.count,
                 "rollout": self.rollout.count}
+
+    def gpu_demands(self) -> list[GpuDemand]:
+        """The GPUs each worker kind uses where GPUs are placed (model workers first): one per
+        model worker and one per generation server; an experiment whose servers span several
+        (tensor parallelism) says so. Master and rollout workers use none."""
+        return [GpuDemand("model", self.model.count, 1, "model.count"),
+                GpuDemand("generation", self.generation.count, 1, "generation.count")]

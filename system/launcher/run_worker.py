@@ -4,7 +4,10 @@ experiment gives that kind.
     python -m system.launcher.run_worker --trial-dir runs/smoke/t1 --kind rollout --index 3
 
 Under Slurm the index is omitted: each task derives its worker index (global rank) and local
-rank from the Slurm environment through submitit's ``JobEnvironment``.
+rank from the Slurm environment through submitit's ``JobEnvironment``, and before anything
+touches CUDA sets its ranks (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``...) and,
+in a job that requests GPUs, narrows ``CUDA_VISIBLE_DEVICES`` to its own
+(:func:`scheduler.gpu_plan.task_env`).
 """
 from __future__ import annotations
 
@@ -13,9 +16,10 @@ import logging
 import os
 import sys
 
-from experiments.catalog import get_experiment
+from scheduler.gpu_plan import task_env
 from scheduler.spares import STANDBY_FLAG
 from system.bootstrap import Bootstrap
+from system.errors import ConfigError
 from system.launcher.standby import set_process_name, wait_for_activation, warm
 from system.private_files import set_umask
 from workers.kinds import KINDS, worker_class
@@ -29,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(STANDBY_FLAG, action="store_true",
                    help="a warm spare (scheduler.spares): import, then wait to be activated")
     args = p.parse_args(argv)
+    try:
+        os.environ.update(task_env(os.environ))  # before CUDA is initialised, here or in vLLM
+    except ConfigError as e:
+        print(f"{args.kind}: GPU placement: {e}", file=sys.stderr)
+        return 2
+    from experiments.catalog import get_experiment
+
     bootstrap = os.path.join(args.trial_dir, "bootstrap.json")
     if args.standby:
         set_process_name(f"warm/{args.kind}")  # importing; then "spare/KIND": ready

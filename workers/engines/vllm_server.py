@@ -82,16 +82,13 @@ class GenerationEngine:
         import torch
         from vllm import LLM
 
-        on_gpu = torch.cuda.is_available()
-        dtype = cfg.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if on_gpu else "float32"
-        inline = cfg.inline(on_gpu)
+        args = cfg.engine_args(on_gpu=torch.cuda.is_available())
+        inline = args.inline
         # read by vLLM when the engine is made: its engine core in this process, or in its own
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if inline else "1"
-        llm = LLM(model=model_path, skip_tokenizer_init=True, dtype=dtype,
-                  enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
-                  gpu_memory_utilization=cfg.gpu_memory_utilization,
+        llm = LLM(model=model_path, skip_tokenizer_init=True, dtype=args.dtype,
+                  enforce_eager=args.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
+                  gpu_memory_utilization=args.gpu_memory_utilization,
                   max_model_len=cfg.max_model_len, seed=cfg.seed,
                   enable_prefix_caching=cfg.enable_prefix_caching,
                   worker_extension_cls=WEIGHT_SYNC_EXTENSION,
