@@ -2,9 +2,11 @@
 
     python -m system.reshard check --src dp=2,tp=2,pp=1 --dst tp=2,replicas=2
     python -m system.reshard check --src dp=1,tp=2,pp=2 --dst tp=1,replicas=2 --model small
+    python -m system.reshard check --src-backend megatron --src dp=2,tp=2,pp=2 --dst tp=2,replicas=2
 
 Spawns one process per training and generation rank, reshards a randomly initialised Qwen2-style
-model (every training rank holds only its own shard), and compares every tensor each generation
+model (every training rank holds only its own shard: HF-named tensor-parallel shards, or with
+``--src-backend megatron`` megatron-core's own fused, vocabulary-padded tensors), and compares every tensor each generation
 rank received bit-exactly against the full reference. Prints ``ok`` or the mismatches; exits
 non-zero on any mismatch. The planner is :mod:`system.reshard.plan`, the executor
 :mod:`system.reshard.executor`.
@@ -26,7 +28,8 @@ from system.name_resolve import FileNameResolve
 from system.rendezvous import host_store, lookup_store
 from system.reshard.executor import ReshardStats
 from system.reshard.layout import GenLayout, TrainLayout, parse_gen_layout, parse_train_layout
-from system.reshard.params import ModelShape, ParamSpec, vllm_local_params
+from system.reshard.megatron import local_box
+from system.reshard.params import Box, ModelShape, ParamSpec, vllm_local_params
 from system.reshard.spec import WeightSyncSpec
 
 MODELS: dict[str, ModelShape] = {
@@ -48,6 +51,24 @@ def reference(spec: ParamSpec, seed: int, dtype: torch.dtype) -> torch.Tensor:
     """The full tensor of ``spec``: deterministic in (seed, name), so every process agrees."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(spec.name.encode()))
     return torch.randn(spec.shape, generator=g).to(dtype)
+
+
+def source_tensors(spec: WeightSyncSpec, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """Training ``rank``'s own tensors as its engine holds them (padding rows zero), made from
+    the parts of the reference it holds."""
+    dtype = getattr(torch, spec.dtype)
+    by_name = {s.name: s for s in spec.specs()}
+    out = {}
+    for p in spec.src_params(rank):
+        t = torch.zeros(p.shape, dtype=dtype)
+        for pc in p.pieces:
+            t[_slices(local_box(pc))] = reference(by_name[pc.source], seed, dtype)[_slices(pc.box)]
+        out[p.name] = t
+    return out
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
 
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -76,10 +97,7 @@ def _rank_body(rank: int, spec: WeightSyncSpec, opts: tuple[int, int | None],
     executor = spec.executor(rank, store, plan=spec.plan(direct_bytes=opts[0]), lanes=opts[1])
     by_name = {s.name: s for s in spec.specs()}
     if rank < spec.src.world_size:
-        boxes = spec.src_boxes(rank)
-        shards = {n: reference(by_name[n], seed, dtype)[tuple(slice(a, b) for a, b in box)].clone()
-                  for n, box in boxes.items()}
-        return [], executor.run(src=shards, src_boxes=boxes)
+        return [], executor.run(src=source_tensors(spec, rank, seed))
     _, tp = spec.dst.coord(rank - spec.src.world_size)
     params = spec.dst_params(tp)
     local = {p.name: torch.full(p.shape, float("nan"), dtype=dtype) for p in params}
@@ -100,12 +118,13 @@ def _rank_body(rank: int, spec: WeightSyncSpec, opts: tuple[int, int | None],
 def run_check(src: TrainLayout, dst: GenLayout, shape: ModelShape, *, bucket_bytes: int = 256 << 20,
               direct_bytes: int = 1 << 20, dtype: torch.dtype = torch.float32,
               lanes: int | None = None, threads: bool = False, seed: int = 0,
-              timeout: float = 300, corrupt_rank: int | None = None
-              ) -> tuple[list[str], dict[str, int]]:
+              timeout: float = 300, corrupt_rank: int | None = None,
+              src_backend: str = "fsdp") -> tuple[list[str], dict[str, int]]:
     """Run the whole reshard with one process (or thread) per rank; returns the mismatches and
     figures of the plan. ``corrupt_rank``: a training rank that sends wrong data (to show the
-    check catches it)."""
-    spec = WeightSyncSpec(src, dst, shape, DTYPES[dtype], "gloo", "fast", bucket_bytes, 120)
+    check catches it). ``src_backend``: fsdp or megatron (what the training ranks hold)."""
+    spec = WeightSyncSpec(src, dst, shape, DTYPES[dtype], "gloo", "fast", bucket_bytes, 120,
+                          src_backend=src_backend)
     plan = spec.plan(direct_bytes=direct_bytes)  # validates first
     with tempfile.TemporaryDirectory() as nr_root:  # private (0700): no trial secret needed
         prefix = os.urandom(16).hex()  # this run's own key prefix (the trial secret's role)
@@ -163,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="reshard a random model and compare bit-exactly")
     c.add_argument("--src", required=True, help="training layout, e.g. dp=2,tp=2,pp=1")
+    c.add_argument("--src-backend", default="fsdp", choices=["fsdp", "megatron"],
+                   help="what training ranks hold: HF-named shards, or megatron-core's tensors")
     c.add_argument("--dst", required=True, help="generation layout, e.g. tp=2,replicas=2")
     c.add_argument("--model", default="tiny", choices=sorted(MODELS))
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -178,15 +199,17 @@ def main(argv: list[str] | None = None) -> int:
         bad, fig = run_check(src, dst, MODELS[args.model],
                              bucket_bytes=int(args.bucket_mb * (1 << 20)),
                              direct_bytes=int(args.direct_mb * (1 << 20)),
-                             dtype=getattr(torch, args.dtype), threads=args.threads)
+                             dtype=getattr(torch, args.dtype), threads=args.threads,
+                             src_backend=args.src_backend)
     except RLSystemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if bad:
         print("\n".join(bad))
-        print(f"MISMATCH: {len(bad)} tensor(s) differ ({src} -> {dst}, model {args.model})")
+        print(f"MISMATCH: {len(bad)} tensor(s) differ ({args.src_backend} {src} -> {dst}, "
+              f"model {args.model})")
         return 1
-    print(f"ok: {src} -> {dst}, model {args.model}: {fig['tensors_per_dst_rank']} tensors per "
+    print(f"ok: {args.src_backend} {src} -> {dst}, model {args.model}: {fig['tensors_per_dst_rank']} tensors per "
           f"generation rank bit-exact, {fig['bytes_per_dst_rank'] / 2**20:.2f} MiB each, "
           f"{fig['buckets']} buckets on {fig['groups']} groups, "
           f"{fig['max_bytes_unpacked'] / 2**20:.2f} MiB unpacked on the busiest receiver")

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from system.reshard.params import Box
+from system.reshard.params import Box, box_shape
 from system.reshard.plan import Bucket, ReshardPlan, flat_range
 
 
@@ -31,6 +31,13 @@ def _slices(box: Box, origin: Box | None = None) -> tuple[slice, ...]:
     if origin is None:
         return tuple(slice(a, b) for a, b in box)
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
+
+
+def _check_shapes(src: Mapping[str, torch.Tensor], boxes: Mapping[str, Box]) -> None:
+    for name, box in boxes.items():
+        if name in src and tuple(src[name].shape) != box_shape(box):
+            raise ValueError(f"source {name} has shape {tuple(src[name].shape)}, its box "
+                             f"{list(box)} has {box_shape(box)}")
 
 
 class GroupFactory:
@@ -109,19 +116,23 @@ class ReshardExecutor:
     def run(self, src: Mapping[str, torch.Tensor] | None = None,
             src_boxes: Mapping[str, Box] | None = None,
             dst: Mapping[str, torch.Tensor] | None = None) -> ReshardStats:
-        """Send this rank's regions from ``src`` (its local shards, HF names, covering
-        ``src_boxes`` of the full tensors) and/or receive into ``dst`` (its local parameters,
-        by name, written in place)."""
+        """Send this rank's regions from ``src`` (its local tensors by the names of the plan's
+        source layout: HF-named shards, or megatron's own tensors; each transfer says where in
+        them it lies) and/or receive into ``dst`` (its local parameters, by name, written in
+        place). ``src_boxes`` (HF-named shards only, optional): the boxes of the full tensors
+        the caller believes ``src`` holds; a shape that disagrees is refused."""
+        if src is not None and src_boxes is not None:
+            _check_shapes(src, src_boxes)
         stats = ReshardStats()
         t0 = time.perf_counter()
         pending: collections.deque[tuple[Bucket, torch.Tensor | None, Any, int]] = \
             collections.deque()
         live = 0
         for bucket, lane in self.buckets:
-            buf, staged = self._buffer(bucket, src, src_boxes, dst)
+            buf, staged = self._buffer(bucket, src, dst)
             if bucket.sender == self.rank:
                 if staged:
-                    self._pack(bucket, buf, src, src_boxes)
+                    self._pack(bucket, buf, src)
                     stats.bytes_packed += buf.numel() * buf.element_size()
                 stats.bytes_sent += buf.numel() * buf.element_size()
             opts = dist.BroadcastOptions()
@@ -144,16 +155,15 @@ class ReshardExecutor:
         return stats
 
     def _buffer(self, bucket: Bucket, src: Mapping[str, torch.Tensor] | None,
-                src_boxes: Mapping[str, Box] | None, dst: Mapping[str, torch.Tensor] | None
-                ) -> tuple[torch.Tensor, bool]:
+                dst: Mapping[str, torch.Tensor] | None) -> tuple[torch.Tensor, bool]:
         """The tensor to broadcast, without copies where it can be: the sender's shard itself
         for a lone contiguous region; on a receiver, the range of its own parameter that a run
         of regions fills back to back. Else a new flat buffer (packed or unpacked)."""
         view = None
         if bucket.sender == self.rank:
-            if len(bucket.transfers) == 1 and src is not None and src_boxes is not None:
+            if len(bucket.transfers) == 1 and src is not None:
                 t = bucket.transfers[0]
-                view = src[t.param][_slices(t.box, src_boxes[t.param])]
+                view = src[t.source.param][_slices(t.source.box)]
         elif dst is not None:
             view = self._run_view(bucket, dst)
         if view is not None and view.is_contiguous() and view.dtype == self.dtype:
@@ -181,14 +191,14 @@ class ReshardExecutor:
             return None
         return dst[name].view(-1)[start:end]
 
-    def _pack(self, bucket: Bucket, buf: torch.Tensor, src: Mapping[str, torch.Tensor] | None,
-              src_boxes: Mapping[str, Box] | None) -> None:
-        if src is None or src_boxes is None:
+    def _pack(self, bucket: Bucket, buf: torch.Tensor, src: Mapping[str, torch.Tensor] | None
+              ) -> None:
+        if src is None:
             raise ValueError(f"rank {self.rank} sends but was given no source tensors")
         off = 0
         for t in bucket.transfers:
             n = t.numel
-            region = src[t.param][_slices(t.box, src_boxes[t.param])]
+            region = src[t.source.param][_slices(t.source.box)]
             buf[off:off + n].view(region.shape).copy_(region)
             off += n
 

@@ -223,3 +223,11 @@ def train_shard_boxes(specs: list[ParamSpec], layout: TrainLayout, rank: int, nu
     c = layout.coord(rank)
     return {s.name: tp_box(s, layout.tp, c.tp) for s in specs
             if stage_of(s, num_layers, layout.pp) == c.pp}
+
+
+def train_local_params(specs: list[ParamSpec], layout: TrainLayout, rank: int, num_layers: int
+                       ) -> list[DstParam]:
+    """What training ``rank`` holds as local tensors: its HF-named shards, one piece each (the
+    planner's default source layout)."""
+    return [DstParam(name, box_shape(box), (Piece(name, box, 0, 0),))
+            for name, box in train_shard_boxes(specs, layout, rank, num_layers).items()]

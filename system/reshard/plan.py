@@ -16,11 +16,11 @@ smaller ones sharing a sender and a receiver set are packed together into flat b
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Sequence
 
-from system.reshard.params import (Box, DstParam, ParamSpec, Piece, Split, box_shape,
-                                   check_divisible, stage_of, tp_box, vllm_local_params,
-                                   hf_local_params)
+from system.reshard.params import (Box, DstParam, ParamSpec, Piece, box_shape, check_divisible,
+                                   hf_local_params, train_local_params, vllm_local_params)
 from system.reshard.layout import GenLayout, LayoutError, TrainLayout
 
 
@@ -35,12 +35,15 @@ class Placement:
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
-    """``box`` of the full HF parameter ``param``, broadcast by ``sender``."""
+    """``box`` of the full HF parameter ``param``, broadcast by ``sender``, which reads it from
+    ``source`` (a box of one of its own local tensors: an HF-named shard, or a megatron tensor
+    that fuses several HF parameters)."""
 
     param: str
     box: Box
     sender: int
     placements: tuple[Placement, ...]
+    source: Placement
 
     @property
     def numel(self) -> int:
@@ -93,35 +96,51 @@ class ReshardPlan:
         return sum(b.numel for b in self.buckets if b.sender == rank) * self.itemsize
 
 
-def _split_dim(spec: ParamSpec) -> int | None:
-    if spec.split == Split.REPLICATED:
-        return None
-    return 1 if spec.split == Split.ROW else 0
+# A source rank's holding of part of an HF parameter: (rank, its local tensor, the piece)
+_Holding = tuple[int, str, Piece]
 
 
-def _with(box: Box, dim: int, interval: tuple[int, int]) -> Box:
-    return box[:dim] + (interval,) + box[dim + 1:]
+def _holdings(src_params: Sequence[Sequence[DstParam]]) -> dict[str, list[_Holding]]:
+    """Per HF parameter, every source rank's local tensor piece of it."""
+    out: dict[str, list[_Holding]] = {}
+    for rank, params in enumerate(src_params):
+        for p in params:
+            for piece in p.pieces:
+                out.setdefault(piece.source, []).append((rank, p.name, piece))
+    return out
 
 
-def _units(spec: ParamSpec, need: Box, src_tp: int) -> list[tuple[Box, list[int]]]:
-    """Partition ``need`` into regions, each with the source tp ranks holding all of it."""
-    boxes = [tp_box(spec, src_tp, t) for t in range(src_tp)]
-    dim = _split_dim(spec)
-    if dim is None:
-        return [(need, list(range(src_tp)))]
-    lo, hi = need[dim]
-    cuts = sorted({lo, hi} | {c for b in boxes for c in b[dim] if lo < c < hi})
-    units: list[tuple[Box, list[int]]] = []
-    for a, b in zip(cuts, cuts[1:]):
-        holders = [t for t, bx in enumerate(boxes) if bx[dim][0] <= a and b <= bx[dim][1]]
+def _inside(inner: Box, outer: Box) -> bool:
+    return all(a0 <= a and b <= b0 for (a, b), (a0, b0) in zip(inner, outer))
+
+
+def _units(name: str, need: Box, holdings: Sequence[_Holding]) -> list[tuple[Box,
+                                                                           list[_Holding]]]:
+    """Partition ``need`` into regions, each with the source holdings that contain all of it:
+    cut at every holding's bounds, then merge neighbours held by the same pieces."""
+    cuts = []
+    for d, (lo, hi) in enumerate(need):
+        cuts.append(sorted({lo, hi} | {c for _, _, pc in holdings for c in pc.box[d]
+                                       if lo < c < hi}))
+    units: list[tuple[Box, list[_Holding]]] = []
+    for cell in itertools.product(*[list(zip(c, c[1:])) for c in cuts]):
+        box: Box = tuple(cell)
+        holders = [h for h in holdings if _inside(box, h[2].box)]
         if not holders:
-            raise AssertionError(f"no source holds {spec.name}[{a}:{b}]")
-        if units and units[-1][1] == holders:  # merge with the previous region
+            raise AssertionError(f"no source holds {name}{list(box)}")
+        if units and units[-1][1] == holders and _adjacent(units[-1][0], box):
             prev = units[-1][0]
-            units[-1] = (_with(prev, dim, (prev[dim][0], b)), holders)
+            units[-1] = (tuple((min(a, c), max(b, e)) for (a, b), (c, e) in zip(prev, box)),
+                         holders)
         else:
-            units.append((_with(need, dim, (a, b)), holders))
+            units.append((box, holders))
     return units
+
+
+def _adjacent(a: Box, b: Box) -> bool:
+    """Whether ``b`` continues ``a`` along exactly one dimension (equal in the others)."""
+    diff = [d for d, (x, y) in enumerate(zip(a, b)) if x != y]
+    return len(diff) == 1 and a[diff[0]][1] == b[diff[0]][0]
 
 
 def _chunks(box: Box, max_numel: int) -> list[Box]:
@@ -138,8 +157,8 @@ def _chunks(box: Box, max_numel: int) -> list[Box]:
     return [((a, min(a + rows, hi)),) + box[1:] for a in range(lo, hi, rows)]
 
 
-# (hf param, region) -> (source tp ranks holding it, where every receiver writes it)
-_Needs = dict[tuple[str, Box], tuple[list[int], list[Placement]]]
+# (hf param, region) -> (source holdings containing it, where every receiver writes it)
+_Needs = dict[tuple[str, Box], tuple[list["_Holding"], list[Placement]]]
 # (receiver, local param) -> that local parameter's shape
 _Shapes = dict[tuple[int, str], tuple[int, ...]]
 # (sender, receivers) -> runs, in transfer order
@@ -154,11 +173,12 @@ def _box_numel(box: Box) -> int:
 
 
 def _check_layouts(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec],
-                   num_layers: int) -> None:
+                   num_layers: int, check_src: bool) -> None:
     if max(src.tp, dst.tp) % min(src.tp, dst.tp):
         raise LayoutError(f"tensor-parallel sizes do not divide each other: training tp={src.tp}, "
                           f"generation tp={dst.tp}")
-    check_divisible(specs, src.tp, "training")
+    if check_src:
+        check_divisible(specs, src.tp, "training")
     check_divisible(specs, dst.tp, "generation")
     if src.pp > num_layers:
         raise LayoutError(f"pp={src.pp} is more than the model's {num_layers} layers")
@@ -174,15 +194,15 @@ def _local_box(box: Box, piece: Piece) -> Box:
 
 
 def _destination_needs(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec],
-                       fused: bool) -> tuple[_Needs, _Shapes]:
-    """Phase 1: which regions each destination tp rank needs, with the source tp ranks that hold
-    each, and the shape of every receiver's local parameters.
+                       holdings: dict[str, list[_Holding]], fused: bool
+                       ) -> tuple[_Needs, _Shapes]:
+    """Phase 1: which regions each destination tp rank needs, with the source holdings that
+    contain each, and the shape of every receiver's local parameters.
 
     Regions are keyed by (HF param, box) so that every replica, and every destination tp rank
     holding the same region, share one entry and hence one broadcast.
     """
     S = src.world_size
-    by_name = {s.name: s for s in specs}
     local = vllm_local_params if fused else hf_local_params
     needs: _Needs = {}
     shapes: _Shapes = {}
@@ -192,41 +212,41 @@ def _destination_needs(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSp
             for replica in range(dst.replicas):
                 shapes[(S + dst.rank(replica, u), p.name)] = p.shape
             for piece in p.pieces:
-                spec = by_name[piece.source]
-                for box, holders in _units(spec, piece.box, src.tp):
+                for box, holders in _units(piece.source, piece.box, holdings[piece.source]):
                     local_box = _local_box(box, piece)
-                    entry = needs.setdefault((spec.name, box), (holders, []))
+                    entry = needs.setdefault((piece.source, box), (holders, []))
                     for replica in range(dst.replicas):
                         entry[1].append(Placement(S + dst.rank(replica, u), p.name, local_box))
     return needs, shapes
 
 
-def _choose_senders(src: TrainLayout, needs: _Needs, by_name: dict[str, ParamSpec],
-                    num_layers: int, cap: int, src_nodes: Sequence[str],
+def _choose_senders(src: TrainLayout, needs: _Needs, cap: int, src_nodes: Sequence[str],
                     dst_nodes: Sequence[str]) -> list[Transfer]:
     """Phase 2: one sender per region, balanced by bytes, same node preferred; each region is
     cut into chunks of at most ``cap`` elements.
 
-    The choice is made per (local parameter, stage, holders), not per region, so that all
+    The choice is made per (local parameter, holding ranks), not per region, so that all
     regions of one local parameter from the same holders share a sender and can form one run.
     """
     S = src.world_size
     load = [0] * S
-    chosen: dict[tuple[str, int, tuple[int, ...]], int] = {}
+    chosen: dict[tuple[str, tuple[int, ...]], int] = {}
     transfers: list[Transfer] = []
-    for (name, box), (holder_tps, placements) in needs.items():
-        stage = stage_of(by_name[name], num_layers, src.pp)
-        key = (placements[0].param, stage, tuple(holder_tps))
+    for (name, box), (holdings, placements) in needs.items():
+        holders = sorted({h[0] for h in holdings})
+        key = (placements[0].param, tuple(holders))
         if key not in chosen:
-            holders = [src.rank(d, t, stage) for t in holder_tps for d in range(src.dp)]
             recv_nodes = {dst_nodes[p.rank - S] for p in placements}
             near = [r for r in holders if src_nodes[r] in recv_nodes]
             chosen[key] = min(near or holders, key=lambda r: (load[r], r))
         sender = chosen[key]
+        _, local, piece = next(h for h in holdings if h[0] == sender)
+        source = Placement(sender, local, _local_box(box, piece))
         load[sender] += _box_numel(box)
         for chunk in _chunks(box, cap):
             transfers.append(Transfer(name, chunk, sender, tuple(
-                Placement(p.rank, p.param, _shift(p.box, box, chunk)) for p in placements)))
+                Placement(p.rank, p.param, _shift(p.box, box, chunk)) for p in placements),
+                Placement(sender, local, _shift(source.box, box, chunk))))
     return transfers
 
 
@@ -286,22 +306,32 @@ def _interleave(per_sender: dict[int, list[Bucket]]) -> list[Bucket]:
 def plan_reshard(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec], num_layers: int, *,
                  itemsize: int = 4, bucket_bytes: int = 256 << 20, direct_bytes: int = 1 << 20,
                  fused: bool = True, src_nodes: Sequence[str] | None = None,
-                 dst_nodes: Sequence[str] | None = None) -> ReshardPlan:
+                 dst_nodes: Sequence[str] | None = None,
+                 src_params: Sequence[Sequence[DstParam]] | None = None) -> ReshardPlan:
     """Plan the transfer of every parameter from ``src`` to ``dst``.
 
     ``fused``: destinations hold vLLM's fused parameters (``qkv_proj``, ``gate_up_proj``);
     otherwise HF-named shards. ``direct_bytes``: a region at least this large travels alone, so
     that it can be sent from, and received into, the tensors themselves without packing.
     ``src_nodes``/``dst_nodes``: the node of each rank (for the same-node preference); default:
-    all on one node.
+    all on one node. ``src_params``: the local tensors of every training rank, with the HF
+    boxes they hold (e.g. :func:`~system.reshard.megatron.megatron_local_params`, already
+    validated); default: HF-named tensor-parallel shards of the pipeline stage
+    (:func:`~system.reshard.params.train_local_params`). Each sender reads its regions straight
+    from its own local tensors: nothing is gathered.
     """
-    _check_layouts(src, dst, specs, num_layers)
+    _check_layouts(src, dst, specs, num_layers, check_src=src_params is None)
+    if src_params is None:
+        src_params = [train_local_params(specs, src, r, num_layers)
+                      for r in range(src.world_size)]
+    if len(src_params) != src.world_size:
+        raise LayoutError(f"{len(src_params)} source ranks' parameters for {src} "
+                          f"({src.world_size} ranks)")
     src_nodes = list(src_nodes or ["node0"] * src.world_size)
     dst_nodes = list(dst_nodes or ["node0"] * dst.world_size)
     cap = max(1, bucket_bytes // itemsize)
-    needs, shapes = _destination_needs(src, dst, specs, fused)
-    transfers = _choose_senders(src, needs, {s.name: s for s in specs}, num_layers, cap,
-                                src_nodes, dst_nodes)
+    needs, shapes = _destination_needs(src, dst, specs, _holdings(src_params), fused)
+    transfers = _choose_senders(src, needs, cap, src_nodes, dst_nodes)
     runs = _form_runs(transfers, shapes, itemsize, direct_bytes, cap)
     buckets = _interleave(_pack_buckets(runs, itemsize, direct_bytes, cap))
     return ReshardPlan(src, dst, tuple(buckets), itemsize)

@@ -10,6 +10,14 @@ Prints ``name: value`` lines:
   one broadcast of a flat buffer of the same size on a group of the same ranks.
 - peak_extra_memory_fraction_*: the largest transfer buffers a rank holds at once / that rank's
   parameter bytes (ours: in-flight buckets; naive: rank 0's full state dict).
+- megatron_publish_peak_extra_MiB_*: with ``--megatron dp=..,tp=..,pp=..``, for a megatron-core
+  source (each rank holding its own GPTModel tensors: fused qkv, [gate; up], padded vocabulary)
+  publishing into ``--dst``, the most memory a rank held beyond its own tensors during one
+  publish (peak resident set minus the resident set before it, the kernel's high-water mark
+  reset just before; CUDA: peak allocated), for the full-gather path (every shard to rank 0,
+  which rebuilds the HF model with ``megatron_shards_to_hf`` and broadcasts it tensor by tensor)
+  and for ours (each rank sends its own slices through the planner), side by side in one run,
+  against the target 1/dp of the model plus one bucket. ``--megatron-only`` runs just this part.
 """
 from __future__ import annotations
 
@@ -169,7 +177,15 @@ def main() -> None:
                    help="groups per member set (default: 2 on gloo, 1 on nccl)")
     p.add_argument("--direct-mb", type=float, default=1.0,
                    help="regions at least this large travel alone, unpacked")
+    p.add_argument("--megatron", default="dp=2,tp=2,pp=1",
+                   help="megatron source of the publish-memory part ('' to skip it)")
+    p.add_argument("--megatron-only", action="store_true",
+                   help="only the megatron publish-memory part")
     args = p.parse_args()
+    if args.megatron:
+        megatron_publish_memory(args)
+    if args.megatron_only:
+        return
     src, dst = parse_train_layout(args.src), parse_gen_layout(args.dst)
     world = src.world_size + dst.world_size
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
@@ -212,6 +228,154 @@ def main() -> None:
     print(f"peak_extra_memory_fraction_ours_max_rank: {ours_frac:.2f}")
     print(f"peak_extra_memory_fraction_naive_rank0: "
           f"{results[0]['naive_peak_buffer'] / results[0]['own_bytes']:.2f}")
+
+
+# --- megatron source: peak extra memory per rank, full-gather publish vs shard-to-shard -----
+
+def _mg_mark_reset(dev) -> int:
+    """Reset the peak-memory mark; the memory in use now (bytes)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        return torch.cuda.memory_allocated(dev)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current VmRSS
+    return _mg_status("VmRSS")
+
+
+def _mg_mark(dev) -> int:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev)
+    return _mg_status("VmHWM")
+
+
+def _mg_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _mg_worker(rank, spec, args, port, out):
+    from system.reshard.check import source_tensors
+    from system.reshard.megatron import megatron_shards_to_hf
+
+    torch.set_num_threads(1)
+    S, world = spec.src.world_size, spec.world_size
+    dev = torch.device("cuda", rank % max(1, torch.cuda.device_count())) \
+        if args.backend == "nccl" else torch.device("cpu")
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=datetime.timedelta(seconds=600))
+    groups = GroupFactory(store, rank, args.backend, 600)
+    everyone = groups.get(tuple(range(world)))
+    root_members = tuple([0] + list(range(S, world)))
+    root_group = groups.get(root_members) if rank in root_members else None
+    ex = ReshardExecutor(spec.plan(direct_bytes=int(args.direct_mb * (1 << 20))), rank, groups,
+                         device=dev, inflight=args.inflight, lanes=args.lanes)
+    if rank < S:
+        own = {n: t.to(dev) for n, t in source_tensors(spec, rank, 0).items()}
+    else:
+        params = spec.dst_params(spec.dst.coord(rank - S)[1])
+        own = {p.name: torch.zeros(p.shape, device=dev) for p in params}
+    specs = spec.specs()
+
+    def barrier():
+        everyone.barrier().wait() if args.backend == "gloo" else everyone.allreduce(
+            [torch.zeros(1, device=dev)]).wait()
+
+    def ours():
+        ex.run(src=own) if rank < S else ex.run(dst=own)
+
+    def gather():
+        full = {}
+        if rank == 0:  # every rank's megatron tensors, then the HF model rebuilt from them
+            shards = {}
+            for r in range(S):
+                c = spec.src.coord(r)
+                if c.dp or (c.tp, c.pp) in shards:
+                    continue
+                if r == 0:
+                    shards[(c.tp, c.pp)] = own
+                    continue
+                shards[(c.tp, c.pp)] = {}
+                for p in spec.src_params(r):
+                    buf = torch.empty(p.shape, device=dev)
+                    everyone.recv([buf], r, 0).wait()
+                    shards[(c.tp, c.pp)][p.name] = buf
+            full = megatron_shards_to_hf({k: {n: t.cpu() for n, t in v.items()}
+                                          for k, v in shards.items()}, spec.shape, spec.src.tp,
+                                         spec.src.pp, spec.vocab_divisible_by)
+            del shards
+        elif rank < S and spec.src.coord(rank).dp == 0:
+            for p in spec.src_params(rank):
+                everyone.send([own[p.name].contiguous()], 0, 0).wait()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        for s in specs:  # tensor by tensor; a generation rank keeps its slices
+            if rank == 0:
+                root_group.broadcast([full[s.name].to(dev)], opts).wait()
+            elif rank >= S:
+                buf = torch.empty(s.shape, device=dev)
+                root_group.broadcast([buf], opts).wait()
+                for p in params:
+                    for pc in p.pieces:
+                        if pc.source == s.name:
+                            n = box_shape(pc.box)[0]
+                            own[p.name][pc.offset:pc.offset + n] = buf[_sl(pc.box)]
+
+    res = {"rank": rank, "own_bytes": sum(t.numel() * 4 for t in own.values())}
+    for i in range(args.repeat + 1):  # the first round warms up (groups, allocator)
+        for name, fn in (("gather", gather), ("ours", ours)):
+            barrier()
+            before = _mg_mark_reset(dev)
+            fn()
+            extra = _mg_mark(dev) - before
+            barrier()
+            if i:
+                res[name] = max(res.get(name, 0), extra)
+    out.put(res)
+
+
+def megatron_publish_memory(args) -> None:
+    """Peak extra memory per rank of one publish from a megatron source, full gather vs ours."""
+    from system.reshard.spec import WeightSyncSpec
+
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors leave the RSS
+    shape = MODELS[args.model]
+    spec = WeightSyncSpec(parse_train_layout(args.megatron), parse_gen_layout(args.dst), shape,
+                          "float32", args.backend, "fast", args.bucket_mb << 20, 600,
+                          src_backend="megatron")
+    world = spec.world_size
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=600))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_mg_worker, args=(r, spec, args, store.port, out))
+             for r in range(world)]
+    for pr in procs:
+        pr.start()
+    results = sorted((out.get(timeout=1200) for _ in procs), key=lambda r: r["rank"])
+    for pr in procs:
+        pr.join()
+    S, mib = spec.src.world_size, 2 ** 20
+    model = sum(s.numel for s in spec.specs()) * 4
+    bucket = min(args.bucket_mb << 20, model)
+    src_ours = max(r["ours"] for r in results[:S])
+    print(f"megatron source {spec.src} -> {spec.dst}, model {args.model} "
+          f"({model / mib:.1f} MiB), backend {args.backend}, bucket {bucket / mib:.1f} MiB")
+    print(f"megatron_own_tensors_MiB_per_training_rank: "
+          f"{max(r['own_bytes'] for r in results[:S]) / mib:.1f}")
+    print(f"megatron_publish_peak_extra_MiB_gather_rank0: {results[0]['gather'] / mib:.1f}")
+    print(f"megatron_publish_peak_extra_MiB_gather_max_generation_rank: "
+          f"{max(r['gather'] for r in results[S:]) / mib:.1f}")
+    print(f"megatron_publish_peak_extra_MiB_ours_max_training_rank: {src_ours / mib:.1f}")
+    print(f"megatron_publish_peak_extra_MiB_ours_max_generation_rank: "
+          f"{max(r['ours'] for r in results[S:]) / mib:.1f}")
+    target = model / spec.src.dp + bucket
+    print(f"megatron_publish_target_MiB (model/dp + bucket): {target / mib:.1f}: "
+          f"{'met' if src_ours <= target else 'MISSED'}")
 
 
 if __name__ == "__main__":
