@@ -7,7 +7,8 @@ cores, most of a stateful recovery. A spare is a worker process started ahead of
 waits on its stdin. Starting a worker of that kind later hands the spare its identity instead
 of starting a new process (:meth:`Spares.take`): one JSON line with the worker index, its
 environment and its log file (:class:`Activation`); the spare then registers like any worker.
-A used spare is replaced at once. A spare whose launcher goes away reads end-of-file and exits
+A used spare is replaced at once (its imports cost a few CPU-seconds while the trial runs); one
+still importing is not used (a restart then starts a new process, as without spares). A spare whose launcher goes away reads end-of-file and exits
 (and the kernel kills it with the launcher, as every local worker).
 
 Spares start only when asked (:meth:`Spares.warm`: the controller asks once the trial runs), so
@@ -98,8 +99,8 @@ class Spares:
             return None
         spare.log.close()
         try:
-            if spare.proc.poll() is not None:
-                raise BrokenPipeError
+            if spare.proc.poll() is not None or not _ready(spare.proc.pid):
+                raise BrokenPipeError  # dead, or still importing
             assert spare.proc.stdin is not None
             spare.proc.stdin.write(activation.line())
             spare.proc.stdin.close()
@@ -130,6 +131,15 @@ class Spares:
             log.close()
             return  # no spare: a restart starts a new process, as without spares
         self._spares[key] = _Spare(proc, log)
+
+
+def _ready(pid: int) -> bool:
+    """Whether the spare finished its warm-up (it renames itself ``spare/KIND`` then)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().startswith("spare/")
+    except OSError:
+        return False
 
 
 def _reap(proc: subprocess.Popen) -> None:

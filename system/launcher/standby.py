@@ -30,8 +30,10 @@ def set_process_name(name: str) -> None:
 
 
 def warm(imports: Callable[[], None] | None) -> None:
-    """Run the kind's warm-up imports now (best effort: an import that fails here fails for
-    real, and is reported, where the worker needs it)."""
+    """Run the kind's warm-up imports now, on this (the worker's own) thread at its own
+    priority: imports made on a lower-priority thread left torch's compute threads at that
+    priority (training ran 10x slower). Best effort: an import that fails here fails for real,
+    and is reported, where the worker needs it."""
     t0 = time.monotonic()
     if imports is not None:
         try:
