@@ -7,6 +7,8 @@ training rank that holds it, in one broadcast to every generation rank that need
 region (every replica, and every tp rank that holds it replicated). Senders are balanced by
 bytes across the data-parallel (and replicated tensor-parallel) copies, preferring one on a
 receiver's node; every region of one local parameter from the same holders gets the same sender.
+With an FSDP2 source (``TrainLayout.fsdp``) the data-parallel ranks hold dim-0 chunks instead of
+copies: regions are also cut where those chunks end, and each comes from the rank holding it.
 
 Consecutive regions that land back to back in one local parameter of every receiver (q, k, v
 into vLLM's ``qkv_proj``) form a *run*: one broadcast, received straight into that parameter and
@@ -21,7 +23,7 @@ from typing import Sequence
 from system.reshard.params import (Box, DstParam, ParamSpec, Piece, Split, box_shape,
                                    check_divisible, stage_of, tp_box, vllm_local_params,
                                    hf_local_params)
-from system.reshard.layout import GenLayout, LayoutError, TrainLayout
+from system.reshard.layout import GenLayout, LayoutError, TrainLayout, fsdp_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,25 +105,50 @@ def _with(box: Box, dim: int, interval: tuple[int, int]) -> Box:
     return box[:dim] + (interval,) + box[dim + 1:]
 
 
-def _units(spec: ParamSpec, need: Box, src_tp: int) -> list[tuple[Box, list[int]]]:
-    """Partition ``need`` into regions, each with the source tp ranks holding all of it."""
-    boxes = [tp_box(spec, src_tp, t) for t in range(src_tp)]
+Holder = tuple[int, int]  # (tp, dp) coordinates of a training rank within its stage
+
+
+def _units(spec: ParamSpec, need: Box, src: TrainLayout) -> list[tuple[Box, list[Holder]]]:
+    """Partition ``need`` into regions, each with the source ranks (tp, dp) holding all of it."""
+    boxes = [tp_box(spec, src.tp, t) for t in range(src.tp)]
     dim = _split_dim(spec)
     if dim is None:
-        return [(need, list(range(src_tp)))]
-    lo, hi = need[dim]
-    cuts = sorted({lo, hi} | {c for b in boxes for c in b[dim] if lo < c < hi})
-    units: list[tuple[Box, list[int]]] = []
+        units = [(need, list(range(src.tp)))]
+    else:
+        units = []
+        lo, hi = need[dim]
+        cuts = sorted({lo, hi} | {c for b in boxes for c in b[dim] if lo < c < hi})
+        for a, b in zip(cuts, cuts[1:]):
+            tps = [t for t, bx in enumerate(boxes) if bx[dim][0] <= a and b <= bx[dim][1]]
+            if not tps:
+                raise AssertionError(f"no source holds {spec.name}[{a}:{b}]")
+            if units and units[-1][1] == tps:  # merge with the previous region
+                prev = units[-1][0]
+                units[-1] = (_with(prev, dim, (prev[dim][0], b)), tps)
+            else:
+                units.append((_with(need, dim, (a, b)), tps))
+    if not src.fsdp:
+        return [(box, [(t, d) for t in tps for d in range(src.dp)]) for box, tps in units]
+    return [u for box, tps in units for u in _fsdp_units(box, [(t, boxes[t]) for t in tps],
+                                                         src.dp)]
+
+
+def _fsdp_units(need: Box, tps: list[tuple[int, Box]], dp: int) -> list[tuple[Box, list[Holder]]]:
+    """Cut ``need`` along dim 0 where the FSDP2 chunks of its holders' shards end: each piece
+    with the (tp, dp) ranks whose chunk holds it."""
+    chunks = [(t, d, fsdp_rows(*box[0], dp, d)) for t, box in tps for d in range(dp)]
+    lo, hi = need[0]
+    cuts = sorted({lo, hi} | {c for _, _, rows in chunks for c in rows if lo < c < hi})
+    out: list[tuple[Box, list[Holder]]] = []
     for a, b in zip(cuts, cuts[1:]):
-        holders = [t for t, bx in enumerate(boxes) if bx[dim][0] <= a and b <= bx[dim][1]]
+        holders = [(t, d) for t, d, (r0, r1) in chunks if r0 <= a and b <= r1]
         if not holders:
-            raise AssertionError(f"no source holds {spec.name}[{a}:{b}]")
-        if units and units[-1][1] == holders:  # merge with the previous region
-            prev = units[-1][0]
-            units[-1] = (_with(prev, dim, (prev[dim][0], b)), holders)
+            raise AssertionError(f"no FSDP chunk holds rows [{a}, {b})")
+        if out and out[-1][1] == holders:
+            out[-1] = (_with(out[-1][0], 0, (out[-1][0][0][0], b)), holders)
         else:
-            units.append((_with(need, dim, (a, b)), holders))
-    return units
+            out.append((_with(need, 0, (a, b)), holders))
+    return out
 
 
 def _chunks(box: Box, max_numel: int) -> list[Box]:
@@ -138,8 +165,8 @@ def _chunks(box: Box, max_numel: int) -> list[Box]:
     return [((a, min(a + rows, hi)),) + box[1:] for a in range(lo, hi, rows)]
 
 
-# (hf param, region) -> (source tp ranks holding it, where every receiver writes it)
-_Needs = dict[tuple[str, Box], tuple[list[int], list[Placement]]]
+# (hf param, region) -> (source ranks holding it, where every receiver writes it)
+_Needs = dict[tuple[str, Box], tuple[list[Holder], list[Placement]]]
 # (receiver, local param) -> that local parameter's shape
 _Shapes = dict[tuple[int, str], tuple[int, ...]]
 # (sender, receivers) -> runs, in transfer order
@@ -175,8 +202,8 @@ def _local_box(box: Box, piece: Piece) -> Box:
 
 def _destination_needs(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSpec],
                        fused: bool) -> tuple[_Needs, _Shapes]:
-    """Phase 1: which regions each destination tp rank needs, with the source tp ranks that hold
-    each, and the shape of every receiver's local parameters.
+    """Phase 1: which regions each destination tp rank needs, with the source ranks (tp, dp)
+    that hold each, and the shape of every receiver's local parameters.
 
     Regions are keyed by (HF param, box) so that every replica, and every destination tp rank
     holding the same region, share one entry and hence one broadcast.
@@ -193,7 +220,7 @@ def _destination_needs(src: TrainLayout, dst: GenLayout, specs: Sequence[ParamSp
                 shapes[(S + dst.rank(replica, u), p.name)] = p.shape
             for piece in p.pieces:
                 spec = by_name[piece.source]
-                for box, holders in _units(spec, piece.box, src.tp):
+                for box, holders in _units(spec, piece.box, src):
                     local_box = _local_box(box, piece)
                     entry = needs.setdefault((spec.name, box), (holders, []))
                     for replica in range(dst.replicas):
@@ -212,13 +239,13 @@ def _choose_senders(src: TrainLayout, needs: _Needs, by_name: dict[str, ParamSpe
     """
     S = src.world_size
     load = [0] * S
-    chosen: dict[tuple[str, int, tuple[int, ...]], int] = {}
+    chosen: dict[tuple[str, int, tuple[Holder, ...]], int] = {}
     transfers: list[Transfer] = []
-    for (name, box), (holder_tps, placements) in needs.items():
+    for (name, box), (coords, placements) in needs.items():
         stage = stage_of(by_name[name], num_layers, src.pp)
-        key = (placements[0].param, stage, tuple(holder_tps))
+        key = (placements[0].param, stage, tuple(coords))
         if key not in chosen:
-            holders = [src.rank(d, t, stage) for t in holder_tps for d in range(src.dp)]
+            holders = [src.rank(d, t, stage) for t, d in coords]
             recv_nodes = {dst_nodes[p.rank - S] for p in placements}
             near = [r for r in holders if src_nodes[r] in recv_nodes]
             chosen[key] = min(near or holders, key=lambda r: (load[r], r))
