@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import threading
+from typing import Callable
 
 import pytest
 import torch
@@ -71,10 +72,12 @@ def _receive(spec: WeightSyncSpec, rank: int, address: str, prefix: str,
     got[rank] = local
 
 
-def publish(model_dir: str, dp: int, dst: GenLayout, tmp_path) -> tuple[WeightSyncSpec, list,
-                                                                        dict]:
-    """Spawn ``dp`` trainer ranks, receive on threads of this process; (spec, trainer reports,
-    what each generation rank received)."""
+def publish(model_dir: str, dp: int, dst: GenLayout, tmp_path,
+            receive: Callable[[WeightSyncSpec, str, str], None] | None = None
+            ) -> tuple[WeightSyncSpec, list, dict]:
+    """Spawn ``dp`` trainer ranks, receive on threads of this process (or run ``receive(spec,
+    store address, prefix)`` in one: a real vLLM engine); (spec, trainer reports, what each
+    generation rank received)."""
     from transformers import AutoConfig
 
     spec = WeightSyncSpec(TrainLayout(dp=dp, fsdp=dp > 1), dst,
@@ -95,7 +98,9 @@ def publish(model_dir: str, dp: int, dst: GenLayout, tmp_path) -> tuple[WeightSy
         p.start()
     got: dict[int, dict[str, torch.Tensor]] = {}
     threads = [threading.Thread(target=_receive, args=(spec, r, address, prefix, got),
-                                daemon=True) for r in range(dp, spec.world_size)]
+                                daemon=True) for r in range(dp, spec.world_size)] \
+        if receive is None else [threading.Thread(target=receive, args=(spec, address, prefix),
+                                                  daemon=True)]
     for t in threads:
         t.start()
     reports = sorted((out.get(timeout=300) for _ in range(dp)), key=lambda r: r["rank"])

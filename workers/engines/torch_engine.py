@@ -53,6 +53,15 @@ def precision(device_type: str, dtype: str) -> tuple[torch.dtype, torch.dtype, b
     return (torch.float32 if mixed else publish), publish, mixed
 
 
+def mixed_precision_policy(mixed: bool) -> dict[str, torch.dtype | None]:
+    """The arguments of FSDP2's ``MixedPrecisionPolicy``: under mixed precision the float32
+    shards are all-gathered as bfloat16 for compute and gradients reduced in float32 (the
+    optimizer and its state stay float32); otherwise parameters compute as they are."""
+    if mixed:
+        return {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    return {"param_dtype": None, "reduce_dtype": None}
+
+
 # loss_fn(per-sequence token log-probs, indices of those sequences in the batch) -> summed loss
 LossFn = Callable[[list[torch.Tensor], list[int]], torch.Tensor]
 
@@ -63,7 +72,10 @@ class TorchEngine:
     outputs are values. ``trainable=False`` (the reference) has no optimizer."""
 
     def __init__(self, cfg: TorchEngineConfig, device: str = "cpu", world_size: int = 1,
-                 head: str = "lm", trainable: bool = True) -> None:
+                 head: str = "lm", trainable: bool = True, fsdp: bool | None = None) -> None:
+        """``fsdp``: shard with FSDP2 over the default process group (default: when
+        ``world_size`` > 1; True on one rank runs the sharded code path, as ``gpu_check``
+        does on one GPU)."""
         if not cfg.model_path or not os.path.isdir(cfg.model_path):
             raise ConfigError(f"model_path={cfg.model_path!r} is not a local directory")
         if head not in ("lm", "value"):
@@ -73,15 +85,16 @@ class TorchEngine:
         self.trainable = trainable
         self.device = torch.device(device)
         self.world_size = world_size
+        self._fsdp = world_size > 1 if fsdp is None else fsdp
         # dtype: what full_state_dict returns (the weights published to vLLM);
         # master_dtype: the parameters and AdamW state (float32 under mixed precision)
         self.master_dtype, self.dtype, self.mixed = precision(self.device.type, cfg.dtype)
         # one rank autocasts; FSDP2's MixedPrecisionPolicy casts the gathered parameters
-        self._autocast = self.mixed and world_size == 1
+        self._autocast = self.mixed and not self._fsdp
         model = self._load(cfg.model_path, head).to(self.device)
         if not trainable:
             model.requires_grad_(False)
-        if world_size > 1:
+        if self._fsdp:
             self._shard(model)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
@@ -105,8 +118,7 @@ class TorchEngine:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if self.mixed else MixedPrecisionPolicy()
+        mp = MixedPrecisionPolicy(**mixed_precision_policy(self.mixed))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -185,7 +197,7 @@ class TorchEngine:
     @property
     def sharded(self) -> bool:
         """Whether the parameters are FSDP2 DTensors, each rank holding a dim-0 chunk."""
-        return self.world_size > 1
+        return self._fsdp
 
     def local_shards(self) -> dict[str, torch.Tensor]:
         """This rank's own part of every parameter, in Hugging Face naming, as it lives (no copy,

@@ -56,10 +56,10 @@ class WeightSyncExtension:
         sync = WeightSyncSpec.from_wire(spec)
         tp_rank = get_tensor_model_parallel_rank()
         rank = sync.gen_rank(replica, tp_rank)
+        if sync.fused:  # refused before joining any group
+            _check_all_planned(self.model_runner.model, sync.dst_params(tp_rank))
         store = join_store(store_address, sync.world_size, sync.timeout, store_prefix)
         device = next(self.model_runner.model.parameters()).device
-        if sync.fused:
-            _check_all_planned(self.model_runner.model, sync.dst_params(tp_rank))
         self._rlsys_sync = _SyncState(sync, sync.dst_params(tp_rank),
                                       sync.executor(rank, store, device), store,
                                       getattr(torch, sync.dtype), device)
