@@ -2,6 +2,7 @@
 
     python -m system.reshard check --src dp=2,tp=2,pp=1 --dst tp=2,replicas=2
     python -m system.reshard check --src dp=1,tp=2,pp=2 --dst tp=1,replicas=2 --model small
+    python -m system.reshard check --src dp=3,fsdp=1 --dst tp=2,replicas=1   # FSDP2 dim-0 shards
 
 Spawns one process per training and generation rank, reshards a randomly initialised Qwen2-style
 model (every training rank holds only its own shard), and compares every tensor each generation
@@ -162,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="reshard a random model and compare bit-exactly")
-    c.add_argument("--src", required=True, help="training layout, e.g. dp=2,tp=2,pp=1")
+    c.add_argument("--src", required=True,
+                   help="training layout, e.g. dp=2,tp=2,pp=1 (fsdp=1: dp ranks hold FSDP2 "
+                        "dim-0 shards, not copies)")
     c.add_argument("--dst", required=True, help="generation layout, e.g. tp=2,replicas=2")
     c.add_argument("--model", default="tiny", choices=sorted(MODELS))
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

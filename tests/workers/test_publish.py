@@ -30,8 +30,8 @@ def _loss(lps, idx):
 
 
 def _trainer(rank: int, dp: int, model_dir: str, port: int, sync: tuple[dict, str, str],
-             out) -> None:
-    """One model-worker rank: train a step, then publish its own shards; rank 0 reports the full
+             steps: int, out) -> None:
+    """One model-worker rank: train ``steps`` steps, then publish its own shards; rank 0 reports the full
     weights (the reference) and what ``gather_on_rank0`` gave."""
     import torch.distributed as dist
 
@@ -45,7 +45,8 @@ def _trainer(rank: int, dp: int, model_dir: str, port: int, sync: tuple[dict, st
                                   timeout=datetime.timedelta(seconds=120))
             dist.init_process_group("gloo", store=store, rank=rank, world_size=dp)
         eng = TorchEngine(TorchEngineConfig(model_path=model_dir, lr=1e-2), world_size=dp)
-        eng.train_step([torch.tensor(s) for s in SEQS[rank::dp]], _loss, 20)
+        for _ in range(steps):
+            eng.train_step([torch.tensor(s) for s in SEQS[rank::dp]], _loss, 20)
         spec, address, prefix = WeightSyncSpec.from_wire(sync[0]), sync[1], sync[2]
         boxes = source_boxes(spec, rank, eng.local_shards())
         shards = eng.local_shards()
@@ -73,9 +74,9 @@ def _receive(spec: WeightSyncSpec, rank: int, address: str, prefix: str,
 
 
 def publish(model_dir: str, dp: int, dst: GenLayout, tmp_path,
-            receive: Callable[[WeightSyncSpec, str, str], None] | None = None
+            receive: Callable[[WeightSyncSpec, str, str], None] | None = None, steps: int = 1
             ) -> tuple[WeightSyncSpec, list, dict]:
-    """Spawn ``dp`` trainer ranks, receive on threads of this process (or run ``receive(spec,
+    """Spawn ``dp`` trainer ranks (``steps`` train steps each), receive on threads of this process (or run ``receive(spec,
     store address, prefix)`` in one: a real vLLM engine); (spec, trainer reports, what each
     generation rank received)."""
     from transformers import AutoConfig
@@ -92,7 +93,8 @@ def publish(model_dir: str, dp: int, dst: GenLayout, tmp_path,
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_trainer, args=(r, dp, model_dir, default.port,
-                                                (spec.to_wire(), address, prefix), out))
+                                                (spec.to_wire(), address, prefix), steps,
+                                                out))
              for r in range(dp)]
     for p in procs:
         p.start()

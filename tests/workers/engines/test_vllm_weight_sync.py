@@ -93,7 +93,8 @@ def test_logprobs_match_trainer_after_update(vllm_tiny, tmp_path, mode):
 
 
 def _publish_into(llm, model_dir: str, dp: int, tmp_path, model_cls):
-    """``dp`` real FSDP2 trainer processes (one train step each) publish their own shards into
+    """``dp`` real FSDP2 trainer processes (``dp`` train steps: the same batch split over
+    ranks takes the same step, so a new count makes new weights) publish their own shards into
     the engine (fast mode); the engine's log-probs must then be the trainer's."""
     from tests.workers.test_publish import publish
 
@@ -105,7 +106,7 @@ def _publish_into(llm, model_dir: str, dp: int, tmp_path, model_cls):
         results["recv"] = llm.collective_rpc("rlsys_weight_sync_receive")
 
     before = vllm_prompt_logprobs(llm, IDS)
-    spec, reports, _ = publish(model_dir, dp, GenLayout(1, 1), tmp_path, receive)
+    spec, reports, _ = publish(model_dir, dp, GenLayout(1, 1), tmp_path, receive, steps=dp)
     assert "recv" in results, "the engine did not finish receiving"
     model = model_cls.from_pretrained(model_dir).float().eval()
     model.load_state_dict({k: torch.from_numpy(v) for k, v in reports[0]["full"].items()})
