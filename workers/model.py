@@ -30,6 +30,7 @@ from system.reshard.spec import WeightSyncSpec
 from workers.base import Worker
 from workers.client import Pending, WorkerClient
 from workers.devices import select_device
+from workers.publish import send_shards, source_boxes
 from workers.schema import EngineInfo, TrainItem, TrainStats, WeightsSent, WorkerSetup
 
 if TYPE_CHECKING:  # torch is imported by the model worker process, not by the launcher
@@ -151,10 +152,12 @@ class ModelWorker(Worker):
         return bool(self.engines)
 
     def engine_info(self) -> EngineInfo:
-        """The actor's dtype and the collective backend (for the weight-sync spec)."""
+        """The actor's publish dtype, the collective backend and whether its ranks hold FSDP2
+        shards (for the weight-sync spec)."""
         actor = self._engine("actor")
         return {"dtype": str(actor.dtype).replace("torch.", ""),
-                "backend": "nccl" if self.device.startswith("cuda") else "gloo"}
+                "backend": "nccl" if self.device.startswith("cuda") else "gloo",
+                "sharded": actor.sharded}
 
     def _engine(self, which: str) -> "TorchEngine":
         if which not in self.engines:
@@ -215,10 +218,13 @@ class ModelWorker(Worker):
             if address is None:
                 raise RuntimeError(f"generation server {replica} is not serving")
 
+            actor = self._engine("actor")
+            boxes = source_boxes(sync, self.index, actor.local_shards())  # refuses unmapped
+
             def build() -> _WeightSync:
                 store = self._store(group, sync.world_size, keep=False)
-                executor = sync.executor(self.index, store, self._engine("actor").device)
-                return _WeightSync(executor, sync.src_boxes(self.index), store, address)
+                executor = sync.executor(self.index, store, actor.device)
+                return _WeightSync(executor, boxes, store, address)
             done, failed = self._while_serving({int(replica): build}, {int(replica): address})
             if failed:
                 raise RuntimeError(failed[int(replica)])
@@ -228,7 +234,8 @@ class ModelWorker(Worker):
         return self._run(init)
 
     def send_weights(self, replicas: list[int]) -> Future:
-        """Send this rank's planned share of the actor's current weights to each of
+        """Send this rank's own shards (FSDP2: its dim-0 chunks; nothing is gathered) of the
+        actor's current weights, as planned, to each of
         ``replicas`` in turn (collective with the other model workers and each replica's
         ``update_weights``), all replicas at once (each has its own groups). A replica whose
         transfer fails (its server died) is left out of later updates until it joins again;
@@ -239,11 +246,10 @@ class ModelWorker(Worker):
 
         def send() -> WeightsSent:
             t0 = time.perf_counter()
-            full = self._engine("actor").full_state_dict()  # FSDP: all-gather (collective)
+            actor = self._engine("actor")
 
             def one(sync: _WeightSync) -> int:
-                return sync.executor.run(src={n: full[n].contiguous() for n in sync.boxes},
-                                         src_boxes=sync.boxes).bytes_sent
+                return send_shards(sync.executor, actor, sync.boxes)
 
             # each replica's group is independent of the others': all are sent at once
             done, failed = self._while_serving(
@@ -300,9 +306,10 @@ class ModelWorker(Worker):
         return out
 
     def save_weights(self, directory: str) -> Future:
-        """Write the actor as a Hugging Face safetensors checkpoint (rank 0; collective)."""
+        """Write the actor as a Hugging Face safetensors checkpoint in the publish dtype: rank 0
+        collects the other ranks' shards one parameter at a time and writes (collective)."""
         def save() -> dict[str, Any]:
-            state = self._engine("actor").full_state_dict()
+            state = self._engine("actor").gather_on_rank0()
             if self.index == 0:
                 os.makedirs(directory, exist_ok=True)
                 self._engine("actor").model.save_pretrained(directory, state_dict=state,

@@ -177,10 +177,12 @@ class TrainStats(TypedDict, total=False):
 
 
 class EngineInfo(TypedDict):
-    """The actor's dtype and collective backend (for the weight-sync spec)."""
+    """The actor's publish dtype and collective backend (for the weight-sync spec)."""
 
     dtype: str
     backend: str
+    sharded: bool
+    """Whether the actor's ranks hold FSDP2 dim-0 shards (the training layout's ``fsdp``)."""
 
 
 class WeightsSent(TypedDict):

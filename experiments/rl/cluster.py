@@ -21,8 +21,9 @@ from typing import Any, Callable, Sequence, TypeVar
 import numpy as np
 
 from experiments.rl.config import RLConfig
+from system.reshard.hf import weight_names
 from system.reshard.layout import GenLayout, TrainLayout
-from system.reshard.params import ModelShape
+from system.reshard.params import ModelShape, check_mapped
 from system.reshard.spec import WeightSyncSpec
 from system.errors import RpcError
 from workers.client import Pending, collect, collect_settled
@@ -110,17 +111,20 @@ class Cluster:
 
     # --- weights ---
     def init_weight_sync(self, path: str, info: EngineInfo) -> None:
-        """Plan the per-replica weight update and let every server join (each its own group)."""
+        """Plan the per-replica weight update and let every server join (each its own group).
+        Refuses (one line naming it) a model with a weight the specs do not map: it would stay
+        stale in the generation servers. Model workers with FSDP2 shards send them as they are."""
         from transformers import AutoConfig
 
         ws = self.rl.weight_sync
         if ws.mode != "disk":
             self._spec = WeightSyncSpec(
-                src=TrainLayout(dp=self.n_model),
+                src=TrainLayout(dp=self.n_model, fsdp=bool(info["sharded"])),
                 dst=GenLayout(tp=self.rl.vllm.tensor_parallel_size, replicas=1),
                 shape=ModelShape.from_hf(AutoConfig.from_pretrained(path)),
                 dtype=info["dtype"], backend=info["backend"], mode=ws.mode,
                 bucket_bytes=ws.bucket_mb << 20, timeout=ws.timeout)
+            check_mapped(self._spec.specs(), weight_names(path), f"model {path}")
         self.live = self.join(sorted(self.gens))
         if not self.live:
             raise RuntimeError("no generation server could join the weight updates")

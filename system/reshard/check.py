@@ -2,14 +2,15 @@
 
     python -m system.reshard check --src dp=2,tp=2,pp=1 --dst tp=2,replicas=2
     python -m system.reshard check --src dp=1,tp=2,pp=2 --dst tp=1,replicas=2 --model small
+    python -m system.reshard check --src dp=3,fsdp=1 --dst tp=2,replicas=1   # FSDP2 dim-0 shards
     python -m system.reshard check --src-backend megatron --src dp=2,tp=2,pp=2 --dst tp=2,replicas=2
 
 Spawns one process per training and generation rank, reshards a randomly initialised Qwen2-style
-model (every training rank holds only its own shard: HF-named tensor-parallel shards, or with
-``--src-backend megatron`` megatron-core's own fused, vocabulary-padded tensors), and compares every tensor each generation
-rank received bit-exactly against the full reference. Prints ``ok`` or the mismatches; exits
-non-zero on any mismatch. The planner is :mod:`system.reshard.plan`, the executor
-:mod:`system.reshard.executor`.
+model (every training rank holds only its own shard: HF-named tensor-parallel shards, with
+``fsdp=1`` their FSDP2 dim-0 chunks, or with ``--src-backend megatron`` megatron-core's own fused,
+vocabulary-padded tensors), and compares every tensor each generation rank received
+bit-exactly against the full reference. Prints ``ok`` or the mismatches; exits non-zero on any
+mismatch. The planner is :mod:`system.reshard.plan`, the executor :mod:`system.reshard.executor`.
 """
 from __future__ import annotations
 
@@ -181,9 +182,12 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="reshard a random model and compare bit-exactly")
-    c.add_argument("--src", required=True, help="training layout, e.g. dp=2,tp=2,pp=1")
+    c.add_argument("--src", required=True,
+                   help="training layout, e.g. dp=2,tp=2,pp=1 (fsdp=1: dp ranks hold FSDP2 "
+                        "dim-0 shards, not copies)")
     c.add_argument("--src-backend", default="fsdp", choices=["fsdp", "megatron"],
-                   help="what training ranks hold: HF-named shards, or megatron-core's tensors")
+                   help="what training ranks hold: HF-named shards (the torch engine), or "
+                        "megatron-core's tensors")
     c.add_argument("--dst", required=True, help="generation layout, e.g. tp=2,replicas=2")
     c.add_argument("--model", default="tiny", choices=sorted(MODELS))
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -209,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"MISMATCH: {len(bad)} tensor(s) differ ({args.src_backend} {src} -> {dst}, "
               f"model {args.model})")
         return 1
-    print(f"ok: {args.src_backend} {src} -> {dst}, model {args.model}: {fig['tensors_per_dst_rank']} tensors per "
-          f"generation rank bit-exact, {fig['bytes_per_dst_rank'] / 2**20:.2f} MiB each, "
+    print(f"ok: {args.src_backend} {src} -> {dst}, model {args.model}: "
+          f"{fig['tensors_per_dst_rank']} tensors per generation rank bit-exact, "
+          f"{fig['bytes_per_dst_rank'] / 2**20:.2f} MiB each, "
           f"{fig['buckets']} buckets on {fig['groups']} groups, "
           f"{fig['max_bytes_unpacked'] / 2**20:.2f} MiB unpacked on the busiest receiver")
     return 0

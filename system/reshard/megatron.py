@@ -43,6 +43,9 @@ def check_megatron(shape: ModelShape, tp: int, pp: int) -> None:
     """Refuse, with one line, a split megatron cannot make of ``shape``."""
     if tp < 1 or pp < 1:
         raise LayoutError(f"megatron tp={tp}, pp={pp} must be >= 1")
+    if shape.qk_norm:
+        raise LayoutError("megatron sources do not map Qwen3's q_norm/k_norm (megatron's "
+                          "q_layernorm/k_layernorm) yet")
     if shape.num_heads % shape.num_kv_heads:
         raise LayoutError(f"megatron: {shape.num_heads} attention heads are not a multiple of "
                           f"{shape.num_kv_heads} query groups (kv heads)")

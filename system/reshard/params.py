@@ -1,4 +1,4 @@
-"""How each parameter of a Qwen2/Llama-family model is split by tensor parallelism and placed by
+"""How each parameter of a Qwen2/Llama/Qwen3-family model is split by tensor parallelism and placed by
 pipeline parallelism, in the training engine's naming (Hugging Face) and in vLLM's (which fuses
 ``q/k/v`` into ``qkv_proj`` and ``gate/up`` into ``gate_up_proj``).
 
@@ -12,7 +12,8 @@ import dataclasses
 import enum
 from typing import Sequence
 
-from system.reshard.layout import LayoutError, TrainLayout
+from system.errors import ConfigError
+from system.reshard.layout import LayoutError, TrainLayout, fsdp_rows
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension
 
@@ -27,7 +28,8 @@ class Split(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """What the specs need of a model config (a transformers ``Qwen2Config``/``LlamaConfig``)."""
+    """What the specs need of a model config (a transformers ``Qwen2Config``, ``LlamaConfig``
+    or ``Qwen3Config``)."""
 
     vocab_size: int
     hidden_size: int
@@ -38,6 +40,8 @@ class ModelShape:
     head_dim: int
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
+    """Per-head RMSNorm of queries and keys (Qwen3's ``q_norm``/``k_norm``)."""
 
     @staticmethod
     def from_hf(cfg: object) -> "ModelShape":
@@ -49,7 +53,8 @@ class ModelShape:
             num_heads=heads, num_kv_heads=g("num_key_value_heads") or heads,
             head_dim=g("head_dim") or g("hidden_size") // heads,
             tie_word_embeddings=bool(g("tie_word_embeddings", False)),
-            qkv_bias=bool(g("attention_bias", False)) or g("model_type") == "qwen2")
+            qkv_bias=bool(g("attention_bias", False)) or g("model_type") == "qwen2",
+            qk_norm=g("model_type") == "qwen3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +98,9 @@ def qwen2_specs(m: ModelShape) -> list[ParamSpec]:
                 ParamSpec(p + "self_attn.v_proj.bias", (kv,), Split.KV_HEADS, i,
                           heads=m.num_kv_heads, head_dim=hd),
             ]
+        if m.qk_norm:  # one head's weights, shared by every head: replicated
+            specs += [ParamSpec(p + "self_attn.q_norm.weight", (hd,), Split.REPLICATED, i),
+                      ParamSpec(p + "self_attn.k_norm.weight", (hd,), Split.REPLICATED, i)]
         specs += [
             ParamSpec(p + "self_attn.o_proj.weight", (h, q), Split.ROW, i),
             ParamSpec(p + "mlp.gate_proj.weight", (m.intermediate_size, h), Split.COLUMN, i),
@@ -106,6 +114,29 @@ def qwen2_specs(m: ModelShape) -> list[ParamSpec]:
         specs.append(ParamSpec("lm_head.weight", (m.vocab_size, h), Split.VOCAB, None,
                                last_stage=True))
     return specs
+
+
+class UnmappedWeightError(ConfigError):
+    """A model has a weight that the parameter specs do not map (it would stay stale in the
+    generation servers), or lacks one they expect."""
+
+
+def check_mapped(specs: Sequence[ParamSpec], names: Sequence[str], who: str) -> None:
+    """Refuse, in one line naming the parameter, a model whose weights ``names`` are not exactly
+    the specs' (a tied ``lm_head.weight`` is the embedding's and needs no spec)."""
+    known = {s.name for s in specs}
+    tied = "lm_head.weight" not in known
+    names = [n for n in names if not n.endswith("rotary_emb.inv_freq")]  # old checkpoints' buffer
+    for name in names:
+        if name not in known and not (tied and name == "lm_head.weight"):
+            raise UnmappedWeightError(
+                f"{who} has weight {name!r} that the weight-sync specs do not map "
+                "(known families: Qwen2, Llama, Qwen3); it would stay stale in the generation "
+                "servers")
+    missing = sorted(known - set(names))
+    if missing:
+        raise UnmappedWeightError(f"{who} lacks weight {missing[0]!r} that the weight-sync specs "
+                                  "expect (a model of another shape than its config?)")
 
 
 def check_divisible(specs: Sequence[ParamSpec], tp: int, who: str) -> None:
@@ -217,17 +248,28 @@ def hf_local_params(specs: Sequence[ParamSpec], tp: int, rank: int) -> list[DstP
             for s in specs]
 
 
+def fsdp_box(box: Box, dp: int, rank: int) -> Box:
+    """The dim-0 chunk of ``box`` that FSDP2 rank ``rank`` of ``dp`` holds (may be empty)."""
+    return (fsdp_rows(*box[0], dp, rank),) + box[1:]
+
+
 def train_shard_boxes(specs: list[ParamSpec], layout: TrainLayout, rank: int, num_layers: int
                       ) -> dict[str, Box]:
-    """The box of every full parameter that training ``rank`` holds (its pp stage, tp shard)."""
+    """The box of every full parameter that training ``rank`` holds (its pp stage, tp shard,
+    and with ``fsdp`` its dim-0 chunk of that shard)."""
     c = layout.coord(rank)
-    return {s.name: tp_box(s, layout.tp, c.tp) for s in specs
-            if stage_of(s, num_layers, layout.pp) == c.pp}
+    out = {s.name: tp_box(s, layout.tp, c.tp) for s in specs
+           if stage_of(s, num_layers, layout.pp) == c.pp}
+    if layout.fsdp:
+        out = {n: fsdp_box(b, layout.dp, c.dp) for n, b in out.items()}
+    return out
 
 
 def train_local_params(specs: list[ParamSpec], layout: TrainLayout, rank: int, num_layers: int
                        ) -> list[DstParam]:
     """What training ``rank`` holds as local tensors: its HF-named shards, one piece each (the
-    planner's default source layout)."""
-    return [DstParam(name, box_shape(box), (Piece(name, box, 0, 0),))
+    planner's default source layout). With ``fsdp`` each is the rank's dim-0 chunk of its
+    tensor-parallel shard; an empty chunk is a tensor holding no piece."""
+    return [DstParam(name, box_shape(box),
+                     (Piece(name, box, 0, 0),) if box_shape(box)[0] else ())
             for name, box in train_shard_boxes(specs, layout, rank, num_layers).items()]

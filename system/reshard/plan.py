@@ -7,6 +7,10 @@ training rank that holds it, in one broadcast to every generation rank that need
 region (every replica, and every tp rank that holds it replicated). Senders are balanced by
 bytes across the data-parallel (and replicated tensor-parallel) copies, preferring one on a
 receiver's node; every region of one local parameter from the same holders gets the same sender.
+A source layout is data (each training rank's local tensors with the HF boxes they hold), so an
+FSDP2 source (``TrainLayout.fsdp``: dim-0 chunks instead of copies, see
+:func:`~system.reshard.params.train_local_params`) or a megatron one needs no code here: regions
+are cut where any holding ends, and each comes from a rank holding it.
 
 Consecutive regions that land back to back in one local parameter of every receiver (q, k, v
 into vLLM's ``qkv_proj``) form a *run*: one broadcast, received straight into that parameter and

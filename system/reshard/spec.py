@@ -47,8 +47,8 @@ class WeightSyncSpec:
     timeout: float
     """Seconds a group waits for its members."""
     src_backend: str = "fsdp"
-    """What the training ranks hold: fsdp (HF-named tensor-parallel shards of their stage) or
-    megatron (megatron-core GPTModel tensors, local spec: see :mod:`system.reshard.megatron`;
+    """What the training ranks hold: fsdp (HF-named tensor-parallel shards of their stage; with
+    ``src.fsdp`` each rank's FSDP2 dim-0 chunk of them) or megatron (megatron-core GPTModel tensors, local spec: see :mod:`system.reshard.megatron`;
     ranks ordered tp fastest, then dp, then pp, as megatron-core orders them)."""
     vocab_divisible_by: int = 128
     """megatron only: its make_vocab_size_divisible_by (the vocabulary is padded to a multiple
@@ -70,6 +70,9 @@ class WeightSyncSpec:
             raise ConfigError(f"weight-sync vocab_divisible_by {self.vocab_divisible_by} must "
                               "be >= 1")
         if self.src_backend == "megatron":
+            if self.src.fsdp:
+                raise ConfigError(f"weight-sync src {self.src}: fsdp=1 (FSDP2 dim-0 chunks) is "
+                                  "for the fsdp src_backend; megatron ranks hold whole tensors")
             check_megatron(self.shape, self.src.tp, self.src.pp)
 
     @property

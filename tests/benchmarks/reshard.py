@@ -18,6 +18,13 @@ Prints ``name: value`` lines:
   which rebuilds the HF model with ``megatron_shards_to_hf`` and broadcasts it tensor by tensor)
   and for ours (each rank sends its own slices through the planner), side by side in one run,
   against the target 1/dp of the model plus one bucket. ``--megatron-only`` runs just this part.
+- fsdp_publish_peak_extra_MiB_*: for an FSDP2 source (real torch engines, ``--fsdp-dp`` ranks, a
+  random model of ``--model``'s shapes, publishing into ``--dst``), the most memory a training
+  rank held beyond its own shards during one publish (peak resident set minus the resident set
+  before it, the kernel's high-water mark reset just before; CUDA: peak allocated), for the old
+  path (``full_state_dict()`` on every rank, then the planner for replicated dp) and the new one
+  (each rank's own dim-0 chunks through the planner), side by side in one run, against the
+  target 1/dp of the model plus one bucket. ``--fsdp-only`` runs just this part.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import argparse
 import datetime
 import multiprocessing as mp
 import os
+import socket
 import sys
 import time
 
@@ -39,7 +47,7 @@ from system.reshard.params import (box_shape, qwen2_specs, tp_box, train_shard_b
 from system.reshard.check import MODELS, reference  # noqa: E402
 from system.reshard.executor import GroupFactory, ReshardExecutor  # noqa: E402
 from system.reshard.plan import plan_reshard  # noqa: E402
-from system.reshard.layout import parse_gen_layout, parse_train_layout  # noqa: E402
+from system.reshard.layout import TrainLayout, parse_gen_layout, parse_train_layout  # noqa: E402
 
 
 def _sl(box):
@@ -180,11 +188,17 @@ def main() -> None:
     p.add_argument("--megatron", default="dp=2,tp=2,pp=1",
                    help="megatron source of the publish-memory part ('' to skip it)")
     p.add_argument("--megatron-only", action="store_true",
-                   help="only the megatron publish-memory part")
+                   help="only the megatron publish-memory part (with --fsdp-only: both)")
+    p.add_argument("--fsdp-dp", type=int, default=2,
+                   help="FSDP2 ranks of the publish-memory part (0: skip it)")
+    p.add_argument("--fsdp-only", action="store_true",
+                   help="only the FSDP2 publish-memory part (with --megatron-only: both)")
     args = p.parse_args()
-    if args.megatron:
+    if args.megatron and (args.megatron_only or not args.fsdp_only):
         megatron_publish_memory(args)
-    if args.megatron_only:
+    if args.fsdp_dp and (args.fsdp_only or not args.megatron_only):
+        fsdp_publish_memory(args)
+    if args.megatron_only or args.fsdp_only:
         return
     src, dst = parse_train_layout(args.src), parse_gen_layout(args.dst)
     world = src.world_size + dst.world_size
@@ -230,9 +244,9 @@ def main() -> None:
           f"{results[0]['naive_peak_buffer'] / results[0]['own_bytes']:.2f}")
 
 
-# --- megatron source: peak extra memory per rank, full-gather publish vs shard-to-shard -----
+# --- peak extra memory of a publish (megatron and FSDP2 sources) ---------------------------
 
-def _mg_mark_reset(dev) -> int:
+def _peak_reset(dev) -> int:
     """Reset the peak-memory mark; the memory in use now (bytes)."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -240,23 +254,25 @@ def _mg_mark_reset(dev) -> int:
         return torch.cuda.memory_allocated(dev)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current VmRSS
-    return _mg_status("VmRSS")
+    return _proc_status("VmRSS")
 
 
-def _mg_mark(dev) -> int:
+def _peak(dev) -> int:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         return torch.cuda.max_memory_allocated(dev)
-    return _mg_status("VmHWM")
+    return _proc_status("VmHWM")
 
 
-def _mg_status(key: str) -> int:
+def _proc_status(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
 
+
+# --- megatron source: full-gather publish vs shard-to-shard -----------------------------------
 
 def _mg_worker(rank, spec, args, port, out):
     from system.reshard.check import source_tensors
@@ -329,9 +345,9 @@ def _mg_worker(rank, spec, args, port, out):
     for i in range(args.repeat + 1):  # the first round warms up (groups, allocator)
         for name, fn in (("gather", gather), ("ours", ours)):
             barrier()
-            before = _mg_mark_reset(dev)
+            before = _peak_reset(dev)
             fn()
-            extra = _mg_mark(dev) - before
+            extra = _peak(dev) - before
             barrier()
             if i:
                 res[name] = max(res.get(name, 0), extra)
@@ -376,6 +392,127 @@ def megatron_publish_memory(args) -> None:
     target = model / spec.src.dp + bucket
     print(f"megatron_publish_target_MiB (model/dp + bucket): {target / mib:.1f}: "
           f"{'met' if src_ours <= target else 'MISSED'}")
+
+
+# --- FSDP2 source: old full-gather publish vs shard publish --------------------------------
+
+def _fsdp_rank(rank, args, model_dir, ports, out):
+    """A training rank (a real FSDP2 torch engine) or a generation rank; publishes with each
+    path ``args.repeat`` times (after one warm-up each) and reports the peaks."""
+    from system.reshard.spec import WeightSyncSpec
+    from workers.publish import send_shards, source_boxes
+
+    torch.set_num_threads(1)
+    dp, dst = args.fsdp_dp, parse_gen_layout(args.dst)
+    dev = torch.device("cuda", rank % max(1, torch.cuda.device_count())) \
+        if args.backend == "nccl" else torch.device("cpu")
+    shape = MODELS[args.model]
+    wire = dict(shape=shape, dtype="float32", backend=args.backend, mode="fast",
+                bucket_bytes=args.bucket_mb << 20, timeout=600)
+    new = WeightSyncSpec(src=TrainLayout(dp=dp, fsdp=True), dst=dst, **wire)
+    old = WeightSyncSpec(src=TrainLayout(dp=dp), dst=dst, **wire)
+    store = dist.TCPStore("127.0.0.1", ports[0], new.world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=600))
+    ex_new = new.executor(rank, dist.PrefixStore("new", store), dev)
+    ex_old = old.executor(rank, dist.PrefixStore("old", store), dev)
+    everyone = GroupFactory(dist.PrefixStore("all", store), rank, args.backend, 600).get(
+        tuple(range(new.world_size)))
+    res = {"rank": rank}
+    if rank < dp:
+        from workers.engines.torch_engine import TorchEngine, TorchEngineConfig
+
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{ports[1]}",
+                                rank=rank, world_size=dp)
+        eng = TorchEngine(TorchEngineConfig(model_path=model_dir, dtype="float32"), str(dev), dp)
+        boxes_new = source_boxes(new, rank, eng.local_shards())
+        boxes_old = old.src_boxes(rank)
+        res["own_bytes"] = sum(t.numel() * t.element_size() for t in eng.local_shards().values())
+
+        def publish_new():
+            send_shards(ex_new, eng, boxes_new)
+
+        def publish_old():  # what send_weights did: every rank gathers the whole model
+            full = eng.full_state_dict()
+            ex_old.run(src={n: full[n].contiguous() for n in boxes_old}, src_boxes=boxes_old)
+    else:
+        _, tp = dst.coord(rank - dp)
+        local = {p.name: torch.zeros(p.shape, device=dev) for p in new.dst_params(tp)}
+        publish_new = lambda: ex_new.run(dst=local)  # noqa: E731
+        publish_old = lambda: ex_old.run(dst=local)  # noqa: E731
+    for i in range(args.repeat + 1):  # the first round is warm-up (groups, connections)
+        for name, fn in (("new", publish_new), ("old", publish_old)):
+            everyone.barrier().wait() if args.backend == "gloo" else None
+            base = _peak_reset(dev)
+            fn()
+            if i:
+                res.setdefault(name, []).append(_peak(dev) - base)
+    out.put(res)
+
+
+def fsdp_publish_memory(args) -> None:
+    """Spawn ``--fsdp-dp`` FSDP2 training ranks and ``--dst`` generation ranks; print each
+    training rank's peak extra memory during a publish, old path and new."""
+    import tempfile
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape, dp, dst = MODELS[args.model], args.fsdp_dp, parse_gen_layout(args.dst)
+    world = dp + dst.world_size
+    # big allocations straight from mmap, so a freed buffer leaves the resident set at once
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    with tempfile.TemporaryDirectory() as model_dir:
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+            num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim, tie_word_embeddings=shape.tie_word_embeddings)
+        ).float().save_pretrained(model_dir)
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=600))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            pg_port = s.getsockname()[1]
+        results = _spawn(_fsdp_rank, world, (args, model_dir, (store.port, pg_port)))
+    model_bytes = sum(s.numel for s in qwen2_specs(shape)) * 4
+    bucket = args.bucket_mb << 20
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    print(f"fsdp_publish: FSDP2 dp={dp} -> {dst}, model {args.model} "
+          f"({model_bytes / 2**20:.1f} MiB float32), bucket {args.bucket_mb} MiB, "
+          f"backend {args.backend}, median of {args.repeat}")
+    target = model_bytes / dp + bucket
+    print(f"fsdp_publish_target_MiB (model/dp + one bucket): {target / 2**20:.1f}")
+    for r in results[:dp]:
+        print(f"fsdp_publish_own_shards_MiB_rank{r['rank']}: {r['own_bytes'] / 2**20:.1f}")
+        for name, label in (("old", "old_full_gather"), ("new", "new_shards")):
+            print(f"fsdp_publish_peak_extra_MiB_{label}_rank{r['rank']}: "
+                  f"{med(r[name]) / 2**20:.1f}")
+    worst = max(med(r["new"]) for r in results[:dp])
+    print(f"fsdp_publish_new_within_target: {worst <= target} "
+          f"({worst / 2**20:.1f} <= {target / 2**20:.1f} MiB)")
+
+
+def _spawn(fn, world, args) -> list:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=fn, args=(r, *args, out)) for r in range(world)]
+    for pr in procs:
+        pr.start()
+    results = []
+    while len(results) < world:
+        try:
+            results.append(out.get(timeout=5))
+        except Exception:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"a benchmark rank failed (exit codes {dead})")
+    for pr in procs:
+        pr.join()
+    return sorted(results, key=lambda r: r["rank"])
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ mixed precision: float32 master weights, gradients and AdamW state, bfloat16 com
 forward and backward under ``torch.autocast``; FSDP2: ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``, which gathers bfloat16 copies of the float32 shards for compute and
 reduces gradients in float32). The log-softmax of the log-probs is always float32.
-:attr:`TorchEngine.dtype` is the *publish* dtype, in which :meth:`full_state_dict` returns the
-weights (vLLM weight sync, ``save_weights``); :meth:`save` keeps the float32 master weights so a
-resume is exact.
+:attr:`TorchEngine.dtype` is the *publish* dtype, in which the weights leave the engine (vLLM
+weight sync casts :meth:`local_shards` bucket by bucket; ``save_weights`` uses
+:meth:`gather_on_rank0`); :meth:`save` keeps the float32 master weights so a resume is exact.
 """
 from __future__ import annotations
 
@@ -53,6 +53,15 @@ def precision(device_type: str, dtype: str) -> tuple[torch.dtype, torch.dtype, b
     return (torch.float32 if mixed else publish), publish, mixed
 
 
+def mixed_precision_policy(mixed: bool) -> dict[str, torch.dtype | None]:
+    """The arguments of FSDP2's ``MixedPrecisionPolicy``: under mixed precision the float32
+    shards are all-gathered as bfloat16 for compute and gradients reduced in float32 (the
+    optimizer and its state stay float32); otherwise parameters compute as they are."""
+    if mixed:
+        return {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    return {"param_dtype": None, "reduce_dtype": None}
+
+
 # loss_fn(per-sequence token log-probs, indices of those sequences in the batch) -> summed loss
 LossFn = Callable[[list[torch.Tensor], list[int]], torch.Tensor]
 
@@ -63,7 +72,10 @@ class TorchEngine:
     outputs are values. ``trainable=False`` (the reference) has no optimizer."""
 
     def __init__(self, cfg: TorchEngineConfig, device: str = "cpu", world_size: int = 1,
-                 head: str = "lm", trainable: bool = True) -> None:
+                 head: str = "lm", trainable: bool = True, fsdp: bool | None = None) -> None:
+        """``fsdp``: shard with FSDP2 over the default process group (default: when
+        ``world_size`` > 1; True on one rank runs the sharded code path, as ``gpu_check``
+        does on one GPU)."""
         if not cfg.model_path or not os.path.isdir(cfg.model_path):
             raise ConfigError(f"model_path={cfg.model_path!r} is not a local directory")
         if head not in ("lm", "value"):
@@ -73,15 +85,16 @@ class TorchEngine:
         self.trainable = trainable
         self.device = torch.device(device)
         self.world_size = world_size
+        self._fsdp = world_size > 1 if fsdp is None else fsdp
         # dtype: what full_state_dict returns (the weights published to vLLM);
         # master_dtype: the parameters and AdamW state (float32 under mixed precision)
         self.master_dtype, self.dtype, self.mixed = precision(self.device.type, cfg.dtype)
         # one rank autocasts; FSDP2's MixedPrecisionPolicy casts the gathered parameters
-        self._autocast = self.mixed and world_size == 1
+        self._autocast = self.mixed and not self._fsdp
         model = self._load(cfg.model_path, head).to(self.device)
         if not trainable:
             model.requires_grad_(False)
-        if world_size > 1:
+        if self._fsdp:
             self._shard(model)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
@@ -105,8 +118,7 @@ class TorchEngine:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if self.mixed else MixedPrecisionPolicy()
+        mp = MixedPrecisionPolicy(**mixed_precision_policy(self.mixed))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -182,6 +194,19 @@ class TorchEngine:
         self.steps += 1
         return {"loss": total, "grad_norm": float(grad_norm)}
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the parameters are FSDP2 DTensors, each rank holding a dim-0 chunk."""
+        return self._fsdp
+
+    def local_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's own part of every parameter, in Hugging Face naming, as it lives (no copy,
+        in the master dtype): when sharded, the FSDP2 DTensor's local dim-0 chunk (``torch.chunk``
+        rows, :func:`system.reshard.layout.fsdp_rows`: the last ranks' may be shorter or empty),
+        else the full tensor. What a publish sends: nobody gathers the model."""
+        return {name: (t.to_local() if hasattr(t, "to_local") else t).detach()
+                for name, t in self.model.state_dict().items()}
+
     def _gathered(self, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
         """Full tensors in Hugging Face naming (all-gathered when sharded: collective), floating
         ones cast to ``dtype`` (before the gather, so it moves the smaller copy)."""
@@ -194,10 +219,49 @@ class TorchEngine:
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full parameters in Hugging Face naming (gathered when sharded), in the publish dtype
-        :attr:`dtype` (bfloat16 on CUDA with ``dtype=auto``): for weight sync and
-        ``save_weights``. Collective when sharded."""
+        """Full parameters in Hugging Face naming (gathered on *every* rank when sharded), in the
+        publish dtype :attr:`dtype` (bfloat16 on CUDA with ``dtype=auto``). Collective when
+        sharded. Publishing does not use it (:meth:`local_shards`, :meth:`gather_on_rank0`)."""
         return self._gathered(self.dtype)
+
+    def gather_on_rank0(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Full parameters on rank 0 only (``{}`` on the others), in ``dtype`` (default: the
+        publish dtype; None: the master dtype), collected one parameter at a time from the
+        other ranks' dim-0 chunks (point to point on the default group): no rank but 0 holds
+        more than its own shards and one parameter's chunk. Collective when sharded."""
+        dtype = self.dtype if dtype is None else dtype
+        if not self.sharded:
+            return {n: t.to(dtype) if t.is_floating_point() else t
+                    for n, t in self.local_shards().items()}
+        import torch.distributed as dist
+
+        from system.reshard.layout import fsdp_rows
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        out: dict[str, torch.Tensor] = {}
+        seen: dict[int, str] = {}  # a tied parameter is gathered once
+        for name, t in self.model.state_dict().items():
+            if id(t) in seen:
+                if rank == 0:
+                    out[name] = out[seen[id(t)]]
+                continue
+            seen[id(t)] = name
+            local = (t.to_local() if hasattr(t, "to_local") else t).detach()
+            local = local.to(dtype) if local.is_floating_point() else local
+            if not hasattr(t, "to_local"):  # not sharded: every rank holds all of it
+                out.update({name: local.clone()} if rank == 0 else {})
+                continue
+            rows = [fsdp_rows(0, t.shape[0], world, r) for r in range(world)]
+            if rank == 0:
+                full = torch.empty(tuple(t.shape), dtype=local.dtype, device=local.device)
+                full[slice(*rows[0])] = local
+                for r in range(1, world):
+                    if rows[r][1] > rows[r][0]:
+                        dist.recv(full[slice(*rows[r])], src=r)
+                out[name] = full
+            elif local.numel() > 0:
+                dist.send(local.contiguous(), dst=0)
+        return out
 
     def save(self, directory: str, rank: int) -> None:
         """Rank 0 writes the model as a Hugging Face checkpoint (safetensors, loadable by
@@ -205,7 +269,7 @@ class TorchEngine:
         is exact); every rank writes its own optimizer shard (tensors and plain values only, so
         it loads with ``weights_only=True``). Every file is fsynced by the rank that wrote it.
         Collective."""
-        state = self._gathered(None)
+        state = self.gather_on_rank0(self.master_dtype)
         if rank == 0:
             self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
             for name in os.listdir(directory):  # what save_pretrained wrote

