@@ -64,8 +64,9 @@ class MegatronEngine:
         params_dtype = torch.bfloat16 if self.mixed else self.master_dtype
         with self.shim():
             init_parallel(self.dims, self.device, seed)
-            self.tcfg = transformer_config(self.hf_config, self.dims, self.mixed, params_dtype)
-            self.tcfg.num_query_groups = mw.megatron_shape(self.shape, self.dims.tp).num_kv_heads
+            self.tcfg = transformer_config(self.hf_config,
+                                           mw.megatron_shape(self.shape, self.dims.tp),
+                                           self.dims, self.mixed, params_dtype)
             spec, self.te = compat.layer_spec(self.device)
             module = build_gpt(self.hf_config, self.tcfg, spec, head).to(self.device)
             self.model: Any = module

@@ -70,13 +70,13 @@ def init_parallel(dims: ParallelDims, device: torch.device, seed: int,
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
 
 
-def transformer_config(hf: Any, dims: ParallelDims, mixed: bool, params_dtype: torch.dtype
-                       ) -> Any:
-    """megatron's ``TransformerConfig`` for a Qwen2/Llama config (no dropout, no fusions;
+def transformer_config(hf: Any, shape: ModelShape, dims: ParallelDims, mixed: bool,
+                       params_dtype: torch.dtype) -> Any:
+    """megatron's ``TransformerConfig`` for a Qwen2/Llama config whose shape megatron builds
+    is ``shape`` (kv heads possibly replicated; no dropout, no fusions;
     ``calculate_per_token_loss``: the engine scales its losses itself)."""
     from megatron.core.transformer import TransformerConfig
 
-    shape = ModelShape.from_hf(hf)
     check_megatron(shape, dims.tp, dims.pp)
     if shape.num_heads % dims.tp:
         raise ConfigError(f"rl.actor.megatron.tp={dims.tp} does not divide the model's "
