@@ -238,7 +238,11 @@ class ModelWorker(Worker):
 
         def send() -> WeightsSent:
             t0 = time.perf_counter()
-            full = self._engine("actor").full_state_dict()  # FSDP: all-gather (collective)
+            actor = self._engine("actor")
+            if getattr(actor, "backend", "fsdp") == "megatron":  # cut from its own shards
+                full = actor.publish_shards(self._syncs[int(replicas[0])].boxes)
+            else:
+                full = actor.full_state_dict()  # FSDP: all-gather (collective)
 
             def one(sync: _WeightSync) -> int:
                 return sync.executor.run(src={n: full[n].contiguous() for n in sync.boxes},
@@ -301,7 +305,11 @@ class ModelWorker(Worker):
     def save_weights(self, directory: str) -> Future:
         """Write the actor as a Hugging Face safetensors checkpoint (rank 0; collective)."""
         def save() -> dict[str, Any]:
-            state = self._engine("actor").full_state_dict()
+            actor = self._engine("actor")
+            if getattr(actor, "backend", "fsdp") == "megatron":
+                actor.save_hf(directory, self.index)  # gathers over its model-parallel ranks
+                return {"rank": self.index}
+            state = actor.full_state_dict()
             if self.index == 0:
                 os.makedirs(directory, exist_ok=True)
                 self._engine("actor").model.save_pretrained(directory, state_dict=state,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from experiments.rl.agents import AgentConfig
@@ -150,10 +151,22 @@ class RLExperimentConfig(ExperimentConfig):
         super().__post_init__()
         if self.model.count < 1 or self.generation.count < 1 or self.rollout.count < 1:
             raise ConfigError("RL needs model.count, generation.count and rollout.count >= 1")
+        self.rl.actor.check_layout(self.model.count, model_config(self.rl.model_path),
+                                   key="rl.actor.megatron")
 
 
     def recovery(self) -> RecoverConfig:
         return self.recover
+
+
+def model_config(path: str) -> dict | None:
+    """The ``config.json`` of the model at ``path`` (None when it is not given or not there:
+    the engine checks again once the path is resolved)."""
+    cfg = os.path.join(path, "config.json") if path else ""
+    if not cfg or not os.path.isfile(cfg):
+        return None
+    with open(cfg) as f:
+        return json.load(f)
 
 
 def resolve_model_path(rl: RLConfig, default: str) -> str:

@@ -67,14 +67,16 @@ class TorchEngineConfig:
             raise ConfigError(f"megatron.tp/pp are set but backend={self.backend!r} "
                               "(use backend=megatron)")
 
-    def check_layout(self, workers: int, model_config: dict | None = None) -> None:
-        """Refuse, naming the key, a megatron split that ``workers`` model workers (and the
-        model's ``config.json`` values, when given) cannot make."""
+    def check_layout(self, workers: int, model_config: dict | None = None,
+                     key: str = "megatron") -> None:
+        """Refuse, naming the key (``key``: where the megatron section is mounted), a megatron
+        split that ``workers`` model workers (and the model's ``config.json`` values, when
+        given) cannot make."""
         if self.backend != "megatron":
             return
         tp, pp = self.megatron.tp, self.megatron.pp
         if workers % (tp * pp):
-            raise ConfigError(f"megatron.tp x megatron.pp = {tp} x {pp} does not divide "
+            raise ConfigError(f"{key}.tp x {key}.pp = {tp} x {pp} does not divide "
                               f"model.count={workers}")
         if model_config is None:
             return
@@ -82,10 +84,10 @@ class TorchEngineConfig:
         kv = int(model_config.get("num_key_value_heads") or heads)
         layers = int(model_config["num_hidden_layers"])
         if heads % tp:
-            raise ConfigError(f"megatron.tp={tp} does not divide the model's {heads} "
+            raise ConfigError(f"{key}.tp={tp} does not divide the model's {heads} "
                               "attention heads")
         if kv % tp and tp % kv:
-            raise ConfigError(f"megatron.tp={tp} and the model's {kv} kv heads do not divide "
+            raise ConfigError(f"{key}.tp={tp} and the model's {kv} kv heads do not divide "
                               "each other")
         if layers % pp:
-            raise ConfigError(f"megatron.pp={pp} does not divide the model's {layers} layers")
+            raise ConfigError(f"{key}.pp={pp} does not divide the model's {layers} layers")

@@ -307,6 +307,7 @@ class MegatronEngine:
         """The model as an HF checkpoint (rank 0, master dtype: a resume is exact) and this
         rank's optimizer shard (float32 master shard and AdamW moments, tensors and plain
         values: loads with ``weights_only=True``). Collective."""
+        os.makedirs(directory, exist_ok=True)
         self.save_hf(directory, rank, self.master_dtype)
         if self.optimizer is None:
             return
@@ -326,6 +327,6 @@ class MegatronEngine:
 
         blob = torch.load(os.path.join(directory, f"optimizer.rank{rank}.pt"),
                           map_location=self.device, weights_only=True)
-        with self.shim():
+        with self.shim(), torch.no_grad():  # fp32 masters may be views of the parameters
             load_optimizer_state(self.optimizer, self.module, blob["optimizer"])
         self.steps = int(blob.get("steps", 0))
