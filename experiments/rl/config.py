@@ -123,6 +123,10 @@ class RLConfig:
             raise ConfigError(f"save_overhead must be in [0, 1), got {self.save_overhead}")
         if self.lease_timeout <= 0:
             raise ConfigError(f"lease_timeout must be > 0, got {self.lease_timeout}")
+        if self.algorithm == "ppo" and self.actor.backend == "megatron":
+            raise ConfigError("algorithm=ppo with actor.backend=megatron: the megatron engine "
+                              "trains a critic but does not checkpoint its value head yet "
+                              "(use actor.backend=fsdp)")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ConfigError("group_size must be >= 2 for grpo (advantages are relative)")
         if self.sync_interval - 1 > self.eta:

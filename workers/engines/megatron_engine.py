@@ -287,9 +287,13 @@ class MegatronEngine:
         return mw.hf_from_shards(shards, self.shape, self.dims.tp, self.dims.pp)
 
     def save_hf(self, directory: str, rank: int, dtype: torch.dtype | None = None) -> None:
-        """Write a Hugging Face checkpoint (config + safetensors; rank 0 writes). Collective."""
+        """Write a Hugging Face checkpoint (config + safetensors; rank 0 writes). Collective.
+        The causal LM only: a value head has no HF export yet."""
         from safetensors.torch import save_file
 
+        if self.head != "lm":
+            raise NotImplementedError("megatron engine: the critic's value head has no "
+                                      "Hugging Face export yet")
         state = self.full_state_dict(dtype)
         if rank != 0:
             return

@@ -120,35 +120,55 @@ def publish_boxes(local: Mapping[str, torch.Tensor], boxes: Mapping[str, Box],
     vocabulary tensors, whose padded megatron rows differ from the planner's even split: those
     are all-gathered over the tensor-parallel group (collective there)."""
     mshape = megatron_shape(shape, tp)
-    where: dict[str, tuple[str, Any]] = {}  # HF name -> (megatron name, piece)
+    where: dict[str, list[tuple[str, Any]]] = {}  # HF name -> [(megatron name, piece)]
+    rep, hn = kv_replicas(shape, tp), shape.head_dim
     for p in megatron_local_params(mshape, tp, tp_rank, pp, pp_rank):
         for piece in p.pieces:
-            where.setdefault(piece.source, (p.name, piece))
+            if rep > 1 and _is_kv(piece.source):  # copy of head j // rep of the HF tensor
+                (a, b), rest = piece.box[0], piece.box[1:]
+                head = a // hn // rep
+                piece = dataclasses.replace(piece, box=((head * hn, head * hn + b - a), *rest))
+            where.setdefault(piece.source, []).append((p.name, piece))
     out: dict[str, torch.Tensor] = {}
     for name, box in boxes.items():
         if name in VOCAB_NAMES:
-            full = _gather_vocab(local, name, where, shape, tp, pp, pp_rank)
+            full = _gather_vocab(local, name, where, shape, tp)
             t = full[tuple(slice(a, b) for a, b in box)]
         else:
-            mname, piece = where[name]
-            t = local[mname][tuple(slice(a, b) for a, b in local_box(piece))]
-            want = tuple(b - a for a, b in box)
-            if tuple(t.shape) != want:  # the planner's box and this rank's piece disagree
-                raise RuntimeError(f"{name}: megatron rank tp={tp_rank}, pp={pp_rank} holds "
-                                   f"{tuple(t.shape)}, the plan wants {box}")
+            t = _assemble(local, name, box, where.get(name, []), (tp_rank, pp_rank))
         out[name] = t.detach().to(dtype).contiguous()
     return out
 
 
+def _assemble(local: Mapping[str, torch.Tensor], name: str, box: Box,
+              pieces: list[tuple[str, Any]], rank: tuple[int, int]) -> torch.Tensor:
+    """``box`` of HF tensor ``name`` from the pieces of it this rank holds (one per query group
+    for q/k/v): each piece lies wholly inside the box or outside it."""
+    first = local[pieces[0][0]] if pieces else None
+    t = torch.empty(tuple(b - a for a, b in box), dtype=first.dtype if first is not None
+                    else torch.float32, device=first.device if first is not None else "cpu")
+    covered = 0
+    for mname, piece in pieces:
+        if any(pa < a or pb > b for (pa, pb), (a, b) in zip(piece.box, box)):
+            continue
+        region = tuple(slice(pa - a, pb - a) for (pa, pb), (a, _) in zip(piece.box, box))
+        t[region] = local[mname][tuple(slice(a, b) for a, b in local_box(piece))]
+        covered += t[region].numel()
+    if covered != t.numel():
+        raise RuntimeError(f"{name}: megatron rank tp={rank[0]}, pp={rank[1]} does not hold "
+                           f"the box {box} the plan gives it")
+    return t
+
+
 def _gather_vocab(local: Mapping[str, torch.Tensor], name: str,
-                  where: Mapping[str, tuple[str, Any]], shape: ModelShape, tp: int, pp: int,
-                  pp_rank: int) -> torch.Tensor:
+                  where: Mapping[str, list[tuple[str, Any]]], shape: ModelShape, tp: int
+                  ) -> torch.Tensor:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     mname = "embedding.word_embeddings.weight" if name == VOCAB_NAMES[0] else "output_layer.weight"
     if name in where:
-        mname = where[name][0]
+        mname = where[name][0][0]
     t = local[mname].detach()
     if tp == 1:
         return t[:shape.vocab_size]

@@ -85,6 +85,18 @@ def _worker(rank, world, port, path, tp, pp, ckpt, clip, out):
     after = eng.logprobs(mine)
     assert all(torch.equal(a, b) for a, b in zip(after, eng.logprobs(mine)))
     state = eng.full_state_dict()
+    # publishing: the reshard planner's boxes of this rank, cut from its own shards, are
+    # exactly those boxes of the exported weights
+    from system.reshard.layout import TrainLayout
+    from system.reshard.params import ModelShape, qwen2_specs, train_shard_boxes
+
+    shape = ModelShape.from_hf(eng.hf_config)
+    boxes = train_shard_boxes(qwen2_specs(shape), TrainLayout(dp=dp, tp=tp, pp=pp), rank,
+                              shape.num_layers)
+    sent = eng.publish_shards(boxes)
+    assert sent.keys() == boxes.keys()
+    for name, box in boxes.items():
+        assert torch.equal(sent[name], state[name][tuple(slice(a, b) for a, b in box)]), name
     out.put({"rank": rank, "dp": d, "lead": lead, "loss": stats["loss"],
              "grad_norm": stats["grad_norm"],
              "before": [x.numpy().copy() for x in before],
