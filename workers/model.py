@@ -219,7 +219,10 @@ class ModelWorker(Worker):
                 raise RuntimeError(f"generation server {replica} is not serving")
 
             actor = self._engine("actor")
-            boxes = source_boxes(sync, self.index, actor.local_shards())  # refuses unmapped
+            if getattr(actor, "backend", "fsdp") == "megatron":  # cut at publish from its shards
+                boxes = sync.src_boxes(self.index)
+            else:
+                boxes = source_boxes(sync, self.index, actor.local_shards())  # refuses unmapped
 
             def build() -> _WeightSync:
                 store = self._store(group, sync.world_size, keep=False)

@@ -257,3 +257,19 @@ def test_a_preemption_warning_checkpoints_before_the_stateful_restart(fileroot):
         assert "checkpoint committed after SIGUSR2" in f.read()
     _epochs_exact(s["results"]["prompts_per_step"], 14)
     assert trial_processes(root) == []
+
+
+def test_megatron_tp2_pp2_trains_and_publishes_into_vllm(fileroot):
+    """rl.actor.backend=megatron over four model workers (tp=2 x pp=2): the trial completes and
+    every publish reaches the generation server from the ranks' own shards."""
+    r = run_launch("exp=arith-tiny", "trial=megatron", f"cluster.fileroot={fileroot}",
+                   "rl.actor.backend=megatron", "rl.actor.megatron.tp=2",
+                   "rl.actor.megatron.pp=2", "model.count=4", "rl.total_steps=4", *SMALL,
+                   timeout=500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = read_summary(fileroot, "arith-tiny", "megatron")
+    assert s["status"] == "completed" and s["steps"] == 4
+    rows = [row for row in _metrics(os.path.join(fileroot, "arith-tiny", "megatron"))
+            if "sync_replicas" in row]
+    assert len(rows) == 4 and all(row["sync_replicas"] == 1 for row in rows), rows
+    assert all(row["sync_bytes"] > 0 for row in rows), rows

@@ -44,6 +44,7 @@ class MegatronEngine:
     values (the critic). ``trainable=False`` (the reference) has no optimizer."""
 
     backend = "megatron"
+    sharded = False  # not FSDP2 dim-0 chunks: it publishes the HF-named tp/pp boxes it cuts
 
     def __init__(self, cfg: TorchEngineConfig, device: str = "cpu", world_size: int = 1,
                  head: str = "lm", trainable: bool = True, seed: int = 1234) -> None:
