@@ -22,12 +22,13 @@ each local tensor, the planner's input); :func:`hf_to_megatron_shard` and
 """
 from __future__ import annotations
 
-from typing import Mapping
-
-import torch
+from typing import TYPE_CHECKING, Mapping
 
 from system.reshard.layout import LayoutError
 from system.reshard.params import Box, DstParam, ModelShape, Piece, qwen2_specs
+
+if TYPE_CHECKING:  # torch loads where tensors are made (the worker entry point stays light)
+    import torch
 
 VOCAB_DIVISIBLE_BY = 128  # megatron's default make_vocab_size_divisible_by
 
@@ -163,6 +164,8 @@ def hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], shape: ModelShape
                          vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> dict[str, torch.Tensor]:
     """Megatron rank (``tp_rank``, ``pp_rank``)'s state dict from a full HF state dict (padded
     vocabulary rows are zero). New tensors: nothing aliases ``hf_state``."""
+    import torch
+
     out: dict[str, torch.Tensor] = {}
     for p in megatron_local_params(shape, tp, tp_rank, pp, pp_rank, vocab_divisible_by):
         ref = hf_state[p.pieces[0].source] if p.pieces else hf_state["model.embed_tokens.weight"]
@@ -179,6 +182,8 @@ def megatron_shards_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Te
     """The full HF state dict from every rank's shard: ``shards[(tp_rank, pp_rank)]`` is that
     rank's megatron state dict. Copies of one HF region on several ranks (replicated norms, the
     tied embedding's last-stage copy) must agree exactly, else ``ValueError``."""
+    import torch
+
     specs = qwen2_specs(shape)
     dtype = next(iter(next(iter(shards.values())).values())).dtype
     hf = {s.name: torch.empty(s.shape, dtype=dtype) for s in specs}
