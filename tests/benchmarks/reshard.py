@@ -204,24 +204,7 @@ def main() -> None:
     world = src.world_size + dst.world_size
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=600))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args, store.port, out)) for r in range(world)]
-    for pr in procs:
-        pr.start()
-    results = []
-    while len(results) < world:
-        try:
-            results.append(out.get(timeout=5))
-        except Exception:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                raise SystemExit(f"a benchmark rank failed (exit codes {dead})")
-    results.sort(key=lambda r: r["rank"])
-    for pr in procs:
-        pr.join()
+    results = _spawn(worker, world, (args, store.port))
     S = src.world_size
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     ours = med(results[0]["ours"])
@@ -366,15 +349,7 @@ def megatron_publish_memory(args) -> None:
     world = spec.world_size
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=600))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_mg_worker, args=(r, spec, args, store.port, out))
-             for r in range(world)]
-    for pr in procs:
-        pr.start()
-    results = sorted((out.get(timeout=1200) for _ in procs), key=lambda r: r["rank"])
-    for pr in procs:
-        pr.join()
+    results = _spawn(_mg_worker, world, (spec, args, store.port))
     S, mib = spec.src.world_size, 2 ** 20
     model = sum(s.numel for s in spec.specs()) * 4
     bucket = min(args.bucket_mb << 20, model)
