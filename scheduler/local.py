@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
 from scheduler.gpu_plan import GpuDemand, parse_visible, plan_gpus
-from scheduler.spares import Activation, Spares
+from scheduler.spares import Activation, ForkedWorker, Spares
 from system.errors import SchedulerError
 
 _PR_SET_PDEATHSIG = 1
@@ -110,6 +110,10 @@ def _nvidia_smi_indices() -> tuple[str, ...]:
         if r.returncode == 0 else ()
 
 
+Process = subprocess.Popen | ForkedWorker
+"""A local worker: a process the scheduler started, or one a warm spare forked."""
+
+
 def _popen(argv: list[str], **kw: object) -> subprocess.Popen:
     """A worker process: its own session (stopped as a group), killed with the launcher."""
     return subprocess.Popen(argv, start_new_session=True, preexec_fn=_child_setup,
@@ -124,7 +128,7 @@ class LocalScheduler(Scheduler):
         before anything starts, unless ``share_gpus`` (no GPUs at all: every worker on the
         CPU). ``spares``: keep warm spares for the groups that use no GPU, once asked
         (:meth:`warm_spares`)."""
-        self._procs: dict[str, tuple[subprocess.Popen, LocalProcess]] = {}
+        self._procs: dict[str, tuple[Process, LocalProcess]] = {}
         self._logs: list = []
         self._gpus = gpus
         self._placement = plan_gpus(gpus.ids, demands, share_gpus) if gpus.ids else {}
@@ -164,7 +168,7 @@ class LocalScheduler(Scheduler):
             ids.append(str(proc.pid))
         return ids
 
-    def _from_spare(self, group: GroupSpec, w: LocalProcess) -> subprocess.Popen | None:
+    def _from_spare(self, group: GroupSpec, w: LocalProcess) -> ForkedWorker | None:
         if self._spares is None:
             return None
         return self._spares.take(group, Activation(int(w.env["RLSYS_WORKER_INDEX"]), w.env,
@@ -195,9 +199,10 @@ class LocalScheduler(Scheduler):
         return out
 
     def stop_all(self, grace: float) -> None:
-        spares = self._spares.processes() if self._spares is not None else []
-        _terminate([p for p, _ in self._procs.values()] + spares, grace)
+        # the workers first: a forked worker dies with its spare, without its grace period
+        _terminate([p for p, _ in self._procs.values()], grace)
         if self._spares is not None:
+            _terminate(list(self._spares.processes()), grace)
             self._spares.forget()
         for log in self._logs:
             log.close()
@@ -217,7 +222,7 @@ class LocalScheduler(Scheduler):
             del self._procs[name]
 
 
-def _terminate(procs: list[subprocess.Popen], grace: float) -> None:
+def _terminate(procs: list[Process], grace: float) -> None:
     """SIGTERM each process group, SIGKILL what is left after ``grace`` seconds."""
     live = [p for p in procs if p.poll() is None]
     for p in live:

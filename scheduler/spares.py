@@ -1,27 +1,38 @@
-"""Warm spare processes for the local scheduler.
+"""Warm spares of the local scheduler: one forking spare per worker group.
 
 A restart used to pay a fresh Python's imports before the worker could do anything: about 4 s
 for torch and transformers (master, model workers), 8 s for vLLM (generation servers) on two
-cores, most of a stateful recovery. A spare is a worker process started ahead of need with
+cores, most of a stateful recovery. A spare is a process started ahead of need with
 ``--standby``: it imports what its kind will need (the experiment's ``warm`` modules), then
-waits on its stdin. Starting a worker of that kind later hands the spare its identity instead
-of starting a new process (:meth:`Spares.take`): one JSON line with the worker index, its
-environment and its log file (:class:`Activation`); the spare then registers like any worker.
-A used spare is replaced at once (its imports cost a few CPU-seconds while the trial runs); one
-still importing is not used (a restart then starts a new process, as without spares). A spare whose launcher goes away reads end-of-file and exits
-(and the kernel kills it with the launcher, as every local worker).
+waits on its stdin. Starting a worker of that kind later writes one JSON line to the spare (the
+worker index, its environment and its log file: :class:`Activation`); the spare forks, and the
+child becomes that worker (:meth:`Spares.take`) with every module already imported, while the
+spare goes on waiting for the next restart. So a spare is never used up: no replacement pays
+those imports again while the trial runs (on two cores they slowed the steps after every
+restart by seconds).
+
+The spare answers on its stdout, one JSON line each (:class:`Forked`): the pid it forked, and
+later that pid's exit code (it is the worker's parent and reaps it). The scheduler watches a
+forked worker through :class:`ForkedWorker`, which reads those lines. A forked worker leads its
+own session (stopped as a group, like every local worker) and is killed with its spare
+(``PR_SET_PDEATHSIG``), which is killed with the launcher: ``kill -9`` of the launcher still
+leaves nothing behind. Killing a spare therefore kills the workers it forked (they restart).
 
 Spares start only when asked (:meth:`Spares.warm`: the controller asks once the trial runs), so
-they never slow the trial's own start-up. Under Slurm every worker runs in its own job and a
-restart is a requeue: there are no spares there.
+they never slow the trial's own start-up; one still importing is not used (a restart then starts
+a new process, as without spares), nor is a dead one (it is started again). Under Slurm every
+worker runs in its own job and a restart is a requeue: there are no spares there.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import select
+import signal
 import subprocess
-from typing import IO, Any, Callable
+import time
+from typing import IO, Any, Callable, Optional
 
 from scheduler.base import GroupSpec
 from system.errors import ConfigError
@@ -60,14 +71,125 @@ class Activation:
         return cls(raw["index"], raw["env"], raw["log"])
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class Forked:
+    """A spare's answer: it forked worker ``pid`` (``code`` None), or its worker ``pid`` exited
+    with ``code`` (negative: killed by that signal, as ``Popen.returncode``)."""
+
+    pid: int
+    code: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name, v in (("pid", self.pid), ("code", self.code)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ConfigError(f"forked {name} must be an int, got {v!r}")
+        if self.pid <= 0:
+            raise ConfigError(f"forked pid must be > 0, got {self.pid}")
+
+    def line(self) -> bytes:
+        return (json.dumps(dataclasses.asdict(self)) + "\n").encode()
+
+    @classmethod
+    def parse(cls, line: str) -> "Forked":
+        try:
+            raw: Any = json.loads(line)
+        except ValueError as e:
+            raise ConfigError(f"spare answer is not JSON: {e}") from None
+        if not isinstance(raw, dict) or set(raw) != {"pid", "code"}:
+            raise ConfigError("spare answer must have exactly pid and code")
+        return cls(raw["pid"], raw["code"])
+
+
 class _Spare:
-    proc: subprocess.Popen
-    log: IO[bytes]
+    """One forking spare process and what it said on its stdout."""
+
+    def __init__(self, proc: subprocess.Popen, log: IO[bytes]) -> None:
+        self.proc = proc
+        self.log = log
+        self.forked: list[int] = []
+        self.exits: dict[int, int] = {}
+        self._buf = b""
+        assert proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), False)
+
+    def pump(self) -> None:
+        """Read what the spare wrote so far (never blocks)."""
+        assert self.proc.stdout is not None
+        try:
+            while data := os.read(self.proc.stdout.fileno(), 1 << 16):
+                self._buf += data
+        except (BlockingIOError, OSError, ValueError):
+            pass
+        *lines, self._buf = self._buf.split(b"\n")
+        for line in lines:
+            try:
+                a = Forked.parse(line.decode(errors="replace"))
+            except ConfigError:
+                continue  # (only the spare writes there)
+            if a.code is None:
+                self.forked.append(a.pid)
+            else:
+                self.exits[a.pid] = a.code
+
+    def fork(self, activation: Activation, timeout: float) -> Optional[int]:
+        """Have the spare fork ``activation``'s worker; its pid, or None (dead, or no answer)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(activation.line())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            return None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.pump()
+            if self.forked:
+                return self.forked.pop(0)
+            if self.proc.poll() is not None:
+                return None
+            try:
+                select.select([self.proc.stdout.fileno()], [], [], 0.1)
+            except (OSError, ValueError):
+                return None
+        return None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class ForkedWorker:
+    """A worker a spare forked, watched like a ``Popen`` (``pid``, ``poll``, ``wait``,
+    ``returncode``): its exit code comes from its spare, which reaps it."""
+
+    def __init__(self, spare: _Spare, pid: int) -> None:
+        self.pid = pid
+        self.returncode: Optional[int] = None
+        self.args = f"worker forked by spare {spare.proc.pid}"
+        self._spare = spare
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self._spare.pump()
+            if self.pid in self._spare.exits:
+                self.returncode = self._spare.exits.pop(self.pid)
+            elif not _running(self.pid):
+                # gone, its exit not (yet) told: the spare reports it right after reaping it;
+                # if the spare died too, the worker was killed with it (PR_SET_PDEATHSIG)
+                time.sleep(0.05)
+                self._spare.pump()
+                self.returncode = self._spare.exits.pop(self.pid, -signal.SIGKILL)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(0.02)
+        return code
 
 
 class Spares:
-    """At most one warm spare per worker group command line (a group's ``argv``)."""
+    """At most one forking spare per worker group command line (a group's ``argv``)."""
 
     def __init__(self, start: Callable[..., subprocess.Popen]) -> None:
         self._start = start  # Popen with the scheduler's child set-up (new session, death signal)
@@ -87,29 +209,31 @@ class Spares:
         self.enabled = True
         for key, group in self._groups.items():
             spare = self._spares.get(key)
-            if spare is None or spare.proc.poll() is not None:
+            if spare is None or not spare.alive():
                 self._spawn(key, group)
 
-    def take(self, group: GroupSpec, activation: Activation) -> subprocess.Popen | None:
-        """Hand ``activation`` to ``group``'s spare and return its process (a replacement
-        starts at once), or None when there is no live spare."""
+    def take(self, group: GroupSpec, activation: Activation, timeout: float = 10.0
+             ) -> ForkedWorker | None:
+        """Have ``group``'s spare fork the worker ``activation`` names and return it, or None
+        when there is no ready spare (a dead one is started again)."""
         key = tuple(group.argv)
-        spare = self._spares.pop(key, None)
+        spare = self._spares.get(key)
         if spare is None:
             return None
-        spare.log.close()
-        try:
-            if spare.proc.poll() is not None or not _ready(spare.proc.pid):
-                raise BrokenPipeError  # dead, or still importing
-            assert spare.proc.stdin is not None
-            spare.proc.stdin.write(activation.line())
-            spare.proc.stdin.close()
-        except (BrokenPipeError, OSError):
-            _reap(spare.proc)
+        if not spare.alive():
+            self._drop(key)
+            if self.enabled:
+                self._spawn(key, group)
             return None
-        if self.enabled:
-            self._spawn(key, group)
-        return spare.proc
+        if not _ready(spare.proc.pid):
+            return None  # still importing: no faster than a new process
+        pid = spare.fork(activation, timeout)
+        if pid is None:
+            self._drop(key)
+            if self.enabled:
+                self._spawn(key, group)
+            return None
+        return ForkedWorker(spare, pid)
 
     def processes(self) -> list[subprocess.Popen]:
         return [s.proc for s in self._spares.values()]
@@ -121,11 +245,16 @@ class Spares:
         self._spares.clear()
         self.enabled = False
 
+    def _drop(self, key: tuple[str, ...]) -> None:
+        spare = self._spares.pop(key)
+        spare.log.close()
+        _reap(spare.proc)
+
     def _spawn(self, key: tuple[str, ...], group: GroupSpec) -> None:
         log_path = os.path.join(os.path.dirname(group.log_paths[0]), f"spare-{group.kind}.log")
         log = open(log_path, "ab", buffering=0)
         try:
-            proc = self._start([*key, STANDBY_FLAG], stdout=log, stderr=subprocess.STDOUT,
+            proc = self._start([*key, STANDBY_FLAG], stdout=subprocess.PIPE, stderr=log,
                                stdin=subprocess.PIPE, env={**os.environ, **group.env})
         except OSError:
             log.close()
@@ -139,6 +268,15 @@ def _ready(pid: int) -> bool:
         with open(f"/proc/{pid}/comm") as f:
             return f.read().startswith("spare/")
     except OSError:
+        return False
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
         return False
 
 

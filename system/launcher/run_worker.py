@@ -20,7 +20,7 @@ from scheduler.gpu_plan import task_env
 from scheduler.spares import STANDBY_FLAG
 from system.bootstrap import Bootstrap
 from system.errors import ConfigError
-from system.launcher.standby import set_process_name, wait_for_activation, warm
+from system.launcher.standby import fork_workers, set_process_name, warm
 from system.private_files import set_umask
 from workers.kinds import KINDS, worker_class
 
@@ -43,12 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     bootstrap = os.path.join(args.trial_dir, "bootstrap.json")
     if args.standby:
         set_process_name(f"warm/{args.kind}")  # importing; then "spare/KIND": ready
-        logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+        # (its stdout carries its answers to the scheduler: scheduler.spares.Forked)
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format=f"%(asctime)s spare/{args.kind} %(levelname)s %(message)s")
         experiment = get_experiment(Bootstrap.read(bootstrap).experiment)
         warm(experiment.warm.get(args.kind))
         set_process_name(f"spare/{args.kind}")
-        activation = wait_for_activation()
+        activation = fork_workers()  # returns in a forked child, as that worker
         if activation is None:
             return 0
         args.index = activation.index
@@ -58,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
                         format=f"%(asctime)s {args.kind}/{index} %(levelname)s %(message)s")
     if args.standby:
-        logging.getLogger("standby").info("a warm spare (pid %d) is %s/%d", os.getpid(),
-                                          args.kind, index)
+        logging.getLogger("standby").info("forked by a warm spare (pid %d): %s/%d",
+                                          os.getppid(), args.kind, index)
     boot = Bootstrap.read(bootstrap)
     set_umask(boot.group_readable)  # whoever started us: checkpoints, metrics stay private
     role = get_experiment(boot.experiment).roles.of(args.kind)

@@ -113,6 +113,13 @@ def prompt_counts(history: list, prompts: int) -> tuple[int, int]:
     return dup, skipped
 
 
+def slowest_gaps(seen: dict[int, float], n: int = 12) -> list[tuple[int, float]]:
+    """The ``n`` longest waits between consecutive trained steps: (step reached, seconds)."""
+    steps = sorted(s for s in seen if s >= 1)
+    gaps = [(b, seen[b] - seen[a]) for a, b in zip(steps, steps[1:])]
+    return sorted(gaps, key=lambda g: -g[1])[:n]
+
+
 def loop_seconds(seen: dict[int, float]) -> float:
     trained = {s: t for s, t in seen.items() if s >= 1}
     return max(trained.values()) - min(trained.values()) if len(trained) > 1 else float("nan")
@@ -126,11 +133,21 @@ def main() -> int:
                    help="KIND:STEP,... (one SIGKILL each once the step was trained)")
     p.add_argument("--prompts", type=int, default=256,
                    help="rl.task.train_size (small enough that epochs complete)")
+    p.add_argument("--keep", default="",
+                   help="keep both trials under this directory (default: a temporary one)")
+    p.add_argument("--gaps", action="store_true",
+                   help="also print the slowest step gaps of each run (where the time went)")
     a = p.parse_args()
     kills = [(k, int(s)) for k, s in (item.split(":") for item in a.kills.split(","))]
-    with tempfile.TemporaryDirectory() as fileroot:
+    with tempfile.TemporaryDirectory() as tmp:
+        fileroot = a.keep or tmp
         base = run(fileroot, "uninterrupted", a.steps, a.prompts, [])
         chaos = run(fileroot, "chaos", a.steps, a.prompts, kills)
+    if a.gaps:
+        for name, r in (("uninterrupted", base), ("chaos", chaos)):
+            print(f"gaps_{name}: " + " ".join(f"{s}:{g:.1f}" for s, g in slowest_gaps(r["seen"])))
+        t0 = min(chaos["seen"].values())
+        print("kills_at_s: " + " ".join(f"{k}@{t - t0:.1f}" for k, _, t in chaos["killed"]))
     s = chaos["summary"]
     rec = s.get("recoveries", [])
     t0 = s.get("t0_epoch", 0.0)

@@ -171,7 +171,7 @@ def test_automatic_recovery_after_master_failure_and_model_worker_kill(fileroot)
         assert os.path.isfile(os.path.join(logs, f"master-0.attempt{attempt}.log"))
         assert os.path.isfile(os.path.join(logs, f"model-0.attempt{attempt}.log"))
     with open(os.path.join(logs, "model-0.attempt2.log")) as f:  # the kill waited for it
-        assert "a warm spare (pid" in f.read()
+        assert "forked by a warm spare (pid" in f.read()
     assert "recovering (attempt 1 of 3)" in err
     assert trial_processes(root) == []
 

@@ -1,9 +1,11 @@
 """Warm spares of the local scheduler (real processes): a spare is started once asked, a
-restart takes it over (same process, the worker's index, environment and log file), a new spare
-replaces it, and stopping the trial stops the spares too."""
+restart is forked from it (a child with the worker's index, environment and log file, watched
+through the spare's answers), the spare stays for the next restart, and stopping the trial
+stops the spares and their workers."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -11,25 +13,26 @@ import pytest
 
 from scheduler.base import GroupSpec, JobState
 from scheduler.local import LocalScheduler
-from scheduler.spares import Activation
+from scheduler.spares import Activation, Forked
 from system.errors import ConfigError
 
-# a worker that, with --standby, waits for its activation through the real standby code; then
-# (or at once, without --standby) prints its index, an environment variable and its pid
+# a worker that, with --standby, forks a child per activation through the real standby code;
+# the child (or the process itself, without --standby) prints its index, an environment
+# variable, its pid and its parent's pid, then waits
 WORKER = (sys.executable, "-c", """
 import os, sys
-from system.launcher.standby import set_process_name, wait_for_activation
+from system.launcher.standby import fork_workers, set_process_name
 if "--standby" in sys.argv:
     set_process_name("spare/rollout")
-    print("spare waiting", flush=True)
-    act = wait_for_activation()
+    print("spare waiting", file=sys.stderr, flush=True)
+    act = fork_workers()
     if act is None:
         sys.exit(0)
     index = act.index
 else:
     index = int(sys.argv[sys.argv.index("--index") + 1])
-print(f"worker {index} {os.environ.get('RLSYS_WORKER_INDEX')} {os.environ['MARK']} {os.getpid()}",
-      flush=True)
+print(f"worker {index} {os.environ.get('RLSYS_WORKER_INDEX')} {os.environ['MARK']} {os.getpid()}"
+      f" {os.getppid()}", flush=True)
 import time; time.sleep(300)
 """)
 
@@ -57,32 +60,71 @@ def _alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_a_restart_takes_over_the_warm_spare_and_a_new_one_replaces_it(tmp_path, monkeypatch):
+def _until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_restarts_are_forked_from_the_warm_spare_which_stays(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.getcwd())
     sched = LocalScheduler(spares=True)
+    forked = []
     try:
         (first,) = sched.submit(_group(tmp_path, 0, 0))
         _read(str(tmp_path / "rollout-0.attempt0.log"), "worker 0 0 a0")
         assert not (tmp_path / "spare-rollout.log").exists()  # none before warm_spares()
         sched.warm_spares()
-        spare_log = str(tmp_path / "spare-rollout.log")
-        _read(spare_log, "spare waiting")
+        _read(str(tmp_path / "spare-rollout.log"), "spare waiting")
         (spare,) = sched._spares.processes()
         sched.stop_worker("rollout/0", grace=2)
 
-        (taken,) = sched.submit(_group(tmp_path, 0, 1))
-        assert int(taken) == spare.pid  # the spare became the worker
-        text = _read(str(tmp_path / "rollout-0.attempt1.log"), "worker 0 0 a1")
-        assert f"a1 {spare.pid}" in text
-        with open(f"/proc/{spare.pid}/comm") as f:
-            assert f.read().strip() == "spare/rollout"  # (the real run_worker renames it)
-        (fresh,) = sched._spares.processes()  # replaced at once
-        assert fresh.pid != spare.pid
-        _read(spare_log, "spare waiting\nspare waiting")
-        assert [s.state for s in sched.poll()] == [JobState.RUNNING]
+        for attempt in (1, 2):
+            (taken,) = sched.submit(_group(tmp_path, 0, attempt))
+            forked.append(int(taken))
+            text = _read(str(tmp_path / f"rollout-0.attempt{attempt}.log"), f"worker 0 0 a{attempt}")
+            assert f"a{attempt} {taken} {spare.pid}" in text  # a child of the spare
+            assert os.getpgid(int(taken)) == int(taken)  # leads its own group
+            assert sched._spares.processes() == [spare]  # the same spare, not used up
+            assert [s.state for s in sched.poll()] == [JobState.RUNNING]
+            os.kill(int(taken), signal.SIGKILL)  # its death is seen through the spare
+            _until(lambda: sched.poll()[0].state != JobState.RUNNING)
+            (status,) = sched.poll()
+            assert status.state == JobState.FAILED and "SIGKILL" in status.detail
+            sched.stop_worker("rollout/0", grace=2)
+        assert forked[0] != forked[1]
+        (taken,) = sched.submit(_group(tmp_path, 0, 3))
+        forked.append(int(taken))
     finally:
         sched.stop_all(grace=2)
-    assert not _alive(int(first)) and not _alive(spare.pid) and not _alive(fresh.pid)
+    assert not _alive(int(first)) and not _alive(spare.pid)
+    assert not any(_alive(p) for p in forked)
+
+
+def test_a_forked_worker_dies_with_its_spare(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())
+    sched = LocalScheduler(spares=True)
+    try:
+        sched.submit(_group(tmp_path, 0, 0))
+        sched.warm_spares()
+        _read(str(tmp_path / "spare-rollout.log"), "spare waiting")
+        (spare,) = sched._spares.processes()
+        sched.stop_worker("rollout/0", grace=2)
+        (taken,) = sched.submit(_group(tmp_path, 0, 1))
+        _read(str(tmp_path / "rollout-0.attempt1.log"), "worker 0 0 a1")
+        spare.kill()
+        spare.wait(10)
+        _until(lambda: sched.poll()[0].state != JobState.RUNNING)
+        assert not _alive(int(taken))
+        sched.stop_worker("rollout/0", grace=2)
+        (again,) = sched.submit(_group(tmp_path, 0, 2))  # a new process: the spare is dead
+        assert int(again) not in (int(taken), spare.pid)
+        _read(str(tmp_path / "rollout-0.attempt2.log"), "worker 0 0 a2")
+        assert len(sched._spares.processes()) == 1  # and a new spare is warming up
+        assert sched._spares.processes()[0].pid != spare.pid
+    finally:
+        sched.stop_all(grace=2)
 
 
 def test_without_spares_or_a_dead_spare_a_restart_starts_a_process(tmp_path, monkeypatch):
@@ -117,3 +159,15 @@ def test_a_malformed_activation_is_refused(line, why):
         Activation.parse(line)
     assert Activation.parse(Activation(2, {"A": "b"}, "/l").line().decode()) == \
         Activation(2, {"A": "b"}, "/l")
+
+
+@pytest.mark.parametrize("line, why", [
+    ("[]", "exactly pid and code"),
+    ('{"pid": 0, "code": null}', "pid must be > 0"),
+    ('{"pid": 5, "code": "x"}', "code must be an int"),
+    ('{"pid": true, "code": null}', "pid must be an int"),
+])
+def test_a_malformed_spare_answer_is_refused(line, why):
+    with pytest.raises(ConfigError, match=why):
+        Forked.parse(line)
+    assert Forked.parse(Forked(7, -9).line().decode()) == Forked(7, -9)
