@@ -27,6 +27,7 @@ def arith_tiny() -> RLExperimentConfig:
     cfg = RLExperimentConfig()
     cfg.model.count, cfg.generation.count, cfg.rollout.count = 1, 1, 2
     cfg.rl.vllm.max_model_len = 128
+    cfg.rl.vllm.kv_cache_gib = 0.25  # (tens of thousands of its 128-token sequences)
     return cfg
 
 

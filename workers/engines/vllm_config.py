@@ -36,6 +36,10 @@ class VllmConfig:
     gpu_memory_utilization: Optional[float] = None
     """Fraction of device memory for weights + KV cache (on CPU: of the NUMA node's memory);
     null: 0.85 on GPU, 0.2 on CPU."""
+    kv_cache_gib: Optional[float] = None
+    """KV cache size in GiB, whatever the device's memory (null: sized by
+    gpu_memory_utilization). A small model needs little: on CPU every GiB costs about a
+    CPU-second of engine start-up (it is allocated and zeroed) and that much RAM."""
     max_model_len: int = 512
     """Longest prompt + completion."""
     enforce_eager: Optional[bool] = None
@@ -72,6 +76,10 @@ class VllmConfig:
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"enforce_eager={self.enforce_eager!r} is not one of true, false, "
                               "null")
+        if self.kv_cache_gib is not None and not (
+                isinstance(self.kv_cache_gib, (int, float)) and 0 < self.kv_cache_gib < 1e6):
+            raise ConfigError(f"kv_cache_gib={self.kv_cache_gib!r} is not valid; valid: GiB "
+                              "> 0, or null (sized by gpu_memory_utilization)")
         if self.tensor_parallel_size < 1 or self.max_model_len < 8:
             raise ConfigError("tensor_parallel_size must be >= 1 and "
                               "max_model_len >= 8")
@@ -95,7 +103,8 @@ class VllmConfig:
             gpu_memory_utilization=util if util is not None else (
                 GPU_MEMORY_UTILIZATION if on_gpu else CPU_MEMORY_UTILIZATION),
             enforce_eager=eager if eager is not None else not on_gpu,
-            inline=self.inline(on_gpu))
+            inline=self.inline(on_gpu),
+            kv_cache_bytes=None if self.kv_cache_gib is None else int(self.kv_cache_gib * 2**30))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +116,7 @@ class VllmEngineArgs:
     gpu_memory_utilization: float
     enforce_eager: bool
     inline: bool
+    kv_cache_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):

@@ -86,13 +86,14 @@ class GenerationEngine:
         inline = args.inline
         # read by vLLM when the engine is made: its engine core in this process, or in its own
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if inline else "1"
+        sized = {} if args.kv_cache_bytes is None else {"kv_cache_memory_bytes": args.kv_cache_bytes}
         llm = LLM(model=model_path, skip_tokenizer_init=True, dtype=args.dtype,
                   enforce_eager=args.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
                   gpu_memory_utilization=args.gpu_memory_utilization,
                   max_model_len=cfg.max_model_len, seed=cfg.seed,
                   enable_prefix_caching=cfg.enable_prefix_caching,
                   worker_extension_cls=WEIGHT_SYNC_EXTENSION,
-                  distributed_executor_backend="uni" if inline else None)
+                  distributed_executor_backend="uni" if inline else None, **sized)
         self._attach(llm, cfg, eos_token_id, owns=True)
 
     @classmethod

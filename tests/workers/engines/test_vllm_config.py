@@ -29,6 +29,9 @@ def test_settings_are_validated():
         VllmConfig(gpu_memory_utilization=1.5)
     with pytest.raises(ConfigError, match="enforce_eager"):
         VllmConfig(enforce_eager="sometimes")  # type: ignore[arg-type]
+    for bad in (0, -1.0, "1"):
+        with pytest.raises(ConfigError, match="kv_cache_gib"):
+            VllmConfig(kv_cache_gib=bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="resolved dtype"):
         VllmEngineArgs("float16", 0.5, True, True)
 
@@ -36,6 +39,14 @@ def test_settings_are_validated():
 def test_overrides_reach_the_engine_settings():
     cfg = build_config("arith-tiny", "t", ["rl.vllm.enforce_eager=false",
                                            "rl.vllm.gpu_memory_utilization=0.7"])
-    assert cfg.rl.vllm.engine_args(on_gpu=False) == VllmEngineArgs("float32", 0.7, False, True)
+    assert cfg.rl.vllm.engine_args(on_gpu=False) == VllmEngineArgs("float32", 0.7, False, True,
+                                                                   kv_cache_bytes=2**28)
     back = build_config("arith-tiny", "t", ["rl.vllm.enforce_eager=null"]).rl.vllm
     assert back.enforce_eager is None and back.engine_args(on_gpu=True).enforce_eager is False
+
+
+def test_a_kv_cache_size_in_gib_is_passed_as_bytes():
+    assert VllmConfig().engine_args(on_gpu=False).kv_cache_bytes is None  # sized by utilization
+    assert VllmConfig(kv_cache_gib=0.5).engine_args(on_gpu=True).kv_cache_bytes == 2**29
+    cfg = build_config("arith-tiny", "t", ["rl.vllm.kv_cache_gib=null"])
+    assert cfg.rl.vllm.engine_args(on_gpu=False).kv_cache_bytes is None
