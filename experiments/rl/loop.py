@@ -132,10 +132,12 @@ class RLLoop:
         return self.cluster.serving(replica)
 
     def watch_replicas(self, force: bool = False) -> None:
-        """At most once a second (or now): drop dead servers from routing, let restarted ones
-        rejoin with the current weights (:meth:`Cluster.watch_replicas`)."""
+        """At most once a second, four times while a server is out (or now): drop dead servers
+        from routing, let restarted ones rejoin with the current weights
+        (:meth:`Cluster.watch_replicas`)."""
         now = time.monotonic()
-        if not force and now - self._replicas_read_at < 1.0:
+        every = 1.0 if len(self.cluster.live) == self.cluster.n_gen else 0.25
+        if not force and now - self._replicas_read_at < every:
             return
         self._replicas_read_at = now
         if self.cluster.watch_replicas(self.master.alive("generation"), self.state.step):
@@ -153,7 +155,7 @@ class RLLoop:
             if self.master.stopping:
                 raise RuntimeError("stopped while waiting for a generation server")
             self.watch_replicas(force=True)
-            time.sleep(0.5)
+            time.sleep(0.25)
 
     def step(self) -> None:
         """One training step, from taking a batch to the checkpoint."""

@@ -37,10 +37,11 @@ from workers.kinds import KINDS, client_for
 
 log = logging.getLogger("controller")
 
-RESTART_GRACE = 1.0
+RESTART_GRACE = 0.0
+"""Seconds a recovery gives the stateful workers it stops before SIGKILL: none, their state is
+abandoned for the checkpoint's (written atomically: a kill cannot tear it), and a survivor
+mid-step would only delay the restart (up to its whole grace)."""
 REPORT_GRACE = 1.0  # for a worker whose heartbeat expired to say why (out of descriptors, say)
-"""Seconds a recovery gives the stateful workers it stops before SIGKILL (their state is
-abandoned for the checkpoint's)."""
 
 
 class Controller:
