@@ -167,6 +167,9 @@ def co_schedule_problem(demands: Sequence[Demand], nodes: Sequence[Node], hetjob
         members = [n for n in nodes if partition in n.partitions]
         if not members:
             continue  # a partition we cannot see: sbatch says what is wrong with it
+        for d in group:
+            if _never_fit([d], members, False):
+                return _message([d], partition, members, False)
         for size in range(1 if hetjob else 2, len(group) + 1):
             for subset in itertools.combinations(group, size):
                 if _never_fit(subset, members, hetjob):
@@ -197,6 +200,8 @@ def _message(subset: Sequence[Demand], partition: str, nodes: Sequence[Node],
     keys = [_DIMS[d][1] for d in blocking] or ["nodes", "cpus_per_task", "gpus_per_node", "mem"]
     what = ", ".join(_DIMS[d][0] for d in blocking) or "resources"
     change = " or ".join(f"scheduler.slurm.{k}.{key}" for k in kinds for key in keys)
-    return (f"the {named} groups can never run at once on partition {partition} "
+    together = "at once " if len(kinds) > 1 else ""
+    return (f"the {named} group{'s' if len(kinds) > 1 else ''} can never run {together}on "
+            f"partition {partition} "
             f"({_shape(nodes)}): not enough {what} per node for {asks}; lower {change}, or "
             f"put a group on another partition (scheduler.slurm.<group>.partition)")

@@ -183,8 +183,8 @@ def render_hetjob_script(*, exp: str, trial: str, groups: Sequence[GroupSpec],
         components=[_component(g, slurm, gpus_per_worker.get(g.kind, 0)) for g in groups])
 
 
-HETJOB = "hetjob"
-"""The label of the trial's heterogeneous job (its name is ``<exp>_<trial>:hetjob``)."""
+HETJOB = "workers"
+"""The label of the trial's heterogeneous job (its name is ``<exp>_<trial>:workers``; sbatch drops any #SBATCH line that says "hetjob")."""
 
 
 def group_demand(kind: str, count: int, slurm: SlurmConfig, gpus_per_worker: int,

@@ -22,12 +22,11 @@ def dry_run(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, reso
     exit code 1 if a script was rejected."""
     print(resolved)
     ok = True
-    for group in group_specs(cfg, paths, scheduler.python).values():
-        if not group.count:
-            continue
-        request = scheduler.plan(group)
+    groups = [g for g in group_specs(cfg, paths, scheduler.python).values() if g.count]
+    for request in scheduler.plan_all(groups):
+        kinds = "+".join(g.kind for g in request.members())
         where = f" ({request.write()})" if isinstance(request, SlurmRequest) else ""
-        print(f"# ---- {group.kind}{where} ----\n{request.materialize()}")
+        print(f"# ---- {kinds}{where} ----\n{request.materialize()}")
         if test_only:
             assert isinstance(request, SlurmRequest), "--test-only needs scheduler=slurm"
             good, out = SlurmScheduler.test_only(request)
