@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import sys
 import time
 from typing import Mapping, Sequence
@@ -16,7 +15,8 @@ from typing import Mapping, Sequence
 from scheduler import slurm_preflight
 from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
 from scheduler.requeue import RequeuePolicy
-from scheduler.slurm_cli import last_error
+from scheduler.slurm_cli import (STATE_TABLE, last_error, map_state, parse_sbatch_parsable,
+                                 parse_scontrol_job)
 from scheduler.slurm_cli import run as _run
 from scheduler.slurm_config import SlurmConfig
 from scheduler.slurm_queue import blocked_message, hopeless, queue_timeout_message, unavailable_nodes
@@ -26,52 +26,8 @@ from system.errors import SchedulerError
 
 log = logging.getLogger("slurm")
 
-STATE_TABLE: dict[str, JobState] = {
-    "PENDING": JobState.PENDING,
-    "CONFIGURING": JobState.PENDING,
-    "SUSPENDED": JobState.PENDING,
-    "RESV_DEL_HOLD": JobState.PENDING,
-    "RUNNING": JobState.RUNNING,
-    "COMPLETING": JobState.RUNNING,
-    "SIGNALING": JobState.RUNNING,
-    "STAGE_OUT": JobState.RUNNING,
-    "RESIZING": JobState.RUNNING,
-    "STOPPED": JobState.RUNNING,
-    "REQUEUED": JobState.REQUEUED,
-    "REQUEUE_FED": JobState.REQUEUED,
-    "REQUEUE_HOLD": JobState.REQUEUED,
-    "COMPLETED": JobState.COMPLETED,
-    "CANCELLED": JobState.CANCELLED,
-    "REVOKED": JobState.CANCELLED,
-    "FAILED": JobState.FAILED,
-    "SPECIAL_EXIT": JobState.FAILED,
-    "BOOT_FAIL": JobState.NODE_FAIL,
-    "NODE_FAIL": JobState.NODE_FAIL,
-    "PREEMPTED": JobState.PREEMPTED,
-    "TIMEOUT": JobState.TIMEOUT,
-    "DEADLINE": JobState.TIMEOUT,
-    "OUT_OF_MEMORY": JobState.OUT_OF_MEMORY,
-}
-
-
-def map_state(raw: str) -> JobState:
-    """``"CANCELLED by 0"`` -> CANCELLED; ``"CD"``-style or unknown strings -> UNKNOWN."""
-    word = raw.strip().split(" ")[0].upper().rstrip("+")
-    return STATE_TABLE.get(word, JobState.UNKNOWN)
-
-
-def parse_sbatch_parsable(out: str) -> str:
-    """``sbatch --parsable`` prints ``jobid`` or ``jobid;cluster``."""
-    job_id = out.strip().splitlines()[-1].split(";")[0] if out.strip() else ""
-    if not job_id.isdigit():
-        raise SchedulerError(f"unexpected sbatch output {out.strip()!r}")
-    return job_id
-
-
-def parse_scontrol_job(line: str) -> dict[str, str]:
-    """``scontrol show job -o`` prints one line of ``Key=Value`` pairs."""
-    return dict(m.group(1, 2) for m in re.finditer(r"(\w+)=(\S*)", line))
-
+__all__ = ["HetRequest", "STATE_TABLE", "SlurmRequest", "SlurmScheduler", "het_leader",
+           "map_state", "parse_sbatch_parsable", "parse_scontrol_job"]
 
 @dataclasses.dataclass(frozen=True)
 class SlurmRequest(JobRequest):

@@ -16,7 +16,7 @@ _RESOURCES = ("nodes", "cpus_per_task", "gpus_per_node", "mem")
 
 HOPELESS: dict[str, tuple[str, tuple[str, ...]]] = {
     "PartitionConfig": ("the request does not fit the partition's configuration",
-                        ("partition", *_RESOURCES)),
+                        ("partition", "time", *_RESOURCES)),
     "PartitionNodeLimit": ("the nodes asked for are outside the partition's limits (or every "
                            "node that could hold them is down or drained)",
                            ("nodes", "partition")),

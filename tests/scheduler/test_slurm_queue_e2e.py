@@ -14,6 +14,9 @@ from tests.scheduler.test_slurm_e2e import SLURM
 
 pytestmark = pytest.mark.slurm
 
+SLOW_OK = ("controller.heartbeat_ttl=15",)
+"""The whole trials run beside other work on a small machine: a 3 s heartbeat is too tight."""
+
 
 def our_jobs(env: dict, exp: str, trial: str) -> list[str]:
     """Every job of the trial still in the queue, by name (``<exp>_<trial>:...``)."""
@@ -72,13 +75,14 @@ def test_a_busy_partition_is_waited_for(slurm_cluster, tmp_path):
     try:
         root = str(tmp_path / "runs")
         r = run_launch("exp=smoke", "trial=busy", f"cluster.fileroot={root}", *SLURM,
-                       "controller.register_timeout=20", env=slurm_cluster.env, timeout=240)
+                       "controller.register_timeout=20", *SLOW_OK, env=slurm_cluster.env,
+                       timeout=240)
         assert r.returncode == 0, r.stderr
         assert "waiting in the queue: the model group's job" in r.stderr, r.stderr
         assert "(reason Resources)" in r.stderr or "(reason Priority)" in r.stderr, r.stderr
         s = read_summary(root, "smoke", "busy")
         assert s["status"] == "completed"
-        assert s["timeline"]["registered"] - s["timeline"]["submitted"] > 20  # queued, waited
+        assert s["timeline_s"]["registered"] - s["timeline_s"]["submitted"] > 20  # queued
     finally:
         subprocess.run(["scancel", blocker], env=env)
 
@@ -98,10 +102,11 @@ def slurm_cluster_4n(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_hetjob_runs_every_group_as_one_job(slurm_cluster_4n, tmp_path):
+def test_every_group_as_one_heterogeneous_job(slurm_cluster_4n, tmp_path):
     root = str(tmp_path / "runs")
     r = run_launch("exp=smoke", "trial=het", f"cluster.fileroot={root}", *SLURM,
-                   "scheduler.slurm.hetjob=true", env=slurm_cluster_4n.env, timeout=240)
+                   "scheduler.slurm.hetjob=true", *SLOW_OK, env=slurm_cluster_4n.env,
+                   timeout=240)
     assert r.returncode == 0, r.stderr
     s = read_summary(root, "smoke", "het")
     assert s["status"] == "completed" and s["results"]["trajectories_valid"] == 400
@@ -110,3 +115,21 @@ def test_hetjob_runs_every_group_as_one_job(slurm_cluster_4n, tmp_path):
     assert len(leaders) == 1 and offsets == ["0", "1", "2", "3"], s["jobs"]
     assert s["results"]["model_gpus_on_node"] == [2, 2]
     assert our_jobs(slurm_cluster_4n.env, "smoke", "het") == []
+
+
+def test_a_pending_reason_that_never_clears_fails_at_once(slurm_cluster, tmp_path):
+    """The partition's time limit (lowered here) is below the rollout job's: sbatch takes it
+    (EnforcePartLimits=NO) and it pends with PartitionTimeLimit, which waiting never clears."""
+    env = {**os.environ, **slurm_cluster.env}
+    subprocess.run(["scontrol", "update", "PartitionName=debug", "MaxTime=10"], env=env,
+                   check=True)
+    try:
+        line, took = refused(slurm_cluster, str(tmp_path / "runs"), "ptime",
+                             "scheduler.slurm.rollout.time=20")
+    finally:
+        subprocess.run(["scontrol", "update", "PartitionName=debug", "MaxTime=INFINITE"],
+                       env=env, check=True)
+    assert took < 60
+    assert "the rollout group can never start" in line, line
+    assert "PartitionTimeLimit" in line or "PartitionConfig" in line, line
+    assert "scheduler.slurm.rollout.time" in line, line
