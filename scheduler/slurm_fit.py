@@ -170,10 +170,14 @@ def co_schedule_problem(demands: Sequence[Demand], nodes: Sequence[Node], hetjob
         for d in group:
             if _never_fit([d], members, False):
                 return _message([d], partition, members, False)
-        for size in range(1 if hetjob else 2, len(group) + 1):
+        if hetjob:  # one job: all its components on the partition at once, or none
+            if _never_fit(group, members, True):
+                return _message(group, partition, members, True)
+            continue
+        for size in range(2, len(group) + 1):
             for subset in itertools.combinations(group, size):
-                if _never_fit(subset, members, hetjob):
-                    return _message(subset, partition, members, hetjob)
+                if _never_fit(subset, members, False):
+                    return _message(subset, partition, members, False)
     return None
 
 
@@ -193,8 +197,8 @@ def _message(subset: Sequence[Demand], partition: str, nodes: Sequence[Node],
         slots = sum(d.nodes for d in subset)
         return (f"scheduler.slurm.hetjob=true can never start on partition {partition} "
                 f"({_shape(nodes)}): a heterogeneous job's components never share a node, and "
-                f"the {named} group{'s' if len(kinds) > 1 else ''} need{'s' if len(kinds) == 1 else ''} "
-                f"{slots} node(s) of their own ({asks}); set scheduler.slurm.hetjob=false, or "
+                f"its {named} components need {slots} nodes of their own ({asks}); set "
+                "scheduler.slurm.hetjob=false, or "
                 "use a partition with more nodes (scheduler.slurm.partition)")
     blocking = [d for d in _DIMS if _Packer(nodes, (d,), False).fits(subset) is False]
     keys = [_DIMS[d][1] for d in blocking] or ["nodes", "cpus_per_task", "gpus_per_node", "mem"]
