@@ -34,9 +34,10 @@ class StartClock:
             if st.queued:
                 kind = mine[0].split("/")[0]
                 waiting[st.job_id] = f"{kind} {st.reason or st.state.value.lower()}"
-                if self.waiting.get(st.job_id) != waiting[st.job_id]:
+                if st.reason and self.waiting.get(st.job_id) != waiting[st.job_id]:
+                    # (a job just submitted has no reason yet: said once it has one)
                     news.append(f"waiting in the queue: the {kind} group's job {st.job_id} "
-                                f"is {st.state.value.lower()} (reason {st.reason or 'none given'})")
+                                f"is {st.state.value.lower()} (reason {st.reason})")
             else:
                 for w in mine:
                     self.running_since.setdefault(w, now)

@@ -38,6 +38,8 @@ def test_a_new_reason_is_said_again_and_blocked_jobs_fail():
     (news,) = clock.update([status("1", JobState.PENDING, ("rollout/0",), "Resources")],
                            {"rollout/0"})
     assert "Resources" in news
+    assert clock.update([status("2", JobState.PENDING, ("master/0",))], {"master/0"}) == []
+    assert clock.pending_text() == "master pending"  # no reason yet: shown, not said
     line = "the rollout group can never start: job 1 is pending with reason InvalidQOS"
     failure = blocked_failure([status("1", JobState.PENDING, ("rollout/0",), "InvalidQOS",
                                       line)])
