@@ -90,8 +90,12 @@ class SlurmScheduler(Scheduler):
         return self.slurm.python or sys.executable
 
     def requeue_policy(self) -> RequeuePolicy:
+        # under hetjob the whole job requeues only once every group's workers stopped, the
+        # stateful ones after the master's checkpoint: within the signal's warning time
+        grace = max(self.slurm.requeue_grace, self.slurm.signal_seconds if self.slurm.hetjob
+                    else 0)
         return RequeuePolicy(requeue=self.slurm.requeue, rejoin_timeout=self.slurm.rejoin_timeout,
-                             requeue_grace=self.slurm.requeue_grace)
+                             requeue_grace=grace)
 
     # --- pure ---
     def plan(self, group: GroupSpec) -> SlurmRequest:
@@ -276,7 +280,8 @@ class SlurmScheduler(Scheduler):
                    and queued.get(j) in (JobState.PENDING, JobState.REQUEUED)]
         if pending:
             self._scancel(pending)
-        running = [j for j in ids if j not in pending]
+        running = [j for j in ids if j not in pending  # those that ended need no signal
+                   and (queued is None or j in queued)]
         self._terminate(running, grace)  # polite: workers stop gracefully
         left = self._cancel_until_gone(ids, time.monotonic() + self.cancel_deadline)
         if left:

@@ -144,7 +144,8 @@ class SlurmConfig:
     credential was revoked in that same second."""
     requeue_grace: float = 30.0
     """Seconds the controller waits, after a worker failed a start-up call (configure, start),
-    for its job to show a requeue before it fails the trial."""
+    for its job to show a requeue before it fails the trial. With ``hetjob`` at least
+    ``signal_seconds``: the whole job requeues only once every group's workers stopped."""
     gpus: bool = False
     """Request GPUs for the groups that use them: one per model worker, the tensor-parallel
     size per generation server (``--gpus-per-node`` = tasks per node x that, unless the group
