@@ -60,6 +60,10 @@ def test_groups_that_never_fit_together_are_refused(slurm_cluster, tmp_path):
                       "scheduler.slurm.generation.cpus_per_task=12")
     assert "the model and generation groups can never run at once on partition debug" in line
     assert "scheduler.slurm.model.cpus_per_task" in line, line
+    r = run_launch("exp=smoke", "trial=pairdry", f"cluster.fileroot={root}", *SLURM, "--test-only",
+                   "scheduler.slurm.model.cpus_per_task=12",
+                   "scheduler.slurm.generation.cpus_per_task=12", env=slurm_cluster.env)
+    assert r.returncode == 1 and "# pre-flight: REFUSED: the model and generation" in r.stdout
     line, _ = refused(slurm_cluster, root, "het1", "scheduler.slurm.hetjob=true")
     assert "hetjob=true can never start on partition debug" in line, line
 
