@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import sys
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from scheduler.jobs import JobState, JobStatus
 from scheduler.requeue import RequeuePolicy
@@ -51,6 +51,11 @@ class JobRequest(abc.ABC):
     @abc.abstractmethod
     def materialize(self) -> str: ...
 
+    def members(self) -> tuple[GroupSpec, ...]:
+        """The groups this request starts (one, but for a Slurm heterogeneous job); its
+        :meth:`Scheduler.schedule` returns one job id per member, in this order."""
+        return (self.group,)
+
 
 class Scheduler(abc.ABC):
     """Starts, watches and stops the jobs of one trial; says which python runs the workers and
@@ -75,6 +80,27 @@ class Scheduler(abc.ABC):
 
     def submit(self, group: GroupSpec) -> list[str]:
         return self.schedule(self.plan(group))
+
+    def plan_all(self, groups: Sequence[GroupSpec]) -> list[JobRequest]:
+        """Pure: the requests that start every group of ``groups`` (default: one each)."""
+        return [self.plan(g) for g in groups]
+
+    def preflight(self, groups: Sequence[GroupSpec]) -> None:
+        """Before anything is submitted: raise SchedulerError (one line naming the groups and
+        the keys to change) if ``groups`` can never run, alone or together (default: no
+        check)."""
+
+    def submit_all(self, groups: Sequence[GroupSpec]) -> dict[str, list[str]]:
+        """Start every group of ``groups``; returns their job ids by kind."""
+        out: dict[str, list[str]] = {}
+        for request in self.plan_all(groups):
+            ids = self.schedule(request)
+            members = request.members()
+            if len(members) == 1:
+                out[members[0].kind] = ids
+            else:
+                out.update({g.kind: [j] for g, j in zip(members, ids)})
+        return out
 
     @abc.abstractmethod
     def poll(self, fresh: bool = False) -> list[JobStatus]:

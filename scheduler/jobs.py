@@ -37,3 +37,15 @@ class JobStatus:
     detail: str = ""
     restarts: int = 0
     """How many times the job was requeued (a restarted job's workers rejoin the trial)."""
+    reason: str = ""
+    """Why a pending job waits, as the scheduler says it (Slurm: squeue's reason, e.g.
+    ``Resources``, ``Priority``, ``QOSMaxCpuPerJobLimit``); empty for a job not pending."""
+    blocked: str = ""
+    """Non-empty when the scheduler judged that the job cannot start: a pending reason that
+    cannot clear, or longer in the queue than allowed. One line naming the group, the reason
+    and the key to change; the trial fails with it."""
+
+    @property
+    def queued(self) -> bool:
+        """Waiting in the queue to start (pending or requeued)."""
+        return self.state in (JobState.PENDING, JobState.REQUEUED)

@@ -8,67 +8,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
-import subprocess
 import sys
 import time
 from typing import Mapping, Sequence
 
+from scheduler import slurm_preflight
 from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
 from scheduler.requeue import RequeuePolicy
+from scheduler.slurm_cli import (STATE_TABLE, last_error, map_state, parse_sbatch_parsable,
+                                 parse_scontrol_job)
+from scheduler.slurm_cli import run as _run
 from scheduler.slurm_config import SlurmConfig
-from scheduler.slurm_render import (job_label, job_name, render_worker_script,
-                                    requeue_mark_prefix, script_name)
+from scheduler.slurm_queue import blocked_message, hopeless, queue_timeout_message, unavailable_nodes
+from scheduler.slurm_render import (HETJOB, job_label, job_name, render_hetjob_script,
+                                    render_worker_script, requeue_mark_prefix, script_name)
 from system.errors import SchedulerError
 
 log = logging.getLogger("slurm")
 
-STATE_TABLE: dict[str, JobState] = {
-    "PENDING": JobState.PENDING,
-    "CONFIGURING": JobState.PENDING,
-    "SUSPENDED": JobState.PENDING,
-    "RESV_DEL_HOLD": JobState.PENDING,
-    "RUNNING": JobState.RUNNING,
-    "COMPLETING": JobState.RUNNING,
-    "SIGNALING": JobState.RUNNING,
-    "STAGE_OUT": JobState.RUNNING,
-    "RESIZING": JobState.RUNNING,
-    "STOPPED": JobState.RUNNING,
-    "REQUEUED": JobState.REQUEUED,
-    "REQUEUE_FED": JobState.REQUEUED,
-    "REQUEUE_HOLD": JobState.REQUEUED,
-    "COMPLETED": JobState.COMPLETED,
-    "CANCELLED": JobState.CANCELLED,
-    "REVOKED": JobState.CANCELLED,
-    "FAILED": JobState.FAILED,
-    "SPECIAL_EXIT": JobState.FAILED,
-    "BOOT_FAIL": JobState.NODE_FAIL,
-    "NODE_FAIL": JobState.NODE_FAIL,
-    "PREEMPTED": JobState.PREEMPTED,
-    "TIMEOUT": JobState.TIMEOUT,
-    "DEADLINE": JobState.TIMEOUT,
-    "OUT_OF_MEMORY": JobState.OUT_OF_MEMORY,
-}
-
-
-def map_state(raw: str) -> JobState:
-    """``"CANCELLED by 0"`` -> CANCELLED; ``"CD"``-style or unknown strings -> UNKNOWN."""
-    word = raw.strip().split(" ")[0].upper().rstrip("+")
-    return STATE_TABLE.get(word, JobState.UNKNOWN)
-
-
-def parse_sbatch_parsable(out: str) -> str:
-    """``sbatch --parsable`` prints ``jobid`` or ``jobid;cluster``."""
-    job_id = out.strip().splitlines()[-1].split(";")[0] if out.strip() else ""
-    if not job_id.isdigit():
-        raise SchedulerError(f"unexpected sbatch output {out.strip()!r}")
-    return job_id
-
-
-def parse_scontrol_job(line: str) -> dict[str, str]:
-    """``scontrol show job -o`` prints one line of ``Key=Value`` pairs."""
-    return dict(m.group(1, 2) for m in re.finditer(r"(\w+)=(\S*)", line))
-
+__all__ = ["HetRequest", "STATE_TABLE", "SlurmRequest", "SlurmScheduler", "het_leader",
+           "map_state", "parse_sbatch_parsable", "parse_scontrol_job"]
 
 @dataclasses.dataclass(frozen=True)
 class SlurmRequest(JobRequest):
@@ -86,13 +45,20 @@ class SlurmRequest(JobRequest):
         return self.script_path
 
 
-def _run(argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError as e:
-        raise SchedulerError(f"{argv[0]} not found: is this a Slurm login node?") from e
-    except subprocess.TimeoutExpired as e:
-        raise SchedulerError(f"{' '.join(argv)} did not answer within {timeout:.0f}s") from e
+@dataclasses.dataclass(frozen=True)
+class HetRequest(SlurmRequest):
+    """Every group of ``groups`` as one heterogeneous job (``scheduler.slurm.hetjob``);
+    :meth:`SlurmScheduler.schedule` returns the components' ids ``<job>+<offset>``."""
+
+    groups: tuple[GroupSpec, ...] = ()
+
+    def members(self) -> tuple[GroupSpec, ...]:
+        return self.groups
+
+
+def het_leader(job_id: str) -> str:
+    """``"12+1"`` (component 1 of heterogeneous job 12) -> ``"12"``; a plain id as it is."""
+    return job_id.split("+")[0]
 
 
 class SlurmScheduler(Scheduler):
@@ -117,14 +83,19 @@ class SlurmScheduler(Scheduler):
         self._last_poll = 0.0
         self._cache: list[JobStatus] = []
         self._release_at: dict[str, float] = {}  # held requeued job -> when to release it
+        self._submitted: dict[str, float] = {}  # job id -> when it was submitted (monotonic)
 
     @property
     def python(self) -> str:
         return self.slurm.python or sys.executable
 
     def requeue_policy(self) -> RequeuePolicy:
+        # under hetjob the whole job requeues only once every group's workers stopped, the
+        # stateful ones after the master's checkpoint: within the signal's warning time
+        grace = max(self.slurm.requeue_grace, self.slurm.signal_seconds if self.slurm.hetjob
+                    else 0)
         return RequeuePolicy(requeue=self.slurm.requeue, rejoin_timeout=self.slurm.rejoin_timeout,
-                             requeue_grace=self.slurm.requeue_grace)
+                             requeue_grace=grace)
 
     # --- pure ---
     def plan(self, group: GroupSpec) -> SlurmRequest:
@@ -136,19 +107,56 @@ class SlurmScheduler(Scheduler):
         return SlurmRequest(group, os.path.join(self.trial_dir, "jobs", script_name(group)),
                             script)
 
+    def plan_all(self, groups: Sequence[GroupSpec]) -> list[JobRequest]:
+        """With ``hetjob`` (and two or more groups): one heterogeneous job for them all."""
+        groups = [g for g in groups if g.count]
+        if not self.slurm.hetjob or len(groups) < 2:
+            return [self.plan(g) for g in groups]
+        script = render_hetjob_script(exp=self.exp, trial=self.trial, groups=groups,
+                                      slurm=self.slurm, workdir=self.workdir, umask=self.umask,
+                                      gpus_per_worker=self.gpus_per_worker)
+        return [HetRequest(groups[0], os.path.join(self.trial_dir, "jobs",
+                                                   f"{HETJOB}.sbatch"), script, tuple(groups))]
+
+    def preflight(self, groups: Sequence[GroupSpec]) -> None:
+        """``sbatch --test-only`` of each group's own job, then the co-scheduling check
+        (:mod:`scheduler.slurm_fit`), then with ``hetjob`` ``--test-only`` of the whole job."""
+        groups = [g for g in groups if g.count]
+        for g in groups:
+            why = slurm_preflight.test_only(self.plan(g).write())
+            if why is not None:
+                raise slurm_preflight.rejected(g.kind, self.slurm.group(g.kind), why)
+        slurm_preflight.co_schedule(self.slurm, groups, self.gpus_per_worker)
+        for request in self.plan_all(groups):
+            assert isinstance(request, SlurmRequest)
+            if isinstance(request, HetRequest):
+                why = slurm_preflight.test_only(request.write())
+                if why is not None:
+                    raise SchedulerError(f"sbatch --test-only rejects the heterogeneous job "
+                                         f"(scheduler.slurm.hetjob=true) though each group "
+                                         f"alone passes: {why}; set "
+                                         "scheduler.slurm.hetjob=false")
+
     # --- effects ---
     def schedule(self, request: JobRequest) -> list[str]:
         assert isinstance(request, SlurmRequest)
         path = request.write()
         r = _run(["sbatch", "--parsable", path])
+        kinds = " and ".join(g.kind for g in request.members())
         if r.returncode != 0:
-            raise SchedulerError(f"sbatch {path} failed: {r.stderr.strip() or r.stdout.strip()}")
+            raise SchedulerError(f"sbatch refused the job of the {kinds} group"
+                                 f"{'s' if len(request.members()) > 1 else ''}: "
+                                 f"{last_error(r)} (script: {path})")
         job_id = parse_sbatch_parsable(r.stdout)
-        self._jobs[job_id] = request.group
+        ids = [job_id] if not isinstance(request, HetRequest) else [
+            f"{job_id}+{i}" for i in range(len(request.groups))]
+        for j, group in zip(ids, request.members()):
+            self._jobs[j] = group
+            self._submitted[j] = time.monotonic()
         self._last_poll = 0.0
         log.info("submitted %s as job %s", job_name(self.exp, self.trial,
                                                     job_label(request.group)), job_id)
-        return [job_id]
+        return ids
 
     @staticmethod
     def test_only(request: SlurmRequest) -> tuple[bool, str]:
@@ -157,17 +165,19 @@ class SlurmScheduler(Scheduler):
         return r.returncode == 0, (r.stderr or r.stdout).strip()
 
     def poll(self, fresh: bool = False) -> list[JobStatus]:
+        """Every job's state; a pending one with Slurm's reason, and ``blocked`` when that
+        reason can never clear or it waited past ``queue_timeout``."""
         if not self._jobs:
             return []
         if not fresh and time.monotonic() - self._last_poll < self.slurm.poll_interval:
             return self._cache
         self._last_poll = time.monotonic()
-        ids = list(self._jobs)
+        leaders = sorted({het_leader(j) for j in self._jobs})
         found: dict[str, tuple[str, str]] = {}
-        r = _run(["squeue", "-h", "--states=all", "-j", ",".join(ids), "-o", "%i|%T|%r"])
+        r = _run(["squeue", "-h", "--states=all", "-j", ",".join(leaders), "-o", "%i|%T|%r"])
         if r.returncode == 0:
             for line in r.stdout.splitlines():
-                parts = line.strip().split("|")
+                parts = line.strip().split("|", 2)
                 if len(parts) == 3 and parts[0] in self._jobs:
                     found[parts[0]] = (parts[1], parts[2])
         else:
@@ -185,12 +195,40 @@ class SlurmScheduler(Scheduler):
             if restarts and state == JobState.PENDING and reason == "BeginTime":
                 self._release_when_due(job_id)
             workers, log_paths = self._live(job_id)
+            waiting = reason if state in (JobState.PENDING, JobState.REQUEUED) and \
+                reason != "None" else ""
             statuses.append(JobStatus(job_id, state, workers, log_paths,
                                       f"job {job_id} {raw or 'not found'}"
                                       + (f" ({reason})" if reason and reason != "None" else ""),
-                                      restarts))
+                                      restarts, waiting,
+                                      self._blocked(job_id, group.kind, state, waiting,
+                                                    restarts)))
         self._cache = statuses
         return statuses
+
+    def _blocked(self, job_id: str, kind: str, state: JobState, reason: str,
+                 restarts: int) -> str:
+        """Why pending job ``job_id`` can never start (see :mod:`scheduler.slurm_queue`) or
+        has waited past ``queue_timeout``; '' if neither."""
+        if state != JobState.PENDING:
+            return ""
+        bad = hopeless(reason, reason.startswith("ReqNodeNotAvail")
+                       and self._unknown_node(unavailable_nodes(reason)))
+        if bad is not None:
+            return blocked_message(kind, job_id, reason, *bad)
+        waited = time.monotonic() - self._submitted.get(job_id, time.monotonic())
+        if self.slurm.queue_timeout and not restarts and waited > self.slurm.queue_timeout:
+            return queue_timeout_message(kind, job_id, reason, waited, self.slurm.queue_timeout)
+        return ""
+
+    @staticmethod
+    def _unknown_node(nodes: list[str]) -> bool:
+        """Whether Slurm knows none of a job's unavailable ``nodes`` by that name."""
+        for node in nodes:
+            r = _run(["scontrol", "show", "node", "-o", node])
+            if r.returncode != 0 or not r.stdout.strip():
+                return True
+        return False
 
     def _release_when_due(self, job_id: str) -> None:
         """A requeued job held back by Slurm: make it eligible ``requeue_release`` seconds after
@@ -203,7 +241,7 @@ class SlurmScheduler(Scheduler):
             return
         del self._release_at[job_id]
         try:
-            r = _run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+            r = _run(["scontrol", "update", f"JobId={het_leader(job_id)}", "StartTime=now"],
                      timeout=self.scancel_timeout)
         except SchedulerError as e:
             log.warning("%s", e)
@@ -215,10 +253,15 @@ class SlurmScheduler(Scheduler):
 
     @staticmethod
     def _scontrol(job_id: str) -> dict[str, str]:
-        r = _run(["scontrol", "show", "job", "-o", job_id])
+        """``scontrol show job`` of ``job_id`` (a heterogeneous job's component: its line)."""
+        leader, _, offset = job_id.partition("+")
+        r = _run(["scontrol", "show", "job", "-o", leader])
         if r.returncode != 0 or not r.stdout.strip():
             return {}
-        return parse_scontrol_job(r.stdout.strip().splitlines()[0])
+        lines = [parse_scontrol_job(line) for line in r.stdout.strip().splitlines()]
+        if offset:
+            lines = [kv for kv in lines if kv.get("HetJobOffset") == offset]
+        return lines[0] if lines else {}
 
     def stop_all(self, grace: float) -> None:
         """Cancel every job of the trial; return once none is left in the queue.
@@ -237,7 +280,8 @@ class SlurmScheduler(Scheduler):
                    and queued.get(j) in (JobState.PENDING, JobState.REQUEUED)]
         if pending:
             self._scancel(pending)
-        running = [j for j in ids if j not in pending]
+        running = [j for j in ids if j not in pending  # those that ended need no signal
+                   and (queued is None or j in queued)]
         self._terminate(running, grace)  # polite: workers stop gracefully
         left = self._cancel_until_gone(ids, time.monotonic() + self.cancel_deadline)
         if left:
@@ -246,22 +290,31 @@ class SlurmScheduler(Scheduler):
 
     def stop_group(self, kind: str, grace: float) -> None:
         """Cancel the jobs of group ``kind`` (SIGTERM first, as :meth:`stop_all`) and forget
-        them, so the group can be submitted again."""
+        them, so the group can be submitted again. Slurm cannot cancel one component of a
+        running heterogeneous job: such a component is only forgotten (its workers were told
+        to stop over RPC; any left run until the job ends) and the job may no longer be
+        requeued; the last component forgotten cancels the job."""
         ids = [j for j, g in self._jobs.items() if g.kind == kind]
-        self._cancel(ids, grace, f"jobs of the {kind} group")
+        shared = [j for j in ids if self._het_siblings(j)]
+        for j in shared:
+            log.warning("job %s (%s) is a component of a heterogeneous job: forgotten, not "
+                        "cancelled (the job runs on for the other groups)", j, kind)
+            self._no_requeue(j)
+        self._cancel([j for j in ids if j not in shared], grace, f"jobs of the {kind} group")
         self._forget(ids)
 
     def stop_worker(self, name: str, grace: float) -> None:
         """Stop worker ``name`` and forget it. Its job is cancelled (as :meth:`stop_group`
-        does) when it runs no other worker, or has ended. Slurm cannot stop one task of a
-        step: while the job runs others, the worker (dead, or told to stop over RPC) is only
-        forgotten, and the job may no longer be requeued (its restart would start the worker
-        again beside its replacement). A worker of a queued job with others cannot be stopped
-        alone: SchedulerError."""
+        does) when it runs no other worker (nor other groups: a heterogeneous job), or has
+        ended. Slurm cannot stop one task of a step: while the job runs others, the worker
+        (dead, or told to stop over RPC) is only forgotten, and the job may no longer be
+        requeued (its restart would start the worker again beside its replacement). A worker
+        of a queued job with others cannot be stopped alone: SchedulerError."""
         job_id = next((j for j in self._jobs if name in self._live(j)[0]), None)
         if job_id is None:
             return
-        others = [w for w in self._live(job_id)[0] if w != name]
+        others = [w for w in self._live(job_id)[0] if w != name] + [
+            w for j in self._het_siblings(job_id) for w in self._live(j)[0]]
         queued = self._queued([job_id]) if others else {}
         if queued and queued[job_id] in (JobState.PENDING, JobState.REQUEUED):
             raise SchedulerError(f"worker {name} is queued in job {job_id} with "
@@ -273,6 +326,14 @@ class SlurmScheduler(Scheduler):
             self._cancel([job_id], grace, f"job {job_id} of {name}")
             self._forget([job_id])
         self._last_poll = 0.0
+
+    def _het_siblings(self, job_id: str) -> list[str]:
+        """The other components of ``job_id``'s heterogeneous job still tracked ([] for a
+        plain job)."""
+        if "+" not in job_id:
+            return []
+        leader = het_leader(job_id)
+        return [j for j in self._jobs if j != job_id and "+" in j and het_leader(j) == leader]
 
     def preempted(self, name: str) -> bool:
         """Whether worker ``name``'s job is marked for a requeue (its worker got SIGUSR2 and
@@ -321,7 +382,7 @@ class SlurmScheduler(Scheduler):
     def _no_requeue(self, job_id: str) -> None:
         """Make job ``job_id`` never requeued (logged, never raised, if Slurm refuses)."""
         try:
-            r = _run(["scontrol", "update", f"JobId={job_id}", "Requeue=0"],
+            r = _run(["scontrol", "update", f"JobId={het_leader(job_id)}", "Requeue=0"],
                      timeout=self.scancel_timeout)
         except SchedulerError as e:
             log.warning("%s", e)
@@ -351,14 +412,14 @@ class SlurmScheduler(Scheduler):
         if not ids:
             return {}
         try:
-            r = _run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i|%T"],
-                     timeout=self.scancel_timeout)
+            r = _run(["squeue", "-h", "-j", ",".join(sorted({het_leader(j) for j in ids})),
+                      "-o", "%i|%T"], timeout=self.scancel_timeout)
         except SchedulerError as e:
             log.warning("%s", e)
             return None
         if r.returncode != 0:
             if "Invalid job id" in r.stderr:  # one has left the queue (and Slurm's memory)
-                return {} if len(ids) == 1 else self._queued_each(ids)
+                return {} if len({het_leader(j) for j in ids}) == 1 else self._queued_each(ids)
             log.warning("squeue failed: %s", r.stderr.strip())
             return None
         out = {}
@@ -382,8 +443,9 @@ class SlurmScheduler(Scheduler):
     def _scancel(self, ids: list[str], *flags: str) -> None:
         """One ``scancel``; a slow or failed one is logged, never raised (the caller checks the
         queue and tries again)."""
+        targets = sorted({het_leader(j) for j in ids})  # Slurm cancels a hetjob as a whole
         try:
-            r = _run(["scancel", *flags, *ids], timeout=self.scancel_timeout)
+            r = _run(["scancel", *flags, *targets], timeout=self.scancel_timeout)
         except SchedulerError as e:
             log.warning("%s", e)
             return

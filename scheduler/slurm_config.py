@@ -144,12 +144,24 @@ class SlurmConfig:
     credential was revoked in that same second."""
     requeue_grace: float = 30.0
     """Seconds the controller waits, after a worker failed a start-up call (configure, start),
-    for its job to show a requeue before it fails the trial."""
+    for its job to show a requeue before it fails the trial. With ``hetjob`` at least
+    ``signal_seconds``: the whole job requeues only once every group's workers stopped."""
     gpus: bool = False
     """Request GPUs for the groups that use them: one per model worker, the tensor-parallel
     size per generation server (``--gpus-per-node`` = tasks per node x that, unless the group
     sets ``gpus_per_node``); each task sees only its own (``CUDA_VISIBLE_DEVICES`` narrowed by
     local rank). false: only a group's own ``gpus_per_node`` requests any."""
+    queue_timeout: float = 0.0
+    """Seconds a group's job may wait in the queue before the trial fails (0: wait as long as
+    Slurm keeps it; a reason that can never clear, e.g. ``InvalidQOS`` or a per-job QOS limit,
+    fails it at once either way). The register timeout (``controller.register_timeout``) of a
+    group starts only once its job runs."""
+    hetjob: bool = False
+    """Submit the worker groups as ONE heterogeneous job (one component per group, each started
+    by ``srun --het-group``), so Slurm starts them together or not at all: no group holds its
+    nodes while another waits. Components never share a node (one node per group at least:
+    never on a single-node partition). A requeue requeues every group; a recovery's restart of
+    one group runs as a job of its own beside it."""
     python: str = ""
     """Python executable on the compute nodes (empty: the launcher's own)."""
     workdir: str = ""
@@ -172,6 +184,9 @@ class SlurmConfig:
             raise ConfigError(f"requeue_release must be >= 0, got {self.requeue_release}")
         if self.requeue_grace < 0:
             raise ConfigError(f"requeue_grace must be >= 0, got {self.requeue_grace}")
+        if self.queue_timeout < 0:
+            raise ConfigError(f"queue_timeout must be >= 0 seconds (0: no limit), got "
+                              f"{self.queue_timeout}")
         if self.poll_interval <= 0:
             raise ConfigError(f"poll_interval must be > 0, got {self.poll_interval}")
         check_slurm_time("time", self.time)

@@ -15,6 +15,7 @@ import jinja2
 from scheduler.base import GroupSpec
 from scheduler.script_text import FILTERS, PATH_REFUSED, finalize, slurm_path_problem
 from scheduler.slurm_config import SlurmConfig, SlurmGroupConfig
+from scheduler.slurm_fit import Demand, mem_mb
 from system.errors import ConfigError
 
 TEMPLATES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "slurm")
@@ -150,6 +151,51 @@ def render_worker_script(*, exp: str, trial: str, group: GroupSpec, slurm: Slurm
         requeue_mark=requeue_mark_prefix(logs_dir, kind),
         env={**group.env, **g.env}, workdir=workdir, umask=umask_text(umask),
         argv=group.argv, **_inherit(g, slurm))
+
+
+def _component(group: GroupSpec, slurm: SlurmConfig, gpus_per_worker: int) -> dict[str, object]:
+    """What the hetjob template writes of ``group``'s component (a whole group: first 0)."""
+    kind, g = group.kind, slurm.group(group.kind)
+    per_node = tasks_per_node(kind, group.count, g) if group.count != 1 else 1
+    gpus_per_node, gpus_per_task = job_gpus(kind, per_node, g, slurm, gpus_per_worker)
+    return dict(kind=kind, count=group.count, g=g, nodes=g.nodes if group.count != 1 else 1,
+                ntasks_per_node=per_node, gpus_per_node=gpus_per_node,
+                gpus_per_task=gpus_per_task, task_log=task_log(group),
+                requeue_mark=requeue_mark_prefix(os.path.dirname(group.log_paths[0]), kind),
+                env={**group.env, **g.env}, argv=group.argv, **_inherit(g, slurm))
+
+
+def render_hetjob_script(*, exp: str, trial: str, groups: Sequence[GroupSpec],
+                         slurm: SlurmConfig, workdir: str, umask: int,
+                         gpus_per_worker: Mapping[str, int]) -> str:
+    """The sbatch script of one heterogeneous job running every group of ``groups`` (whole
+    groups, ``first == 0``), one component each, in order: component ``i``'s ``srun
+    --het-group=i`` starts group ``i``'s workers, exactly as :func:`render_worker_script` would
+    in a job of its own (same resources, environment, setup, logs and GPU slices)."""
+    if len(groups) < 2 or any(g.first for g in groups):
+        raise ConfigError("a heterogeneous job runs two or more whole groups")
+    logs_dir = os.path.dirname(groups[0].log_paths[0])
+    return template_environment().get_template("hetjob.sbatch.j2").render(
+        exp=exp, trial=trial, job_name=job_name(exp, trial, HETJOB),
+        batch_log=os.path.join(slurm_literal(logs_dir), f"slurm-{HETJOB}-%j.log"),
+        signal_seconds=slurm.signal_seconds, requeue=slurm.requeue, workdir=workdir,
+        umask=umask_text(umask),
+        components=[_component(g, slurm, gpus_per_worker.get(g.kind, 0)) for g in groups])
+
+
+HETJOB = "workers"
+"""The label of the trial's heterogeneous job (its name is ``<exp>_<trial>:workers``; sbatch drops any #SBATCH line that says "hetjob")."""
+
+
+def group_demand(kind: str, count: int, slurm: SlurmConfig, gpus_per_worker: int,
+                 default_partition: str) -> Demand:
+    """What the job of ``count`` workers of ``kind`` asks of each of its nodes (pure)."""
+    g = slurm.group(kind)
+    per_node = tasks_per_node(kind, count, g) if count != 1 else 1
+    gpus, _ = job_gpus(kind, per_node, g, slurm, gpus_per_worker)
+    return Demand(kind, g.partition or slurm.partition or default_partition,
+                  g.nodes if count != 1 else 1, per_node * g.cpus_per_task, gpus,
+                  mem_mb(g.mem), g.exclusive)
 
 
 def render_controller_script(*, exp: str, trial: str, slurm: SlurmConfig, argv: Sequence[str],

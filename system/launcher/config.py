@@ -47,7 +47,9 @@ class ControllerConfig:
     """The controller that starts, watches and stops the workers."""
 
     register_timeout: float = 120.0
-    """Seconds to wait for every worker to register before giving up (naming the missing ones)."""
+    """Seconds a worker has to register once its job runs, before the trial gives up (naming the
+    missing ones). Time in the scheduler's queue does not count (see
+    ``scheduler.slurm.queue_timeout``)."""
     heartbeat_ttl: float = 5.0
     """Seconds after which a worker whose heartbeat key was not refreshed counts as dead."""
     poll_interval: float = 0.2

@@ -21,11 +21,13 @@ from experiments.registry import Experiment
 from scheduler.base import JobState, JobStatus, Scheduler
 from scheduler.requeue import Restart
 from system import names
-from system.errors import NameEntryNotFound, RLSystemError, RpcError, WorkerFailure
+from system.errors import (NameEntryNotFound, RLSystemError, RpcError, SchedulerError,
+                           WorkerFailure)
 from system.launcher.config import ExperimentConfig
 from system.launcher.failures import clear_worker_keys, job_failure, reported_failure
 from system.launcher.groups import group_spec, group_specs, worker_configs
 from system.launcher.progress import Progress
+from system.launcher.queue_wait import StartClock, blocked_failure
 from system.launcher.recovery import MasterProgress, Recovery
 from system.launcher.summary import TrialSummary
 from system.name_resolve import NameResolve
@@ -73,16 +75,18 @@ class Controller:
             self.nr.clear_subtree(names.trial_root(self.cfg.exp, self.cfg.trial))
             self.nr.add(names.controller(self.cfg.exp, self.cfg.trial), str(os.getpid()),
                         replace=True, keepalive_ttl=self.cfg.controller.heartbeat_ttl)
-            for group in self.groups.values():
-                if group.count:
-                    summary.submitted(group.kind, self.scheduler.submit(group))
+            groups = [g for g in self.groups.values() if g.count]
+            self.scheduler.preflight(groups)  # what can never run fails before submitting
+            for kind, ids in self.scheduler.submit_all(groups).items():
+                summary.submitted(kind, ids)
             self.timeline["submitted"] = time.time()
             self._wait_registered()
             self._configure()
             self._start()
             summary.completed(self._watch_recovering(summary))
-        except WorkerFailure as e:
-            summary.failed(e)
+        except (WorkerFailure, SchedulerError) as e:
+            failure = e if isinstance(e, WorkerFailure) else WorkerFailure(str(e))
+            summary.failed(failure)
             print(f"\nerror: {e}", file=sys.stderr)
         except KeyboardInterrupt:
             summary.interrupted()
@@ -192,24 +196,35 @@ class Controller:
             time.sleep(0.1)
 
     def _wait_registered(self, expected: set[str] | None = None) -> None:
-        """Until every worker (or every one of ``expected``) registered its address."""
+        """Until every worker (or every one of ``expected``) registered its address. Queue time
+        does not count: a worker's ``register_timeout`` starts when its job starts running;
+        pending jobs show in the progress line with their reason, and a job the scheduler
+        judged blocked (can never start, or past its queue timeout) fails the trial at once."""
         timeout = self.cfg.controller.register_timeout
-        deadline = time.monotonic() + timeout
         prefix = names.worker_addresses(self.cfg.exp, self.cfg.trial)
         expected = set(self.logs) if expected is None else expected
+        clock = StartClock()
         while True:
             found = {k[len(prefix) + 1:]: v for k, v in self.nr.get_subtree(prefix).items()}
             registered = expected & set(found)
-            self.progress.update(registered=f"{len(registered)}/{len(expected)}")
+            self.progress.update(registered=f"{len(registered)}/{len(expected)}",
+                                 pending=clock.pending_text())
             if registered == expected:
                 break
             self._check_reported_errors()
-            self._check_jobs("before registering", self._poll())
-            if time.monotonic() > deadline:
-                missing = sorted(expected - registered)
+            statuses = self._poll()
+            for line in clock.update(statuses, expected):
+                print(f"\n{line}", file=sys.stderr)
+            failure = blocked_failure(statuses)
+            if failure is not None:
+                raise failure
+            self._check_jobs("before registering", statuses)
+            missing = clock.overdue(expected - registered, timeout)
+            if missing:
                 logs = "\n".join(f"  {w}: {self.logs[w]}" for w in missing)
                 raise WorkerFailure(f"{len(missing)} worker(s) did not register within "
-                                    f"{timeout:.0f}s: {', '.join(missing)}\n{logs}", missing[0],
+                                    f"{timeout:.0f}s of their job starting: "
+                                    f"{', '.join(missing)}\n{logs}", missing[0],
                                     self.logs[missing[0]])
             time.sleep(0.02)
         self.timeline["registered"] = time.time()

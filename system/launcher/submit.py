@@ -12,27 +12,35 @@ from scheduler.slurm_render import job_name, render_controller_script
 from system.launcher.config import ExperimentConfig
 from system.launcher.groups import group_specs
 from system.launcher.trial_lock import TrialLock
+from system.errors import SchedulerError
 from system.paths import TrialPaths
 
 
 def dry_run(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, resolved: str,
             test_only: bool) -> int:
     """Print the resolved config and every job script (Slurm, written under ``jobs/``) or
-    command (local); with ``test_only`` check each with ``sbatch --test-only``. Submits nothing;
-    exit code 1 if a script was rejected."""
+    command (local); with ``test_only`` check each with ``sbatch --test-only`` and run the
+    launch's pre-flight (:meth:`Scheduler.preflight`). Submits nothing; exit code 1 if a script
+    was rejected or the pre-flight refused."""
     print(resolved)
     ok = True
-    for group in group_specs(cfg, paths, scheduler.python).values():
-        if not group.count:
-            continue
-        request = scheduler.plan(group)
+    groups = [g for g in group_specs(cfg, paths, scheduler.python).values() if g.count]
+    for request in scheduler.plan_all(groups):
+        kinds = "+".join(g.kind for g in request.members())
         where = f" ({request.write()})" if isinstance(request, SlurmRequest) else ""
-        print(f"# ---- {group.kind}{where} ----\n{request.materialize()}")
+        print(f"# ---- {kinds}{where} ----\n{request.materialize()}")
         if test_only:
             assert isinstance(request, SlurmRequest), "--test-only needs scheduler=slurm"
             good, out = SlurmScheduler.test_only(request)
             ok &= good
             print(f"# sbatch --test-only: {'ok' if good else 'REJECTED'}: {out}\n")
+    if test_only:  # the whole pre-flight, as a launch would run it (co-scheduling too)
+        try:
+            scheduler.preflight(groups)
+            print("# pre-flight: ok")
+        except SchedulerError as e:
+            ok = False
+            print(f"# pre-flight: REFUSED: {e}")
     print(f"dry run: nothing submitted; trial directory {paths.root}", file=sys.stderr)
     return 0 if ok else 1
 

@@ -138,3 +138,14 @@ def test_schedulers_expose_their_policy_and_python(tmp_path):
     assert (p.requeue, p.rejoin_timeout, p.requeue_grace) == (True, 12.0, 4.0)
     off = SlurmScheduler(SlurmConfig(requeue=False), "e", "t", str(tmp_path), str(tmp_path))
     assert off.python == sys.executable and off.requeue_policy().requeue is False
+
+
+def test_hetjob_waits_for_the_whole_job_to_requeue(tmp_path):
+    """Under hetjob the job requeues once every group stopped (the stateful ones after the
+    checkpoint): a preempted group that stopped first is waited for up to signal_seconds."""
+    het = SlurmScheduler(SlurmConfig(hetjob=True, requeue_grace=4.0, signal_seconds=120), "e",
+                         "t", str(tmp_path), str(tmp_path))
+    assert het.requeue_policy().requeue_grace == 120
+    plain = SlurmScheduler(SlurmConfig(requeue_grace=4.0), "e", "t", str(tmp_path),
+                           str(tmp_path))
+    assert plain.requeue_policy().requeue_grace == 4.0

@@ -193,7 +193,7 @@ def test_dry_run_and_test_only(slurm_cluster, tmp_path):
     r = run_launch("exp=smoke", "trial=dry", f"cluster.fileroot={root}", *SLURM, "--test-only",
                    env=slurm_cluster.env)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("sbatch --test-only: ok") == 4
+    assert r.stdout.count("sbatch --test-only: ok") == 4 and "# pre-flight: ok" in r.stdout
     r = run_launch("exp=smoke", "trial=dry", f"cluster.fileroot={root}", *SLURM, "--test-only",
                    "scheduler.slurm.rollout.partition=nosuch", env=slurm_cluster.env)
     assert r.returncode == 1 and "REJECTED" in r.stdout

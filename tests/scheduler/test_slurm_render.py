@@ -183,3 +183,21 @@ def test_plan_keeps_the_group_script():
     one = sched.plan(group_spec("rollout", 1, paths, "python", attempt=1, first=3))
     assert group.script_path == "/trial/jobs/rollout.sbatch"
     assert one.script_path == "/trial/jobs/rollout-3.sbatch"
+
+
+def test_golden_hetjob():
+    """Every group as one heterogeneous job: each component keeps its group's resources,
+    environment, setup, container and logs; odd paths stay quoted."""
+    from scheduler.slurm_render import render_hetjob_script
+
+    paths = TrialPaths(f"{ODD}/gsm8k/t1")
+    groups = [group_spec(k, n, paths, "/opt/py env/bin/python")
+              for k, n in (("model", 16), ("rollout", 6), ("master", 1))]
+    text = render_hetjob_script(exp="gsm8k", trial="t1", groups=groups, slurm=full_config(),
+                                workdir="/home/a b/project", umask=0o077,
+                                gpus_per_worker={"model": 1})
+    check_golden("hetjob.sbatch", text)
+    assert text.count("#SBATCH hetjob\n") == 2 and "--het-group=2" in text
+    with pytest.raises(ConfigError, match="two or more whole groups"):
+        render_hetjob_script(exp="gsm8k", trial="t1", groups=groups[:1], slurm=full_config(),
+                             workdir="/w", umask=0o077, gpus_per_worker={})

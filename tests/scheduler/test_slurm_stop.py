@@ -89,14 +89,16 @@ def test_stop_all_outlasts_a_scancel_that_does_not_answer(slurm_env, tmp_path, m
 
 
 def test_failed_trial_with_a_pending_job_leaves_nothing(slurm_cluster, tmp_path):
-    """The rollout job never starts (held pending): registration times out, the trial fails,
-    and stopping it cancels the pending job with the running ones."""
+    """The rollout job never starts (held pending): the queue timeout ends the trial (queue
+    time does not count toward registration), and stopping it cancels the pending job with the
+    running ones."""
     root = str(tmp_path / "runs")
     r = run_launch("exp=smoke", "trial=pend", f"cluster.fileroot={root}", *SLURM,
                    f'scheduler.slurm.rollout.extra_sbatch=["{BEGIN_LATER}"]',
-                   "controller.register_timeout=20", env=slurm_cluster.env, timeout=240)
+                   "scheduler.slurm.queue_timeout=20", env=slurm_cluster.env, timeout=240)
     assert r.returncode == 1, r.stderr
-    assert "rollout/0" in r.stderr and "error while stopping" not in r.stderr, r.stderr
+    assert "the rollout group did not start" in r.stderr and "BeginTime" in r.stderr, r.stderr
+    assert "error while stopping" not in r.stderr, r.stderr
     assert read_summary(root, "smoke", "pend")["status"] == "failed"
     assert squeue(slurm_cluster.env, "smoke", "pend") == []
 
