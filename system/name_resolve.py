@@ -13,6 +13,7 @@ the ``redis`` backend under the key prefix ``rlsys:<uid>:``.
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
 import enum
 import json
@@ -110,6 +111,9 @@ class NameResolve(abc.ABC):
         self._ka_lock = threading.Lock()
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
+        self.ops: collections.Counter[str] = collections.Counter()
+        """Operations issued so far: ``write`` (adds and keep-alive refreshes), ``read`` (entries
+        read), ``list`` (subtree listings); for benchmarks, not exact under concurrent threads."""
 
     # --- backend primitives ---
     @abc.abstractmethod
@@ -131,6 +135,7 @@ class NameResolve(abc.ABC):
 
     def _value(self, key: str) -> str | None:
         """The authentic value under ``key``; None if absent, expired or refused."""
+        self.ops["read"] += 1
         return self._sealer.open(key, self._get(key))
 
     # --- public API ---
@@ -142,6 +147,7 @@ class NameResolve(abc.ABC):
         if keepalive_ttl is not None and keepalive_ttl <= 0:
             raise NameResolveError(f"keepalive_ttl must be > 0, got {keepalive_ttl}")
         stored = self._sealer.seal(key, str(value))
+        self.ops["write"] += 1
         self._put(key, stored, keepalive_ttl, replace)
         if keepalive_ttl is not None:
             with self._ka_lock:
@@ -169,11 +175,13 @@ class NameResolve(abc.ABC):
     def find_subtree(self, prefix: str) -> list[str]:
         """Sorted keys of live entries at or below ``prefix``."""
         prefix = _check_key(prefix)
+        self.ops["list"] += 1
         return sorted(k for k in self._keys_under(prefix) if self._value(k) is not None)
 
     def get_subtree(self, prefix: str) -> dict[str, str]:
         """``{key: value}`` of live entries at or below ``prefix``."""
         out = {}
+        self.ops["list"] += 1
         for k in sorted(self._keys_under(_check_key(prefix))):
             v = self._value(k)
             if v is not None:
@@ -220,6 +228,7 @@ class NameResolve(abc.ABC):
                 period = min((ttl for _, ttl in self._keepalive.values()), default=1.0) / 3
             for key, (value, ttl) in items:
                 try:
+                    self.ops["write"] += 1
                     self._put(key, value, ttl, True)
                 except Exception:  # a transient backend error must not kill the refresher
                     pass

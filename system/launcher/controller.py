@@ -28,6 +28,7 @@ from system.launcher.groups import group_spec, group_specs, worker_configs
 from system.launcher.progress import Progress
 from system.launcher.recovery import MasterProgress, Recovery
 from system.launcher.summary import TrialSummary
+from system.launcher.watch import NameWatch
 from system.name_resolve import NameResolve
 from system.paths import TrialPaths
 from system.rpc import RpcClient
@@ -63,6 +64,7 @@ class Controller:
         self._t0 = time.time()
         self.recovery = Recovery(cfg.recovery(), experiment.stateful, self._t0)
         self.watch = MasterProgress()
+        self.names = NameWatch(name_resolve, cfg.exp, cfg.trial)
 
     # --- the whole trial ---
     def run(self) -> int:
@@ -133,9 +135,8 @@ class Controller:
         """Configure and start requeued workers once they registered again. A worker that
         registers at a new address was restarted, even if no poll caught its job pending (a
         requeued job can be running again within a second)."""
-        prefix = names.worker_addresses(self.cfg.exp, self.cfg.trial)
-        found = {k[len(prefix) + 1:]: v for k, v in self.nr.get_subtree(prefix).items()}
         rejoining = self.requeue.rejoining
+        found = self.names.addresses(rejoining)
         moved = [w for w, a in found.items()
                  if w in self.addresses and a != self.addresses[w] and w not in rejoining]
         if moved:
@@ -178,8 +179,7 @@ class Controller:
                                     f"limit); log: {self.logs[w]}", w, self.logs[w])
 
     def _check_reported_errors(self) -> None:
-        failure = reported_failure(
-            self.nr.get_subtree(names.worker_errors(self.cfg.exp, self.cfg.trial)), self.logs)
+        failure = reported_failure(self.names.errors(), self.logs)
         if failure is not None:
             raise failure
 
@@ -361,7 +361,6 @@ class Controller:
 
     def _watch(self) -> dict[str, Any]:
         cc = self.cfg.controller
-        hb_prefix = names.heartbeats(self.cfg.exp, self.cfg.trial)
         last_master_answer = time.monotonic()
         started = time.monotonic()
         while True:
@@ -371,7 +370,7 @@ class Controller:
             self._recover_requeued_state()
             self._check_jobs("before the trial completed", statuses)
             self._rejoin()
-            beating = {k[len(hb_prefix) + 1:] for k in self.nr.find_subtree(hb_prefix)}
+            beating = self.names.beating(self.logs)
             dead = sorted(set(self.logs) - beating - set(self.requeue.rejoining))
             if dead:  # a requeue may explain it: ask the scheduler afresh before judging
                 statuses = self._poll(fresh=True)
