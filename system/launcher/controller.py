@@ -64,7 +64,7 @@ class Controller:
         self._t0 = time.time()
         self.recovery = Recovery(cfg.recovery(), experiment.stateful, self._t0)
         self.watch = MasterProgress()
-        self.names = NameWatch(name_resolve, cfg.exp, cfg.trial)
+        self.names = NameWatch(name_resolve, cfg.exp, cfg.trial, cfg.controller.heartbeat_ttl)
 
     # --- the whole trial ---
     def run(self) -> int:
@@ -136,7 +136,7 @@ class Controller:
         registers at a new address was restarted, even if no poll caught its job pending (a
         requeued job can be running again within a second)."""
         rejoining = self.requeue.rejoining
-        found = self.names.addresses(rejoining)
+        found = self.names.addresses(self.logs, rejoining)
         moved = [w for w, a in found.items()
                  if w in self.addresses and a != self.addresses[w] and w not in rejoining]
         if moved:

@@ -132,7 +132,7 @@ def measure(backend: dict[str, Any], args: argparse.Namespace) -> dict[str, floa
     for _ in procs:
         assert out.get(timeout=300)[0] == "ready"
     nr = _client(backend, secret)
-    watch = NameWatch(nr, EXP, TRIAL)
+    watch = NameWatch(nr, EXP, TRIAL, args.ttl)
     workers = [f"{KIND}/{i}" for i in range(n)]
     try:
         t0 = time.monotonic()
