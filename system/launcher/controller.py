@@ -194,10 +194,9 @@ class Controller:
         """Until every worker (or every one of ``expected``) registered its address."""
         timeout = self.cfg.controller.register_timeout
         deadline = time.monotonic() + timeout
-        prefix = names.worker_addresses(self.cfg.exp, self.cfg.trial)
         expected = set(self.logs) if expected is None else expected
         while True:
-            found = {k[len(prefix) + 1:]: v for k, v in self.nr.get_subtree(prefix).items()}
+            found = self.names.registered()
             registered = expected & set(found)
             self.progress.update(registered=f"{len(registered)}/{len(expected)}")
             if registered == expected:
@@ -210,7 +209,7 @@ class Controller:
                 raise WorkerFailure(f"{len(missing)} worker(s) did not register within "
                                     f"{timeout:.0f}s: {', '.join(missing)}\n{logs}", missing[0],
                                     self.logs[missing[0]])
-            time.sleep(0.02)
+            time.sleep(self.names.registration_interval(0.02))
         self.timeline["registered"] = time.time()
         for name, address in found.items():
             if name in expected:

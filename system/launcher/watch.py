@@ -54,6 +54,7 @@ class NameWatch:
         self._addresses = names.worker_addresses(exp, trial)
         self._live_until: dict[str, float] = {}  # worker -> when its liveness must be read again
         self._addresses_read = float("-inf")
+        self._listing_s = 0.0  # how long the last listing of registered workers took
 
     def errors(self) -> dict[str, str]:
         """``{key: report}`` of every error a worker published."""
@@ -61,8 +62,17 @@ class NameWatch:
 
     def registered(self) -> dict[str, str]:
         """``{worker: address}`` of every registered worker (one listing)."""
+        t0 = time.monotonic()
         n = len(self._addresses) + 1
-        return {k[n:]: v for k, v in self.nr.get_subtree(self._addresses).items()}
+        found = {k[n:]: v for k, v in self.nr.get_subtree(self._addresses).items()}
+        self._listing_s = time.monotonic() - t0
+        return found
+
+    def registration_interval(self, minimum: float) -> float:
+        """Seconds to wait before :meth:`registered` lists again: ``minimum``, or longer so that
+        listing takes at most a tenth of the time (a thousand workers on a shared filesystem
+        take tens of milliseconds to list; the wait for queued jobs can last hours)."""
+        return max(minimum, 9 * self._listing_s)
 
     def addresses(self, workers: Collection[str], rejoining: Collection[str] = ()
                   ) -> dict[str, str]:

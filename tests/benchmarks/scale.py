@@ -14,6 +14,8 @@ controller's own :class:`~system.launcher.watch.NameWatch`, polled every ``--pol
 Prints ``name: value`` lines per backend (``file_...``, ``redis_...``):
 - register_s: from "go" until the controller's listing shows every worker's address
   (target <= 10 s with redis at 1,000 workers)
+- register_cpu_fraction: CPU time of the controller's thread listing the registered workers /
+  wall time, during registration (a wait that lasts as long as the jobs queue)
 - watch_cpu_fraction: CPU time of the watching thread (``time.thread_time``) / wall time while it
   polls (target <= 0.05 of one core at 1,000 workers)
 - detect_s: from SIGKILL of one worker's process until the watch no longer sees it beating
@@ -135,14 +137,16 @@ def measure(backend: dict[str, Any], args: argparse.Namespace) -> dict[str, floa
     watch = NameWatch(nr, EXP, TRIAL, args.ttl)
     workers = [f"{KIND}/{i}" for i in range(n)]
     try:
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.thread_time()
         events["go"].set()
-        while len(watch.registered()) < n:  # what Controller._wait_registered reads
+        while len(watch.registered()) < n:  # what Controller._wait_registered does
             if time.monotonic() - t0 > args.register_timeout:
                 raise SystemExit(f"only {len(watch.registered())}/{n} registered within "
                                  f"{args.register_timeout}s")
-            time.sleep(0.02)
-        fig: dict[str, float] = {"register_s": time.monotonic() - t0}
+            time.sleep(watch.registration_interval(0.02))
+        fig: dict[str, float] = {"register_s": time.monotonic() - t0,
+                                 "register_cpu_fraction": (time.thread_time() - cpu0) / (
+                                     time.monotonic() - t0)}
         fig.update(_watch(watch, workers, events, out, len(procs) - 1, backend.get("port"),
                           args))
         procs[-1].kill()
