@@ -68,11 +68,12 @@ class NameWatch:
         self._listing_s = time.monotonic() - t0
         return found
 
-    def registration_interval(self, minimum: float) -> float:
+    def registration_interval(self, minimum: float, maximum: float = 1.0) -> float:
         """Seconds to wait before :meth:`registered` lists again: ``minimum``, or longer so that
         listing takes at most a tenth of the time (a thousand workers on a shared filesystem
-        take tens of milliseconds to list; the wait for queued jobs can last hours)."""
-        return max(minimum, 9 * self._listing_s)
+        take tens of milliseconds to list; the wait for queued jobs can last hours), but at
+        most ``maximum`` (a listing slowed down by a busy machine must not delay the start)."""
+        return min(max(minimum, 9 * self._listing_s), max(minimum, maximum))
 
     def addresses(self, workers: Collection[str], rejoining: Collection[str] = ()
                   ) -> dict[str, str]:

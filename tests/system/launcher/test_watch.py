@@ -94,3 +94,17 @@ def test_errors_and_bad_recheck(backend):
     assert watch.poll([]).errors == {"e/t/error/rollout/4": '{"type": "E"}'}
     with pytest.raises(ConfigError, match="recheck"):
         NameWatch(nr, "e", "t", recheck=0)
+
+
+def test_registration_listing_is_paced_by_its_own_cost(backend):
+    nr = backend()
+    for i in range(50):
+        _register(nr, i)
+    watch = NameWatch(backend(), "e", "t", recheck=1.0)
+    assert watch.registration_interval(0.02) == 0.02  # nothing listed yet
+    t0 = time.monotonic()
+    assert len(watch.registered()) == 50
+    took = time.monotonic() - t0
+    assert watch.registration_interval(0.02) == pytest.approx(min(max(0.02, 9 * took), 1.0),
+                                                              rel=0.1)
+    assert watch.registration_interval(0.02, maximum=0.001) == 0.02
