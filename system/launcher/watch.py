@@ -15,7 +15,12 @@ workers on a shared filesystem:
   seconds (the controller passes the heartbeat TTL);
 - addresses are read for the workers rejoining at every poll, for all workers every
   ``recheck / 2`` seconds (a worker restarted at a new address without the scheduler noticing);
-- no directory walk or key scan but the errors' (a directory that rarely exists).
+- no directory walk or key scan but the errors' (a directory that rarely exists) and the
+  listing of registered workers, which is paced by its own cost
+  (:meth:`NameWatch.registration_interval`).
+
+A liveness read from a restarted worker's previous incarnation is at most ``recheck`` old: the
+restarted worker is then judged by its own heartbeat.
 """
 from __future__ import annotations
 
@@ -104,11 +109,6 @@ class NameWatch:
                     self._live_until[w] = until if entry.expires is None else min(
                         entry.expires, until)
         return frozenset(w for w in workers if self._live_until.get(w, now) > now)
-
-    def forget(self, workers: Collection[str]) -> None:
-        """Read these workers' heartbeats afresh at the next poll (they were restarted)."""
-        for w in workers:
-            self._live_until.pop(w, None)
 
     def poll(self, workers: Collection[str], rejoining: Collection[str] = ()) -> WatchView:
         """Everything one iteration of the controller's watch loop reads, in its order."""
