@@ -19,6 +19,7 @@ bench: setup
 	$(PY) tests/benchmarks/rl.py
 	$(PY) tests/benchmarks/chaos.py
 	$(PY) tests/benchmarks/fuzz.py
+	$(PY) tests/benchmarks/scale.py
 
 # GPU checks of the torch engine on cuda:0 (exit 2: no CUDA device here)
 .PHONY: gpu-check

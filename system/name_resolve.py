@@ -13,6 +13,7 @@ the ``redis`` backend under the key prefix ``rlsys:<uid>:``.
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
 import enum
 import json
@@ -20,7 +21,7 @@ import os
 import threading
 import time
 import uuid
-from typing import ClassVar, Iterator
+from typing import ClassVar, Iterator, NamedTuple
 
 from system.errors import ConfigError, NameEntryExists, NameEntryNotFound, NameResolveError
 from system.name_auth import EntrySealer
@@ -99,6 +100,16 @@ def _check_key(key: str) -> str:
     return key
 
 
+class Entry(NamedTuple):
+    """A live entry read in a batch: its value and when it expires (unix time; None: never)."""
+
+    value: str
+    expires: float | None
+
+
+_VERIFIED_MAX = 100_000  # entries whose verified value is remembered (then forgotten at once)
+
+
 class NameResolve(abc.ABC):
     """The name-resolution API shared by all backends. Values are sealed with ``secret`` when
     stored and checked when read (``secret=None``: stored as they are, for tools that run outside
@@ -110,6 +121,10 @@ class NameResolve(abc.ABC):
         self._ka_lock = threading.Lock()
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
+        self._verified: dict[str, tuple[str, str]] = {}  # key -> (stored, value) checked
+        self.ops: collections.Counter[str] = collections.Counter()
+        """Operations issued so far: ``write`` (adds and keep-alive refreshes), ``read`` (entries
+        read), ``list`` (subtree listings); for benchmarks, not exact under concurrent threads."""
 
     # --- backend primitives ---
     @abc.abstractmethod
@@ -117,6 +132,11 @@ class NameResolve(abc.ABC):
 
     @abc.abstractmethod
     def _get(self, key: str) -> str | None: ...
+
+    @abc.abstractmethod
+    def _get_many(self, keys: list[str]) -> list[tuple[str | None, float | None]]:
+        """The stored value and expiry (unix time; None: none) of each of ``keys``, in one
+        round trip where the backend allows; ``(None, None)`` for an absent or expired one."""
 
     @abc.abstractmethod
     def _delete(self, key: str) -> bool: ...
@@ -131,7 +151,23 @@ class NameResolve(abc.ABC):
 
     def _value(self, key: str) -> str | None:
         """The authentic value under ``key``; None if absent, expired or refused."""
-        return self._sealer.open(key, self._get(key))
+        self.ops["read"] += 1
+        return self._open(key, self._get(key))
+
+    def _open(self, key: str, stored: str | None) -> str | None:
+        """:meth:`EntrySealer.open`, but a stored value already verified under ``key`` is not
+        checked again (a heartbeat's refresh stores the same sealed value every time)."""
+        if stored is None:
+            return None
+        seen = self._verified.get(key)
+        if seen is not None and seen[0] == stored:
+            return seen[1]
+        value = self._sealer.open(key, stored)
+        if value is not None:
+            if len(self._verified) >= _VERIFIED_MAX:
+                self._verified.clear()
+            self._verified[key] = (stored, value)
+        return value
 
     # --- public API ---
     def add(self, key: str, value: str, *, replace: bool = False,
@@ -142,6 +178,7 @@ class NameResolve(abc.ABC):
         if keepalive_ttl is not None and keepalive_ttl <= 0:
             raise NameResolveError(f"keepalive_ttl must be > 0, got {keepalive_ttl}")
         stored = self._sealer.seal(key, str(value))
+        self.ops["write"] += 1
         self._put(key, stored, keepalive_ttl, replace)
         if keepalive_ttl is not None:
             with self._ka_lock:
@@ -166,19 +203,27 @@ class NameResolve(abc.ABC):
                 raise NameEntryNotFound(f"{key} (waited {timeout:.1f}s)")
             time.sleep(poll)
 
+    def read_many(self, keys: list[str]) -> dict[str, Entry]:
+        """``{key: Entry}`` of those of ``keys`` that are live, read in one batch (one round
+        trip with redis); absent, expired and refused ones are left out."""
+        keys = [_check_key(k) for k in keys]
+        self.ops["read"] += len(keys)
+        out = {}
+        for k, (stored, expires) in zip(keys, self._get_many(keys) if keys else []):
+            value = self._open(k, stored)
+            if value is not None:
+                out[k] = Entry(value, expires)
+        return out
+
     def find_subtree(self, prefix: str) -> list[str]:
         """Sorted keys of live entries at or below ``prefix``."""
-        prefix = _check_key(prefix)
-        return sorted(k for k in self._keys_under(prefix) if self._value(k) is not None)
+        return list(self.get_subtree(prefix))
 
     def get_subtree(self, prefix: str) -> dict[str, str]:
-        """``{key: value}`` of live entries at or below ``prefix``."""
-        out = {}
-        for k in sorted(self._keys_under(_check_key(prefix))):
-            v = self._value(k)
-            if v is not None:
-                out[k] = v
-        return out
+        """``{key: value}`` of live entries at or below ``prefix``, sorted by key."""
+        self.ops["list"] += 1
+        keys = sorted(self._keys_under(_check_key(prefix)))
+        return {k: e.value for k, e in self.read_many(keys).items()}
 
     def delete(self, key: str) -> None:
         """Remove ``key`` (and stop keeping it alive); :class:`NameEntryNotFound` if absent."""
@@ -220,6 +265,7 @@ class NameResolve(abc.ABC):
                 period = min((ttl for _, ttl in self._keepalive.values()), default=1.0) / 3
             for key, (value, ttl) in items:
                 try:
+                    self.ops["write"] += 1
                     self._put(key, value, ttl, True)
                 except Exception:  # a transient backend error must not kill the refresher
                     pass
@@ -266,7 +312,7 @@ class FileNameResolve(NameResolve):
                 os.link(tmp, path)
                 return
             except FileExistsError:
-                if self._sealer.open(key, self._read(path)) is not None:
+                if self._sealer.open(key, self._read(path)[0]) is not None:
                     raise NameEntryExists(key) from None
                 os.replace(tmp, path)  # the old entry had expired (or was not authentic)
         finally:
@@ -274,24 +320,31 @@ class FileNameResolve(NameResolve):
                 os.unlink(tmp)
 
     @staticmethod
-    def _read(path: str) -> str | None:
+    def _read(path: str) -> tuple[str | None, float | None]:
+        """The value and expiry in the entry file ``path``; ``(None, None)`` if absent or
+        expired."""
         try:
             with open(path) as f:
                 entry = json.load(f)
         except (FileNotFoundError, NotADirectoryError):
-            return None
+            return None, None
         except (json.JSONDecodeError, OSError, UnicodeDecodeError):
-            return None  # torn or foreign file: treat as absent
+            return None, None  # torn or foreign file: treat as absent
         if not isinstance(entry, dict):
-            return None
+            return None, None
         expires = entry.get("expires")
-        if isinstance(expires, (int, float)) and time.time() > expires:
-            return None
+        if not isinstance(expires, (int, float)):
+            expires = None
+        elif time.time() > expires:
+            return None, None
         value = entry.get("value")
-        return value if isinstance(value, str) else None
+        return (value, expires) if isinstance(value, str) else (None, None)
 
     def _get(self, key: str) -> str | None:
-        return self._read(self._path(key))
+        return self._read(self._path(key))[0]
+
+    def _get_many(self, keys: list[str]) -> list[tuple[str | None, float | None]]:
+        return [self._read(self._path(k)) for k in keys]
 
     def _delete(self, key: str) -> bool:
         path = self._path(key)
@@ -365,6 +418,18 @@ class RedisNameResolve(NameResolve):
     def _get(self, key: str) -> str | None:
         return self._r.get(self._k(key))
 
+    def _get_many(self, keys: list[str]) -> list[tuple[str | None, float | None]]:
+        with self._r.pipeline(transaction=False) as pipe:
+            for k in keys:
+                pipe.get(self._k(k))
+                pipe.pttl(self._k(k))
+            res = pipe.execute()
+        now = time.time()
+        # PTTL: -1 no expiry, -2 gone (expired between the GET and the PTTL)
+        return [(None, None) if value is None or ms == -2 else
+                (value, None if ms < 0 else now + ms / 1000)
+                for value, ms in zip(res[::2], res[1::2])]
+
     def _delete(self, key: str) -> bool:
         return bool(self._r.delete(self._k(key)))
 
@@ -373,7 +438,7 @@ class RedisNameResolve(NameResolve):
         if self._r.exists(exact):
             yield prefix
         pattern = _glob_escape(exact) + "/*"
-        for k in self._r.scan_iter(match=pattern, count=1000):
+        for k in self._r.scan_iter(match=pattern, count=10_000):
             yield k[len(self._ns):]
 
     def close(self) -> None:

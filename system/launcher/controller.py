@@ -30,6 +30,7 @@ from system.launcher.progress import Progress
 from system.launcher.queue_wait import StartClock, blocked_failure
 from system.launcher.recovery import MasterProgress, Recovery
 from system.launcher.summary import TrialSummary
+from system.launcher.watch import NameWatch
 from system.name_resolve import NameResolve
 from system.paths import TrialPaths
 from system.rpc import RpcClient
@@ -66,6 +67,7 @@ class Controller:
         self._t0 = time.time()
         self.recovery = Recovery(cfg.recovery(), experiment.stateful, self._t0)
         self.watch = MasterProgress()
+        self.names = NameWatch(name_resolve, cfg.exp, cfg.trial, cfg.controller.heartbeat_ttl)
 
     # --- the whole trial ---
     def run(self) -> int:
@@ -138,9 +140,8 @@ class Controller:
         """Configure and start requeued workers once they registered again. A worker that
         registers at a new address was restarted, even if no poll caught its job pending (a
         requeued job can be running again within a second)."""
-        prefix = names.worker_addresses(self.cfg.exp, self.cfg.trial)
-        found = {k[len(prefix) + 1:]: v for k, v in self.nr.get_subtree(prefix).items()}
         rejoining = self.requeue.rejoining
+        found = self.names.addresses(self.logs, rejoining)
         moved = [w for w, a in found.items()
                  if w in self.addresses and a != self.addresses[w] and w not in rejoining]
         if moved:
@@ -183,8 +184,7 @@ class Controller:
                                     f"limit); log: {self.logs[w]}", w, self.logs[w])
 
     def _check_reported_errors(self) -> None:
-        failure = reported_failure(
-            self.nr.get_subtree(names.worker_errors(self.cfg.exp, self.cfg.trial)), self.logs)
+        failure = reported_failure(self.names.errors(), self.logs)
         if failure is not None:
             raise failure
 
@@ -201,11 +201,10 @@ class Controller:
         pending jobs show in the progress line with their reason, and a job the scheduler
         judged blocked (can never start, or past its queue timeout) fails the trial at once."""
         timeout = self.cfg.controller.register_timeout
-        prefix = names.worker_addresses(self.cfg.exp, self.cfg.trial)
         expected = set(self.logs) if expected is None else expected
         clock = StartClock()
         while True:
-            found = {k[len(prefix) + 1:]: v for k, v in self.nr.get_subtree(prefix).items()}
+            found = self.names.registered()
             registered = expected & set(found)
             self.progress.update(registered=f"{len(registered)}/{len(expected)}",
                                  pending=clock.pending_text())
@@ -226,7 +225,7 @@ class Controller:
                                     f"{timeout:.0f}s of their job starting: "
                                     f"{', '.join(missing)}\n{logs}", missing[0],
                                     self.logs[missing[0]])
-            time.sleep(0.02)
+            time.sleep(self.names.registration_interval(0.02))
         self.timeline["registered"] = time.time()
         for name, address in found.items():
             if name in expected:
@@ -377,7 +376,6 @@ class Controller:
 
     def _watch(self) -> dict[str, Any]:
         cc = self.cfg.controller
-        hb_prefix = names.heartbeats(self.cfg.exp, self.cfg.trial)
         last_master_answer = time.monotonic()
         started = time.monotonic()
         while True:
@@ -387,7 +385,7 @@ class Controller:
             self._recover_requeued_state()
             self._check_jobs("before the trial completed", statuses)
             self._rejoin()
-            beating = {k[len(hb_prefix) + 1:] for k in self.nr.find_subtree(hb_prefix)}
+            beating = self.names.beating(self.logs)
             dead = sorted(set(self.logs) - beating - set(self.requeue.rejoining))
             if dead:  # a requeue may explain it: ask the scheduler afresh before judging
                 statuses = self._poll(fresh=True)

@@ -117,3 +117,34 @@ def test_file_backend_concurrent_exclusive_add(tmp_path):
         t.join()
     assert len(wins) == 1 and len(losses) == 15
     assert FileNameResolve(str(tmp_path), secret=SECRET).get("e/t/leader") == str(wins[0])
+
+
+def test_read_many_gives_live_values_and_expiries(nr):
+    nr.add("e/t/hb/0", "a", keepalive_ttl=30)
+    nr.add("e/t/hb/1", "b")
+    nr.add("e/t/hb/2", "gone", keepalive_ttl=0.1)
+    nr.close()  # stop refreshing: hb/2 expires
+    time.sleep(0.3)
+    before = time.time()
+    got = nr.read_many(["e/t/hb/0", "e/t/hb/1", "e/t/hb/2", "e/t/hb/missing"])
+    assert set(got) == {"e/t/hb/0", "e/t/hb/1"}
+    assert got["e/t/hb/0"].value == "a" and got["e/t/hb/1"] == ("b", None)
+    assert before + 25 < got["e/t/hb/0"].expires <= time.time() + 30.5
+    assert nr.read_many([]) == {}
+
+
+def test_a_verified_value_is_checked_again_once_it_changes(nr):
+    """The cache of verified values must not let an entry altered in place through."""
+    nr.add("e/t/k", "v")
+    assert nr.get("e/t/k") == "v" and nr.read_many(["e/t/k"])["e/t/k"].value == "v"
+    forged = "v1:" + "0" * 64 + ":evil"
+    if isinstance(nr, FileNameResolve):
+        with open(nr._path("e/t/k"), "w") as f:
+            f.write('{"value": "%s", "expires": null}' % forged)
+    else:
+        nr._r.set(nr._k("e/t/k"), forged)
+    refused = nr.refused
+    assert nr.read_many(["e/t/k"]) == {}
+    with pytest.raises(NameEntryNotFound):
+        nr.get("e/t/k")
+    assert nr.refused == refused + 2

@@ -1,0 +1,110 @@
+"""NameWatch: what the controller reads while it watches, over real backends and real
+keep-alive threads."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from system import names
+from system.errors import ConfigError
+from system.launcher.watch import NameWatch
+from system.name_resolve import FileNameResolve, NameResolve, RedisNameResolve
+from system.wire import new_secret
+
+SECRET = new_secret()
+TTL = 0.6
+
+
+@pytest.fixture(params=["file", pytest.param("redis", marks=pytest.mark.redis)])
+def backend(request, tmp_path):
+    """A factory of clients of one backend: the controller's and each worker's."""
+    made: list[NameResolve] = []
+    ns = f"w{time.time_ns()}"
+
+    def make() -> NameResolve:
+        if request.param == "file":
+            nr: NameResolve = FileNameResolve(str(tmp_path / "nr"), secret=SECRET)
+        else:
+            host, port = request.getfixturevalue("redis_server")
+            nr = RedisNameResolve(host, port, namespace=ns, secret=SECRET)
+        made.append(nr)
+        return nr
+
+    yield make
+    for nr in made:
+        nr.close()
+
+
+def _register(nr: NameResolve, i: int) -> None:
+    nr.add(names.heartbeat("e", "t", "rollout", i), "pid", replace=True, keepalive_ttl=TTL)
+    nr.add(names.worker_address("e", "t", "rollout", i), f"tcp://h:{i}", replace=True)
+
+
+def _until(cond, timeout: float) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "condition not met in time"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def test_silent_and_deleted_workers_stop_beating_within_the_ttl(backend):
+    workers = [f"rollout/{i}" for i in range(3)]
+    clients = [backend() for _ in workers]
+    for i, nr in enumerate(clients):
+        _register(nr, i)
+    watch = NameWatch(backend(), "e", "t", recheck=TTL)
+    assert watch.registered() == {w: f"tcp://h:{i}" for i, w in enumerate(workers)}
+    assert watch.poll(workers).beating == set(workers)
+    reads = watch.nr.ops["read"]
+    for _ in range(5):  # live heartbeats are not read again before they could have expired
+        assert watch.beating(workers) == set(workers)
+    assert watch.nr.ops["read"] == reads
+    time.sleep(TTL * 2)  # they are refreshed meanwhile: still beating
+    assert watch.beating(workers) == set(workers)
+    clients[1].close()  # rollout/1 goes silent
+    took = _until(lambda: "rollout/1" not in watch.beating(workers), 3 * TTL)
+    assert took <= TTL + 0.3
+    clients[2].delete(names.heartbeat("e", "t", "rollout", 2))
+    took = _until(lambda: "rollout/2" not in watch.beating(workers), 3 * TTL)
+    assert took <= TTL + 0.3
+    assert watch.beating(workers) == {"rollout/0"}
+
+
+def test_addresses_of_rejoining_workers_at_every_poll_of_all_now_and_then(backend):
+    nr = backend()
+    for i in range(3):
+        _register(nr, i)
+    workers = ["rollout/0", "rollout/1", "rollout/2"]
+    watch = NameWatch(backend(), "e", "t", recheck=TTL)
+    assert watch.addresses(workers) == {w: f"tcp://h:{i}" for i, w in enumerate(workers)}
+    nr.add(names.worker_address("e", "t", "rollout", 1), "tcp://new:1", replace=True)
+    nr.add(names.worker_address("e", "t", "rollout", 2), "tcp://new:2", replace=True)
+    assert watch.addresses(workers, rejoining=["rollout/1"]) == {"rollout/1": "tcp://new:1"}
+    time.sleep(TTL / 2)
+    assert watch.addresses(workers)["rollout/2"] == "tcp://new:2"  # a moved worker is seen
+
+
+def test_errors_and_bad_recheck(backend):
+    nr = backend()
+    nr.add(names.worker_error("e", "t", "rollout", 4), json.dumps({"type": "E"}))
+    watch = NameWatch(backend(), "e", "t", recheck=1.0)
+    assert watch.poll([]).errors == {"e/t/error/rollout/4": '{"type": "E"}'}
+    with pytest.raises(ConfigError, match="recheck"):
+        NameWatch(nr, "e", "t", recheck=0)
+
+
+def test_registration_listing_is_paced_by_its_own_cost(backend):
+    nr = backend()
+    for i in range(50):
+        _register(nr, i)
+    watch = NameWatch(backend(), "e", "t", recheck=1.0)
+    assert watch.registration_interval(0.02) == 0.02  # nothing listed yet
+    t0 = time.monotonic()
+    assert len(watch.registered()) == 50
+    took = time.monotonic() - t0
+    assert watch.registration_interval(0.02) == pytest.approx(min(max(0.02, 9 * took), 1.0),
+                                                              rel=0.1)
+    assert watch.registration_interval(0.02, maximum=0.001) == 0.02
