@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, TypeVar
 
+from system.bootstrap import Bootstrap
 from system.errors import ConfigError
 from system.launcher.config import ExperimentConfig
 from workers.base import Worker
@@ -54,6 +55,10 @@ class Experiment:
     warm: Mapping[str, Callable[[], None]] = dataclasses.field(default_factory=dict)
     """Per worker kind, what it imports before it is needed: a warm spare (local scheduler,
     :mod:`scheduler.spares`) calls it ahead of the restart that takes it over."""
+    prepare: Mapping[str, Callable[[Bootstrap], Any]] = dataclasses.field(default_factory=dict)
+    """Per worker kind, what a warm spare builds ahead of a restart from the trial's files (a
+    generation server's engine, say), in a forked child that then becomes the restarted worker
+    and finds it as :attr:`~workers.base.Worker.prepared`."""
 
     @property
     def doc(self) -> str:

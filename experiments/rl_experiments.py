@@ -14,7 +14,7 @@ from experiments.rl.roles.generation import generation_role
 from experiments.rl.roles.master import master_role
 from experiments.rl.roles.model import model_role
 from experiments.rl.roles.rollout import rollout_role
-from experiments.rl.warm import WARM
+from experiments.rl.warm import PREPARE, WARM
 from workers.engines.configs import TorchEngineConfig
 
 ROLES = Roles(master=master_role, model=model_role, generation=generation_role,
@@ -51,6 +51,6 @@ def smollm2_arith() -> RLExperimentConfig:
 
 STATEFUL = ("model", "master")
 ARITH_TINY = Experiment("arith-tiny", arith_tiny, ROLES, section="rl", stateful=STATEFUL,
-                        warm=WARM)
+                        warm=WARM, prepare=PREPARE)
 SMOLLM2_ARITH = Experiment("smollm2-arith", smollm2_arith, ROLES, section="rl",
-                           stateful=STATEFUL, warm=WARM)
+                           stateful=STATEFUL, warm=WARM, prepare=PREPARE)

@@ -73,6 +73,9 @@ class Worker:
         self._serve_stop = threading.Event()
         self.signalled: str | None = None  # the signal that stopped us, if any
         self.orphaned = False  # stopped because the controller's liveness key expired
+        self.prepared: Any = None
+        """What a warm spare built for this worker ahead of its restart (the experiment's
+        ``prepare``; None: nothing), for the role to use or drop."""
 
     @property
     def name(self) -> str:

@@ -8,6 +8,7 @@ when the samples are done, other calls are served meanwhile) and in-place weight
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -27,6 +28,8 @@ from workers.engines.http_server import HttpLimits
 from workers.engines.openai_http import OpenAIEndpoint
 from workers.engines.vllm_server import GenerationEngine, Sampling, VllmConfig
 from workers.schema import EngineStats, Sample, SamplingParams, WorkerReport, WorkerSetup
+
+log = logging.getLogger("generation")
 
 
 @dataclasses.dataclass
@@ -91,7 +94,17 @@ class GenerationServer(Worker):
     # --- what a role installs ---
     def open_engine(self, model_path: str, vllm_cfg: VllmConfig, eos_token_id: int | None
                     ) -> GenerationEngine:
-        self.engine = GenerationEngine(model_path, vllm_cfg, eos_token_id)
+        """vLLM for ``model_path``: the engine a warm spare built for this restart when it is
+        the same one (:attr:`prepared`), a new one otherwise."""
+        ready, self.prepared = self.prepared, None
+        if isinstance(ready, GenerationEngine) and ready.made_for(model_path, vllm_cfg,
+                                                                 eos_token_id):
+            log.info("the engine a warm spare built is this server's")
+            self.engine = ready
+        else:
+            if isinstance(ready, GenerationEngine):
+                ready.close()
+            self.engine = GenerationEngine(model_path, vllm_cfg, eos_token_id)
         return self.engine
 
     def serve_http(self, tokenizer: Any, model_name: str) -> OpenAIEndpoint | None:

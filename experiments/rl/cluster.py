@@ -51,6 +51,7 @@ class Cluster:
         self.live: set[int] = set()
         """Replicas in routing and weight updates."""
         self._joined: dict[int, str] = {}  # replica -> the address it joined weight sync from
+        self._left: dict[int, str] = {}  # replica -> the address it left from (not back there)
         self._spec: WeightSyncSpec | None = None
         self.layout = train_layout(rl.actor, self.n_model)
         """Model worker ``i`` is training rank ``i`` of this layout."""
@@ -212,7 +213,7 @@ class Cluster:
         if replica in self.live:
             log.warning("generation server %d left routing and weight updates: %s", replica, why)
             self.live.discard(replica)
-        self._joined.pop(replica, None)
+        self._left[replica] = self._joined.pop(replica, self._left.get(replica, ""))
 
     def watch_replicas(self, alive: set[int], version: int) -> bool:
         """Drop the live servers whose heartbeat expired; let servers that registered again
@@ -227,10 +228,13 @@ class Cluster:
             address = self.peers.address(g.name)
             if r not in alive or address == self._joined.get(r):
                 continue
+            # the address it left from is most likely a dead process whose keys are not yet
+            # cleared: a short wait for it (a live server answers at once)
+            wait = 0.25 if address == self._left.get(r) else 2.0
             self.drop(r, "it registered again")
             self.gens[r] = g
-            if _answer(g.engine_stats(), 2.0) is None:
-                continue  # its engine is still starting
+            if _answer(g.engine_stats(), wait) is None:
+                continue  # its engine is still starting (or it is gone)
             if self.join([r]):
                 self.live.add(r)
                 self.publish(version, {r}, lambda i: i in alive)

@@ -14,14 +14,23 @@ DEFAULT_MODEL = {"arith-tiny": "arith-tiny", "smollm2-arith": "smollm2-135m-inst
 
 def rl_config(worker: Worker) -> RLConfig:
     """The ``rl`` section the controller sent, as a validated :class:`RLConfig`."""
+    return rl_section(worker.config["experiment"])
+
+
+def rl_section(section: Any) -> RLConfig:
+    """An ``rl`` config section (a mapping, or an OmegaConf node) as a validated
+    :class:`RLConfig`."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RLConfig),
-                                               worker.config["experiment"]))
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RLConfig), section))
 
 
 def model_path(worker: Worker, rl: RLConfig) -> str:
-    return resolve_model_path(rl, DEFAULT_MODEL.get(worker.boot.experiment, "arith-tiny"))
+    return experiment_model_path(worker.boot.experiment, rl)
+
+
+def experiment_model_path(experiment: str, rl: RLConfig) -> str:
+    return resolve_model_path(rl, DEFAULT_MODEL.get(experiment, "arith-tiny"))
 
 
 def load_tokenizer(path: str) -> Any:
@@ -51,5 +60,5 @@ def group_version(trajs: list[Trajectory], fallback: int) -> int:
     return min(vs) if vs else fallback
 
 
-__all__ = ["DEFAULT_MODEL", "encode_prompt", "eval_prompts", "group_version", "load_tokenizer",
-           "model_path", "rl_config"]
+__all__ = ["DEFAULT_MODEL", "encode_prompt", "eval_prompts", "experiment_model_path",
+           "group_version", "load_tokenizer", "model_path", "rl_config", "rl_section"]

@@ -10,14 +10,18 @@ from workers.client import Pending
 from workers.generation import GenerationClient
 from workers.schema import Sample, Trajectory
 
+ALIVE_EVERY = 0.5
+"""Seconds between checks that a generation server a request waits on is still the one serving
+(a name-resolution read): its death re-issues the request within this time."""
+
 
 def run_episodes(episodes: Sequence[tuple[Episode, int]], clients: dict[int, GenerationClient],
                  timeout: float, alive: Callable[[int], bool] | None = None
                  ) -> list[list[Trajectory]]:
     """Drive episodes (``(generator, server)``) together: every round submits each live
     episode's request to its server, then feeds back the samples. Returns each episode's
-    trajectories. ``alive(server)``, asked every few seconds while a call waits, fails the
-    call at once when its server died (:class:`~system.errors.PeerDied`)."""
+    trajectories. ``alive(server)``, asked every :data:`ALIVE_EVERY` seconds while a call
+    waits, fails the call at once when its server died (:class:`~system.errors.PeerDied`)."""
     results: list[list[Trajectory] | None] = [None] * len(episodes)
     pending: dict[int, GenRequest] = {i: next(ep) for i, (ep, _) in enumerate(episodes)}
     while pending:
@@ -28,7 +32,7 @@ def run_episodes(episodes: Sequence[tuple[Episode, int]], clients: dict[int, Gen
         for i, call in calls.items():
             server = episodes[i][1]
             samples = (call.result(timeout) if alive is None
-                       else call.result_while(lambda: alive(server), timeout))
+                       else call.result_while(lambda: alive(server), timeout, ALIVE_EVERY))
             try:
                 nxt[i] = episodes[i][0].send(samples)
             except StopIteration as stop:

@@ -116,6 +116,11 @@ class Controller:
         it (see :meth:`RequeuePolicy.settle`)."""
         return self.requeue.settle(self.scheduler.poll(fresh=fresh), self._poll_fresh)
 
+    def _running(self, worker: str) -> bool:
+        """Whether the scheduler sees ``worker``'s job running (say, hung, not dead)."""
+        return any(worker in st.workers and st.state == JobState.RUNNING
+                   for st in self.scheduler.poll())
+
     def _poll_fresh(self) -> list[JobStatus]:
         return self.scheduler.poll(fresh=True)
 
@@ -225,7 +230,9 @@ class Controller:
                                     f"{timeout:.0f}s of their job starting: "
                                     f"{', '.join(missing)}\n{logs}", missing[0],
                                     self.logs[missing[0]])
-            time.sleep(self.names.registration_interval(0.02))
+            # (at most a second between listings of a thousand workers; a recovery waiting
+            # for two lists again within 0.05 s)
+            time.sleep(self.names.registration_interval(0.02, 0.05 + len(expected) / 1000))
         self.timeline["registered"] = time.time()
         for name, address in found.items():
             if name in expected:
@@ -319,7 +326,9 @@ class Controller:
                   self.experiment.stateful) else ""), file=sys.stderr)
         # their state is abandoned (the checkpoint is on disk) and a survivor may be stuck in
         # a call to the dead worker: no graceful stop is waited for
-        collect_settled([self.clients[w].stop() for w in workers if w in self.clients], 0.2)
+        # (the failed one is not asked: it is dead, or past helping)
+        collect_settled([self.clients[w].stop() for w in workers
+                         if w in self.clients and w != failure.worker], 0.2)
         self._drop_clients(workers)
         self.requeue.rejoined([w for w in workers if w in self.requeue.rejoining])
         for k in kinds:
@@ -352,7 +361,7 @@ class Controller:
         attempt = self.recovery.begin(failure, self._last_step(), restarted=[w])
         print(f"\n{attempt.cause}\nrecovering (attempt {attempt.attempt}): restarting {w} "
               "alone; training goes on", file=sys.stderr)
-        if w in self.clients:
+        if w in self.clients and self._running(w):  # a dead one cannot answer: no wait
             collect_settled([self.clients[w].stop()], 1.0)
         self._drop_clients([w])
         self.scheduler.stop_worker(w, self.cfg.scheduler.stop_grace)

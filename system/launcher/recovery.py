@@ -114,14 +114,18 @@ class Recovery:
     def backoff(self) -> float:
         """Seconds to wait before the current attempt: none after an independent failure (the
         restart starts at once), ``recover.backoff`` when the previous attempt's workers failed
-        again within ``CRASH_LOOP_S`` of running (a crash loop), doubled for each such attempt
-        before it."""
+        again within ``CRASH_LOOP_S`` of running without getting past the step that failed
+        before (a crash loop), doubled for each such attempt before it. (A failure after the
+        trial went on past the last one is a new fault, not the same one again.)"""
         assert self.cfg is not None
         loops = 0
         restarts = [a for a in self.attempts if a.stateful]
         for prev, cur in zip(reversed(restarts[:-1]), reversed(restarts)):
             if prev.recovered_at_s is None or cur.failed_at_s - prev.recovered_at_s > CRASH_LOOP_S:
                 break
+            if None not in (prev.failed_step, cur.failed_step) and \
+                    cur.failed_step > prev.failed_step:  # type: ignore[operator]
+                break  # it made progress past the last failure
             loops += 1
         return self.cfg.backoff * 2 ** (loops - 1) if loops else 0.0
 

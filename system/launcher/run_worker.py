@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.catalog import get_experiment
 
     bootstrap = os.path.join(args.trial_dir, "bootstrap.json")
+    prepared = None
     if args.standby:
         set_process_name(f"warm/{args.kind}")  # importing; then "spare/KIND": ready
         # (its stdout carries its answers to the scheduler: scheduler.spares.Forked)
@@ -49,9 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         experiment = get_experiment(Bootstrap.read(bootstrap).experiment)
         warm(experiment.warm.get(args.kind))
         set_process_name(f"spare/{args.kind}")
-        activation = fork_workers()  # returns in a forked child, as that worker
-        if activation is None:
+        prep = experiment.prepare.get(args.kind)
+        forked = fork_workers(args.kind, None if prep is None else (
+            lambda: prep(Bootstrap.read(bootstrap))))  # returns in a forked child, as that worker
+        if forked is None:
             return 0
+        activation, prepared = forked
         args.index = activation.index
         logging.getLogger().handlers.clear()  # the worker's own log format, on its log file
     index, local_rank = task_identity(args.index)
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     set_umask(boot.group_readable)  # whoever started us: checkpoints, metrics stay private
     role = get_experiment(boot.experiment).roles.of(args.kind)
     worker = worker_class(args.kind)(boot, index, local_rank)
+    worker.prepared = prepared
     return worker.run(role)
 
 

@@ -7,13 +7,14 @@ show), since a spare's command line cannot say which worker it became; a spare i
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import select
 import signal
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from scheduler.spares import Activation, Forked
 from system.errors import ConfigError
@@ -46,53 +47,186 @@ def warm(imports: Callable[[], None] | None) -> None:
     log.info("warm in %.1fs; waiting", time.monotonic() - t0)
 
 
-def fork_workers() -> Activation | None:
+PREPARE_AFTER_RESTART_S = 60.0
+"""After a prepared child became a worker, the spare waits this long before preparing the next:
+the restart it served and the steps after it keep the CPUs (on two cores a vLLM engine built
+meanwhile slowed those steps by as much as it had saved). A second failure within that time
+gets a fresh fork, which builds its own."""
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """A child of the spare that prepares (or prepared) a worker's state ahead of a restart."""
+
+    pid: int
+    pidfd: int
+    to_child: int  # the activation line goes here
+    ready_fd: int  # one byte comes from here once the child has prepared
+    ready: bool = False
+
+
+def fork_workers(kind: str, prepare: Callable[[], Any] | None = None,
+                 prepare_delay: float = PREPARE_AFTER_RESTART_S) -> tuple[Activation, Any] | None:
     """The spare's loop: for each activation line on stdin fork a child that becomes that
-    worker (this returns its :class:`Activation` in the child), answer the child's pid on
-    stdout, and later its exit code (the spare is its parent and reaps it). Returns None in the
-    spare when the scheduler went away (end of stdin); a malformed line is logged and skipped.
+    worker (this returns its :class:`Activation` in the child, with what ``prepare`` built for
+    it or None), answer the child's pid on stdout, and later its exit code (the spare is its
+    parent and reaps it). Returns None in the spare when the scheduler went away (end of
+    stdin); a malformed line is logged and skipped.
 
     The spare only imported modules: it runs no threads of its own, so a fork copies a
     quiescent process (torch's and vLLM's pools start in the child, when it first needs them).
+    With ``prepare`` (the experiment's, e.g. building a vLLM engine), one child at a time runs
+    it ahead of need and waits; an activation goes to it once it is ready (a child that would
+    have to fork again from a threaded process is never forked), else to a fresh fork.
     """
-    children: dict[int, int] = {}  # pidfd -> pid
-    pending = b""
-    while True:
-        ready, _, _ = select.select([0, *children], [], [])
-        for fd in ready:
-            if fd != 0:
-                pid = children.pop(fd)
-                os.close(fd)
-                _, status = os.waitpid(pid, 0)
-                _answer(Forked(pid, os.waitstatus_to_exitcode(status)))
-        if 0 not in ready:
-            continue
-        data = os.read(0, 1 << 16)
-        if not data:
-            return None
-        pending += data
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            try:
-                act = Activation.parse(line.decode(errors="replace"))
-            except ConfigError as e:
-                log.error("not an activation: %s", e)
+    return _Spare(kind, prepare, prepare_delay).run()
+
+
+class _Spare:
+    def __init__(self, kind: str, prepare: Callable[[], Any] | None, delay: float) -> None:
+        self.kind = kind
+        self.prepare = prepare
+        self.delay = delay
+        self.children: dict[int, int] = {}  # pidfd -> pid
+        self.prep: _Prepared | None = None
+        self.pid = os.getpid()
+        # answers on their own descriptor: whatever a library prints goes to the log
+        self.answers = os.dup(1)
+        os.dup2(2, 1)
+
+    def run(self) -> tuple[Activation, Any] | None:
+        if self.prepare is not None and (child := self._start_prepared(0.0)) is not None:
+            return child
+        pending = b""
+        while True:
+            watched = [0, *self.children]
+            if self.prep is not None:
+                watched += [self.prep.pidfd] + ([] if self.prep.ready else [self.prep.ready_fd])
+            ready, _, _ = select.select(watched, [], [])
+            for fd in ready:
+                if fd in self.children:
+                    self._reap(fd)
+            if self.prep is not None:
+                self._watch_prepared(ready)
+            if 0 not in ready:
                 continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            spare = os.getpid()
-            pid = os.fork()
-            if pid == 0:
-                for fd in children:
+            data = os.read(0, 1 << 16)
+            if not data:
+                return None
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                try:
+                    act = Activation.parse(line.decode(errors="replace"))
+                except ConfigError as e:
+                    log.error("not an activation: %s", e)
+                    continue
+                if (child := self._activate(act, line)) is not None:
+                    return child
+
+    def _answer(self, a: Forked) -> None:
+        os.write(self.answers, a.line())
+
+    def _reap(self, pidfd: int) -> None:
+        pid = self.children.pop(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        self._answer(Forked(pid, os.waitstatus_to_exitcode(status)))
+
+    def _watch_prepared(self, ready: list[int]) -> None:
+        p = self.prep
+        assert p is not None
+        if not p.ready and p.ready_fd in ready and os.read(p.ready_fd, 1):
+            p.ready = True
+            log.info("prepared for a restart (pid %d)", p.pid)
+        if p.pidfd in ready:  # it died before any restart needed it
+            _, status = os.waitpid(p.pid, 0)
+            log.warning("preparing for a restart failed (exit code %d): restarts prepare their "
+                        "own", os.waitstatus_to_exitcode(status))
+            for fd in (p.pidfd, p.to_child, p.ready_fd):
+                os.close(fd)
+            self.prep, self.prepare = None, None
+
+    def _activate(self, act: Activation, line: bytes) -> tuple[Activation, Any] | None:
+        """Hand ``act`` to the prepared child if it is ready, else fork a fresh one."""
+        p = self.prep
+        if p is not None and p.ready:
+            self.prep = None
+            os.write(p.to_child, line + b"\n")
+            os.close(p.to_child)
+            os.close(p.ready_fd)
+            self.children[p.pidfd] = p.pid
+            self._answer(Forked(p.pid))
+            return self._start_prepared(self.delay)
+        pid = self._fork()
+        if pid == 0:
+            _become(act, self.pid)
+            return act, None
+        self.children[os.pidfd_open(pid)] = pid
+        self._answer(Forked(pid))
+        return None
+
+    def _fork(self) -> int:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # nothing of the spare's bookkeeping stays open in a child
+            for fd in [*self.children, self.answers]:
+                os.close(fd)
+            if self.prep is not None:
+                for fd in (self.prep.pidfd, self.prep.to_child, self.prep.ready_fd):
                     os.close(fd)
-                _become(act, spare)
-                return act
-            children[os.pidfd_open(pid)] = pid
-            _answer(Forked(pid))
+        return pid
+
+    def _start_prepared(self, delay: float) -> tuple[Activation, Any] | None:
+        """Fork the child that prepares; returns in that child once it was activated."""
+        if self.prepare is None:
+            return None
+        r_act, w_act = os.pipe()
+        r_ok, w_ok = os.pipe()
+        pid = self._fork()
+        if pid == 0:
+            os.close(w_act)
+            os.close(r_ok)
+            return self._prepared_child(r_act, w_ok, delay)
+        os.close(r_act)
+        os.close(w_ok)
+        self.prep = _Prepared(pid, os.pidfd_open(pid), w_act, r_ok)
+        return None
+
+    def _prepared_child(self, r_act: int, w_ok: int, delay: float) -> tuple[Activation, Any]:
+        _die_with_parent()
+        if os.getppid() != self.pid:
+            os._exit(1)
+        set_process_name(f"prep/{self.kind}")
+        time.sleep(delay)
+        assert self.prepare is not None
+        t0 = time.monotonic()
+        try:
+            state = self.prepare()
+        except Exception:  # noqa: BLE001 - the spare logs it, restarts prepare their own
+            log.exception("preparing for a restart failed")
+            os._exit(3)
+        log.info("prepared in %.1fs; waiting", time.monotonic() - t0)
+        os.write(w_ok, b"1")
+        os.close(w_ok)
+        line = b""
+        while not line.endswith(b"\n"):
+            data = os.read(r_act, 1 << 16)
+            if not data:
+                os._exit(0)  # the spare went away
+            line += data
+        os.close(r_act)
+        act = Activation.parse(line.decode(errors="replace"))  # (the spare parsed it)
+        _become(act, self.pid)
+        return act, state
 
 
-def _answer(a: Forked) -> None:
-    os.write(1, a.line())
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _become(act: Activation, spare: int) -> None:
@@ -100,10 +234,7 @@ def _become(act: Activation, spare: int) -> None:
     worker), die with the spare (which dies with the launcher), take the activation's
     environment and log file, read nothing from the spare's stdin."""
     os.setsid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    _die_with_parent()
     if os.getppid() != spare:  # the spare died between the fork and the prctl
         os._exit(1)
     os.environ.update(act.env)

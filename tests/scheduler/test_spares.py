@@ -25,10 +25,10 @@ from system.launcher.standby import fork_workers, set_process_name
 if "--standby" in sys.argv:
     set_process_name("spare/rollout")
     print("spare waiting", file=sys.stderr, flush=True)
-    act = fork_workers()
-    if act is None:
+    forked = fork_workers("rollout")
+    if forked is None:
         sys.exit(0)
-    index = act.index
+    index = forked[0].index
 else:
     index = int(sys.argv[sys.argv.index("--index") + 1])
 print(f"worker {index} {os.environ.get('RLSYS_WORKER_INDEX')} {os.environ['MARK']} {os.getpid()}"
@@ -145,6 +145,73 @@ def test_without_spares_or_a_dead_spare_a_restart_starts_a_process(tmp_path, mon
     off = LocalScheduler(spares=False)
     off.warm_spares()  # nothing to do
     assert off._spares is None
+
+
+# the same, with something prepared ahead of each restart in a child of the spare (the pid of
+# the process that prepared it, or a failure when PREP_FAILS is set)
+PREPARING = (sys.executable, "-c", """
+import logging, os, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from system.launcher.standby import fork_workers, set_process_name
+def prepare():
+    if os.environ.get("PREP_FAILS"):
+        raise RuntimeError("no engine today")
+    return os.getpid()
+set_process_name("spare/rollout")
+print("spare waiting", file=sys.stderr, flush=True)
+forked = fork_workers("rollout", prepare, prepare_delay=1.0)
+if forked is None:
+    sys.exit(0)
+act, prepared = forked
+print(f"worker {act.index} {os.environ['MARK']} {os.getpid()} prepared {prepared}", flush=True)
+import time; time.sleep(300)
+""")
+
+
+def _restart(sched, tmp_path, attempt: int) -> tuple[int, str]:
+    sched.stop_worker("rollout/0", grace=2)
+    g = GroupSpec("rollout", 1, PREPARING, {"MARK": f"a{attempt}"},
+                  (str(tmp_path / f"rollout-0.attempt{attempt}.log"),), 0)
+    (pid,) = sched.submit(g)
+    return int(pid), _read(str(tmp_path / f"rollout-0.attempt{attempt}.log"), "prepared")
+
+
+def test_a_restart_takes_over_what_the_spare_prepared(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())
+    sched = LocalScheduler(spares=True)
+    spare_log = str(tmp_path / "spare-rollout.log")
+    try:
+        sched.submit(GroupSpec("rollout", 1, PREPARING, {"MARK": "a0"},
+                               (str(tmp_path / "rollout-0.log"),), 0))
+        sched.warm_spares()
+        _read(spare_log, "prepared for a restart")
+        pid, text = _restart(sched, tmp_path, 1)
+        assert f"a1 {pid} prepared {pid}" in text  # the preparing child became the worker
+        pid, text = _restart(sched, tmp_path, 2)  # the next one waits 1 s before preparing
+        assert f"a2 {pid} prepared None" in text
+        _until(lambda: open(spare_log).read().count("prepared for a restart") == 2)
+        pid, text = _restart(sched, tmp_path, 3)
+        assert f"a3 {pid} prepared {pid}" in text
+        assert [s.state for s in sched.poll()] == [JobState.RUNNING]
+    finally:
+        sched.stop_all(grace=2)
+
+
+def test_a_failed_preparation_leaves_restarts_to_fresh_forks(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())
+    monkeypatch.setenv("PREP_FAILS", "1")
+    sched = LocalScheduler(spares=True)
+    spare_log = str(tmp_path / "spare-rollout.log")
+    try:
+        sched.submit(GroupSpec("rollout", 1, PREPARING, {"MARK": "a0"},
+                               (str(tmp_path / "rollout-0.log"),), 0))
+        sched.warm_spares()
+        text = _read(spare_log, "restarts prepare their own")
+        assert "no engine today" in text  # the cause, in the spare's log
+        pid, text = _restart(sched, tmp_path, 1)
+        assert f"a1 {pid} prepared None" in text
+    finally:
+        sched.stop_all(grace=2)
 
 
 @pytest.mark.parametrize("line, why", [

@@ -95,6 +95,13 @@ class GenerationEngine:
                   worker_extension_cls=WEIGHT_SYNC_EXTENSION,
                   distributed_executor_backend="uni" if inline else None, **sized)
         self._attach(llm, cfg, eos_token_id, owns=True)
+        self.model_path = model_path
+
+    def made_for(self, model_path: str, cfg: VllmConfig, eos_token_id: int | None) -> bool:
+        """Whether this engine is what ``GenerationEngine(model_path, cfg, eos_token_id)``
+        would build (a warm spare's, built ahead of a restart)."""
+        return (self.model_path == model_path and self.cfg == cfg and self.eos == eos_token_id
+                and self.error is None)
 
     @classmethod
     def from_llm(cls, llm: Any, cfg: VllmConfig, eos_token_id: int | None = None
@@ -103,6 +110,7 @@ class GenerationEngine:
         sync extension); :meth:`close` then stops the loop but leaves the engine running."""
         self = cls.__new__(cls)
         self._attach(llm, cfg, eos_token_id, owns=False)
+        self.model_path = ""
         return self
 
     def _attach(self, llm: Any, cfg: VllmConfig, eos_token_id: int | None, owns: bool) -> None:

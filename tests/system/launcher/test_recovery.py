@@ -116,3 +116,22 @@ def test_independent_failures_far_apart_restart_at_once_a_crash_loop_backs_off()
     clock.t += 1
     r.begin(failure, failed_step=1)
     assert r.backoff() == 4.0
+
+
+def test_a_failure_after_progress_past_the_last_one_is_no_crash_loop():
+    clock = Clock()
+    r = Recovery(RecoverConfig(retries=5, backoff=2.0), ("model", "master"), t0=1000.0,
+                 clock=clock)
+    r.begin(WorkerFailure("x", "model/0"), failed_step=90)
+    r.running()
+    clock.t += 9  # soon, but at step 120: the trial went on past step 90
+    r.begin(WorkerFailure("y", "master/0"), failed_step=120)
+    assert r.backoff() == 0.0
+    r.running()
+    clock.t += 3  # again at step 120 (or unknown): the same fault again
+    r.begin(WorkerFailure("y", "master/0"), failed_step=120)
+    assert r.backoff() == 2.0
+    r.running()
+    clock.t += 3
+    r.begin(WorkerFailure("y", "master/0"), failed_step=None)
+    assert r.backoff() == 4.0
