@@ -13,6 +13,7 @@ master reports completion.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -31,7 +32,8 @@ from system.launcher.config import ExperimentConfig
 from system.launcher.controller import Controller
 from system.errors import ConfigError, RLSystemError
 from system.name_resolve import make_name_resolve
-from system.launcher.overrides import CliArgs, apply_overrides, describe_config, parse_cli
+from system.launcher.help import describe
+from system.launcher.overrides import CliArgs, apply_overrides, parse_cli
 from system.launcher.submit import detach, dry_run
 from system.launcher.trial_dir import PreparedTrial, name_resolve_root, prepare_trial
 from system.private_files import set_umask
@@ -42,12 +44,31 @@ def help_text(exp: str = "") -> str:
              "usage: python -m system.launch exp=NAME trial=T [key=value ...] [--dry-run] "
              "[--test-only] [--detach] [--help]",
              "", "experiments:"]
-    lines += [f"  {e.name:<12} {e.doc.splitlines()[0] if e.doc else ''}"
+    lines += [f"  {e.name:<14} {e.doc.splitlines()[0] if e.doc else ''}"
               for e in all_experiments().values()]
-    cfg = get_experiment(exp).make_config() if exp else ExperimentConfig()
-    lines += ["", f"keys{' of ' + exp if exp else ''} (dotted, e.g. rollout.count=8):"]
-    lines += describe_config(cfg, depth=1)
+    lines += ["", "Set a key with its dotted path (rollout.count=8); a section with a type key takes "
+              "it as shorthand (scheduler=slurm)."]
+    if exp:
+        lines += ["", f"keys of {exp}:", *describe(get_experiment(exp).make_config())]
+        return "\n".join(lines)
+    base = ExperimentConfig()
+    lines += ["", "keys of every experiment:", *describe(base)]
+    shared = {f.name for f in dataclasses.fields(base)}
+    for names, cfg in _own_sections(shared):
+        lines += ["", f"keys of {', '.join(names)} only (defaults of {names[0]}; "
+                  f"exp={names[0]} --help shows its own):",
+                  *describe(cfg, skip=tuple(shared))]
     return "\n".join(lines)
+
+
+def _own_sections(shared: set[str]) -> list[tuple[list[str], ExperimentConfig]]:
+    """Experiments grouped by the config class that adds sections to the shared ones."""
+    groups: dict[type, tuple[list[str], ExperimentConfig]] = {}
+    for e in all_experiments().values():
+        cfg = e.make_config()
+        if {f.name for f in dataclasses.fields(cfg)} - shared:
+            groups.setdefault(type(cfg), ([], cfg))[0].append(e.name)
+    return list(groups.values())
 
 
 def build_config(exp: str, trial: str, overrides: list[str]) -> ExperimentConfig:

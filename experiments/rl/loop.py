@@ -56,7 +56,8 @@ class RLLoop:
         self.resumed_from = self.resume_point()
         self.state = (load_state(self.ckpt.path(self.resumed_from))
                       if self.resumed_from is not None else LoopState())
-        self.metrics = MetricsLog(self.trial_dir, resume=self.resumed_from is not None)
+        self.metrics = MetricsLog(self.trial_dir, resume=self.resumed_from is not None,
+                                  cfg=rl.metrics, name=f"{master.exp}/{master.trial}")
         self.metrics.truncate(self.state.step)
         self.admission = AdmissionController(AdmissionConfig(rl.batch_size, rl.eta))
         self.buffer = TrajectoryBuffer(rl.eta)

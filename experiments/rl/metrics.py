@@ -1,12 +1,59 @@
-"""Training metrics of a trial: TensorBoard events, a JSON-lines log and a PNG plot."""
+"""Training metrics of a trial: a JSON-lines log, TensorBoard events, a PNG plot and, when
+``rl.metrics.wandb`` is on, a Weights & Biases run (offline: under ``<trial>/wandb``)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 from typing import Any
 
+from system.errors import ConfigError
+
 log = logging.getLogger("rl-metrics")
+
+WANDB_MODES = ("off", "offline", "online")
+
+
+@dataclasses.dataclass
+class MetricsConfig:
+    """Where training metrics go besides metrics.jsonl and TensorBoard (always written)."""
+
+    wandb: str = "off"
+    """Weights & Biases: off, offline (a run directory under ``<trial>/wandb``, nothing sent;
+    ``wandb sync`` uploads it later) or online (needs network access and a W&B login)."""
+    wandb_project: str = "slurm-rl"
+    """The W&B project of the run (the run is named ``<exp>/<trial>``)."""
+    wandb_entity: str = ""
+    """The W&B team or user (empty: the login's default)."""
+
+    def __post_init__(self) -> None:
+        if self.wandb not in WANDB_MODES:
+            raise ConfigError(f"wandb={self.wandb!r} is not one of {list(WANDB_MODES)}")
+        if not self.wandb_project or "/" in self.wandb_project:
+            raise ConfigError(f"wandb_project={self.wandb_project!r} must be a non-empty name "
+                              "without '/'")
+
+
+class WandbRun:
+    """One W&B run per trial process that logs (the master); its charts use ``step``."""
+
+    def __init__(self, cfg: MetricsConfig, trial_dir: str, name: str) -> None:
+        import wandb
+
+        self.run = wandb.init(
+            mode=cfg.wandb, dir=trial_dir, project=cfg.wandb_project,
+            entity=cfg.wandb_entity or None, name=name, group=name.split("/")[0],
+            config={"trial_dir": trial_dir},
+            settings=wandb.Settings(console="off", x_disable_stats=True))
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.run.log({"step": step, **{k.replace(".", "/"): v for k, v in values.items()}})
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:
@@ -30,7 +77,8 @@ def read_rows(path: str) -> list[dict[str, Any]]:
 
 
 class MetricsLog:
-    def __init__(self, trial_dir: str, resume: bool = False) -> None:
+    def __init__(self, trial_dir: str, resume: bool = False,
+                 cfg: MetricsConfig | None = None, name: str = "") -> None:
         self.dir = trial_dir
         self.path = os.path.join(trial_dir, "metrics.jsonl")
         self.rows: list[dict[str, Any]] = []
@@ -41,6 +89,9 @@ class MetricsLog:
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(os.path.join(trial_dir, "tensorboard"))
+        cfg = cfg or MetricsConfig()
+        self.wandb = (WandbRun(cfg, trial_dir, name or os.path.basename(trial_dir))
+                      if cfg.wandb != "off" else None)
 
     def truncate(self, step: int) -> None:
         """Forget rows after ``step`` (a resumed run redoes them)."""
@@ -56,10 +107,13 @@ class MetricsLog:
         self.rows.append(row)
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        for k, v in values.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                self.tb.add_scalar(k.replace(".", "/"), v, step)
+        scalars = {k: v for k, v in values.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for k, v in scalars.items():
+            self.tb.add_scalar(k.replace(".", "/"), v, step)
         self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(step, scalars)
 
     def series(self, key: str) -> list[tuple[int, float]]:
         return [(r["step"], r[key]) for r in self.rows if key in r and r[key] is not None]
@@ -89,3 +143,6 @@ class MetricsLog:
 
     def close(self) -> None:
         self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None

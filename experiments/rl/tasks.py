@@ -1,172 +1,77 @@
-"""Task plugins: a prompt source and a reward function.
+"""Tasks: where prompts come from and how completions are scored.
 
-A prompt is ``{"id", "prompt", "answer"}``. Sources: a local ``.jsonl`` or ``.parquet`` file
-with those columns (``id`` optional), or data a synthetic task generates from a seed. Rewards
-are verifiable: the answer in the completion's text is compared with the prompt's ``answer``.
+A prompt is ``{"id", "prompt", "answer"}``. A :class:`Task` is what a task factory returns for
+the ``rl.task`` section (:class:`TaskConfig`): its train / held-out prompts and its reward.
+``rl.task.name`` picks the factory: a built-in (:data:`TASKS`) or a plugin an installed package
+declares under the ``slurm_rl.tasks`` entry-point group (:mod:`experiments.rl.plugins`).
+Prompt files (``rl.task.train_path`` / ``eval_path``: jsonl, parquet or a saved ``datasets``
+directory, :mod:`experiments.rl.prompt_files`) replace a task's own prompts, and
+``rl.task.reward`` its reward (:mod:`experiments.rl.rewards`).
 
-- ``arith``: ``"a+b="`` style sums with small operands; the answer is the integer the
-  completion starts with (arith-tiny's character vocabulary).
-- ``word``: arithmetic word problems in English; the answer is the last integer in the
-  completion (SmolLM2's chat format).
+Built in (:mod:`experiments.rl.synthetic`): ``arith`` (``"a+b="`` sums, answer first;
+arith-tiny's character vocabulary) and ``word`` (word problems, last integer; SmolLM2's chat
+format). Their held-out problems are never training problems.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import random
-import re
-from typing import Any, Callable, TypedDict
 
+from experiments.rl import plugins
+from experiments.rl.prompt_files import load_prompts
+from experiments.rl.rewards import REWARDS
+from experiments.rl.synthetic import arith_task, word_task
+from experiments.rl.task_api import Prompt, Task, TaskConfig, TaskFactory
 from system.errors import ConfigError
+from system.structs import plain
 
+SPLITS = ("train", "eval")
 
-class Prompt(TypedDict):
-    id: int
-    prompt: str
-    answer: Any
+TASKS: dict[str, TaskFactory] = {"arith": arith_task, "word": word_task}
+"""The built-in tasks, by the name ``rl.task.name`` takes."""
 
-
-@dataclasses.dataclass
-class TaskConfig:
-    """The task: where prompts come from and how completions are scored."""
-
-    name: str = "arith"
-    """Task plugin: arith (``a+b=``, answer first) or word (word problems, last number)."""
-    train_path: str = ""
-    """A local .jsonl or .parquet file of training prompts (empty: generated)."""
-    eval_path: str = ""
-    """A local .jsonl or .parquet file of held-out prompts (empty: generated)."""
-    train_size: int = 4096
-    """Generated training prompts (one epoch)."""
-    eval_size: int = 64
-    """Generated held-out prompts (disjoint from the training ones)."""
-    max_operand: int = 4
-    """Operands are drawn from 0..max_operand."""
-    ops: str = "+"
-    """Operators used by generated problems (any of + - *)."""
-    seed: int = 0
-    """Seed of the generated data."""
-
-    def __post_init__(self) -> None:
-        if self.name not in TASKS:
-            raise ConfigError(f"name={self.name!r} is not one of {sorted(TASKS)}")
-        if self.train_size < 1 or self.eval_size < 0 or self.max_operand < 1:
-            raise ConfigError("train_size >= 1, eval_size >= 0 and "
-                              "rl.task.max_operand >= 1 are required")
-        if not self.ops or set(self.ops) - set("+-*"):
-            raise ConfigError(f"ops={self.ops!r} must be made of + - *")
-        for key in ("train_path", "eval_path"):
-            path = getattr(self, key)
-            if path and not (path.endswith(".jsonl") or path.endswith(".parquet")):
-                raise ConfigError(f"{key}={path!r} must be a .jsonl or .parquet file")
-
-
-def load_prompts(path: str) -> list[Prompt]:
-    """Prompts from a local jsonl or parquet file (columns ``prompt``, ``answer``, ``id``)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"prompt file {path!r} does not exist")
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(path).to_pylist()
-    else:
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    out = []
-    for i, r in enumerate(rows):
-        if "prompt" not in r or "answer" not in r:
-            raise ConfigError(f"{path}: row {i} lacks 'prompt' or 'answer'")
-        pid = r.get("id")
-        out.append({"id": int(i if pid is None else pid), "prompt": str(r["prompt"]),
-                    "answer": r["answer"]})
-    return out
-
-
-def _apply(a: int, op: str, b: int) -> int:
-    return a + b if op == "+" else a - b if op == "-" else a * b
-
-
-def _problems(cfg: TaskConfig) -> list[tuple[int, str, int]]:
-    return [(a, op, b) for a in range(cfg.max_operand + 1) for op in cfg.ops
-            for b in range(cfg.max_operand + 1)]
-
-
-def arith_prompts(cfg: TaskConfig, split: str) -> list[Prompt]:
-    """``train``: ``train_size`` draws from all problems; ``eval``: the same problems in a fixed
-    order (a tiny vocabulary has no room for unseen problems; the held-out set measures accuracy
-    under greedy decoding, not generalisation)."""
-    probs = _problems(cfg)
-    rng = random.Random(cfg.seed + (0 if split == "train" else 1))
-    size = cfg.train_size if split == "train" else cfg.eval_size
-    picks = [probs[rng.randrange(len(probs))] for _ in range(size)]
-    return [{"id": i, "prompt": f"{a}{op}{b}=", "answer": _apply(a, op, b)}
-            for i, (a, op, b) in enumerate(picks)]
-
-
-_WORD = [
-    ("{n} has {a} apples and buys {b} more. How many apples does {n} have now?", "+"),
-    ("{n} had {a} marbles and lost {b}. How many marbles are left?", "-"),
-    ("{n} packs {a} boxes with {b} pens each. How many pens are there in total?", "*"),
-    ("A shelf holds {a} books. {n} adds {b} books. How many books are on the shelf?", "+"),
-    ("{n} baked {a} cookies and gave away {b}. How many cookies remain?", "-"),
-]
-_NAMES = ["Tom", "Ana", "Li", "Sara", "Omar", "Kim", "Ravi", "Eva"]
-
-
-def word_prompts(cfg: TaskConfig, split: str) -> list[Prompt]:
-    """Word problems; the held-out split uses disjoint (template, a, b) triples."""
-    rng = random.Random(cfg.seed)
-    triples = [(t, a, b) for t in range(len(_WORD)) for a in range(1, cfg.max_operand + 1)
-               for b in range(1, cfg.max_operand + 1) if _WORD[t][1] != "-" or a >= b]
-    rng.shuffle(triples)
-    held = triples[:max(1, min(cfg.eval_size, len(triples) // 4))]
-    pool = triples[len(held):] if split == "train" else held
-    size = cfg.train_size if split == "train" else len(held)
-    out = []
-    for i in range(size):
-        t, a, b = pool[i % len(pool)] if split == "eval" else pool[rng.randrange(len(pool))]
-        text, op = _WORD[t]
-        name = _NAMES[(a * 7 + b + t) % len(_NAMES)]
-        out.append({"id": i, "prompt": text.format(n=name, a=a, b=b) +
-                    " Answer with the number.", "answer": _apply(a, op, b)})
-    return out
-
-
-_INT = re.compile(r"-?\d+")
-
-
-def first_int_reward(completion: str, answer: Any) -> float:
-    """1 if the completion starts with the answer as an integer (``"7"``, ``"7 "``), else 0."""
-    m = re.match(r"\s*(-?\d+)", completion)
-    return float(m is not None and int(m.group(1)) == int(answer))
-
-
-def last_int_reward(completion: str, answer: Any) -> float:
-    """1 if the last integer in the completion is the answer, else 0."""
-    found = _INT.findall(completion.replace(",", ""))
-    return float(bool(found) and int(found[-1]) == int(answer))
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    name: str
-    make_prompts: Callable[[TaskConfig, str], list[Prompt]]
-    reward: Callable[[str, Any], float]
-    chat: bool
-    """Prompts go through the tokenizer's chat template."""
-
-
-TASKS: dict[str, Task] = {
-    "arith": Task("arith", arith_prompts, first_int_reward, chat=False),
-    "word": Task("word", word_prompts, last_int_reward, chat=True),
-}
+_BUILT: dict[str, Task] = {}
 
 
 def get_task(cfg: TaskConfig) -> Task:
-    return TASKS[cfg.name]
+    """The task of ``cfg``, built once per process (with ``rl.task.reward`` applied)."""
+    key = json.dumps(plain(cfg), sort_keys=True)
+    if key not in _BUILT:
+        factory = TASKS.get(cfg.name) or plugins.load(plugins.TASK_GROUP, "rl.task.name",
+                                                      cfg.name)
+        task = factory(cfg)
+        if not isinstance(task, Task):
+            raise ConfigError(f"rl.task.name={cfg.name!r}: the factory returned "
+                              f"{type(task).__name__}, not experiments.rl.tasks.Task")
+        if cfg.reward:
+            reward = REWARDS.get(cfg.reward) or plugins.load(plugins.REWARD_GROUP,
+                                                             "rl.task.reward", cfg.reward)
+            task = dataclasses.replace(task, reward=reward)
+        _BUILT[key] = task
+    return _BUILT[key]
 
 
 def dataset(cfg: TaskConfig, split: str) -> list[Prompt]:
+    """The prompts of ``split`` (``train`` or ``eval``): from the split's file if set, else the
+    task's own."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not one of {SPLITS}")
     path = cfg.train_path if split == "train" else cfg.eval_path
-    return load_prompts(path) if path else get_task(cfg).make_prompts(cfg, split)
+    if path:
+        return load_prompts(path, cfg.fields, cfg.train_split if split == "train"
+                            else cfg.eval_split)  # type: ignore[return-value]
+    task = get_task(cfg)
+    if task.prompts is None:
+        if split == "eval":
+            return []
+        raise ConfigError(f"rl.task.name={cfg.name!r} has no prompts of its own: set "
+                          "rl.task.train_path")
+    out = task.prompts(split)
+    ids = [p["id"] for p in out]
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"rl.task.name={cfg.name!r}: {split} prompt ids repeat")
+    return out
+
+
+__all__ = ["Prompt", "SPLITS", "TASKS", "Task", "TaskConfig", "TaskFactory", "dataset",
+           "get_task"]

@@ -6,7 +6,6 @@ becomes one :class:`~system.errors.ConfigError` naming the key and the valid cho
 from __future__ import annotations
 
 import dataclasses
-import enum
 import re
 from typing import Any, Sequence
 
@@ -15,7 +14,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from system.launcher.config import ExperimentConfig
-from system.structs import field_docs
 from system.errors import ConfigError
 
 
@@ -171,20 +169,3 @@ def _optional(node: Any) -> bool:
         return bool(node._is_optional())
     except AttributeError:
         return False
-
-
-def describe_config(cfg: Any, depth: int = 1, indent: str = "  ") -> list[str]:
-    """Lines ``key = default   doc`` for the fields of ``cfg`` (sections expanded ``depth`` deep)."""
-    lines: list[str] = []
-    docs = field_docs(type(cfg))
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        doc = docs.get(f.name, "")
-        if dataclasses.is_dataclass(value):
-            lines.append(f"{indent}{f.name}: {doc}")
-            if depth > 0:
-                lines += describe_config(value, depth - 1, indent + "    ")
-        else:
-            shown = value.value if isinstance(value, enum.Enum) else value
-            lines.append(f"{indent}{f.name} = {shown!r}  {doc}".rstrip())
-    return lines

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.rl.tasks import first_int_reward
+from experiments.rl.rewards import first_int_reward
 from tests.helpers import CharTok
 
 

@@ -29,3 +29,44 @@ def test_resume_with_a_torn_metrics_file_keeps_the_good_rows(tmp_path):
     m.close()
     assert [r["step"] for r in read_rows(str(p))] == [0, 1, 2, 3]
     assert p.read_text().endswith('"reward": 1.0}\n')
+
+
+def test_wandb_is_off_by_default_and_validated(tmp_path):
+    import pytest
+
+    from experiments.rl.metrics import MetricsConfig
+    from system.errors import ConfigError
+
+    m = MetricsLog(str(tmp_path))
+    m.log(1, reward=0.5)
+    m.close()
+    assert not (tmp_path / "wandb").exists()
+    for bad in ({"wandb": "yes"}, {"wandb_project": ""}, {"wandb_project": "a/b"}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            MetricsConfig(**bad)
+
+
+def test_wandb_offline_writes_a_run_with_the_metrics_under_the_trial(tmp_path, monkeypatch):
+    """Offline: nothing is sent (no network here); the run directory holds every logged row."""
+    import glob
+
+    import pytest
+
+    pytest.importorskip("wandb")
+    from experiments.rl.metrics import MetricsConfig
+    from tests.experiments.rl.wandb_records import history, run_info, wait_closed
+
+    for var in ("WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    m = MetricsLog(str(tmp_path), cfg=MetricsConfig(wandb="offline"), name="arith-tiny/t1")
+    for step in (1, 2, 3):
+        m.log(step, reward=step / 10, **({"eval_accuracy": 0.5} if step == 3 else {}),
+              note="not a number")
+    m.close()
+    (run,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    wait_closed(run)
+    rows = history(run)
+    assert [(r["step"], r["reward"]) for r in rows] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert rows[2]["eval_accuracy"] == 0.5 and "note" not in rows[0]
+    assert run_info(run) == {"name": "arith-tiny/t1", "project": "slurm-rl",
+                             "group": "arith-tiny"}

@@ -1,13 +1,16 @@
-"""Tasks: rewards, generated and file datasets."""
+"""Tasks: rewards, generated and file datasets, held-out splits, plugins."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from experiments.rl.tasks import (TaskConfig, dataset, first_int_reward, last_int_reward,
-                               load_prompts)
+from experiments.rl.prompt_files import load_prompts, parse_fields
+from experiments.rl.rewards import first_int_reward, last_int_reward, math_reward, to_number
+from experiments.rl.synthetic import arith_problems
+from experiments.rl.tasks import TaskConfig, dataset, get_task
 from system.errors import ConfigError
+from tests.experiments.rl.plugin_site import install_example_plugin
 
 
 def test_rewards():
@@ -18,24 +21,125 @@ def test_rewards():
     assert last_int_reward("no number", 3) == 0.0
 
 
-def test_generated_and_file_datasets(tmp_path):
-    cfg = TaskConfig(train_size=50, eval_size=10)
-    train = dataset(cfg, "train")
-    assert len(train) == 50 and all(eval(p["prompt"][:-1]) == p["answer"] for p in train)
-    word = TaskConfig(name="word", max_operand=9, eval_size=8)
-    tr, ev = dataset(word, "train"), dataset(word, "eval")
-    assert {p["prompt"] for p in tr}.isdisjoint({p["prompt"] for p in ev})
-    rows = [{"prompt": "1+1=", "answer": 2, "id": None}, {"prompt": "2+2=", "answer": 4, "id": 9}]
-    with open(tmp_path / "p.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+@pytest.mark.parametrize("completion, answer, want", [
+    ("so the total is 1,000.", 1000, 1.0),
+    ("1000.0 apples", "1,000", 1.0),
+    ("x = 3/4.", "0.75", 1.0),
+    ("first 2, then \\boxed{\\frac{3}{4}} and 9", 0.75, 1.0),  # boxed wins over the last number
+    ("\\boxed{\\dfrac{6}{8}}", "3/4", 1.0),
+    ("\\boxed{50\\%}", "0.5", 1.0),
+    ("\\boxed{1e3}", "1000", 1.0),
+    ("it is -2", -2, 1.0),
+    ("\\boxed{x + 1}", "x+1", 1.0),                 # not numbers: compared as text
+    ("\\boxed{x + 2}", "x+1", 0.0),
+    ("7 then 8", 7, 0.0),
+    ("no number", 3, 0.0),
+    ("\\boxed{1/0}", 0, 0.0),
+])
+def test_math_reward(completion, answer, want):
+    assert math_reward(completion, answer) == want
+
+
+def test_numbers():
+    assert to_number("1,234.5") == to_number("2469/2") and to_number("(1)/(4)") == 0.25
+    assert to_number("1,2,3") is None and to_number("abc") is None and to_number("") is None
+
+
+@pytest.mark.parametrize("name, ops, top", [("arith", "+", 4), ("arith", "+-*", 6),
+                                           ("word", "+", 9)])
+def test_held_out_problems_are_never_training_problems(name, ops, top):
+    cfg = TaskConfig(name=name, ops=ops, max_operand=top, train_size=3000, eval_size=64)
+    train, held = dataset(cfg, "train"), dataset(cfg, "eval")
+    assert held and {p["prompt"] for p in train}.isdisjoint({p["prompt"] for p in held})
+    assert len({p["prompt"] for p in held}) == len(held) <= 64  # each held-out problem once
+    if name == "arith":  # training draws cover every problem that is not held out
+        assert len({p["prompt"] for p in train}) + len(held) == len(arith_problems(cfg))
+        assert all(p["answer"] == eval(p["prompt"][:-1]) for p in train + held)
+    assert [p["id"] for p in held] == list(range(len(held)))
+    assert dataset(cfg, "eval") == held and dataset(cfg, "train") == train  # deterministic
+
+
+def test_arith_tiny_held_out_split():
+    cfg = TaskConfig(train_size=50, eval_size=8)  # arith-tiny in the integration tests
+    held = dataset(cfg, "eval")
+    assert len(held) == 6  # a quarter of the 25 sums
+    assert {p["prompt"] for p in dataset(cfg, "train")}.isdisjoint(p["prompt"] for p in held)
+    assert dataset(TaskConfig(eval_size=0), "eval") == []
+
+
+def _rows():
+    return [{"question": "1+1=", "solution": "2", "id": None},
+            {"question": "2+2=", "solution": "4", "id": 9}]
+
+
+def test_file_datasets_with_a_field_mapping(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    with open(tmp_path / "p.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in _rows())
+    pq.write_table(pa.Table.from_pylist(_rows()), tmp_path / "p.parquet")
     for path in ("p.jsonl", "p.parquet"):
-        got = load_prompts(str(tmp_path / path))
-        assert [p["answer"] for p in got] == [2, 4] and got[1]["id"] == 9
+        got = load_prompts(str(tmp_path / path), "prompt:question, answer:solution")
+        assert got == [{"id": 0, "prompt": "1+1=", "answer": "2"},
+                       {"id": 9, "prompt": "2+2=", "answer": "4"}]
+    with pytest.raises(ConfigError, match=r"lacks the column\(s\) \['prompt', 'answer'\]"):
+        load_prompts(str(tmp_path / "p.jsonl"))
     with pytest.raises(ConfigError, match="does not exist"):
         load_prompts(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ConfigError, match=r"\.jsonl or \.parquet"):
         TaskConfig(train_path="x.csv")
+    for bad in ("prompt", "question:prompt", "prompt:"):
+        with pytest.raises(ConfigError, match="FIELD:COLUMN"):
+            TaskConfig(fields=bad)
+    assert parse_fields("id:row") == {"prompt": "prompt", "answer": "answer", "id": "row"}
+    cfg = TaskConfig(train_path=str(tmp_path / "p.parquet"), fields="prompt:question,"
+                     "answer:solution", reward="math")
+    assert [p["answer"] for p in dataset(cfg, "train")] == ["2", "4"]
+    assert dataset(cfg, "eval")  # no eval_path: arith's own held-out prompts
+    assert get_task(cfg).reward("= 4.0", "4") == 1.0
+
+
+def test_saved_hugging_face_datasets(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    one = datasets.Dataset.from_list(_rows())
+    one.save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict({"train": one, "test": one.select([1])}).save_to_disk(
+        str(tmp_path / "dict"))
+    fields = "prompt:question,answer:solution"
+    assert [p["prompt"] for p in load_prompts(str(tmp_path / "one"), fields)] == ["1+1=", "2+2="]
+    cfg = TaskConfig(train_path=str(tmp_path / "dict"), eval_path=str(tmp_path / "dict"),
+                     fields=fields)
+    assert len(dataset(cfg, "train")) == 2
+    assert dataset(cfg, "eval") == [{"id": 9, "prompt": "2+2=", "answer": "4"}]
+    with pytest.raises(ConfigError, match=r"not 'validation'"):
+        load_prompts(str(tmp_path / "dict"), fields, "validation")
+    with pytest.raises(ConfigError, match="save_to_disk"):
+        load_prompts(str(tmp_path), fields)
+
+
+def test_unknown_tasks_and_rewards_are_refused_before_any_import():
+    for name in ("os:system", "experiments.rl.synthetic:arith_task", "nope"):
+        with pytest.raises(ConfigError, match=r"name=.*slurm_rl\.tasks.*valid: \['arith'"):
+            TaskConfig(name=name)
+    with pytest.raises(ConfigError, match=r"reward='subprocess:run'.*\['first_int', "
+                                          r"'last_int', 'math'"):
+        TaskConfig(reward="subprocess:run")
+    with pytest.raises(ConfigError, match="takes none"):
+        TaskConfig(options={"max_operand": "3"})
+
+
+def test_a_plugin_task_and_reward_from_an_installed_package(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(install_example_plugin(str(tmp_path)))
+    for name in ("paren", "paren_task:make_task"):
+        cfg = TaskConfig(name=name, options={"max_operand": "2"}, train_size=40, eval_size=4)
+        task = get_task(cfg)
+        train, held = dataset(cfg, "train"), dataset(cfg, "eval")
+        assert task.name == "paren" and len(train) == 40 and len(held) == 4
+        assert {p["prompt"] for p in train}.isdisjoint(p["prompt"] for p in held)
+        assert all(eval(p["prompt"][:-1]) == p["answer"] for p in train + held)
+        assert task.reward(f"{held[0]['answer']} ", held[0]["answer"]) == 1.0
+    strict = get_task(TaskConfig(name="paren", reward="exact"))
+    assert strict.reward(" 6 ", 6) == 1.0 and strict.reward("6+", 6) == 0.0
+    with pytest.raises(ValueError, match="max_operand=12"):
+        get_task(TaskConfig(name="paren", options={"max_operand": "12"}))

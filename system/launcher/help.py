@@ -1,0 +1,64 @@
+"""``--help``: every key of an experiment's config, at every depth, with its default and the
+documentation its dataclass field carries (the string literal after the field)."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import textwrap
+from typing import Any, Iterator
+
+from system.structs import field_docs
+
+WIDTH = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One entry of the help: a section (``value`` is None) or a leaf key with its default."""
+
+    path: str
+    doc: str
+    section: bool
+    default: Any = None
+    choices: tuple[str, ...] = ()
+
+
+def walk(cfg: Any, prefix: str = "") -> Iterator[Key]:
+    """Every section and leaf key of the dataclass instance ``cfg``, depth first."""
+    docs = field_docs(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, path = getattr(cfg, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            yield Key(path, docs.get(f.name, ""), True)
+            yield from walk(value, path + ".")
+        elif isinstance(value, enum.Enum):
+            yield Key(path, docs.get(f.name, ""), False, value.value,
+                      tuple(str(m.value) for m in type(value)))
+        else:
+            yield Key(path, docs.get(f.name, ""), False, value)
+
+
+def leaf_keys(cfg: Any) -> list[str]:
+    return [k.path for k in walk(cfg) if not k.section]
+
+
+def render(keys: list[Key]) -> list[str]:
+    """A section is a heading; a leaf is ``path = default`` with its doc wrapped below it."""
+    lines: list[str] = []
+    for k in keys:
+        if k.section:
+            lines += ["", f"{k.path}:  {k.doc}".rstrip()]
+            continue
+        head = f"  {k.path} = {k.default!r}"
+        if k.choices:
+            head += f"  (one of: {', '.join(k.choices)})"
+        lines.append(head)
+        if k.doc:
+            lines += textwrap.wrap(k.doc, WIDTH, initial_indent=" " * 6,
+                                   subsequent_indent=" " * 6)
+    return lines
+
+
+def describe(cfg: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    """The help lines of ``cfg``, leaving out the top-level fields in ``skip``."""
+    return render([k for k in walk(cfg) if k.path.split(".")[0] not in skip])
