@@ -27,6 +27,7 @@ from system.launcher.failures import clear_worker_keys, job_failure, reported_fa
 from system.launcher.groups import group_spec, group_specs, worker_configs
 from system.launcher.progress import Progress
 from system.launcher.recovery import MasterProgress, Recovery
+from system.launcher.status_file import StatusWriter, TrialCancelled
 from system.launcher.summary import TrialSummary
 from system.name_resolve import NameResolve
 from system.paths import TrialPaths
@@ -63,11 +64,13 @@ class Controller:
         self._t0 = time.time()
         self.recovery = Recovery(cfg.recovery(), experiment.stateful, self._t0)
         self.watch = MasterProgress()
+        self.status = StatusWriter(cfg, paths, self._t0, self.timeline, self.logs, name_resolve)
 
     # --- the whole trial ---
     def run(self) -> int:
         summary = TrialSummary(self.cfg, self._t0)
         self.timeline["start"] = self._t0
+        self.status.write("starting")
         try:
             self.nr.clear_subtree(names.trial_root(self.cfg.exp, self.cfg.trial))
             self.nr.add(names.controller(self.cfg.exp, self.cfg.trial), str(os.getpid()),
@@ -83,9 +86,9 @@ class Controller:
         except WorkerFailure as e:
             summary.failed(e)
             print(f"\nerror: {e}", file=sys.stderr)
-        except KeyboardInterrupt:
-            summary.interrupted()
-            print("\ninterrupted: stopping every worker", file=sys.stderr)
+        except KeyboardInterrupt as e:
+            summary.interrupted(cancelled=isinstance(e, TrialCancelled))
+            print(f"\n{summary.status}: stopping every worker", file=sys.stderr)
         finally:
             old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup must finish
             try:
@@ -95,6 +98,7 @@ class Controller:
                 signal.signal(signal.SIGINT, old)
             summary.recoveries(self.recovery.summary())
             summary.write(self.paths.summary, self.timeline, self.requeue.restarts)
+            self.status.final(summary.data, self._poll_fresh)
         print(f"{summary.status}: {self.paths.summary}", file=sys.stderr)
         return 0 if summary.status == "completed" else 1
 
@@ -106,8 +110,11 @@ class Controller:
 
     def _poll(self, fresh: bool = False) -> list[JobStatus]:
         """The jobs' states; one that looks ended is asked again while a requeue may explain
-        it (see :meth:`RequeuePolicy.settle`)."""
-        return self.requeue.settle(self.scheduler.poll(fresh=fresh), self._poll_fresh)
+        it (see :meth:`RequeuePolicy.settle`). Keeps ``status.json`` up to date, and stops the
+        trial (:class:`TrialCancelled`) when ``system.ctl cancel`` asked for it."""
+        statuses = self.requeue.settle(self.scheduler.poll(fresh=fresh), self._poll_fresh)
+        self.status.tick(statuses)
+        return statuses
 
     def _poll_fresh(self) -> list[JobStatus]:
         return self.scheduler.poll(fresh=True)
@@ -416,6 +423,7 @@ class Controller:
         """Follow the master's progress: the step it reached, the step a restarted master
         resumed from, and whether it stalled (``controller.stall_timeout``)."""
         self.watch.update(prog)
+        self.status.note_progress(prog)
         if self.watch.resumed_from is not None:
             self.recovery.resumed(self.watch.resumed_from)
         stall = self.cfg.controller.stall_timeout
