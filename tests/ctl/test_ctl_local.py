@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.helpers import REPO, launch_argv, read_summary, trial_name_resolve, trial_processes
 
 FAST = ["controller.heartbeat_ttl=2", "scheduler.stop_grace=3"]
@@ -124,3 +126,29 @@ def test_usage_errors(fileroot):
     assert ctl("status", "trial=t").returncode == 2
     r = ctl("ls", "--fileroot", fileroot)
     assert r.returncode == 0 and "no trials" in r.stdout
+
+
+@pytest.mark.redis
+def test_status_and_cancel_with_redis_name_resolution(fileroot, redis_server):
+    """ctl finds the trial's Redis through its bootstrap file: heartbeats, the cancel key."""
+    _, port = redis_server
+    words = ["exp=smoke", "trial=red", f"cluster.fileroot={fileroot}"]
+    proc = subprocess.Popen(launch_argv(*words, "name_resolve=redis",
+                                        f"name_resolve.redis_port={port}",
+                                        "smoke.min_duration=120", *FAST),
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while len((s := status(fileroot, "red")[1])["workers"]["alive"]) < 9:
+            assert time.time() < deadline and proc.poll() is None, s
+            time.sleep(0.5)
+        assert s["name_resolution"] == "ok" and s["controller"]["key_live"] is True
+        r = ctl("cancel", *words)
+        assert r.returncode == 0 and "the controller has stopped; trial cancelled" in r.stdout
+        assert proc.wait(10) != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert trial_processes(os.path.join(fileroot, "smoke", "red")) == []
+    assert status(fileroot, "red")[0] == 5
