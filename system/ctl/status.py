@@ -86,7 +86,7 @@ def gather(view: TrialView) -> dict[str, Any]:
     live = read_live(view.paths, view.exp, view.trial) if view.live else LiveView()
     logs = dict(view.record.get("logs") or {})
     expected = sorted(logs) or sorted(f"{k}/{i}" for k, n in (view.record.get(
-        "workers") or {}).items() for i in range(int(n)))
+        "workers") or {}).items() for i in range(int(n))) or sorted(live.heartbeats)
     failure = view.record.get("failure") or (view.summary or {}).get("failure")
     errors = {w: f"{e.get('type', 'error')}: {e.get('message', '')}"
               for w, e in live.errors.items()}
