@@ -63,15 +63,20 @@ def _signal_controller(view: TrialView, t0: float) -> None:
 
 def _wait_controller(view: TrialView, t0: float, grace: float, signalled: bool) -> TrialView:
     """Until no process holds the trial's lock, or ``grace`` seconds since ``t0``; the
-    controller is signalled once half of it has passed (unless it was already)."""
+    controller is signalled once half of it has passed, unless it was already or it has
+    recorded that it is stopping."""
+    seen = False
     while True:
         view = read_trial(view.paths)
         if view.holder is None and view.state != "pending":
             return view
+        if not seen and view.record.get("state") == "stopping":
+            seen = True
+            _say(t0, "the controller is stopping the trial")
         elapsed = time.monotonic() - t0
         if elapsed >= grace:
             return view
-        if not signalled and elapsed >= grace / 2:
+        if not (signalled or seen) and elapsed >= grace / 2:
             _signal_controller(view, t0)
             signalled = True
         time.sleep(0.25)

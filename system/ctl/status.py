@@ -90,7 +90,10 @@ def gather(view: TrialView) -> dict[str, Any]:
     failure = view.record.get("failure") or (view.summary or {}).get("failure")
     errors = {w: f"{e.get('type', 'error')}: {e.get('message', '')}"
               for w, e in live.errors.items()}
-    last_error = (failure or {}).get("message", "")
+    recoveries = list(view.record.get("recoveries") or [])
+    last_error = (failure or {}).get("message", "") or (
+        f"{recoveries[-1].get('cause', '')} (recovered: attempt {len(recoveries)})"
+        if recoveries else "")
     for worker, message in errors.items():  # a live report is newer than any recorded end
         last_error = f"{worker}: {message}"
     return {
@@ -104,6 +107,7 @@ def gather(view: TrialView) -> dict[str, Any]:
                     "missing": [w for w in expected if w not in live.heartbeats]},
         "progress": live.progress or dict(view.record.get("progress") or {}),
         "metrics": last_metrics(view.paths.root), "errors": errors, "last_error": last_error,
+        "recoveries": recoveries,
         "logs": {"controller": controller_log(view.paths), **logs},
         "name_resolution": live.problem or "ok"}
 

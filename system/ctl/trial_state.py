@@ -16,11 +16,8 @@ import time
 from typing import Any
 
 from system.ctl import slurm_query
-from system.launcher.status_file import FINAL_STATES, LIVE_STATES, StatusRecord
+from system.launcher.status_file import FINAL_STATES, LIVE_STATES, JobRecord, StatusRecord
 from system.paths import TrialPaths
-
-LIVE = (*LIVE_STATES, "stopping")
-"""States of a trial whose controller (or its queued job) is still there."""
 
 
 def read_json(path: str) -> dict[str, Any] | None:
@@ -78,7 +75,7 @@ class TrialView:
 
     @property
     def live(self) -> bool:
-        return self.state in LIVE
+        return self.state in LIVE_STATES
 
     @property
     def scheduler(self) -> str:
@@ -103,11 +100,14 @@ class TrialView:
 
 
 def _from_summary(summary: dict[str, Any]) -> StatusRecord:
-    jobs = [{"id": j, "workers": [k], "state": "", "detail": "", "restarts": 0, "logs": []}
-            for k, ids in (summary.get("jobs") or {}).items() for j in ids]
-    return {"exp": summary.get("exp", ""), "trial": summary.get("trial", ""),
-            "scheduler": summary.get("scheduler", ""), "state": summary.get("status", ""),
-            "started": float(summary.get("t0_epoch") or 0.0), "jobs": jobs,  # type: ignore[typeddict-item]
+    """What a ``summary.json`` of a trial from before ``status.json`` says (jobs per kind)."""
+    jobs: list[JobRecord] = [
+        {"id": str(j), "workers": [k], "state": "", "detail": "", "restarts": 0, "logs": []}
+        for k, ids in (summary.get("jobs") or {}).items() for j in ids]
+    return {"exp": str(summary.get("exp", "")), "trial": str(summary.get("trial", "")),
+            "scheduler": str(summary.get("scheduler", "")),
+            "state": str(summary.get("status", "")),
+            "started": float(summary.get("t0_epoch") or 0.0), "jobs": jobs,
             "failure": summary.get("failure"), "progress": {}, "logs": {}}
 
 

@@ -64,7 +64,8 @@ class Controller:
         self._t0 = time.time()
         self.recovery = Recovery(cfg.recovery(), experiment.stateful, self._t0)
         self.watch = MasterProgress()
-        self.status = StatusWriter(cfg, paths, self._t0, self.timeline, self.logs, name_resolve)
+        self.status = StatusWriter(cfg, paths, self._t0, self.timeline, self.logs, name_resolve,
+                                   self.recovery.summary)
 
     # --- the whole trial ---
     def run(self) -> int:

@@ -34,9 +34,10 @@ INTERVAL = 2.0
 CANCEL_CHECK = 1.0
 """Seconds between two looks at the cancel key."""
 
-LIVE_STATES = ("pending", "starting", "running")
+LIVE_STATES = ("pending", "starting", "running", "stopping")
 """States of a record whose trial has not stopped (``pending``: a detached controller's job
-waits in the queue; ``starting``: jobs submitted, workers registering and configuring)."""
+waits in the queue; ``starting``: jobs submitted, workers registering and configuring;
+``stopping``: the controller stops the trial, as ``system.ctl cancel`` asked)."""
 FINAL_STATES = ("completed", "failed", "interrupted", "cancelled")
 
 
@@ -85,6 +86,8 @@ class StatusRecord(TypedDict, total=False):
     failure: dict[str, Any] | None
     """``{"message", "worker", "log"}`` of a failed trial."""
     workers: dict[str, int]
+    recoveries: list[dict[str, Any]]
+    """The automatic recoveries so far (cause, worker, steps; see ``summary.json``)."""
 
 
 class TrialCancelled(KeyboardInterrupt):
@@ -111,8 +114,10 @@ class StatusWriter:
 
     def __init__(self, cfg: ExperimentConfig, paths: TrialPaths, t0: float,
                  timeline: Mapping[str, float], logs: Mapping[str, str], nr: NameResolve,
+                 recoveries: Callable[[], list[dict[str, Any]]] = list,
                  interval: float = INTERVAL) -> None:
         self.path = paths.status
+        self.recoveries = recoveries
         self.timeline, self.logs, self.nr = timeline, logs, nr
         self.interval = interval
         self.cancel_key = names.cancel(cfg.exp, cfg.trial)
@@ -133,6 +138,7 @@ class StatusWriter:
         if now >= self._next_check:
             self._next_check = now + CANCEL_CHECK
             if self._cancel_requested():
+                self.write("stopping")  # tells ctl the request was seen
                 raise TrialCancelled("cancelled (python -m system.ctl cancel)")
         if now >= self._next_write:
             self.write("running" if "started" in self.timeline else "starting")
@@ -155,9 +161,10 @@ class StatusWriter:
     def write(self, state: str, **extra: Any) -> None:
         """Write the record with ``state`` now (a failed write is logged: the trial goes on)."""
         phase = max(self.timeline, key=lambda k: self.timeline[k], default="")
-        record: StatusRecord = {**self.base, "state": state, "phase": phase,  # type: ignore[typeddict-item]
-                                "updated": time.time(), "jobs": self.jobs,
-                                "progress": self.progress, "logs": dict(self.logs), **extra}
+        record: dict[str, Any] = {**self.base, "state": state, "phase": phase,
+                                  "updated": time.time(), "jobs": self.jobs,
+                                  "progress": self.progress, "logs": dict(self.logs),
+                                  "recoveries": self.recoveries(), **extra}
         try:
             write_json_atomic(self.path, record)
         except OSError as e:

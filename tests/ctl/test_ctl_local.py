@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import REPO, launch_argv, read_summary, trial_name_resolve, trial_processes
 
-FAST = ["controller.heartbeat_ttl=2", "scheduler.stop_grace=3"]
+FAST = ["scheduler.stop_grace=3"]  # the default heartbeat TTL: this machine is often loaded
 
 
 def ctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -109,7 +109,8 @@ def test_cancel_stops_a_trial_whose_controller_does_not_answer(fileroot):
         r = ctl("cancel", *words, "--grace", "6")
         assert r.returncode == 0, r.stdout + r.stderr
         assert time.time() - t0 < 30
-        assert "did not stop in time" in r.stdout and f"SIGTERM to the controller (pid {proc.pid})" in r.stdout
+        assert "did not stop in time" in r.stdout
+        assert f"SIGTERM to the controller (pid {proc.pid})" in r.stdout
         assert trial_processes(trial_dir) == [] and proc.wait(5) == -signal.SIGKILL
     finally:
         if proc.poll() is None:
@@ -140,6 +141,9 @@ def test_status_and_cancel_with_redis_name_resolution(fileroot, redis_server):
                             start_new_session=True)
     try:
         deadline = time.time() + 60
+        while not os.path.exists(os.path.join(fileroot, "smoke", "red", "bootstrap.json")):
+            assert time.time() < deadline and proc.poll() is None, "no trial directory"
+            time.sleep(0.1)
         while len((s := status(fileroot, "red")[1])["workers"]["alive"]) < 9:
             assert time.time() < deadline and proc.poll() is None, s
             time.sleep(0.5)

@@ -77,6 +77,7 @@ def test_status_writer_records_and_sees_the_cancel_key(paths, tmp_path):
     timeline = {"start": time.time()}
     logs = {"master/0": os.path.join(paths.logs, "master-0.log")}
     w = StatusWriter(cfg, paths, timeline["start"], timeline, logs, nr, interval=60)
+    assert w.recoveries() == []
     job = JobStatus("123", JobState.RUNNING, ("master/0",), (logs["master/0"],), "up")
     w.tick([job])
     with open(paths.status) as f:
@@ -92,6 +93,9 @@ def test_status_writer_records_and_sees_the_cancel_key(paths, tmp_path):
     time.sleep(1.05)  # the key is looked at once a second
     with pytest.raises(TrialCancelled):
         w.tick([job])
+    with open(paths.status) as f:
+        assert json.load(f)["state"] == "stopping"  # ctl knows the request was seen
+    assert read_trial(paths).state == "lost"  # (no process holds this trial's lock)
     ended = JobStatus("123", JobState.CANCELLED, ("master/0",), (logs["master/0"],))
     w.final({"status": "cancelled"}, lambda: [ended])
     with open(paths.status) as f:
