@@ -77,6 +77,7 @@ def test_ls_status_logs_cancel(fileroot):
         r = ctl("cancel", *words)
         assert r.returncode == 0, r.stdout + r.stderr
         assert time.time() - t0 < 30 and "nothing of smoke/op is left" in r.stdout
+        assert "SIGTERM" not in r.stdout  # the controller stopped it, asked through the key
         assert trial_processes(trial_dir) == []
         assert proc.wait(10) != 0
         out, err = follow.communicate(timeout=15)  # -f ends with the trial
