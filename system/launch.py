@@ -30,6 +30,7 @@ from scheduler.registry import make_scheduler
 from system.checks import check_name
 from system.launcher.config import ExperimentConfig
 from system.launcher.controller import Controller
+from system.launcher.launcher_log import tee_stderr
 from system.errors import ConfigError, RLSystemError
 from system.name_resolve import make_name_resolve
 from system.launcher.help import describe
@@ -192,6 +193,7 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
         if "--detach" in args.flags:
             return detach(cfg, paths, scheduler, [a for a in argv if a != "--detach"],
                           trial.lock)
+        tee_stderr(paths.logs)  # logs/launcher.log, for `python -m system.ctl logs`
         controller = Controller(cfg, experiment, paths, scheduler,
                                 make_name_resolve(cfg.name_resolve, name_resolve_root(cfg),
                                                   trial.secret),

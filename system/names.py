@@ -61,6 +61,12 @@ def controller(exp: str, trial: str) -> str:
     return f"{exp}/{trial}/controller"
 
 
+def cancel(exp: str, trial: str) -> str:
+    """Set by ``python -m system.ctl cancel``: the running controller stops the trial (and
+    records it as cancelled) when it finds this key."""
+    return f"{exp}/{trial}/cancel"
+
+
 def progress(exp: str, trial: str) -> str:
     """JSON of the master's latest progress figures (what the controller shows and what a
     recovery reads: the last step trained before a failure)."""

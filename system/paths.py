@@ -41,6 +41,17 @@ class TrialPaths:
         return os.path.join(self.root, "summary.json")
 
     @property
+    def status(self) -> str:
+        """``status.json``: the controller's record of the trial, rewritten every few seconds
+        while it runs and once at the end (:mod:`system.launcher.status_file`)."""
+        return os.path.join(self.root, "status.json")
+
+    @property
+    def cancel_request(self) -> str:
+        """``cancel.json``: written by ``python -m system.ctl cancel`` (who asked, and when)."""
+        return os.path.join(self.root, "cancel.json")
+
+    @property
     def logs(self) -> str:
         return os.path.join(self.root, "logs")
 

@@ -29,6 +29,7 @@ from system.launcher.groups import group_spec, group_specs, worker_configs
 from system.launcher.progress import Progress
 from system.launcher.queue_wait import StartClock, blocked_failure
 from system.launcher.recovery import MasterProgress, Recovery
+from system.launcher.status_file import StatusWriter, TrialCancelled
 from system.launcher.summary import TrialSummary
 from system.launcher.watch import NameWatch
 from system.name_resolve import NameResolve
@@ -68,11 +69,14 @@ class Controller:
         self.recovery = Recovery(cfg.recovery(), experiment.stateful, self._t0)
         self.watch = MasterProgress()
         self.names = NameWatch(name_resolve, cfg.exp, cfg.trial, cfg.controller.heartbeat_ttl)
+        self.status = StatusWriter(cfg, paths, self._t0, self.timeline, self.logs, name_resolve,
+                                   self.recovery.summary)
 
     # --- the whole trial ---
     def run(self) -> int:
         summary = TrialSummary(self.cfg, self._t0)
         self.timeline["start"] = self._t0
+        self.status.write("starting")
         try:
             self.nr.clear_subtree(names.trial_root(self.cfg.exp, self.cfg.trial))
             self.nr.add(names.controller(self.cfg.exp, self.cfg.trial), str(os.getpid()),
@@ -90,9 +94,9 @@ class Controller:
             failure = e if isinstance(e, WorkerFailure) else WorkerFailure(str(e))
             summary.failed(failure)
             print(f"\nerror: {e}", file=sys.stderr)
-        except KeyboardInterrupt:
-            summary.interrupted()
-            print("\ninterrupted: stopping every worker", file=sys.stderr)
+        except KeyboardInterrupt as e:
+            summary.interrupted(cancelled=isinstance(e, TrialCancelled))
+            print(f"\n{summary.status}: stopping every worker", file=sys.stderr)
         finally:
             old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup must finish
             try:
@@ -102,6 +106,7 @@ class Controller:
                 signal.signal(signal.SIGINT, old)
             summary.recoveries(self.recovery.summary())
             summary.write(self.paths.summary, self.timeline, self.requeue.restarts)
+            self.status.final(summary.data, self._poll_fresh)
         print(f"{summary.status}: {self.paths.summary}", file=sys.stderr)
         return 0 if summary.status == "completed" else 1
 
@@ -113,8 +118,11 @@ class Controller:
 
     def _poll(self, fresh: bool = False) -> list[JobStatus]:
         """The jobs' states; one that looks ended is asked again while a requeue may explain
-        it (see :meth:`RequeuePolicy.settle`)."""
-        return self.requeue.settle(self.scheduler.poll(fresh=fresh), self._poll_fresh)
+        it (see :meth:`RequeuePolicy.settle`). Keeps ``status.json`` up to date, and stops the
+        trial (:class:`TrialCancelled`) when ``system.ctl cancel`` asked for it."""
+        statuses = self.requeue.settle(self.scheduler.poll(fresh=fresh), self._poll_fresh)
+        self.status.tick(statuses)
+        return statuses
 
     def _running(self, worker: str) -> bool:
         """Whether the scheduler sees ``worker``'s job running (say, hung, not dead)."""
@@ -439,6 +447,7 @@ class Controller:
         """Follow the master's progress: the step it reached, the step a restarted master
         resumed from, and whether it stalled (``controller.stall_timeout``)."""
         self.watch.update(prog)
+        self.status.note_progress(prog)
         if self.watch.resumed_from is not None:
             self.recovery.resumed(self.watch.resumed_from)
         stall = self.cfg.controller.stall_timeout

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import time
 
 from scheduler.base import Scheduler
 from scheduler.slurm import SlurmRequest, SlurmScheduler
 from scheduler.slurm_render import job_name, render_controller_script
 from system.launcher.config import ExperimentConfig
 from system.launcher.groups import group_specs
+from system.launcher.status_file import write_pending
 from system.launcher.trial_lock import TrialLock
 from system.errors import SchedulerError
 from system.paths import TrialPaths
@@ -66,12 +68,22 @@ def detach(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, argv:
     assert isinstance(scheduler, SlurmScheduler), "--detach needs scheduler=slurm"
     request = controller_request(cfg, paths, scheduler, argv)
     lock.release()
+    since = time.time()
     job_id = scheduler.schedule(request)[0]
+    write_pending(cfg, paths, job_id, since)
     groups = group_specs(cfg, paths, scheduler.python)
     kinds = ("controller", "master", *(k for k in groups if k != "master"))
     print(f"submitted the controller of {cfg.exp}/{cfg.trial} as job {job_id}\n"
           f"  follow:  tail -f {shlex.quote(os.path.join(paths.logs, 'controller.log'))}\n"
           f"  jobs:    squeue -n {','.join(job_name(cfg.exp, cfg.trial, k) for k in kinds)}\n"
           f"  result:  {shlex.quote(paths.summary)}\n"
-          f"  stop:    scancel {job_id}   (the controller then cancels every worker job)")
+          f"  status:  python -m system.ctl status {_trial_args(cfg)}\n"
+          f"  stop:    python -m system.ctl cancel {_trial_args(cfg)}   (or: scancel {job_id}; "
+          "the controller then cancels every worker job)")
     return 0
+
+
+def _trial_args(cfg: ExperimentConfig) -> str:
+    """``exp=E trial=T cluster.fileroot=DIR``, quoted for a shell."""
+    return shlex.join([f"exp={cfg.exp}", f"trial={cfg.trial}",
+                       f"cluster.fileroot={os.path.abspath(cfg.cluster.fileroot)}"])

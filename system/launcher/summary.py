@@ -12,7 +12,7 @@ from system.launcher.trial_dir import now_iso, write_json_atomic
 
 class TrialSummary:
     """The summary of one trial, filled in as it runs; ``status`` stays ``failed`` unless the
-    trial completed or was interrupted."""
+    trial completed, was interrupted or was cancelled."""
 
     def __init__(self, cfg: ExperimentConfig, t0: float) -> None:
         self.t0 = t0
@@ -45,8 +45,9 @@ class TrialSummary:
         if attempts:
             self.data["recoveries"] = attempts
 
-    def interrupted(self) -> None:
-        self.data["status"] = "interrupted"
+    def interrupted(self, cancelled: bool = False) -> None:
+        """Ctrl-C or a stop signal; ``cancelled``: ``python -m system.ctl cancel`` asked."""
+        self.data["status"] = "cancelled" if cancelled else "interrupted"
 
     def write(self, path: str, timeline: Mapping[str, float], restarts: Mapping[str, int]
               ) -> None:

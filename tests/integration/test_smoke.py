@@ -49,7 +49,8 @@ def test_smoke_end_to_end(fileroot):
     assert oct(os.stat(os.path.join(trial_dir, "secret")).st_mode & 0o777) == "0o600"
     assert len(read_secret(os.path.join(trial_dir, "secret"))) == 32
     logs = sorted(os.listdir(os.path.join(trial_dir, "logs")))
-    assert logs == sorted([f"{k}-{i}.log" for k, n in s["workers"].items() for i in range(n)])
+    assert logs == sorted(["launcher.log", *(f"{k}-{i}.log" for k, n in s["workers"].items()
+                                             for i in range(n))])
     assert os.path.exists(os.path.join(trial_dir, "config.yaml"))
     _assert_nothing_left(fileroot, "smoke", "e2e")
     # every name-resolution key of the trial is gone

@@ -1,0 +1,87 @@
+"""Operate trials from any shell: list them, inspect one, cancel it, read its logs.
+
+    python -m system.ctl ls [--fileroot DIR]
+    python -m system.ctl status exp=smoke trial=t1 [cluster.fileroot=DIR] [--json]
+    python -m system.ctl cancel exp=smoke trial=t1 [cluster.fileroot=DIR] [--grace S]
+    python -m system.ctl logs exp=smoke trial=t1 [rollout:1] [-f] [-n LINES]
+
+A trial is named as for the launcher (``exp=``, ``trial=``, ``cluster.fileroot=``; other
+``key=value`` words are checked and ignored). Everything is read from the trial directory
+(``status.json``, ``summary.json``, its lock and logs) and the trial's name resolution; nothing
+needs the process that launched it.
+
+``status`` exit codes: 0 live (pending, starting, running, stopping), 1 failed, 2 usage error or
+no such trial, 3 completed, 4 interrupted, 5 cancelled, 6 lost (the controller died without
+recording an end), 7 unknown (never ran). ``cancel``: 0 once nothing of the trial is left, 1 if
+something is. ``ls`` and ``logs``: 0, or 2 for a usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from system.ctl import cancel, logs, ls, status
+from system.ctl.args import split_words, trial_paths
+from system.errors import ConfigError, RLSystemError
+from system.launcher.config import ExperimentConfig
+
+TRIAL_HELP = "exp=NAME trial=T [cluster.fileroot=DIR] (as given to system.launch)"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m system.ctl", description=__doc__.split("\n")[0],
+                                epilog=__doc__.split("\n\n", 2)[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p_ls = sub.add_parser("ls", help="every trial under a file root: state, step, age, scheduler")
+    p_ls.add_argument("--fileroot", default=ExperimentConfig().cluster.fileroot,
+                      help="the trials' cluster.fileroot (default: %(default)s)")
+    p_st = sub.add_parser("status", help="one trial: jobs, live workers, progress, last error, "
+                                         "logs; exit 0 while it is live")
+    p_st.add_argument("words", nargs="+", metavar="KEY=VALUE", help=TRIAL_HELP)
+    p_st.add_argument("--json", action="store_true", help="print the status as JSON")
+    p_ca = sub.add_parser("cancel", help="stop every job and process of a trial (within 30 s)")
+    p_ca.add_argument("words", nargs="+", metavar="KEY=VALUE", help=TRIAL_HELP)
+    p_ca.add_argument("--grace", type=float, default=cancel.GRACE,
+                      help="seconds the controller gets to stop the trial itself before "
+                           "cancel stops what is left (default: %(default)s)")
+    p_lo = sub.add_parser("logs", help="print or follow a worker's log (KIND:INDEX), or the "
+                                       "controller's")
+    p_lo.add_argument("words", nargs="+", metavar="KEY=VALUE|KIND:INDEX",
+                      help=TRIAL_HELP + ", then optionally a worker such as rollout:1")
+    p_lo.add_argument("-f", "--follow", action="store_true",
+                      help="follow the log until the trial ends (or Ctrl-C)")
+    p_lo.add_argument("-n", "--lines", type=int, default=None,
+                      help="only the last LINES lines (default: all; 20 with -f)")
+    return p
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    if args.command == "ls":
+        return ls.run(args.fileroot)
+    keys, rest = split_words(args.words)
+    if rest and args.command != "logs" or len(rest) > 1:
+        raise ConfigError(f"unexpected argument(s) {rest}: give {TRIAL_HELP}")
+    paths = trial_paths(keys)
+    if args.command == "status":
+        return status.run(paths, args.json)
+    if args.command == "cancel":
+        return cancel.run(paths, args.grace)
+    lines = args.lines if args.lines is not None or not args.follow else 20
+    return logs.run(paths, logs.worker_name(rest[0]) if rest else None, args.follow, lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return dispatch(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (RLSystemError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""``cancel``: stop every job and process of a trial, within :data:`DEADLINE` seconds.
+
+1. Record the request (``cancel.json``: who, when) and set the trial's cancel key in name
+   resolution: the running controller sees it within a second and stops the trial as for
+   Ctrl-C (workers told to stop, jobs cancelled), recording it as ``cancelled``. A detached
+   controller still queued is cancelled with ``scancel`` (it never ran a worker).
+2. A controller that has not stopped within half of :data:`GRACE` gets SIGTERM (its pid on this
+   host, checked through ``/proc``) or ``scancel`` (its ``--detach`` job).
+3. Whatever is left after :data:`GRACE` is stopped here: every queued job of the trial
+   (recorded ids, and this user's jobs named ``<exp>_<trial>:*``) with ``scancel`` until
+   ``squeue`` lists none; every local worker or spare (``--trial-dir <trial dir>`` on its
+   command line) and the launcher (if its command line is this trial's) with SIGTERM, then
+   SIGKILL. A controller that could not write its last record gets one written here.
+"""
+from __future__ import annotations
+
+import getpass
+import os
+import signal
+import socket
+import time
+
+from system.ctl import procs, slurm_query
+from system.ctl.live import request_cancel
+from system.ctl.trial_state import TrialView, read_trial
+from system.launcher.status_file import FINAL_STATES
+from system.launcher.trial_dir import write_json_atomic
+from system.paths import TrialPaths
+
+GRACE = 20.0
+"""Seconds the controller is given to stop the trial itself."""
+DEADLINE = 30.0
+"""Seconds after which ``cancel`` gives up and reports what is left."""
+
+
+def _say(t0: float, text: str) -> None:
+    print(f"[{time.monotonic() - t0:5.1f}s] {text}", flush=True)
+
+
+def _request(view: TrialView) -> str:
+    """Write ``cancel.json`` and the cancel key; returns why the key could not be set."""
+    note = {"time": time.time(), "user": getpass.getuser(), "host": socket.gethostname(),
+            "pid": os.getpid()}
+    write_json_atomic(view.paths.cancel_request, note)
+    return request_cancel(view.paths, view.exp, view.trial, str(note))
+
+
+def _signal_controller(view: TrialView, t0: float) -> None:
+    holder = view.holder or {}
+    job = view.controller_job() or str(holder.get("slurm_job") or "")
+    if job:
+        slurm_query.scancel([job])
+        _say(t0, f"scancel {job} (the controller's job)")
+        return
+    pid = int(holder.get("pid") or 0)
+    if holder.get("host") == socket.gethostname() and procs.launcher_alive(pid, view.exp,
+                                                                            view.trial):
+        os.kill(pid, signal.SIGTERM)
+        _say(t0, f"SIGTERM to the controller (pid {pid})")
+    else:
+        _say(t0, f"cannot signal the controller (pid {pid} on {holder.get('host')!r})")
+
+
+def _wait_controller(view: TrialView, t0: float, grace: float, signalled: bool) -> TrialView:
+    """Until no process holds the trial's lock, or ``grace`` seconds since ``t0``; the
+    controller is signalled once half of it has passed, unless it was already or it has
+    recorded that it is stopping."""
+    seen = False
+    while True:
+        view = read_trial(view.paths)
+        if view.holder is None and view.state != "pending":
+            return view
+        if not seen and view.record.get("state") == "stopping":
+            seen = True
+            _say(t0, "the controller is stopping the trial")
+        elapsed = time.monotonic() - t0
+        if elapsed >= grace:
+            return view
+        if not (signalled or seen) and elapsed >= grace / 2:
+            _signal_controller(view, t0)
+            signalled = True
+        time.sleep(0.25)
+
+
+def _trial_jobs(view: TrialView) -> list[str]:
+    """Queued jobs of the trial: its recorded ones and this user's named ``<exp>_<trial>:*``."""
+    ids = {str(j["id"]) for j in view.record.get("jobs") or []}
+    ids.add(view.controller_job())
+    queued = dict(slurm_query.queue(sorted(i for i in ids if i)) or {})
+    prefix = f"{view.exp}_{view.trial}:"
+    for job_id, q in (slurm_query.mine() or {}).items():
+        if q.name.startswith(prefix):
+            queued[job_id] = q
+    return sorted(queued)
+
+
+def _sweep_slurm(view: TrialView, t0: float, deadline: float) -> list[str]:
+    """``scancel`` the trial's queued jobs until none is left or ``deadline``; the ids left."""
+    left = _trial_jobs(view)
+    if left:
+        _say(t0, f"scancel {' '.join(left)}")
+    while left and time.monotonic() < deadline:
+        slurm_query.scancel(left)
+        time.sleep(1.0)
+        left = _trial_jobs(view)
+    return left
+
+
+def _sweep_local(view: TrialView, t0: float) -> list[int]:
+    """Stop the trial's workers and spares on this machine, and its launcher; pids left."""
+    pids = procs.trial_processes(view.paths.root)
+    holder = view.holder or {}
+    pid = int(holder.get("pid") or 0)
+    if holder.get("host") == socket.gethostname() and procs.launcher_alive(pid, view.exp,
+                                                                            view.trial):
+        pids.append(pid)
+    if pids:
+        _say(t0, f"stopping processes {' '.join(map(str, pids))}")
+    return procs.terminate(pids, 3.0)
+
+
+def _final_record(paths: TrialPaths, t0: float) -> None:
+    """The controller died before its last record: write one (state ``cancelled``)."""
+    view = read_trial(paths)
+    if str(view.record.get("state")) in FINAL_STATES or not view.record:
+        return
+    jobs = [{**j, "state": "CANCELLED"} for j in view.record.get("jobs") or []]
+    write_json_atomic(paths.status, {**view.record, "state": "cancelled", "jobs": jobs,
+                                     "phase": "stopped by system.ctl cancel",
+                                     "updated": time.time()})
+    _say(t0, "the controller left no final record: status.json now says cancelled")
+
+
+def run(paths: TrialPaths, grace: float = GRACE) -> int:
+    t0 = time.monotonic()
+    view = read_trial(paths)
+    if view.live:
+        why = _request(view)
+        _say(t0, f"cancel requested for {view.exp}/{view.trial} ({view.state})"
+             + (f"; the cancel key could not be set: {why}" if why else ""))
+        signalled = bool(why) or (view.state == "pending" and bool(view.controller_job()))
+        if signalled:  # no key to see, or a controller still queued (it never ran a worker)
+            _signal_controller(view, t0)
+        view = _wait_controller(view, t0, grace, signalled)
+        if view.holder is None:
+            _say(t0, f"the controller has stopped; trial {view.state}")
+        else:
+            _say(t0, "the controller did not stop in time: stopping the trial's jobs here")
+    else:
+        _say(t0, f"{view.exp}/{view.trial} is {view.state}; checking that nothing is left")
+    deadline = t0 + DEADLINE
+    jobs_left = _sweep_slurm(view, t0, deadline) if view.scheduler == "slurm" else []
+    pids_left = _sweep_local(view, t0)
+    _final_record(paths, t0)
+    if jobs_left or pids_left:
+        _say(t0, f"still there: jobs {jobs_left or 'none'}, processes {pids_left or 'none'}")
+        return 1
+    _say(t0, f"nothing of {view.exp}/{view.trial} is left"
+         + (" (squeue lists none of its jobs)" if view.scheduler == "slurm" else
+            " (no process of it runs here)"))
+    return 0

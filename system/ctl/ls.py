@@ -1,0 +1,42 @@
+"""``ls``: every trial under a file root with its state, step, age and scheduler."""
+from __future__ import annotations
+
+import os
+
+from system.ctl.trial_state import TrialView, read_trial, since
+from system.paths import TrialPaths
+
+MARKERS = ("config.yaml", "status.json", "summary.json")
+"""A directory with one of these is a trial directory."""
+
+
+def find_trials(fileroot: str) -> list[TrialPaths]:
+    """The trial directories ``<fileroot>/<exp>/<trial>/``, sorted by name."""
+    found = []
+    root = os.path.abspath(fileroot)
+    for exp in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        exp_dir = os.path.join(root, exp)
+        if exp.startswith(".") or not os.path.isdir(exp_dir):
+            continue
+        for trial in sorted(os.listdir(exp_dir)):
+            paths = TrialPaths(os.path.join(exp_dir, trial))
+            if any(os.path.isfile(os.path.join(paths.root, m)) for m in MARKERS):
+                found.append(paths)
+    return found
+
+
+def rows(views: list[TrialView]) -> list[tuple[str, ...]]:
+    return [(f"{v.exp}/{v.trial}", v.state, v.step(), since(v.started), v.scheduler)
+            for v in views]
+
+
+def run(fileroot: str) -> int:
+    views = [read_trial(p) for p in find_trials(fileroot)]
+    if not views:
+        print(f"no trials under {os.path.abspath(fileroot)}")
+        return 0
+    table = [("TRIAL", "STATE", "STEP", "AGE", "SCHEDULER"), *rows(views)]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for r in table:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0

@@ -1,0 +1,153 @@
+"""``status``: one trial's jobs (id, state, pending reason, node), which workers are alive, its
+progress and last metrics, its last error and its log paths.
+
+Exit codes (:data:`EXIT_CODES`): 0 while the trial is live (pending, starting, running,
+stopping); 1 failed; 2 a usage error or no such trial; 3 completed; 4 interrupted; 5 cancelled;
+6 lost (the controller died without recording an end); 7 unknown (never ran).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from system.ctl import procs, slurm_query
+from system.ctl.live import LiveView, read_live
+from system.ctl.trial_state import TrialView, read_trial, since
+from system.paths import TrialPaths
+
+EXIT_CODES = {"pending": 0, "starting": 0, "running": 0, "stopping": 0, "failed": 1,
+              "completed": 3, "interrupted": 4, "cancelled": 5, "lost": 6, "unknown": 7}
+
+
+def controller_log(paths: TrialPaths) -> str | None:
+    """The controller's log: ``logs/controller.log`` (a ``--detach`` controller's job output)
+    or ``logs/launcher.log`` (a launcher's own copy of what it printed), the newer of the two."""
+    found = [p for p in (os.path.join(paths.logs, "controller.log"),
+                         os.path.join(paths.logs, "launcher.log")) if os.path.isfile(p)]
+    return max(found, key=os.path.getmtime) if found else None
+
+
+def _local_state(job: dict[str, Any], root: str) -> str:
+    args = procs.cmdline(int(job["id"])) if str(job["id"]).isdigit() else None
+    if args is not None and procs.is_worker(args, root):
+        return "RUNNING"
+    return job.get("state") if job.get("state") not in ("RUNNING", "PENDING", "") else "EXITED"
+
+
+def jobs(view: TrialView) -> list[dict[str, Any]]:
+    """The recorded jobs (the controller's own job first, with ``--detach``), their states
+    checked now while the trial is live: ``squeue`` for Slurm, ``/proc`` for local pids."""
+    rows = [{"id": str(j["id"]), "workers": list(j["workers"]), "state": j.get("state", ""),
+             "reason": "", "node": ""} for j in view.record.get("jobs") or []]
+    controller = (view.record.get("controller") or {})
+    if controller.get("slurm_job"):
+        rows.insert(0, {"id": controller["slurm_job"], "workers": ["controller"],
+                        "state": "", "reason": "", "node": ""})
+    if view.scheduler == "slurm":
+        queued = slurm_query.queue([r["id"] for r in rows], all_states=True) or {}
+        for r in rows:
+            q = queued.get(r["id"])
+            if q is not None:
+                r.update(state=q.state, reason=q.reason, node=q.node)
+            elif view.live and r["state"] in ("RUNNING", "PENDING", ""):
+                r["state"] = "GONE"
+    else:
+        for r in rows:
+            r["node"] = controller.get("host", "")
+            if view.live:
+                r["state"] = _local_state(r, view.paths.root)
+    return rows
+
+
+def last_metrics(root: str) -> dict[str, Any]:
+    """The last row of the trial's ``metrics.jsonl`` (the RL experiments), or nothing."""
+    path = os.path.join(root, "metrics.jsonl")
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            return row
+    return {}
+
+
+def gather(view: TrialView) -> dict[str, Any]:
+    """Everything ``status`` shows, as JSON-able data."""
+    live = read_live(view.paths, view.exp, view.trial) if view.live else LiveView()
+    logs = dict(view.record.get("logs") or {})
+    expected = sorted(logs) or sorted(f"{k}/{i}" for k, n in (view.record.get(
+        "workers") or {}).items() for i in range(int(n))) or sorted(live.heartbeats)
+    failure = view.record.get("failure") or (view.summary or {}).get("failure")
+    errors = {w: f"{e.get('type', 'error')}: {e.get('message', '')}"
+              for w, e in live.errors.items()}
+    recoveries = list(view.record.get("recoveries") or [])
+    last_error = (failure or {}).get("message", "") or (
+        f"{recoveries[-1].get('cause', '')} (recovered: attempt {len(recoveries)})"
+        if recoveries else "")
+    for worker, message in errors.items():  # a live report is newer than any recorded end
+        last_error = f"{worker}: {message}"
+    return {
+        "trial": f"{view.exp}/{view.trial}", "dir": view.paths.root, "state": view.state,
+        "phase": view.record.get("phase", ""), "scheduler": view.scheduler,
+        "started": view.started, "updated": float(view.record.get("updated") or 0.0),
+        "controller": {**(view.record.get("controller") or {}),
+                       "lock_holder": view.holder, "key_live": live.controller},
+        "cancel_request": view.cancel, "jobs": jobs(view),
+        "workers": {"expected": expected, "alive": sorted(live.heartbeats),
+                    "missing": [w for w in expected if w not in live.heartbeats]},
+        "progress": live.progress or dict(view.record.get("progress") or {}),
+        "metrics": last_metrics(view.paths.root), "errors": errors, "last_error": last_error,
+        "recoveries": recoveries,
+        "logs": {"controller": controller_log(view.paths), **logs},
+        "name_resolution": live.problem or "ok"}
+
+
+def render(s: dict[str, Any]) -> str:
+    c = s["controller"]
+    where = (f"pid {c.get('pid')} on {c.get('host')}" if c.get("pid") else "not started")
+    if c.get("slurm_job"):
+        where += f", Slurm job {c['slurm_job']}"
+    lines = [f"{s['trial']}: {s['state']} (phase {s['phase'] or '-'}, started "
+             f"{since(s['started'])} ago, status.json updated {since(s['updated'])} ago)",
+             f"  dir: {s['dir']}", f"  scheduler: {s['scheduler']}; controller: {where}"
+             + (" (alive)" if c.get("lock_holder") else "")]
+    lines.append("  jobs:")
+    for j in s["jobs"]:
+        reason = f" reason={j['reason']}" if j["reason"] else ""
+        lines.append(f"    {j['id']:>8}  {j['state'] or '?':<10} {','.join(j['workers'])}"
+                     f"{reason}" + (f" node={j['node']}" if j["node"] else ""))
+    w = s["workers"]
+    if s["state"] in EXIT_CODES and EXIT_CODES[s["state"]] == 0:
+        lines.append(f"  workers alive (heartbeat): {len(w['alive'])}/{len(w['expected'])}"
+                     + (f"; missing: {', '.join(w['missing'])}" if w["missing"] else ""))
+        if s["name_resolution"] != "ok":
+            lines.append(f"  {s['name_resolution']}")
+    if s["progress"]:
+        lines.append("  progress: " + ", ".join(f"{k} {v}" for k, v in s["progress"].items()
+                                                 if v is not None))
+    if s["metrics"]:
+        lines.append("  last metrics: " + ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in s["metrics"].items()))
+    if s["last_error"]:
+        lines.append(f"  last error: {s['last_error'].splitlines()[0]}")
+    lines.append("  logs:")
+    lines += [f"    {k}: {v}" for k, v in s["logs"].items() if v]
+    return "\n".join(lines)
+
+
+def run(paths: TrialPaths, as_json: bool) -> int:
+    s = gather(read_trial(paths))
+    s["time"] = time.time()
+    print(json.dumps(s, indent=1, default=str) if as_json else render(s))
+    return EXIT_CODES.get(s["state"], 7)

@@ -1,0 +1,159 @@
+"""``python -m system.ctl`` against real local smoke trials, run from another process (and
+session) than the launcher's: ls, status, logs (-f), cancel, and cancel of a controller that
+no longer answers."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import REPO, launch_argv, read_summary, trial_name_resolve, trial_processes
+
+FAST = ["scheduler.stop_grace=3"]  # the default heartbeat TTL: this machine is often loaded
+
+
+def ctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "system.ctl", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_trial(fileroot: str, trial: str) -> subprocess.Popen:
+    """A smoke trial that runs for two minutes, launched in a session of its own (as from
+    another shell), returned once its 9 workers heart-beat."""
+    proc = subprocess.Popen(launch_argv("exp=smoke", f"trial={trial}",
+                                        f"cluster.fileroot={fileroot}", "smoke.min_duration=120",
+                                        *FAST),
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    nr = trial_name_resolve(fileroot, "smoke", trial)
+    deadline = time.time() + 60
+    while len(nr.find_subtree(f"smoke/{trial}/heartbeat")) < 9:
+        assert time.time() < deadline and proc.poll() is None, "the trial did not start"
+        time.sleep(0.1)
+    return proc
+
+
+def status(fileroot: str, trial: str) -> tuple[int, dict]:
+    r = ctl("status", "exp=smoke", f"trial={trial}", f"cluster.fileroot={fileroot}", "--json")
+    return r.returncode, json.loads(r.stdout)
+
+
+def test_ls_status_logs_cancel(fileroot):
+    trial_dir = os.path.join(fileroot, "smoke", "op")
+    words = ["exp=smoke", "trial=op", f"cluster.fileroot={fileroot}"]
+    proc = start_trial(fileroot, "op")
+    try:
+        deadline = time.time() + 30  # the controller's record says running within seconds
+        while (s := status(fileroot, "op"))[1]["state"] != "running":
+            assert time.time() < deadline, s
+            time.sleep(0.5)
+        code, s = status(fileroot, "op")
+        assert code == 0 and s["scheduler"] == "local" and s["controller"]["pid"] == proc.pid
+        assert len(s["jobs"]) == 9 and {j["state"] for j in s["jobs"]} == {"RUNNING"}
+        assert sorted(int(j["id"]) for j in s["jobs"]) == sorted(trial_processes(trial_dir))
+        assert len(s["workers"]["alive"]) == 9 and s["workers"]["missing"] == []
+        assert s["progress"]["trajectories"] == "400/400"
+        assert all(os.path.isfile(p) for p in s["logs"].values())
+
+        r = ctl("ls", "--fileroot", fileroot)
+        assert r.returncode == 0
+        assert ["smoke/op", "running", "trajectories", "400/400"] == r.stdout.split()[5:9]
+        assert r.stdout.split()[-1] == "local"
+
+        r = ctl("logs", *words, "rollout:1")
+        assert r.returncode == 0 and "rollout/1 registered at" in r.stdout
+        assert ctl("logs", *words, "rollout:9").returncode == 2
+        assert ctl("logs", *words).returncode == 0  # the launcher's own log
+        follow = subprocess.Popen([sys.executable, "-m", "system.ctl", "logs", *words,
+                                   "master:0", "-f"], cwd=REPO, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+
+        t0 = time.time()
+        r = ctl("cancel", *words)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert time.time() - t0 < 30 and "nothing of smoke/op is left" in r.stdout
+        assert "SIGTERM" not in r.stdout  # the controller stopped it, asked through the key
+        assert trial_processes(trial_dir) == []
+        assert proc.wait(10) != 0
+        out, err = follow.communicate(timeout=15)  # -f ends with the trial
+        assert "master/0" in out and "the trial has ended (cancelled)" in err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    code, s = status(fileroot, "op")
+    assert code == 5 and s["state"] == "cancelled"
+    assert {j["state"] for j in s["jobs"]} <= {"CANCELLED", "COMPLETED", "FAILED"}
+    assert read_summary(fileroot, "smoke", "op")["status"] == "cancelled"
+    with open(os.path.join(trial_dir, "logs", "launcher.log")) as f:
+        assert "cancelled: stopping every worker" in f.read()
+    r = ctl("ls", "--fileroot", fileroot)
+    assert "cancelled" in r.stdout.split()
+    # cancelling again finds nothing to do
+    r = ctl("cancel", *words)
+    assert r.returncode == 0 and "is cancelled" in r.stdout
+
+
+def test_cancel_stops_a_trial_whose_controller_does_not_answer(fileroot):
+    """The launcher is stopped (SIGSTOP): it neither sees the cancel key nor acts on SIGTERM;
+    cancel stops its workers and it, checked through /proc, and records the end itself."""
+    trial_dir = os.path.join(fileroot, "smoke", "hung")
+    words = ["exp=smoke", "trial=hung", f"cluster.fileroot={fileroot}"]
+    proc = start_trial(fileroot, "hung")
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.time()
+        r = ctl("cancel", *words, "--grace", "6")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert time.time() - t0 < 30
+        assert "did not stop in time" in r.stdout
+        assert f"SIGTERM to the controller (pid {proc.pid})" in r.stdout
+        assert trial_processes(trial_dir) == [] and proc.wait(5) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    code, s = status(fileroot, "hung")
+    assert code == 5 and s["state"] == "cancelled"
+    with open(os.path.join(trial_dir, "status.json")) as f:
+        assert json.load(f)["phase"] == "stopped by system.ctl cancel"
+
+
+def test_usage_errors(fileroot):
+    assert ctl("status", "exp=smoke", "trial=none", f"cluster.fileroot={fileroot}").returncode == 2
+    assert ctl("status", "exp=nosuch", "trial=t").returncode == 2
+    assert ctl("status", "trial=t").returncode == 2
+    r = ctl("ls", "--fileroot", fileroot)
+    assert r.returncode == 0 and "no trials" in r.stdout
+
+
+@pytest.mark.redis
+def test_status_and_cancel_with_redis_name_resolution(fileroot, redis_server):
+    """ctl finds the trial's Redis through its bootstrap file: heartbeats, the cancel key."""
+    _, port = redis_server
+    words = ["exp=smoke", "trial=red", f"cluster.fileroot={fileroot}"]
+    proc = subprocess.Popen(launch_argv(*words, "name_resolve=redis",
+                                        f"name_resolve.redis_port={port}",
+                                        "smoke.min_duration=120", *FAST),
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while not os.path.exists(os.path.join(fileroot, "smoke", "red", "bootstrap.json")):
+            assert time.time() < deadline and proc.poll() is None, "no trial directory"
+            time.sleep(0.1)
+        while len((s := status(fileroot, "red")[1])["workers"]["alive"]) < 9:
+            assert time.time() < deadline and proc.poll() is None, s
+            time.sleep(0.5)
+        assert s["name_resolution"] == "ok" and s["controller"]["key_live"] is True
+        r = ctl("cancel", *words)
+        assert r.returncode == 0 and "the controller has stopped; trial cancelled" in r.stdout
+        assert proc.wait(10) != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert trial_processes(os.path.join(fileroot, "smoke", "red")) == []
+    assert status(fileroot, "red")[0] == 5

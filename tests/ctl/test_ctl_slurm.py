@@ -1,0 +1,81 @@
+"""``python -m system.ctl`` against a detached smoke trial on a real single-node Slurm: status
+shows the controller's job and every worker job (a pending one with Slurm's reason), cancel
+leaves none of them in the queue."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+
+import pytest
+
+from tests.ctl.test_ctl_local import ctl
+from tests.helpers import run_launch
+
+pytestmark = pytest.mark.slurm  # about 30 s here
+
+SLURM = ["scheduler=slurm", "cluster.interface=127.0.0.1", "scheduler.slurm.poll_interval=0.5",
+         "scheduler.slurm.model.gpus_per_node=2", "controller.heartbeat_ttl=3",
+         "scheduler.stop_grace=3"]
+
+
+def ctl_env(env: dict, *args: str) -> subprocess.CompletedProcess:
+    old = dict(os.environ)
+    os.environ.update(env)  # ctl's squeue and scancel reach the test cluster
+    try:
+        return ctl(*args)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def queued(env: dict, exp: str, trial: str) -> list[str]:
+    r = subprocess.run(["squeue", "-h", "-o", "%i|%j"], capture_output=True, text=True,
+                       env={**os.environ, **env}, check=True)
+    return [line for line in r.stdout.split() if line.split("|")[1].startswith(f"{exp}_{trial}:")]
+
+
+def test_detached_trial_status_and_cancel(slurm_cluster, tmp_path):
+    root = str(tmp_path / "runs")
+    words = ["exp=smoke", "trial=op", f"cluster.fileroot={root}"]
+    # the generation servers' job may not start for an hour: it stays pending (BeginTime)
+    r = run_launch(*words, *SLURM, "smoke.min_duration=120", "--detach",
+                   "scheduler.slurm.generation.extra_sbatch=[--begin=now+3600]",
+                   env=slurm_cluster.env)
+    assert r.returncode == 0, r.stderr
+    controller = re.search(r"as job (\d+)", r.stdout).group(1)
+    assert "python -m system.ctl cancel exp=smoke trial=op" in r.stdout
+    deadline = time.time() + 120  # (the controller's job writes the trial's secret anew)
+    while True:  # master, 2 model and 4 rollout workers heart-beat; 5 jobs known
+        st = ctl_env(slurm_cluster.env, "status", *words, "--json")
+        s = json.loads(st.stdout)
+        jobs = {j["workers"][0].split("/")[0]: j for j in s["jobs"]}
+        if len(jobs) == 5 and len(s["workers"]["alive"]) == 7:
+            break
+        assert time.time() < deadline, s
+        time.sleep(0.5)
+    assert st.returncode == 0 and s["state"] == "starting" and s["scheduler"] == "slurm"
+    assert s["controller"]["slurm_job"] == controller and s["controller"]["detached"]
+    assert jobs["controller"]["id"] == controller and jobs["controller"]["state"] == "RUNNING"
+    for kind in ("master", "model", "rollout"):
+        assert jobs[kind]["state"] == "RUNNING" and jobs[kind]["node"], jobs[kind]
+    assert jobs["generation"]["state"] == "PENDING"
+    assert jobs["generation"]["reason"] == "BeginTime"
+    assert sorted(s["workers"]["missing"]) == ["generation/0", "generation/1"]
+    text = ctl_env(slurm_cluster.env, "status", *words).stdout
+    print(text)  # shown with pytest -s: what an operator sees
+    assert "reason=BeginTime" in text and "controller.log" in text
+    assert len(queued(slurm_cluster.env, "smoke", "op")) == 5
+
+    t0 = time.time()
+    r = ctl_env(slurm_cluster.env, "cancel", *words)
+    assert r.returncode == 0, r.stdout + r.stderr
+    print(r.stdout)
+    assert time.time() - t0 < 30 and "squeue lists none of its jobs" in r.stdout
+    assert queued(slurm_cluster.env, "smoke", "op") == []
+    st = ctl_env(slurm_cluster.env, "status", *words, "--json")
+    assert st.returncode == 5 and json.loads(st.stdout)["state"] == "cancelled"
+    r = ctl_env(slurm_cluster.env, "logs", *words)
+    assert r.returncode == 0 and "cancelled: stopping every worker" in r.stdout
