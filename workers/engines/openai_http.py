@@ -135,17 +135,17 @@ class OpenAIEndpoint:
     def _stream(self, gen: Generation, obj: str, chunk: Any) -> EventStream:
         head = self._head(obj)
 
+        if gen.req.include_usage:  # every chunk says usage: null, the last one has it
+            head["usage"] = None
+
         def events() -> Iterator[dict[str, Any]]:
-            usage = None if not gen.req.include_usage else {}
             if obj == "chat.completion.chunk":  # the role first, as OpenAI sends it
                 yield {**head, "choices": [
                     {"index": i, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None} for i in range(gen.req.n)],
-                    **({"usage": None} if usage is not None else {})}
+                     "logprobs": None, "finish_reason": None} for i in range(gen.req.n)]}
             for ev in gen.events():
-                yield {**head, "choices": [chunk(gen, ev)],
-                       **({"usage": None} if usage is not None else {})}
-            if usage is not None:
+                yield {**head, "choices": [chunk(gen, ev)]}
+            if gen.req.include_usage:
                 yield {**head, "choices": [], "usage": gen.usage()}
         return EventStream(events(), gen.close)
 

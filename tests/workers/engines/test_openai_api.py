@@ -137,13 +137,17 @@ def test_stop_strings_end_the_text_before_them(client, engine):
     stop = text[len(text) // 2:len(text) // 2 + 2]
     assert stop.strip(), text
     want = text[:text.find(stop)]
+    args.update(max_tokens=200, extra_body={"ignore_eos": True})  # only the stop ends it
     for stops in (stop, ["never-there", stop]):
+        before = engine.stats["tokens"]
         out = client.completions.create(**args, stop=stops)
         assert out.choices[0].text == want and out.choices[0].finish_reason == "stop"
+        assert out.usage.completion_tokens <= 12
         chunks = list(client.completions.create(**args, stop=stops, stream=True))
         assert "".join(c.choices[0].text for c in chunks) == want
         assert chunks[-1].choices[0].finish_reason == "stop"
-    assert engine.load() == 0  # the stopped samples are out of the engine
+        assert engine.stats["tokens"] - before < 60  # the engine stopped at the stop string
+    assert engine.load() == 0
 
 
 def test_n_and_seed(client):
