@@ -10,7 +10,10 @@ produced by a half-updated model. A request in flight at an update is either
   tokens so far) on the new weights: a partial rollout.
 
 Every token carries the weight version that produced it; ``segments`` lists ``(version, count)``
-runs per sample. The prefix cache is reset after every update (cached KV was computed with the
+runs per sample. A caller that wants tokens as they come (the HTTP endpoint's streaming) submits
+with an :class:`~workers.engines.output_stream.OutputStream`: the loop puts each step's new
+tokens there, and :meth:`GenerationEngine.stop_samples` ends samples early (a stop string, a
+client that went away). The prefix cache is reset after every update (cached KV was computed with the
 old weights).
 """
 from __future__ import annotations

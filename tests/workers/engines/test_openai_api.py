@@ -225,6 +225,7 @@ def test_bad_requests_are_answered_400(client, engine, kwargs, names):
 
 
 def test_a_client_leaving_a_stream_stops_its_samples(client, engine):
+    before = engine.stats["tokens"]
     stream = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=300,
                                        temperature=1.0, n=2, stream=True,
                                        extra_body={"ignore_eos": True})
@@ -236,4 +237,24 @@ def test_a_client_leaving_a_stream_stops_its_samples(client, engine):
     while engine.load() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert engine.load() == 0
+    assert engine.stats["tokens"] - before < 150  # of the 600 asked for
     assert client.completions.create(model="smol", prompt="Hi", max_tokens=2).choices
+
+
+def test_a_stream_goes_on_across_a_weight_update(client, engine):
+    """A weight update mid-stream cuts the samples and continues them (a partial rollout): the
+    stream goes on, and its last chunk says which versions made which tokens."""
+    stream = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=40,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = [next(stream) for _ in range(3)]
+    old = engine.version
+    engine.control(lambda llm: None, version=old + 1).result(60)  # same weights, new version
+    chunks += list(stream)
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "length"
+    runs = last.weight_versions
+    assert [v for v, _ in runs] == [old, old + 1] and sum(c for _, c in runs) == 40
+    whole = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=40,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
