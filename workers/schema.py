@@ -99,6 +99,8 @@ class SamplingParams(TypedDict, total=False):
     top_p: float
     stop_token_ids: list[int]
     ignore_eos: bool
+    top_logprobs: int
+    seed: int | None
 
 
 class Sample(TypedDict):

@@ -14,6 +14,11 @@ spend is bounded:
 Every request needs ``Authorization: Bearer <api key>`` (compared in constant time). Every
 error, the standard library's own included (a malformed request line, an unknown method), is a
 JSON body ``{"error": {"message", "type", "code"}}``. HTTP/1.0: one request per connection.
+
+An app may answer with an :class:`EventStream` instead of a JSON body: server-sent events
+(``data: {...}`` per event, then ``data: [DONE]``), each written as it comes; a failure after
+the first event is sent as an event ``data: {"error": ...}``. Every write is bounded by
+``read_timeout`` like any answer, so a client that stops reading is cut.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import queue
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from system.errors import ConfigError
 from workers.engines.http_reaper import Deadline, Reaper
@@ -67,11 +72,20 @@ class HttpError(Exception):
         self.code, self.message, self.headers = code, message, headers or {}
 
 
+class EventStream:
+    """A 200 answer as server-sent events: every dict ``events`` yields, as it comes; ``close``
+    is called when the answer ends, however it ends (the client went away, an error)."""
+
+    def __init__(self, events: Iterator[dict[str, Any]], close: Callable[[], None]) -> None:
+        self.events, self.close = events, close
+
+
 class JsonApp(Protocol):
     """What the server calls once a request is authenticated and complete."""
 
-    def handle(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        """The JSON answer (200), or raise :class:`HttpError`."""
+    def handle(self, method: str, path: str, body: dict[str, Any] | None
+               ) -> dict[str, Any] | EventStream:
+        """The JSON answer (200) or a stream of events, or raise :class:`HttpError`."""
         ...
 
 
@@ -265,7 +279,39 @@ class _Handler(BaseHTTPRequestHandler):
             log.exception("%s %s failed", self.command, self.path[:200])
             self._send_json(500, error_body(500, f"internal error ({type(e).__name__})"))
             return
-        self._send_json(200, out)
+        if isinstance(out, EventStream):
+            self._send_events(out)
+        else:
+            self._send_json(200, out)
+
+    def _send_events(self, stream: EventStream) -> None:
+        self.close_connection = True
+        try:
+            self.send_response(200)
+            for key, value in (("Content-Type", "text/event-stream"),
+                               ("Cache-Control", "no-cache"), ("Connection", "close")):
+                self.send_header(key, value)
+            self.end_headers()
+            try:
+                for event in stream.events:
+                    self._event(json.dumps(event))
+            except HttpError as e:
+                self._event(json.dumps(error_body(e.code, e.message)))
+                return
+            except OSError:
+                raise
+            except Exception as e:
+                log.exception("%s %s failed mid-stream", self.command, self.path[:200])
+                self._event(json.dumps(error_body(500, f"internal error ({type(e).__name__})")))
+                return
+            self._event("[DONE]")
+        except OSError as e:  # the client went away or stopped reading (the write timed out)
+            log.debug("stream to %s cut: %s: %s", self.client_address, type(e).__name__, e)
+        finally:
+            stream.close()
+
+    def _event(self, data: str) -> None:
+        self.wfile.write(b"data: " + data.encode() + b"\n\n")
 
     def _content_length(self) -> int:
         if self.headers.get("Transfer-Encoding") is not None:

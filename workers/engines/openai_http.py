@@ -1,28 +1,36 @@
 """An OpenAI-compatible HTTP endpoint on a generation server, for external agents.
 
 ``GET /v1/models``, ``POST /v1/completions`` (``prompt``: text or token ids) and
-``POST /v1/chat/completions`` (the tokenizer's chat template). Requests go to the same engine
-as our RPC path, so they share its continuous batch and its weight versions; every choice says
-which versions produced its tokens (``weight_versions``), an extension to the OpenAI schema.
+``POST /v1/chat/completions`` (the tokenizer's chat template, with ``tools`` where the template
+takes them). Both generation routes take ``n`` (bounded), ``max_tokens``, ``temperature``,
+``top_p``, ``seed``, ``stop`` (up to 4 strings) and ``stop_token_ids``, return ``logprobs``
+(completions: a count of alternatives; chat: ``logprobs`` + ``top_logprobs``) and ``usage``, and
+stream with ``stream: true`` (server-sent events; ``stream_options.include_usage`` adds a last
+chunk with ``usage``). Requests go to the same engine as our RPC path, so they share its
+continuous batch and its weight versions; every choice says which versions produced its tokens
+(``weight_versions``), an extension to the OpenAI schema.
 
 Served by :class:`~workers.engines.http_server.JsonHttpServer`: every request needs the trial's
 API key, and connections, time, memory and samples per request are bounded
 (:class:`~workers.engines.http_server.HttpLimits`). What a client sees: 200, or a JSON error
 with 400 (an invalid request), 401 (no or a wrong key), 404/405, 408 (too slow), 411/413 (no or
 too large a ``Content-Length``), 429 (too many connections), 503 (the engine is down) or 504.
+A streamed answer that fails after its first chunk ends with an event ``{"error": ...}``.
 """
 from __future__ import annotations
 
 import threading
 import time
 import uuid
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, Iterator
 
 from system.errors import ConfigError
-from workers.engines.http_server import HttpError, HttpLimits, JsonHttpServer
-from workers.engines.openai_request import (GenerationRequest, chat_messages, completion_prompt,
-                                            generation_request)
+from workers.engines.http_server import EventStream, HttpError, HttpLimits, JsonHttpServer
+from workers.engines.openai_chat import chat_messages, chat_tools, render_chat
+from workers.engines.openai_generation import ChoiceEvent, Generation, gather
+from workers.engines.openai_request import (GenerationRequest, chat_request, completion_prompt,
+                                            completion_request)
+from workers.engines.openai_text import chat_logprobs, completion_logprobs
 from workers.engines.vllm_server import GenerationEngine
 
 
@@ -40,7 +48,8 @@ class OpenAIEndpoint:
                                         daemon=True)
         self._thread.start()
 
-    def handle(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+    def handle(self, method: str, path: str, body: dict[str, Any] | None
+               ) -> dict[str, Any] | EventStream:
         route = path.split("?", 1)[0].rstrip("/")
         routes = {"/v1/models": ("GET", self.models), "/v1/completions": ("POST", self.completions),
                   "/v1/chat/completions": ("POST", self.chat)}
@@ -58,64 +67,95 @@ class OpenAIEndpoint:
         return {"object": "list", "data": [
             {"id": self.model_name, "object": "model", "owned_by": "rlsys"}]}
 
-    def completions(self, body: dict[str, Any]) -> dict[str, Any]:
-        req = generation_request(body, self.limits.max_n)
+    # --- completions ---
+    def completions(self, body: dict[str, Any]) -> dict[str, Any] | EventStream:
+        req = completion_request(body, self.limits.max_n)
         prompt = completion_prompt(body)
         ids = self._encode(prompt) if isinstance(prompt, str) else prompt
-        samples = self._run(ids, req)
+        gen = self._start(ids, req)
+        if req.stream:
+            return self._stream(gen, "text_completion", self._completion_chunk)
         choices = []
-        for i, s in enumerate(samples):
-            tokens = [int(t) for t in s["tokens"]]
-            choice = {"index": i, "text": self._decode(tokens), "finish_reason": s["finish"],
-                      "weight_versions": s["segments"]}
+        for i, c in enumerate(gather(gen)):
+            choice = {"index": i, "text": c["text"], "finish_reason": c["finish"],
+                      "weight_versions": c["versions"], "logprobs": None}
             if req.logprobs:
-                with self._tokenizer_lock:
-                    pieces = [self.tokenizer.decode([t]) for t in tokens]
-                choice["logprobs"] = {"tokens": pieces, "token_ids": tokens,
-                                      "token_logprobs": [float(x) for x in s["logprobs"]]}
+                choice["logprobs"] = completion_logprobs(
+                    self._pieces, tuple(c["token_ids"]), tuple(c["logprobs"]),
+                    tuple(c["top_logprobs"]), req.top_logprobs > 0, 0)
             choices.append(choice)
-        return self._envelope("text_completion", choices, len(ids), samples)
+        return self._envelope("text_completion", choices, gen)
 
-    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        req = generation_request(body, self.limits.max_n)
-        ids = self._chat_ids(chat_messages(body))
-        samples = self._run(ids, req)
-        choices = [{"index": i, "message": {"role": "assistant",
-                                            "content": self._decode([int(t) for t in s["tokens"]])},
-                    "finish_reason": s["finish"], "weight_versions": s["segments"]}
-                   for i, s in enumerate(samples)]
-        return self._envelope("chat.completion", choices, len(ids), samples)
+    def _completion_chunk(self, gen: Generation, ev: ChoiceEvent) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": ev.index, "text": ev.text, "logprobs": None,
+                                  "finish_reason": ev.finish}
+        if gen.req.logprobs:
+            offset = len(gen.texts[ev.index].text) - len(ev.text)
+            choice["logprobs"] = completion_logprobs(
+                self._pieces, ev.token_ids, ev.logprobs, ev.top_logprobs,
+                gen.req.top_logprobs > 0, offset)
+        if ev.finish is not None:
+            choice["weight_versions"] = gen.versions[ev.index]
+        return choice
 
-    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):  # plain concatenation
-            return self._encode("".join(m["content"] for m in messages))
-        try:
-            with self._tokenizer_lock:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                         tokenize=True)
-        except Exception as e:  # the template refused these messages (jinja raised)
-            raise ConfigError(f"messages: the chat template failed: {type(e).__name__}: "
-                              f"{str(e)[:200]}") from None
-        if hasattr(ids, "keys"):  # a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+    # --- chat ---
+    def chat(self, body: dict[str, Any]) -> dict[str, Any] | EventStream:
+        messages, tools = chat_messages(body), chat_tools(body)
+        with self._tokenizer_lock:
+            ids = render_chat(self.tokenizer, messages, tools)
+        room = max(1, self.engine.cfg.max_model_len - len(ids))
+        req = chat_request(body, self.limits.max_n, room)
+        gen = self._start(ids, req)
+        if req.stream:
+            return self._stream(gen, "chat.completion.chunk", self._chat_chunk)
+        choices = []
+        for i, c in enumerate(gather(gen)):
+            choices.append({
+                "index": i, "message": {"role": "assistant", "content": c["text"]},
+                "finish_reason": c["finish"], "weight_versions": c["versions"],
+                "logprobs": chat_logprobs(self._pieces, tuple(c["token_ids"]),
+                                          tuple(c["logprobs"]), tuple(c["top_logprobs"]))
+                if req.logprobs else None})
+        return self._envelope("chat.completion", choices, gen)
 
-    def _run(self, ids: list[int], req: GenerationRequest) -> list[dict[str, Any]]:
-        """Submit to the engine and wait; its refusals and failures as HTTP errors."""
-        from vllm.exceptions import VLLMClientError
+    def _chat_chunk(self, gen: Generation, ev: ChoiceEvent) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": ev.index, "delta": {"content": ev.text},
+                                  "logprobs": None, "finish_reason": ev.finish}
+        if gen.req.logprobs:
+            choice["logprobs"] = chat_logprobs(self._pieces, ev.token_ids, ev.logprobs,
+                                               ev.top_logprobs)
+        if ev.finish is not None:
+            choice["weight_versions"] = gen.versions[ev.index]
+        return choice
 
-        try:
-            future = self.engine.submit(ids, req.n, req.sampling)
-        except RuntimeError as e:  # GenerationLoopDied, or the engine is stopping
-            raise HttpError(503, f"the generation engine is not serving: {e}") from None
-        try:
-            return future.result(self.limits.request_timeout)
-        except FutureTimeout:
-            raise HttpError(504, f"no answer within {self.limits.request_timeout:g} s") from None
-        except (ConfigError, VLLMClientError, ValueError, TypeError) as e:  # refused in the loop
-            raise HttpError(400, f"{type(e).__name__}: {str(e)[:500]}") from None
-        except RuntimeError as e:
-            raise HttpError(503, f"the generation engine failed: {e}") from None
+    # --- shared ---
+    def _start(self, ids: list[int], req: GenerationRequest) -> Generation:
+        return Generation(self.engine, ids, req, self._decode, self.limits.request_timeout)
+
+    def _stream(self, gen: Generation, obj: str, chunk: Any) -> EventStream:
+        head = self._head(obj)
+
+        if gen.req.include_usage:  # every chunk says usage: null, the last one has it
+            head["usage"] = None
+
+        def events() -> Iterator[dict[str, Any]]:
+            if obj == "chat.completion.chunk":  # the role first, as OpenAI sends it
+                yield {**head, "choices": [
+                    {"index": i, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None} for i in range(gen.req.n)]}
+            for ev in gen.events():
+                yield {**head, "choices": [chunk(gen, ev)]}
+            if gen.req.include_usage:
+                yield {**head, "choices": [], "usage": gen.usage()}
+        return EventStream(events(), gen.close)
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        prefix = "chatcmpl" if obj.startswith("chat") else "cmpl"
+        return {"id": f"{prefix}-{uuid.uuid4().hex[:16]}", "object": obj,
+                "created": int(time.time()), "model": self.model_name}
+
+    def _envelope(self, obj: str, choices: list, gen: Generation) -> dict[str, Any]:
+        return {**self._head(obj), "choices": choices, "usage": gen.usage()}
 
     def _encode(self, text: str) -> list[int]:
         with self._tokenizer_lock:
@@ -125,13 +165,10 @@ class OpenAIEndpoint:
         with self._tokenizer_lock:
             return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
 
-    def _envelope(self, obj: str, choices: list, plen: int,
-                  samples: list[dict[str, Any]]) -> dict[str, Any]:
-        completion = sum(len(s["tokens"]) for s in samples)
-        return {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": obj, "created": int(time.time()),
-                "model": self.model_name, "choices": choices,
-                "usage": {"prompt_tokens": plen, "completion_tokens": completion,
-                          "total_tokens": plen + completion}}
+    def _pieces(self, tokens: list[int]) -> list[str]:
+        """Each token's own text (special tokens included), for logprobs."""
+        with self._tokenizer_lock:
+            return [str(self.tokenizer.decode([t])) for t in tokens]
 
     def close(self) -> None:
         self.server.shutdown()

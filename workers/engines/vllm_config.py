@@ -17,6 +17,8 @@ from system.errors import ConfigError
 
 MAX_STOP_TOKEN_IDS = 256
 """Most stop token ids one request may name."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token a request may ask log-probabilities of (vLLM's max_logprobs)."""
 
 CPU_MEMORY_UTILIZATION = 0.2
 """On CPU, the fraction of the NUMA node's memory vLLM reserves (its default 0.92 fails)."""
@@ -163,6 +165,12 @@ class Sampling:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_logprobs: int = 0
+    """Also return the log-probabilities of this many most likely tokens at each position
+    (0 .. :data:`MAX_TOP_LOGPROBS`; the sampled token's own log-probability always comes)."""
+    seed: Optional[int] = None
+    """Seed of this request's sampling (sample ``i`` of ``n`` uses ``seed + i``), in
+    [0, 2**63); null: the engine's random stream."""
 
     def __post_init__(self) -> None:
         self.max_tokens = as_int("max_tokens", self.max_tokens, lo=1)
@@ -184,3 +192,11 @@ class Sampling:
                                     for t in self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ConfigError(f"ignore_eos must be true or false, got {_show(self.ignore_eos)}")
+        self.top_logprobs = as_int("top_logprobs", self.top_logprobs, lo=0)
+        if self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise ConfigError(f"top_logprobs must be <= {MAX_TOP_LOGPROBS}, got "
+                              f"{self.top_logprobs}")
+        if self.seed is not None:
+            self.seed = as_int("seed", self.seed, lo=0)
+            if self.seed >= 1 << 63:
+                raise ConfigError(f"seed must be < 2**63, got {self.seed}")

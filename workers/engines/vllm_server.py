@@ -10,7 +10,10 @@ produced by a half-updated model. A request in flight at an update is either
   tokens so far) on the new weights: a partial rollout.
 
 Every token carries the weight version that produced it; ``segments`` lists ``(version, count)``
-runs per sample. The prefix cache is reset after every update (cached KV was computed with the
+runs per sample. A caller that wants tokens as they come (the HTTP endpoint's streaming) submits
+with an :class:`~workers.engines.output_stream.OutputStream`: the loop puts each step's new
+tokens there, and :meth:`GenerationEngine.stop_samples` ends samples early (a stop string, a
+client that went away). The prefix cache is reset after every update (cached KV was computed with the
 old weights).
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from system.errors import ConfigError
+from workers.engines.output_stream import OutputStream, SampleDelta
 from workers.engines.vllm_config import Sampling, VllmConfig, as_int
 
 __all__ = ["GenerationEngine", "GenerationLoopDied", "Sampling", "VllmConfig", "segments_of"]
@@ -48,6 +52,7 @@ class _Seq:
     prompt: list[int]
     sampling: Sampling
     group: "_Group"
+    index: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
@@ -62,6 +67,14 @@ class _Group:
     seqs: list[_Seq]
     left: int
     submitted: float
+    stream: OutputStream | None = None
+
+
+def _top(position: dict[int, Any], k: int) -> tuple[tuple[int, float], ...]:
+    """The ``k`` most likely ``(token id, logprob)`` of one position of vLLM's logprobs (which
+    also holds the sampled token, whatever its rank)."""
+    ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank else 1 << 62)
+    return tuple((int(t), float(lp.logprob)) for t, lp in ranked[:k])
 
 
 def segments_of(versions: np.ndarray) -> list[list[int]]:
@@ -128,6 +141,7 @@ class GenerationEngine:
         self._controls: collections.deque[tuple[Callable[[Any], Any], int | None, Future]] = \
             collections.deque()
         self._active: dict[str, _Seq] = {}
+        self._stops: collections.deque[tuple[_Group, tuple[int, ...]]] = collections.deque()
         self._ids = itertools.count()
         self._stop = False
         self.stats = {"requests": 0, "samples": 0, "tokens": 0, "cut": 0, "updates": 0,
@@ -138,10 +152,12 @@ class GenerationEngine:
         threading.Thread(target=self._watch, name="vllm-watch", daemon=True).start()
 
     # --- from any thread ---
-    def submit(self, prompt: list[int], n: int, sampling: Sampling) -> Future:
-        """``n`` samples of one prompt; the future resolves to a list of sample dicts. A request
-        this engine cannot serve raises :class:`~system.errors.ConfigError` here, before it
-        reaches the loop thread."""
+    def submit(self, prompt: list[int], n: int, sampling: Sampling,
+               stream: OutputStream | None = None) -> Future:
+        """``n`` samples of one prompt; the future resolves to a list of sample dicts. With
+        ``stream``, every step's new tokens also go there as they come (and the stream ends when
+        the future settles). A request this engine cannot serve raises
+        :class:`~system.errors.ConfigError` here, before it reaches the loop thread."""
         n = as_int("n", n, lo=1)
         if not isinstance(sampling, Sampling):
             raise ConfigError(f"sampling must be a Sampling, got {type(sampling).__name__}")
@@ -151,15 +167,34 @@ class GenerationEngine:
                               f"exceeds vllm.max_model_len={self.cfg.max_model_len}")
         self._check_vocab("stop_token_ids", sampling.stop_token_ids)
         self.check()
+        if stream is not None and stream.n != n:
+            raise ConfigError(f"the output stream is for n={stream.n}, the request has n={n}")
         fut: Future = Future()
-        group = _Group(fut, [], n, time.monotonic())
-        group.seqs = [_Seq(next(self._ids), list(ids), sampling, group) for _ in range(n)]
+        group = _Group(fut, [], n, time.monotonic(), stream)
+        group.seqs = [_Seq(next(self._ids), list(ids), sampling, group, i) for i in range(n)]
+        if stream is not None:
+            stream.request = group
+            fut.add_done_callback(lambda f: stream.end(f.exception()))
         with self._cv:
             self._check_open()
             self._incoming.extend(group.seqs)
             self.stats["requests"] += 1
             self._cv.notify()
         return fut
+
+    def stop_samples(self, stream: OutputStream, indices: "list[int] | None" = None) -> None:
+        """End samples ``indices`` (all: None) of the request behind ``stream`` now, as finished
+        with reason ``stop`` (the reader found a stop string, or went away); vLLM stops
+        computing them at the loop's next turn. Samples already finished are left as they are."""
+        group = stream.request
+        if not isinstance(group, _Group):
+            raise ConfigError("this output stream was not submitted to this engine")
+        chosen = tuple(range(len(group.seqs)) if indices is None else indices)
+        with self._cv:
+            if self._stop:
+                return
+            self._stops.append((group, chosen))
+            self._cv.notify()
 
     def _token_ids(self, prompt: Any) -> list[int]:
         if hasattr(prompt, "tolist"):  # a numpy array
@@ -253,10 +288,13 @@ class GenerationEngine:
         """One pass of the loop: wait for work, then run a control task or add what arrived and
         step the engine. ``False`` once stopped."""
         with self._cv:
-            while not (self._stop or self._controls or self._incoming or self._active):
+            while not (self._stop or self._controls or self._incoming or self._active
+                       or self._stops):
                 self._cv.wait()
             if self._stop:
                 return False
+            stops = list(self._stops)
+            self._stops.clear()
             # a pending control runs now (cut), or once the running samples finish (finish);
             # either way nothing new is admitted before it
             control = bool(self._controls)
@@ -265,6 +303,8 @@ class GenerationEngine:
             if not control:
                 while self._incoming:
                     incoming.append(self._incoming.popleft())
+        for group, indices in stops:
+            self._stop_group(group, indices)
         if run_control:
             self._run_control()
             return True
@@ -291,7 +331,7 @@ class GenerationEngine:
     def _admit(self, seq: _Seq) -> None:
         """Add one sample to vLLM's batch. A failure here (vLLM refusing the request) fails its
         group only; a dead engine core ends the loop."""
-        if seq.group.future.done():  # a sibling was refused
+        if seq.group.future.done() or seq.finish:  # a sibling was refused, or it was stopped
             return
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -316,6 +356,21 @@ class GenerationEngine:
         if running:
             self.engine.abort_request(running)
 
+    def _stop_group(self, group: _Group, indices: tuple[int, ...]) -> None:
+        """:meth:`stop_samples` on the loop thread: abort what runs, mark the rest (a sample
+        waiting to be admitted, or cut at an update, is then never admitted)."""
+        if group.future.done():
+            return
+        for i in indices:
+            seq = group.seqs[i] if 0 <= i < len(group.seqs) else None
+            if seq is None or seq.finish:
+                continue
+            if self._active.get(seq.rid) is seq:
+                del self._active[seq.rid]
+                self.engine.abort_request([seq.rid])
+            seq.finish = "stop"
+            self._done(seq)
+
     def _add(self, seq: _Seq) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -325,9 +380,11 @@ class GenerationEngine:
         left = s.max_tokens - len(seq.tokens)
         stop = list(s.stop_token_ids) + ([self.eos] if self.eos is not None and not s.ignore_eos
                                          else [])
+        seed = None if s.seed is None else (s.seed + seq.index) % (1 << 63)
         params = SamplingParams(max_tokens=left, temperature=s.temperature, top_p=s.top_p,
-                                stop_token_ids=stop or None, logprobs=0, detokenize=False,
-                                ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA)
+                                stop_token_ids=stop or None, logprobs=s.top_logprobs,
+                                detokenize=False, ignore_eos=s.ignore_eos, seed=seed,
+                                output_kind=RequestOutputKind.DELTA)
         seq.rid = f"{seq.sid}.{seq.segments}"
         seq.segments += 1
         self._active[seq.rid] = seq
@@ -351,6 +408,7 @@ class GenerationEngine:
     def _take(self, seq: _Seq, out: Any) -> None:
         o = out.outputs[0]
         ids = list(o.token_ids)
+        start = len(seq.logprobs)
         seq.tokens.extend(ids)
         seq.versions.extend([self.version] * len(ids))
         if o.logprobs:
@@ -361,6 +419,13 @@ class GenerationEngine:
         if out.finished:
             del self._active[out.request_id]
             seq.finish = str(o.finish_reason or "stop")
+        stream = seq.group.stream
+        if stream is not None and (ids or out.finished):
+            k = seq.sampling.top_logprobs
+            top = tuple(_top(d, k) for d in o.logprobs) if k and o.logprobs else ((),) * len(ids)
+            stream.put(SampleDelta(seq.index, tuple(ids), tuple(seq.logprobs[start:]), top,
+                                   self.version, seq.finish or None))
+        if out.finished:
             self._done(seq)
 
     def _done(self, seq: _Seq) -> None:

@@ -160,12 +160,30 @@ HOSTILE_BODIES = [  # (body as JSON text, what the 400 names)
     ('{"prompt": [1, 2], "stop_token_ids": [5, 1000000]}', "stop_token_ids must be in"),
     ('{"prompt": [1, 2], "stop_token_ids": [-3]}', "stop_token_ids must be >= 0"),
     ('{"prompt": [1, 2], "stop_token_ids": 7}', "stop_token_ids must be a list"),
-    ('{"prompt": [1, 2], "stream": true}', "stream"),
-    ('{"prompt": [1, 2], "stop": ["t3"]}', "stop strings"),
+    ('{"prompt": [1, 2], "stream": "yes"}', "stream must be true or false"),
+    ('{"prompt": [1, 2], "stream_options": {"include_usage": true}}', "needs stream: true"),
+    ('{"prompt": [1, 2], "stream": true, "stream_options": {"x": 1}}', "'x' is not supported"),
+    ('{"prompt": [1, 2], "stop": ["a", "b", "c", "d", "e"]}', "stop: at most 4"),
+    ('{"prompt": [1, 2], "stop": 7}', "stop must be a string or a list"),
+    ('{"prompt": [1, 2], "stop": ["' + "x" * 300 + '"]}', "stop strings must have"),
+    ('{"prompt": [1, 2], "logprobs": 21}', "logprobs must be <= 20"),
+    ('{"prompt": [1, 2], "logprobs": -1}', "logprobs must be >= 0"),
+    ('{"prompt": [1, 2], "seed": 1.5}', "seed must be an integer"),
+    ('{"prompt": [1, 2], "seed": 99999999999999999999999}', "seed must be < 2**63"),
+    ('{"prompt": [1, 2], "echo": true}', "echo is not supported"),
+    ('{"prompt": [1, 2], "logit_bias": {"5": 100}}', "logit_bias is not supported"),
+    ('{"prompt": [1, 2], "stop": ["t3"], "seed": 3, "max_tokens": 3}', ""),  # valid
     ('{"prompt": {"bad": 1}}', "prompt"),
     ('{"prompt": []}', "prompt"),
     ('{"prompt": "t1 " }', ""),  # a valid one among them
     ('{"messages": [{"role": "user", "content": 5}]}', "content"),
+    ('{"messages": [{"role": "user", "content": "t1"}], "tools": [{"type": "function", '
+     '"function": {"name": "f"}}]}', "tools: this model's tokenizer has no chat template"),
+    ('{"messages": [{"role": "user", "content": "t1"}], "top_logprobs": 2}', "needs logprobs"),
+    ('{"messages": [{"role": "user", "content": "t1"}], "tool_choice": "required"}',
+     "tool_choice must be one of"),
+    ('{"messages": [{"role": "user", "content": "t1"}], "max_tokens": 2, '
+     '"max_completion_tokens": 3}', "max_tokens and max_completion_tokens differ"),
     ('[1, 2]', "JSON object"),
     ('{"prompt": [1, 2]', "not valid JSON"),
     ('[' * 30000 + ']' * 30000, "not valid JSON"),  # nested past the recursion limit
