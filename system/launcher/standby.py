@@ -149,22 +149,26 @@ class _Spare:
 
     def _activate(self, act: Activation, line: bytes) -> tuple[Activation, Any] | None:
         """Hand ``act`` to the prepared child if it is ready, else fork a fresh one."""
-        p = self.prep
+        p, lost = self.prep, False
         if p is not None and p.ready:
             self.prep = None
-            os.write(p.to_child, line + b"\n")
+            try:
+                os.write(p.to_child, line + b"\n")
+            except OSError:  # it died since it said it was ready: a fresh fork instead
+                p.ready, lost = False, True
             os.close(p.to_child)
             os.close(p.ready_fd)
-            self.children[p.pidfd] = p.pid
-            self._answer(Forked(p.pid))
-            return self._start_prepared(self.delay)
+            self.children[p.pidfd] = p.pid  # reaped (and answered) like any child
+            if p.ready:
+                self._answer(Forked(p.pid))
+                return self._start_prepared(self.delay)
         pid = self._fork()
         if pid == 0:
             _become(act, self.pid)
             return act, None
         self.children[os.pidfd_open(pid)] = pid
         self._answer(Forked(pid))
-        return None
+        return self._start_prepared(self.delay) if lost else None
 
     def _fork(self) -> int:
         sys.stdout.flush()
