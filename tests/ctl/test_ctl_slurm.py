@@ -68,6 +68,9 @@ def test_detached_trial_status_and_cancel(slurm_cluster, tmp_path):
     print(text)  # shown with pytest -s: what an operator sees
     assert "reason=BeginTime" in text and "controller.log" in text
     assert len(queued(slurm_cluster.env, "smoke", "op")) == 5
+    r = ctl_env(slurm_cluster.env, "ls", "--fileroot", root)
+    assert r.returncode == 0 and "smoke/op" in r.stdout.split(), r.stdout
+    assert r.stdout.split()[-1] == "slurm" and "starting" in r.stdout.split()
 
     t0 = time.time()
     r = ctl_env(slurm_cluster.env, "cancel", *words)
@@ -77,5 +80,6 @@ def test_detached_trial_status_and_cancel(slurm_cluster, tmp_path):
     assert queued(slurm_cluster.env, "smoke", "op") == []
     st = ctl_env(slurm_cluster.env, "status", *words, "--json")
     assert st.returncode == 5 and json.loads(st.stdout)["state"] == "cancelled"
+    assert "cancelled" in ctl_env(slurm_cluster.env, "ls", "--fileroot", root).stdout.split()
     r = ctl_env(slurm_cluster.env, "logs", *words)
     assert r.returncode == 0 and "cancelled: stopping every worker" in r.stdout
