@@ -200,10 +200,12 @@ class LocalScheduler(Scheduler):
 
     def stop_all(self, grace: float) -> None:
         # the workers first: a forked worker dies with its spare, without its grace period
-        _terminate([p for p, _ in self._procs.values()], grace)
-        if self._spares is not None:
-            _terminate(list(self._spares.processes()), grace)
-            self._spares.forget()
+        try:
+            _terminate([p for p, _ in self._procs.values()], grace)
+        finally:
+            if self._spares is not None:
+                _terminate(list(self._spares.processes()), grace)
+                self._spares.forget()
         for log in self._logs:
             log.close()
         self._logs.clear()
@@ -226,7 +228,7 @@ def _terminate(procs: list[Process], grace: float) -> None:
     """SIGTERM each process group, SIGKILL what is left after ``grace`` seconds."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
-        _signal_group(p.pid, signal.SIGTERM)
+        _signal_group(p.pid, signal.SIGTERM, p)
     deadline = time.monotonic() + grace
     for p in live:
         try:
@@ -235,7 +237,7 @@ def _terminate(procs: list[Process], grace: float) -> None:
             pass
     # SIGKILL every group, even of processes that exited: their children may linger.
     for p in procs:
-        _signal_group(p.pid, signal.SIGKILL)
+        _signal_group(p.pid, signal.SIGKILL, p)
     for p in procs:
         try:
             p.wait(timeout=10)
@@ -243,8 +245,16 @@ def _terminate(procs: list[Process], grace: float) -> None:
             raise SchedulerError(f"process {p.pid} survived SIGKILL") from e
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def _signal_group(pgid: int, sig: int, proc: Process | None = None) -> None:
+    """``sig`` to process group ``pgid``; to ``proc`` itself when it leads no group yet (a
+    worker a spare just forked, before its ``setsid``) and is still ours (not reaped)."""
     try:
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
+    except ProcessLookupError:
+        if proc is not None and proc.poll() is None:
+            try:
+                os.kill(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+    except PermissionError:
         pass

@@ -146,8 +146,10 @@ class _Spare:
                 return self.forked.pop(0)
             if self.proc.poll() is not None:
                 return None
-            try:
-                select.select([self.proc.stdout.fileno()], [], [], 0.1)
+            try:  # (poll, not select: the launcher's descriptors may be past 1024)
+                waiter = select.poll()
+                waiter.register(self.proc.stdout.fileno(), select.POLLIN)
+                waiter.poll(100)
             except (OSError, ValueError):
                 return None
         return None
@@ -171,10 +173,9 @@ class ForkedWorker:
             self._spare.pump()
             if self.pid in self._spare.exits:
                 self.returncode = self._spare.exits.pop(self.pid)
-            elif not _running(self.pid):
-                # gone, its exit not (yet) told: the spare reports it right after reaping it;
-                # if the spare died too, the worker was killed with it (PR_SET_PDEATHSIG)
-                time.sleep(0.05)
+            elif not self._spare.alive() and not _running(self.pid):
+                # while the spare lives its answer decides (it reaps the worker); a spare that
+                # died took its workers with it (PR_SET_PDEATHSIG), their codes unsaid
                 self._spare.pump()
                 self.returncode = self._spare.exits.pop(self.pid, -signal.SIGKILL)
         return self.returncode
@@ -195,6 +196,7 @@ class Spares:
         self._start = start  # Popen with the scheduler's child set-up (new session, death signal)
         self._groups: dict[tuple[str, ...], GroupSpec] = {}
         self._spares: dict[tuple[str, ...], _Spare] = {}
+        self._retired: list[_Spare] = []  # alive, did not answer a fork: stopped with the trial
         self.enabled = False
 
     def remember(self, group: GroupSpec, env: dict[str, str] | None = None) -> None:
@@ -209,7 +211,10 @@ class Spares:
         self.enabled = True
         for key, group in self._groups.items():
             spare = self._spares.get(key)
-            if spare is None or not spare.alive():
+            if spare is not None and not spare.alive():
+                self._drop(key)
+                spare = None
+            if spare is None:
                 self._spawn(key, group)
 
     def take(self, group: GroupSpec, activation: Activation, timeout: float = 10.0
@@ -229,26 +234,30 @@ class Spares:
             return None  # still importing: no faster than a new process
         pid = spare.fork(activation, timeout)
         if pid is None:
-            self._drop(key)
+            if spare.alive():  # slow to answer: its workers live on; it stops with the trial
+                self._retired.append(self._spares.pop(key))
+            else:
+                self._drop(key)
             if self.enabled:
                 self._spawn(key, group)
             return None
         return ForkedWorker(spare, pid)
 
     def processes(self) -> list[subprocess.Popen]:
-        return [s.proc for s in self._spares.values()]
+        return [s.proc for s in [*self._spares.values(), *self._retired]]
 
     def forget(self) -> None:
         """After :meth:`processes` were stopped."""
-        for s in self._spares.values():
-            s.log.close()
+        for s in [*self._spares.values(), *self._retired]:
+            _close(s)
         self._spares.clear()
+        self._retired.clear()
         self.enabled = False
 
     def _drop(self, key: tuple[str, ...]) -> None:
         spare = self._spares.pop(key)
-        spare.log.close()
         _reap(spare.proc)
+        _close(spare)
 
     def _spawn(self, key: tuple[str, ...], group: GroupSpec) -> None:
         log_path = os.path.join(os.path.dirname(group.log_paths[0]), f"spare-{group.kind}.log")
@@ -278,6 +287,16 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except (OSError, IndexError):
         return False
+
+
+def _close(spare: _Spare) -> None:
+    """Close what the launcher holds of ``spare``: its pipes and its log."""
+    for f in (spare.proc.stdin, spare.proc.stdout, spare.log):
+        try:
+            if f is not None:
+                f.close()
+        except OSError:
+            pass
 
 
 def _reap(proc: subprocess.Popen) -> None:

@@ -65,6 +65,11 @@ def prepare_generation(boot: Bootstrap) -> Any:
     from workers.engines.vllm_server import GenerationEngine
 
     rl = rl_section(OmegaConf.load(TrialPaths(boot.trial_dir).config)["rl"])
+    if rl.vllm.kv_cache_gib is None or not rl.vllm.inline(on_gpu=False):
+        # (a second KV cache sized by a fraction of the machine, or engine processes outside
+        # the prepared worker, are not worth holding ahead of a restart that may never come)
+        raise ValueError("only an in-process engine with rl.vllm.kv_cache_gib set is prepared "
+                         "ahead")
     path = experiment_model_path(boot.experiment, rl)
     if not os.path.isdir(path):
         raise FileNotFoundError(path)

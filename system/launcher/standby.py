@@ -63,6 +63,7 @@ class _Prepared:
     to_child: int  # the activation line goes here
     ready_fd: int  # one byte comes from here once the child has prepared
     ready: bool = False
+    ended: bool = False  # ready_fd hit end-of-file: it died before it was ready
 
 
 def fork_workers(kind: str, prepare: Callable[[], Any] | None = None,
@@ -101,7 +102,8 @@ class _Spare:
         while True:
             watched = [0, *self.children]
             if self.prep is not None:
-                watched += [self.prep.pidfd] + ([] if self.prep.ready else [self.prep.ready_fd])
+                watched += [self.prep.pidfd] + (
+                    [] if self.prep.ready or self.prep.ended else [self.prep.ready_fd])
             ready, _, _ = select.select(watched, [], [])
             for fd in ready:
                 if fd in self.children:
@@ -136,9 +138,12 @@ class _Spare:
     def _watch_prepared(self, ready: list[int]) -> None:
         p = self.prep
         assert p is not None
-        if not p.ready and p.ready_fd in ready and os.read(p.ready_fd, 1):
-            p.ready = True
-            log.info("prepared for a restart (pid %d)", p.pid)
+        if not p.ready and p.ready_fd in ready:
+            if os.read(p.ready_fd, 1):
+                p.ready = True
+                log.info("prepared for a restart (pid %d)", p.pid)
+            else:
+                p.ended = True  # (its pidfd says when it is gone)
         if p.pidfd in ready:  # it died before any restart needed it
             _, status = os.waitpid(p.pid, 0)
             log.warning("preparing for a restart failed (exit code %d): restarts prepare their "
@@ -158,10 +163,12 @@ class _Spare:
                 p.ready, lost = False, True
             os.close(p.to_child)
             os.close(p.ready_fd)
-            self.children[p.pidfd] = p.pid  # reaped (and answered) like any child
             if p.ready:
+                self.children[p.pidfd] = p.pid  # reaped (and answered) like any child
                 self._answer(Forked(p.pid))
                 return self._start_prepared(self.delay)
+            os.waitpid(p.pid, 0)  # (never announced: reaped without an answer)
+            os.close(p.pidfd)
         pid = self._fork()
         if pid == 0:
             _become(act, self.pid)
@@ -199,6 +206,8 @@ class _Spare:
         return None
 
     def _prepared_child(self, r_act: int, w_ok: int, delay: float) -> tuple[Activation, Any]:
+        # its own group from the start: whatever preparing starts is stopped with the worker
+        os.setsid()
         _die_with_parent()
         if os.getppid() != self.pid:
             os._exit(1)
@@ -237,7 +246,8 @@ def _become(act: Activation, spare: int) -> None:
     """In the forked child: lead a session of its own (stopped as a group, like every local
     worker), die with the spare (which dies with the launcher), take the activation's
     environment and log file, read nothing from the spare's stdin."""
-    os.setsid()
+    if os.getsid(0) != os.getpid():  # (a prepared child leads its session already)
+        os.setsid()
     _die_with_parent()
     if os.getppid() != spare:  # the spare died between the fork and the prctl
         os._exit(1)
