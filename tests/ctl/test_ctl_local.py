@@ -60,8 +60,13 @@ def test_ls_status_logs_cancel(fileroot):
         assert s["progress"]["trajectories"] == "400/400"
         assert all(os.path.isfile(p) for p in s["logs"].values())
 
-        r = ctl("ls", "--fileroot", fileroot)
-        assert r.returncode == 0
+        deadline = time.time() + 20  # ls reads status.json, rewritten every 2 s
+        while True:
+            r = ctl("ls", "--fileroot", fileroot)
+            assert r.returncode == 0
+            if "trajectories" in r.stdout.split() or time.time() > deadline:
+                break
+            time.sleep(0.5)
         assert ["smoke/op", "running", "trajectories", "400/400"] == r.stdout.split()[5:9]
         assert r.stdout.split()[-1] == "local"
 
