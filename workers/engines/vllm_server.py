@@ -19,7 +19,6 @@ old weights).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import os
@@ -33,6 +32,7 @@ import numpy as np
 from system.errors import ConfigError
 from workers.engines.output_stream import OutputStream, SampleDelta
 from workers.engines.vllm_config import Sampling, VllmConfig, as_int
+from workers.engines.vllm_requests import _Group, _Seq, _top, segments_of
 
 __all__ = ["GenerationEngine", "GenerationLoopDied", "Sampling", "VllmConfig", "segments_of"]
 
@@ -44,48 +44,6 @@ WEIGHT_SYNC_EXTENSION = "workers.engines.vllm_weight_sync.WeightSyncExtension"
 class GenerationLoopDied(RuntimeError):
     """The engine's loop thread raised: every pending and later request fails with this error,
     which names the cause (also its ``__cause__``)."""
-
-
-@dataclasses.dataclass
-class _Seq:
-    sid: int
-    prompt: list[int]
-    sampling: Sampling
-    group: "_Group"
-    index: int = 0
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    rid: str = ""
-    segments: int = 0
-    finish: str = ""
-
-
-@dataclasses.dataclass
-class _Group:
-    future: Future
-    seqs: list[_Seq]
-    left: int
-    submitted: float
-    stream: OutputStream | None = None
-
-
-def _top(position: dict[int, Any], k: int) -> tuple[tuple[int, float], ...]:
-    """The ``k`` most likely ``(token id, logprob)`` of one position of vLLM's logprobs (which
-    also holds the sampled token, whatever its rank)."""
-    ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank else 1 << 62)
-    return tuple((int(t), float(lp.logprob)) for t, lp in ranked[:k])
-
-
-def segments_of(versions: np.ndarray) -> list[list[int]]:
-    """``[[version, count], ...]`` runs of equal versions."""
-    out: list[list[int]] = []
-    for v in versions.tolist():
-        if out and out[-1][0] == v:
-            out[-1][1] += 1
-        else:
-            out.append([int(v), 1])
-    return out
 
 
 class GenerationEngine:
