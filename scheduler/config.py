@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from scheduler.cpu_plan import CpuBinding
 from scheduler.gpu_plan import parse_visible
 from scheduler.slurm_config import SlurmConfig
 from system.checks import check_line
@@ -25,6 +26,11 @@ class LocalConfig:
     launcher's ``CUDA_VISIBLE_DEVICES`` if set, else every GPU ``nvidia-smi`` lists, else none:
     workers run on the CPU), ``none`` (every worker on the CPU), or comma-separated device ids,
     e.g. ``2,5,7`` (kept as given: non-contiguous ids map onto those devices)."""
+    cpus: CpuBinding = dataclasses.field(default_factory=CpuBinding)
+    """CPU sets, as Slurm binds tasks to theirs: by default (``auto``), on a machine whose
+    workers use no GPU, model workers and generation servers get disjoint CPUs, so an async
+    trial overlaps training with generation (``scheduler.local.cpus.mode=off``: no binding;
+    ``scheduler.local.cpus.model=0-3``: a kind's CPUs by hand)."""
     spares: bool = True
     """With recovery on: keep one warm spare process per worker group, already past its
     imports, that a restart takes over (a restart then skips about 4-8 s of imports; each spare

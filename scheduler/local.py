@@ -22,6 +22,7 @@ import time
 from typing import Mapping, Sequence
 
 from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
+from scheduler.cpu_plan import cpu_env
 from scheduler.gpu_plan import GpuDemand, parse_visible, plan_gpus
 from scheduler.spares import Activation, ForkedWorker, Spares
 from system.errors import SchedulerError
@@ -122,12 +123,15 @@ def _popen(argv: list[str], **kw: object) -> subprocess.Popen:
 
 class LocalScheduler(Scheduler):
     def __init__(self, gpus: LocalGpus = LocalGpus(), demands: Sequence[GpuDemand] = (),
-                 share_gpus: bool = False, spares: bool = True) -> None:
+                 share_gpus: bool = False, spares: bool = True,
+                 cpus: Mapping[str, tuple[int, ...]] | None = None) -> None:
         """``gpus``: what the workers share out; ``demands``: every GPU-using group of the
         trial. Too few GPUs for them is a :class:`~scheduler.gpu_plan.GpuPlanError` here,
         before anything starts, unless ``share_gpus`` (no GPUs at all: every worker on the
         CPU). ``spares``: keep warm spares for the groups that use no GPU, once asked
-        (:meth:`warm_spares`)."""
+        (:meth:`warm_spares`). ``cpus``: each bound worker's CPU set
+        (:func:`~scheduler.cpu_plan.plan_cpus`), given to it as ``RLSYS_CPUS``."""
+        self._cpus = dict(cpus or {})
         self._procs: dict[str, tuple[Process, LocalProcess]] = {}
         self._logs: list = []
         self._gpus = gpus
@@ -137,6 +141,10 @@ class LocalScheduler(Scheduler):
     def devices(self, name: str) -> tuple[str, ...]:
         """The GPU ids worker ``name`` sees (none: not a GPU worker, or no GPUs here)."""
         return self._placement.get(name, ())
+
+    def cpus(self, name: str) -> tuple[int, ...]:
+        """The CPUs worker ``name`` is bound to (none: unbound)."""
+        return self._cpus.get(name, ())
 
     def _gpu_env(self, name: str) -> dict[str, str]:
         if not self._gpus.managed:
@@ -149,7 +157,7 @@ class LocalScheduler(Scheduler):
         return LocalRequest(group, tuple(
             LocalProcess(name, (*group.argv, "--index", str(group.first + i)),
                          {**group.env, "RLSYS_WORKER_INDEX": str(group.first + i),
-                          **self._gpu_env(name)},
+                          **self._gpu_env(name), **cpu_env(self._cpus, name)},
                          group.log_paths[i])
             for i, name in enumerate(group.worker_names())))
 
@@ -158,7 +166,11 @@ class LocalScheduler(Scheduler):
         ids = []
         if self._spares is not None and not any(self.devices(w.name) for w in request.processes):
             # (a spare cannot take a worker's GPUs: CUDA fixes them when it first initialises)
-            self._spares.remember(request.group, self._gpu_env(request.processes[0].name))
+            # (a spare runs on its group's CPUs; each worker it forks moves onto its own)
+            group_cpus = {c for w in request.processes for c in self.cpus(w.name)}
+            self._spares.remember(request.group, {
+                **self._gpu_env(request.processes[0].name),
+                **cpu_env({"group": tuple(group_cpus)}, "group")})
         for w in request.processes:
             if w.name in self._procs:
                 raise SchedulerError(f"worker {w.name} was already submitted")

@@ -24,7 +24,12 @@ def make_scheduler(sched: SchedulerConfig, exp: str, trial: str, trial_dir: str,
         return SlurmScheduler(sched.slurm, exp, trial, trial_dir,
                               os.path.abspath(sched.slurm.workdir or PROJECT_ROOT), umask,
                               {d.kind: d.per_worker for d in gpu_demands})
+    from scheduler.cpu_plan import CpuDemand, plan_cpus
     from scheduler.local import LocalScheduler, local_gpus
 
-    return LocalScheduler(local_gpus(sched.local.gpus, os.environ), gpu_demands,
-                          sched.local.share_gpus, spares=sched.local.spares)
+    gpus = local_gpus(sched.local.gpus, os.environ)
+    cpus = plan_cpus(sorted(os.sched_getaffinity(0)), sched.local.cpus,
+                     [CpuDemand(d.kind, d.count, max(1, d.per_worker)) for d in gpu_demands],
+                     gpus=bool(gpus.ids))
+    return LocalScheduler(gpus, gpu_demands, sched.local.share_gpus, spares=sched.local.spares,
+                          cpus=cpus)

@@ -114,6 +114,8 @@ class Cluster:
         parts = self.split([len(b["tokens"]) for b in batch])
         global_tokens = int(sum(int(b["mask"].sum()) for b in batch))
         loss = dataclasses.asdict(self.rl.loss)
+        if not self.rl.decoupled:
+            loss["proximal"] = "off"  # standard PPO against the behaviour log-probs
         mine = [[batch[i] for i in parts[self.dp_rank(r)]] for r in range(len(self.models))]
         pending = [c.train_critic(b, global_tokens, self.rl.value_clip)
                    if critic else c.train_actor(b, global_tokens, loss)

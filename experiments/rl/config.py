@@ -141,6 +141,12 @@ class RLConfig:
                    if self.mode == "sync" else ""))
 
     @property
+    def decoupled(self) -> bool:
+        """Whether the objective is decoupled PPO: async mode with ``decoupled_loss`` and
+        ``loss.proximal`` not off."""
+        return self.mode == "async" and self.decoupled_loss and self.loss.proximal != "off"
+
+    @property
     def eta(self) -> int:
         """The staleness bound in force: 0 in sync mode."""
         return 0 if self.mode == "sync" else self.max_head_offpolicyness

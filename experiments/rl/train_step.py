@@ -44,7 +44,7 @@ def train_items(cluster: Cluster, rl: RLConfig, trajs: list[Trajectory]) -> list
     items: list[TrainItem] = [{"tokens": t["tokens"], "prompt_len": int(t["prompt_len"]),
                                "mask": t["mask"].astype(np.float32), "old_logp": t["logprobs"]}
                               for t in trajs]
-    if rl.mode == "async" and rl.decoupled_loss:
+    if rl.decoupled and rl.loss.proximal == "recompute":
         for it, lp in zip(items, cluster.per_token(seqs, "actor")):
             it["prox_logp"] = lp[it["prompt_len"] - 1:]
     if rl.loss.kl_coef > 0:

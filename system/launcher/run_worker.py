@@ -19,6 +19,7 @@ import sys
 from scheduler.gpu_plan import task_env
 from scheduler.spares import STANDBY_FLAG
 from system.bootstrap import Bootstrap
+from system.cpu_binding import CPUS_ENV, bind_from_env
 from system.errors import ConfigError
 from system.launcher.standby import fork_workers, set_process_name, warm
 from system.private_files import set_umask
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"{args.kind}: GPU placement: {e}", file=sys.stderr)
         return 2
+    bind_from_env()  # a spare: its group's CPUs, before it imports (and starts thread pools)
     from experiments.catalog import get_experiment
 
     bootstrap = os.path.join(args.trial_dir, "bootstrap.json")
@@ -57,11 +59,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         activation, prepared = forked
         args.index = activation.index
+        bind_from_env()  # this worker's own CPUs (its activation's environment)
         logging.getLogger().handlers.clear()  # the worker's own log format, on its log file
     index, local_rank = task_identity(args.index)
     set_process_name(f"{args.kind}/{index}")
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
                         format=f"%(asctime)s {args.kind}/{index} %(levelname)s %(message)s")
+    if os.environ.get(CPUS_ENV):
+        logging.getLogger("cpu-binding").info("on CPUs %s", os.environ[CPUS_ENV])
     if args.standby:
         logging.getLogger("standby").info("forked by a warm spare (pid %d): %s/%d",
                                           os.getppid(), args.kind, index)

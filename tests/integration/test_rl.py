@@ -7,9 +7,11 @@ import collections
 import glob
 import json
 import os
+import re
 
 import pytest
 
+from system.cpu_binding import parse_ids
 from system.paths import PROJECT_ROOT
 from tests.helpers import read_summary, run_launch, trial_processes
 
@@ -61,6 +63,14 @@ def test_async_grpo_crash_then_resume_continues_without_reusing_prompts(fileroot
     assert os.path.getsize(os.path.join(root, "reward.png")) > 1000
     assert glob.glob(os.path.join(root, "tensorboard", "events.out.tfevents.*"))
     assert trial_processes(root) == []
+    if len(os.sched_getaffinity(0)) >= 2:  # scheduler.local.cpus=auto: disjoint CPU sets
+        sets = {}
+        for kind in ("model", "generation"):
+            with open(os.path.join(root, "logs", f"{kind}-0.log")) as f:
+                m = re.search(r"on CPUs (\S+)", f.read())
+            assert m, kind
+            sets[kind] = parse_ids(m.group(1))
+        assert not sets["model"] & sets["generation"], sets
 
 
 def _epochs_exact(history: list, prompts: int) -> None:

@@ -29,10 +29,18 @@ class ActorLossConfig:
     """KL estimator: k1, k2 or k3."""
     behav_imp_weight_cap: float = 5.0
     """Decoupled PPO: tokens whose pi_prox / pi_behav exceeds this are masked (0: no cap)."""
+    proximal: str = "forward"
+    """Decoupled PPO's proximal log-probs (the weights before this step's update): forward
+    (the training forward's own log-probs, detached: exact, since every batch takes one
+    optimizer step after all its forwards, and it saves a pass), recompute (a separate
+    log-prob pass before the step, as AReaL does), or off (standard PPO against the behaviour
+    log-probs; what sync mode and ``rl.decoupled_loss=false`` use)."""
 
     def __post_init__(self) -> None:
         if self.clip_eps <= 0 or self.kl_coef < 0 or self.behav_imp_weight_cap < 0:
             raise ConfigError("clip_eps must be > 0, kl_coef and behav_imp_weight_cap >= 0")
+        if self.proximal not in ("forward", "recompute", "off"):
+            raise ConfigError(f"proximal={self.proximal!r} is not one of forward, recompute, off")
         if self.kl_kind not in ("k1", "k2", "k3"):
             raise ConfigError(f"kl_kind={self.kl_kind!r} is not one of k1, k2, k3")
 
@@ -61,7 +69,8 @@ def actor_loss(batch: Sequence[dict[str, Any]], cfg: ActorLossConfig, stats: dic
         mask = _cat(batch, idx, "mask").to(dev)
         old = _cat(batch, idx, "old_logp").to(dev)
         adv = _cat(batch, idx, "adv").to(dev)
-        prox = _cat(batch, idx, "prox_logp").to(dev) if "prox_logp" in batch[idx[0]] else None
+        prox = (_cat(batch, idx, "prox_logp").to(dev) if "prox_logp" in batch[idx[0]]
+                else logp.detach() if cfg.proximal == "forward" else None)
         n = mask.sum()
         loss, st = ppo_policy_loss(logp, old, adv, mask, cfg.clip_eps, prox,
                                    cfg.behav_imp_weight_cap or None)

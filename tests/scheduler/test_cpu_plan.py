@@ -1,0 +1,108 @@
+"""CPU placement on the local scheduler: the pure plan, and a worker applying its set."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scheduler.base import GroupSpec
+from scheduler.config import LocalConfig
+from scheduler.cpu_plan import (CpuBinding, CpuDemand, cpu_env, format_cpu_list, parse_cpu_list,
+                                plan_cpus)
+from scheduler.local import LocalScheduler
+from system.errors import ConfigError
+from system.paths import PROJECT_ROOT
+
+RL = [CpuDemand("model", 1), CpuDemand("generation", 1)]
+
+
+def test_cpu_lists_parse_and_format():
+    assert parse_cpu_list("0-3,8") == (0, 1, 2, 3, 8)
+    assert parse_cpu_list(" 5 , 2-3,2") == (2, 3, 5)
+    assert format_cpu_list((0, 1, 2, 3, 8, 10, 11)) == "0-3,8,10-11"
+    for bad in ("", "a", "3-1", "1;2", "-1", "1-"):
+        with pytest.raises(ConfigError):
+            parse_cpu_list(bad)
+
+
+def test_auto_splits_training_from_generation():
+    assert plan_cpus([0, 1], CpuBinding(), RL) == {"model/0": (0,), "generation/0": (1,)}
+    # in proportion: 2 model workers, 1 server of tp 2 on 8 CPUs
+    plan = plan_cpus(list(range(8)), CpuBinding(),
+                     [CpuDemand("model", 2), CpuDemand("generation", 1, 2)])
+    assert plan == {"model/0": (0, 1), "model/1": (2, 3), "generation/0": (4, 5, 6, 7)}
+    # non-contiguous allowed CPUs are used as they are
+    assert plan_cpus([3, 7], CpuBinding(), RL) == {"model/0": (3,), "generation/0": (7,)}
+
+
+def test_auto_binds_nothing_without_two_sides_gpus_or_cpus():
+    assert plan_cpus([0], CpuBinding(), RL) == {}
+    assert plan_cpus([0, 1], CpuBinding(), RL, gpus=True) == {}
+    assert plan_cpus([0, 1], CpuBinding(), [CpuDemand("generation", 2)]) == {}
+    assert plan_cpus([0, 1], CpuBinding(mode="off"), RL) == {}
+
+
+def test_more_workers_than_cpus_share_round_robin():
+    plan = plan_cpus([0, 1], CpuBinding(), [CpuDemand("model", 2), CpuDemand("generation", 2)])
+    assert plan == {"model/0": (0,), "model/1": (1,), "generation/0": (0,),
+                    "generation/1": (1,)}
+
+
+def test_explicit_sets_win_and_auto_fills_the_rest():
+    b = CpuBinding(model="0-1", rollout="3")
+    plan = plan_cpus([0, 1, 2, 3], b, [*RL, CpuDemand("rollout", 2)])
+    assert plan == {"model/0": (0, 1), "rollout/0": (3,), "rollout/1": (3,),
+                    "generation/0": (2,)}
+    # off still honours explicit sets
+    assert plan_cpus([0, 1], CpuBinding(mode="off", master="1"),
+                     [*RL, CpuDemand("master", 1)]) == {"master/0": (1,)}
+
+
+def test_bad_settings_name_the_key():
+    with pytest.raises(ConfigError, match="mode='some' is not one of auto, off"):
+        CpuBinding(mode="some")
+    with pytest.raises(ConfigError, match="model='x'"):
+        CpuBinding(model="x")
+    with pytest.raises(ConfigError, match=r"scheduler.local.cpus.model='4-5': CPUs 4-5 are not "
+                                          r"allowed here \(allowed: 0-1\)"):
+        plan_cpus([0, 1], CpuBinding(model="4-5"), RL)
+    assert LocalConfig().cpus.mode == "auto"
+
+
+def test_the_scheduler_gives_each_worker_its_set():
+    sched = LocalScheduler(cpus={"model/0": (0,), "generation/0": (1,)})
+    group = GroupSpec("model", 1, ("python", "-c", "pass"), {}, ("/tmp/x.log",))
+    (proc,) = sched.plan(group).processes
+    assert proc.env["RLSYS_CPUS"] == "0" and sched.cpus("model/0") == (0,)
+    assert cpu_env({}, "rollout/0") == {}
+
+
+_PROBE = """
+import os, threading, time, json
+started = threading.Event()
+def spin():
+    started.set(); time.sleep(2)
+t = threading.Thread(target=spin); t.start(); started.wait()
+from system.cpu_binding import bind_from_env
+bound = bind_from_env()
+sets = {tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir('/proc/self/task')}
+print(json.dumps({"bound": sorted(bound or []), "threads": sets,
+                  "omp": os.environ.get("OMP_NUM_THREADS")}))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_worker_moves_every_thread_onto_its_set():
+    """Every thread, one started before the binding included (a spare's prepared engine)."""
+    import json
+
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    r = subprocess.run([sys.executable, "-c", _PROBE], cwd=PROJECT_ROOT, capture_output=True,
+                       text=True, env={**os.environ, "RLSYS_CPUS": str(cpu)}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["bound"] == [cpu] and out["omp"] == "1"
+    assert len(out["threads"]) >= 2
+    assert all(s == [cpu] for s in out["threads"].values()), out
