@@ -11,7 +11,7 @@ from experiments.rl.metrics import MetricsConfig
 from experiments.rl.tasks import TaskConfig
 from scheduler.gpu_plan import GpuDemand
 from system.paths import PROJECT_ROOT
-from system.launcher.config import ExperimentConfig, RecoverConfig
+from system.launcher.config import ExperimentConfig, RecoverConfig, RunMode
 from system.errors import ConfigError
 from workers.engines.configs import TorchEngineConfig
 from workers.engines.vllm_server import VllmConfig
@@ -163,12 +163,14 @@ class RLExperimentConfig(ExperimentConfig):
                                    key="rl.actor.megatron")
 
 
-    def recovery(self) -> RecoverConfig:
-        return self.recover
+    def recovery(self) -> RecoverConfig | None:
+        """None for an evaluation (``mode=eval``): it is not recovered, and run again it skips
+        the checkpoints it finished."""
+        return self.recover if self.mode == RunMode.TRAIN else None
 
     def gpu_demands(self) -> list[GpuDemand]:
         """One GPU per model worker, ``tensor_parallel_size`` per generation server."""
-        return [GpuDemand("model", self.model.count, 1, "model.count"),
+        return [GpuDemand("model", self.worker_counts()["model"], 1, "model.count"),
                 GpuDemand("generation", self.generation.count,
                           self.rl.vllm.tensor_parallel_size,
                           "generation.count x rl.vllm.tensor_parallel_size")]
