@@ -32,6 +32,9 @@ class EvalResult(TypedDict):
     """The training step of the checkpoint (the weights version the servers reported)."""
     accuracy: float
     """Greedy accuracy on the held-out prompts, in [0, 1]."""
+    digest: str
+    """Fingerprint of the greedy answers (:class:`~experiments.rl.evaluate.Evaluation`), as the
+    training loop logs it with ``eval_accuracy`` in ``metrics.jsonl`` (``eval_digest``)."""
     n_prompts: int
     seconds: float
     """Generation and scoring (weights loading not included)."""

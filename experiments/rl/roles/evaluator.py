@@ -122,7 +122,8 @@ def evaluate_one(step_dir: str, step: int, rl: RLConfig, gens: dict[int, Generat
         raise RuntimeError(f"after loading {weights} the servers report weights versions "
                            f"{versions}, not {step}")
     t1 = time.monotonic()
-    accuracy = evaluate(gens, rl, tok, agent, router, held_out)
-    return {"step": step, "accuracy": float(accuracy), "n_prompts": len(held_out),
+    ev = evaluate(gens, rl, tok, agent, router, held_out)
+    return {"step": step, "accuracy": float(ev.accuracy), "digest": ev.digest,
+            "n_prompts": len(held_out),
             "seconds": time.monotonic() - t1, "load_seconds": t1 - t0, "checkpoint": weights,
             "checkpoint_id": checkpoint_id(step_dir), "eval_set": ""}
