@@ -75,7 +75,8 @@ class RLConfig:
     """Seconds a rollout task may stay out (its lease): then its admission slot is released and
     its prompt handed out again, keeping its epoch."""
     keep_checkpoints: int = 2
-    """Complete checkpoints kept on disk."""
+    """Complete checkpoints kept on disk (0: every one). ``mode=eval`` evaluates the ones on
+    disk: to evaluate every checkpoint of a run, raise this, or set 0."""
     tasks_per_request: int = 4
     """Prompts a rollout worker takes from the master at once (its calls share the batch)."""
     gamma: float = 1.0
@@ -120,7 +121,7 @@ class RLConfig:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         for key in ("max_head_offpolicyness", "eval_interval", "save_interval", "crash_at_step",
-                    "save_interval_s"):
+                    "save_interval_s", "keep_checkpoints"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if not 0 <= self.save_overhead < 1:
