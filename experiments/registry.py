@@ -48,6 +48,9 @@ class Experiment:
     roles: Roles
     section: str | None = None
     """The experiment's own config section, sent to every worker."""
+    eval_roles: Roles | None = None
+    """The roles of an evaluation of the trial's checkpoints (``mode=eval``: the master and the
+    generation servers run); None: the experiment has nothing to evaluate."""
     stateful: tuple[str, ...] = ()
     """Worker kinds that hold training state: when one dies (and ``recover=auto``), all of
     these restart from the latest checkpoint; the others stay up. A worker of any other kind
@@ -59,6 +62,18 @@ class Experiment:
     """Per worker kind, what a warm spare builds ahead of a restart from the trial's files (a
     generation server's engine, say), in a forked child that then becomes the restarted worker
     and finds it as :attr:`~workers.base.Worker.prepared`."""
+
+    def roles_for(self, mode: str) -> Roles:
+        """The roles of a run in ``mode`` (``train`` or ``eval``)."""
+        if mode == "train":
+            return self.roles
+        if mode == "eval" and self.eval_roles is not None:
+            return self.eval_roles
+        valid = ["train", "eval"] if self.eval_roles else ["train"]
+        raise ConfigError(f"mode={mode!r} is not valid for experiment {self.name}"
+                          + ("" if self.eval_roles or mode != "eval"
+                             else " (it saves no checkpoints to evaluate)")
+                          + f"; valid: {valid}")
 
     @property
     def doc(self) -> str:

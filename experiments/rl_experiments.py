@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from experiments.registry import Experiment, Roles
 from experiments.rl.config import RLExperimentConfig
+from experiments.rl.roles.evaluator import eval_master_role
 from experiments.rl.roles.generation import generation_role
 from experiments.rl.roles.master import master_role
 from experiments.rl.roles.model import model_role
@@ -19,6 +20,10 @@ from workers.engines.configs import TorchEngineConfig
 
 ROLES = Roles(master=master_role, model=model_role, generation=generation_role,
               rollout=rollout_role)
+EVAL_ROLES = Roles(master=eval_master_role, model=model_role, generation=generation_role,
+                   rollout=rollout_role)
+"""``mode=eval``: the master evaluates the trial's checkpoints; only the generation servers run
+beside it (no model or rollout workers are started)."""
 
 
 def arith_tiny() -> RLExperimentConfig:
@@ -51,6 +56,6 @@ def smollm2_arith() -> RLExperimentConfig:
 
 STATEFUL = ("model", "master")
 ARITH_TINY = Experiment("arith-tiny", arith_tiny, ROLES, section="rl", stateful=STATEFUL,
-                        warm=WARM, prepare=PREPARE)
+                        warm=WARM, prepare=PREPARE, eval_roles=EVAL_ROLES)
 SMOLLM2_ARITH = Experiment("smollm2-arith", smollm2_arith, ROLES, section="rl",
-                           stateful=STATEFUL, warm=WARM, prepare=PREPARE)
+                           stateful=STATEFUL, warm=WARM, prepare=PREPARE, eval_roles=EVAL_ROLES)

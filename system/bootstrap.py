@@ -31,6 +31,11 @@ class Bootstrap:
     """Seconds without the controller's liveness key after which a worker stops by itself."""
     group_readable: bool = False
     """``cluster.group_readable``: the trial's files are 0640/0750 instead of 0600/0700."""
+    mode: str = "train"
+    """``train``, or ``eval``: an evaluation of the checkpoints of the trial in
+    :attr:`evaluated_dir` (whose ``eval/`` subdirectory is then :attr:`trial_dir`)."""
+    evaluated_dir: str = ""
+    """With ``mode=eval``: the directory of the trial whose checkpoints are evaluated."""
 
     def write(self, path: str) -> None:
         write_private(path, json.dumps(dataclasses.asdict(self), indent=1).encode(),

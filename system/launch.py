@@ -28,7 +28,8 @@ from experiments.catalog import all_experiments, get_experiment
 from experiments.registry import Experiment
 from scheduler.registry import make_scheduler
 from system.checks import check_name
-from system.launcher.config import ExperimentConfig
+from system.launcher.config import ExperimentConfig, RunMode
+from system.launcher.eval_mode import trained_base
 from system.launcher.controller import Controller
 from system.launcher.launcher_log import tee_stderr
 from system.errors import ConfigError, RLSystemError
@@ -73,10 +74,19 @@ def _own_sections(shared: set[str]) -> list[tuple[list[str], ExperimentConfig]]:
 
 
 def build_config(exp: str, trial: str, overrides: list[str]) -> ExperimentConfig:
+    """The experiment's config with ``overrides``; with ``mode=eval``, on the config the trial
+    was trained with (:func:`~system.launcher.eval_mode.trained_base`)."""
     check_name("trial", trial)  # before OmegaConf, which would resolve a '${...}' in it
-    base = get_experiment(exp).make_config()
-    base.exp, base.trial = exp, trial
-    return apply_overrides(base, overrides)
+    experiment = get_experiment(exp)
+
+    def build(base: ExperimentConfig) -> ExperimentConfig:
+        base.exp, base.trial = exp, trial
+        return apply_overrides(base, overrides)
+
+    cfg = build(experiment.make_config())
+    if cfg.mode == RunMode.EVAL:
+        experiment.roles_for(cfg.mode.value)  # refuses an experiment with nothing to evaluate
+    return trained_base(cfg, experiment.make_config(), build)
 
 
 EXTRA_FLAGS = ("--detach", "--test-only")

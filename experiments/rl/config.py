@@ -11,7 +11,7 @@ from experiments.rl.metrics import MetricsConfig
 from experiments.rl.tasks import TaskConfig
 from scheduler.gpu_plan import GpuDemand
 from system.paths import PROJECT_ROOT
-from system.launcher.config import ExperimentConfig, RecoverConfig
+from system.launcher.config import ExperimentConfig, RecoverConfig, RunMode
 from system.errors import ConfigError
 from workers.engines.configs import TorchEngineConfig
 from workers.engines.vllm_server import VllmConfig
@@ -75,7 +75,8 @@ class RLConfig:
     """Seconds a rollout task may stay out (its lease): then its admission slot is released and
     its prompt handed out again, keeping its epoch."""
     keep_checkpoints: int = 2
-    """Complete checkpoints kept on disk."""
+    """Complete checkpoints kept on disk (0: every one). ``mode=eval`` evaluates the ones on
+    disk: to evaluate every checkpoint of a run, raise this, or set 0."""
     tasks_per_request: int = 4
     """Prompts a rollout worker takes from the master at once (its calls share the batch)."""
     gamma: float = 1.0
@@ -120,7 +121,7 @@ class RLConfig:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         for key in ("max_head_offpolicyness", "eval_interval", "save_interval", "crash_at_step",
-                    "save_interval_s"):
+                    "save_interval_s", "keep_checkpoints"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if not 0 <= self.save_overhead < 1:
@@ -169,12 +170,14 @@ class RLExperimentConfig(ExperimentConfig):
                                    key="rl.actor.megatron")
 
 
-    def recovery(self) -> RecoverConfig:
-        return self.recover
+    def recovery(self) -> RecoverConfig | None:
+        """None for an evaluation (``mode=eval``): it is not recovered, and run again it skips
+        the checkpoints it finished."""
+        return self.recover if self.mode == RunMode.TRAIN else None
 
     def gpu_demands(self) -> list[GpuDemand]:
         """One GPU per model worker, ``tensor_parallel_size`` per generation server."""
-        return [GpuDemand("model", self.model.count, 1, "model.count"),
+        return [GpuDemand("model", self.worker_counts()["model"], 1, "model.count"),
                 GpuDemand("generation", self.generation.count,
                           self.rl.vllm.tensor_parallel_size,
                           "generation.count x rl.vllm.tensor_parallel_size")]

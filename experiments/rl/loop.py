@@ -26,7 +26,7 @@ from experiments.rl.cluster import Cluster
 from experiments.rl.common import eval_prompts, group_version, load_tokenizer, model_path
 from experiments.rl.config import RLConfig
 from experiments.rl.data import PromptCursor, Router, TaskSource
-from experiments.rl.evaluate import evaluate
+from experiments.rl.evaluate import Evaluation, evaluate
 from experiments.rl.metrics import MetricsLog
 from experiments.rl.state import Admitted, LoopState, load_state, save_state
 from experiments.rl.tasks import dataset
@@ -105,12 +105,13 @@ class RLLoop:
         self.master.set_progress(phase="starting", resumed_from=self.state.step)
         if self.state.eval_before is None:
             self.master.set_progress(phase="evaluating", resumed_from=self.state.step)
-            self.state.eval_before = self.evaluate()
-            self.metrics.log(0, eval_accuracy=self.state.eval_before)
+            before = self.evaluate()
+            self.state.eval_before = before.accuracy
+            self.metrics.log(0, eval_accuracy=before.accuracy, eval_digest=before.digest)
         self.t_loop = time.monotonic()
         self.master.serve_tasks(self.source)  # rollouts begin
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> Evaluation:
         """Greedy accuracy through the live servers; a server that dies meanwhile leaves
         routing and the evaluation runs again on the others (it is deterministic)."""
         while True:
@@ -171,14 +172,15 @@ class RLLoop:
         sync = self.publish() if (
             state.step % rl.sync_interval == 0 or state.step == rl.total_steps) else {}
         self.admission.set_version(state.step)
-        acc = self.evaluate() if ((rl.eval_interval and state.step % rl.eval_interval == 0)
-                                  or state.step == rl.total_steps) else None
+        ev = self.evaluate() if ((rl.eval_interval and state.step % rl.eval_interval == 0)
+                                 or state.step == rl.total_steps) else None
+        acc = None if ev is None else ev.accuracy
         row = {**stats, **sync, "wait_seconds": t_wait, "step_seconds": time.monotonic() - t0,
                "buffered": len(self.buffer), "in_flight": len(self.source.in_flight),
                "dropped_stale": self.buffer.dropped, "samples_per_s": self.samples_per_s(),
                "leases_expired": self.source.expired, "leases_released": self.source.released}
-        if acc is not None:
-            row["eval_accuracy"] = acc
+        if ev is not None:
+            row["eval_accuracy"], row["eval_digest"] = ev.accuracy, ev.digest
         self.metrics.log(state.step, **row)
         self.master.set_progress(
             step=f"{state.step}/{rl.total_steps}", reward=f"{row['reward']:.3f}",

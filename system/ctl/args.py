@@ -7,15 +7,17 @@ import os
 
 from system.errors import ConfigError
 from system.launch import build_config
+from system.launcher.eval_mode import run_paths
 from system.launcher.overrides import parse_cli
 from system.paths import TrialPaths
 
 
 def trial_paths(words: list[str]) -> TrialPaths:
-    """The trial directory ``words`` name (ConfigError for a bad word, or no such trial)."""
+    """The trial directory ``words`` name (ConfigError for a bad word, or no such trial); with
+    ``mode=eval``, the directory of the trial's evaluation run (``<trial>/eval/``)."""
     args = parse_cli(words)
     cfg = build_config(args.exp, args.trial, args.overrides)
-    paths = TrialPaths.of(cfg.cluster.fileroot, cfg.exp, cfg.trial)
+    paths = run_paths(cfg)
     if not os.path.isdir(paths.root):
         raise ConfigError(f"no trial {cfg.exp}/{cfg.trial} under cluster.fileroot="
                           f"{os.path.abspath(cfg.cluster.fileroot)} ({paths.root} does not "

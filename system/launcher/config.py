@@ -76,6 +76,11 @@ class ControllerConfig:
             raise ConfigError(f"orphan_timeout must be > 0, got {self.orphan_timeout}")
 
 
+class RunMode(str, enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
 class RecoverMode(str, enum.Enum):
     AUTO = "auto"
     RESUME = "resume"
@@ -122,6 +127,9 @@ class ExperimentConfig:
 
     exp: str = ""
     """Experiment name (set by ``exp=NAME``)."""
+    mode: RunMode = RunMode.TRAIN
+    """train: run the experiment; eval: evaluate every saved checkpoint of the trial (generation
+    servers and the master only; files under ``<trial>/eval/``, the trial's own untouched)."""
     trial: str = ""
     """Trial name (set by ``trial=T``); the trial directory is ``<fileroot>/<exp>/<trial>``."""
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
@@ -146,6 +154,12 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         check_name("exp", self.exp)
         check_name("trial", self.trial)
+        if not isinstance(self.mode, RunMode):
+            try:
+                self.mode = RunMode(self.mode)
+            except ValueError:
+                raise ConfigError(f"mode={self.mode!r} is not one of "
+                                  f"{[m.value for m in RunMode]}") from None
         problem = slurm_path_problem(self.cluster.fileroot)
         if self.scheduler.type == SchedulerKind.SLURM and problem:
             raise ConfigError(f"cluster.fileroot={self.cluster.fileroot!r} contains {problem}; "
@@ -155,16 +169,21 @@ class ExperimentConfig:
             check_sbatch_text("cluster.fileroot", self.cluster.fileroot)
 
     def recovery(self) -> RecoverConfig | None:
-        """The trial's recovery settings; None for experiments without checkpoints."""
+        """The trial's recovery settings; None for experiments without checkpoints (and for
+        runs that are not recovered)."""
         return None
 
     def worker_counts(self) -> dict[str, int]:
-        return {"master": 1, "model": self.model.count, "generation": self.generation.count,
-                "rollout": self.rollout.count}
+        """Workers per kind; an evaluation (``mode=eval``) starts the master and the generation
+        servers only."""
+        train = self.mode == RunMode.TRAIN
+        return {"master": 1, "model": self.model.count if train else 0,
+                "generation": self.generation.count,
+                "rollout": self.rollout.count if train else 0}
 
     def gpu_demands(self) -> list[GpuDemand]:
         """The GPUs each worker kind uses where GPUs are placed (model workers first): one per
         model worker and one per generation server; an experiment whose servers span several
         (tensor parallelism) says so. Master and rollout workers use none."""
-        return [GpuDemand("model", self.model.count, 1, "model.count"),
+        return [GpuDemand("model", self.worker_counts()["model"], 1, "model.count"),
                 GpuDemand("generation", self.generation.count, 1, "generation.count")]

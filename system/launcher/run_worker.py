@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                                           os.getppid(), args.kind, index)
     boot = Bootstrap.read(bootstrap)
     set_umask(boot.group_readable)  # whoever started us: checkpoints, metrics stay private
-    role = get_experiment(boot.experiment).roles.of(args.kind)
+    role = get_experiment(boot.experiment).roles_for(boot.mode).of(args.kind)
     worker = worker_class(args.kind)(boot, index, local_rank)
     worker.prepared = prepared
     return worker.run(role)

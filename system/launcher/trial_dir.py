@@ -17,7 +17,8 @@ from typing import Any
 from system.api_key import write_api_key
 from system.bootstrap import Bootstrap
 from system.errors import ConfigError
-from system.launcher.config import ExperimentConfig, RecoverMode
+from system.launcher.config import ExperimentConfig, RecoverMode, RunMode
+from system.launcher.eval_mode import check_evaluable, run_paths, trial_paths
 from system.launcher.trial_lock import TrialLock
 from system.paths import TrialPaths
 from system.private_files import dir_mode, ensure_owned_dir, file_mode, write_private
@@ -64,8 +65,10 @@ def name_resolve_root(cfg: ExperimentConfig) -> str:
 def check_existing(cfg: ExperimentConfig, paths: TrialPaths, dry_run: bool = False) -> None:
     """An existing trial with checkpoints continues (``recover=auto|resume``); ``recover=off``
     starts it over only when asked to (``recover.overwrite=true``: its checkpoints go, unless
-    this is a dry run)."""
+    this is a dry run). An evaluation (``mode=eval``) leaves the trial as it is."""
     recover = cfg.recovery()
+    if cfg.mode == RunMode.EVAL:
+        return
     if recover is None or recover.type != RecoverMode.OFF or not os.path.isdir(paths.checkpoints):
         return
     if not any(d.startswith("step_") for d in os.listdir(paths.checkpoints)):
@@ -90,10 +93,14 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
                   dry_run: bool = False) -> PreparedTrial:
     """Create and lock the trial directory, then write the resolved config, a fresh secret
     (0600) and the bootstrap file (:class:`~system.errors.ConfigError` for a trial that must not
-    be overwritten, :class:`~system.errors.TrialLocked` for one that is running)."""
-    paths = TrialPaths.of(cfg.cluster.fileroot, cfg.exp, cfg.trial)
+    be overwritten, :class:`~system.errors.TrialLocked` for one that is running). With
+    ``mode=eval`` these go to ``<trial>/eval/`` and the trial's own lock is held: the trial must
+    exist and have a checkpoint (:func:`~system.launcher.eval_mode.check_evaluable`)."""
+    paths = run_paths(cfg)
+    if cfg.mode == RunMode.EVAL:
+        check_evaluable(cfg)
     make_trial_dir(cfg, paths)
-    lock = TrialLock.acquire(paths.lock, f"{cfg.exp}/{cfg.trial}")
+    lock = TrialLock.acquire(trial_paths(cfg).lock, f"{cfg.exp}/{cfg.trial}")
     try:  # a second launch is refused above before it changes anything
         os.chmod(paths.root, dir_mode(cfg.cluster.group_readable))
         check_existing(cfg, paths, dry_run)
@@ -107,7 +114,9 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
                   name_resolve=plain(cfg.name_resolve), name_resolve_root=name_resolve_root(cfg),
                   rpc=plain(cfg.rpc), heartbeat_ttl=cfg.controller.heartbeat_ttl,
                   orphan_timeout=cfg.controller.orphan_timeout,
-                  group_readable=cfg.cluster.group_readable).write(paths.bootstrap)
+                  group_readable=cfg.cluster.group_readable, mode=cfg.mode.value,
+                  evaluated_dir=(trial_paths(cfg).root if cfg.mode == RunMode.EVAL else "")
+                  ).write(paths.bootstrap)
     except BaseException:
         lock.release()
         raise

@@ -1,0 +1,129 @@
+"""The master of an evaluation run (``mode=eval``): every saved checkpoint of the trial, oldest
+first, through the generation servers alone.
+
+For each checkpoint that ``results.jsonl`` does not hold yet (:func:`~experiments.rl.eval_results.
+pending`): every server loads the checkpoint's policy weights from disk as weights version
+``step`` (the disk path of weight sync, reading ``checkpoints/step_<N>/actor/`` in place: nothing
+of the trial is written), the master checks that every server reports that version, then runs
+the greedy held-out evaluation the training loop runs (:func:`~experiments.rl.evaluate.evaluate`)
+and rewrites ``<trial>/eval/results.jsonl`` and ``accuracy.png``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from experiments.rl.agents import make_agent
+from experiments.rl.checkpoint import CheckpointDir
+from experiments.rl.checkpoint_weights import actor_dir
+from experiments.rl.common import eval_prompts, load_tokenizer, model_path, rl_config
+from experiments.rl.config import RLConfig
+from experiments.rl.data import Router
+from experiments.rl.eval_results import (PLOT, RESULTS, EvalResult, checkpoint_id, eval_set_id,
+                                         merged, pending, plot_accuracy, read_results,
+                                         write_results)
+from experiments.rl.evaluate import evaluate
+from workers.client import collect
+from workers.generation import GenerationClient
+from workers.master import MasterWorker
+from workers.peers import PeerClients
+
+log = logging.getLogger("rl-eval")
+
+
+def eval_master_role(master: MasterWorker) -> dict[str, Any]:
+    rl = rl_config(master)
+    master.set_progress(phase="loading engines")
+    peers = PeerClients(master.peers, lambda a: master.client(a, rl.call_timeout),
+                        exclude=master.name)
+    try:
+        gens = wait_for_servers(master, peers, int(master.config["counts"]["generation"]),
+                                rl.startup_timeout)
+        return evaluate_checkpoints(master, rl, gens)
+    finally:
+        peers.close()
+
+
+def wait_for_servers(master: MasterWorker, peers: PeerClients, n: int,
+                     timeout: float) -> dict[int, GenerationClient]:
+    """Every generation server, by index, once its engine answers."""
+    deadline = time.monotonic() + timeout
+    while True:
+        peers.refresh()
+        gens = peers.generation_servers()
+        ready = []
+        for g in gens:
+            try:
+                ready.append(g.engine_stats().result(5.0) is not None)
+            except Exception:
+                ready.append(False)
+        if len(gens) == n and all(ready):
+            return {int(g.name.rsplit("/", 1)[1]): g for g in gens}
+        if master.stopping:
+            raise RuntimeError("stopped while waiting for the generation servers")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"generation servers not ready within {timeout:.0f}s "
+                               f"({sum(ready)}/{n} ready)")
+        time.sleep(0.5)
+
+
+def evaluate_checkpoints(master: MasterWorker, rl: RLConfig,
+                         gens: dict[int, GenerationClient]) -> dict[str, Any]:
+    """Evaluate the checkpoints ``results.jsonl`` lacks; returns the run's summary."""
+    source = master.boot.evaluated_dir
+    out_dir = master.boot.trial_dir  # <trial>/eval
+    ckpt = CheckpointDir(os.path.join(source, "checkpoints"))
+    results_path, plot_path = os.path.join(out_dir, RESULTS), os.path.join(out_dir, PLOT)
+    tok = load_tokenizer(model_path(master, rl))
+    agent, held_out = make_agent(rl.agent, tok), eval_prompts(rl, tok)
+    router = Router(len(gens))
+    router.set_live(set(gens))
+    eval_set = eval_set_id(rl)
+    steps, broken = [], {}
+    for step in sorted(ckpt.steps()):
+        problem = ckpt.verify(step)
+        if problem is None:
+            steps.append(step)
+        else:
+            broken[step] = problem
+            log.warning("checkpoint %s is unreadable (%s): skipped", ckpt.path(step), problem)
+    rows = read_results(results_path)
+    todo = pending(rows, [(s, checkpoint_id(ckpt.path(s))) for s in steps], eval_set)
+    log.info("checkpoints %s: %d to evaluate, %d already in %s", steps, len(todo),
+             len(steps) - len(todo), results_path)
+    for i, step in enumerate(todo):
+        master.set_progress(phase="evaluating", step=f"{i + 1}/{len(todo)}", version=step)
+        result = evaluate_one(ckpt.path(step), step, rl, gens, tok, agent, router, held_out)
+        result["eval_set"] = eval_set
+        rows = merged(rows, result)
+        write_results(results_path, rows)
+        log.info("step %d: accuracy %.4f (%d prompts, %.1fs)", step, result["accuracy"],
+                 result["n_prompts"], result["seconds"])
+        if master.stopping:
+            raise RuntimeError("stopped during the evaluation")
+    plot_accuracy(rows, plot_path, f"{master.exp}/{master.trial}: held-out accuracy")
+    return {"summary": {"evaluated": todo, "skipped": [s for s in steps if s not in todo],
+                        "unreadable": broken, "results": results_path, "plot": plot_path,
+                        "accuracy": {int(r["step"]): r["accuracy"] for r in rows}}}
+
+
+def evaluate_one(step_dir: str, step: int, rl: RLConfig, gens: dict[int, GenerationClient],
+                 tok: Any, agent: Any, router: Router, held_out: list) -> EvalResult:
+    """Load checkpoint ``step_dir`` into every server as version ``step``, check that each
+    serves it, and evaluate."""
+    weights = actor_dir(step_dir, rl.actor.backend)
+    t0 = time.monotonic()
+    collect([g.load_weights_from_disk(weights, step) for g in gens.values()], rl.call_timeout)
+    versions = {r: int(g.engine_stats().result(rl.call_timeout)["version"])
+                for r, g in gens.items()}
+    if any(v != step for v in versions.values()):
+        raise RuntimeError(f"after loading {weights} the servers report weights versions "
+                           f"{versions}, not {step}")
+    t1 = time.monotonic()
+    ev = evaluate(gens, rl, tok, agent, router, held_out)
+    return {"step": step, "accuracy": float(ev.accuracy), "digest": ev.digest,
+            "n_prompts": len(held_out),
+            "seconds": time.monotonic() - t1, "load_seconds": t1 - t0, "checkpoint": weights,
+            "checkpoint_id": checkpoint_id(step_dir), "eval_set": ""}

