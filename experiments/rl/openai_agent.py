@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import logging
 import math
 import uuid
 from typing import Any, Awaitable, Callable, Sequence
@@ -81,6 +82,8 @@ class OpenAIAgent:
         """Run every session's call concurrently (``http``: endpoint address per server);
         sets each one's reward or error. A server that stops serving (``alive``) fails the
         whole run with :class:`~system.errors.PeerDied`."""
+        for name in ("httpx", "openai"):  # a line per request would flood the worker's log
+            logging.getLogger(name).setLevel(logging.WARNING)
         asyncio.run(self._run(sessions, http, alive))
 
     async def _run(self, sessions: Sequence[Session], http: dict[int, str],
