@@ -26,8 +26,10 @@ from workers.base import Worker
 from workers.client import Pending, WorkerClient
 from workers.engines.http_server import HttpLimits
 from workers.engines.openai_http import OpenAIEndpoint
+from workers.engines.openai_sessions import SessionLimits, SessionStore
 from workers.engines.vllm_server import GenerationEngine, Sampling, VllmConfig
-from workers.schema import EngineStats, Sample, SamplingParams, WorkerReport, WorkerSetup
+from workers.schema import (EngineStats, Sample, SamplingParams, SessionRecord, WorkerReport,
+                            WorkerSetup)
 
 log = logging.getLogger("generation")
 
@@ -54,11 +56,35 @@ class GenerationServerConfig:
     """Seconds a request may wait for its samples (then 504)."""
     http_max_n: int = 64
     """Most samples (n) one HTTP request may ask for."""
+    session_max: int = 1024
+    """Agent sessions (requests under ``/sessions/<id>/v1``) recorded at once; a request that
+    would open one more is answered 429."""
+    session_max_turns: int = 64
+    """Choices recorded per session (a request that would exceed it: 400)."""
+    session_max_tokens: int = 65536
+    """Tokens recorded per session, prompts included (each request reserves prompt + max_tokens
+    per choice; a request that would exceed it: 400)."""
+    session_total_tokens: int = 1 << 23
+    """Tokens recorded over all sessions (about 12 bytes each; beyond: 429)."""
+    session_ttl: float = 600.0
+    """Seconds a session may go untouched before it is dropped (its rollout worker is gone)."""
 
     def __post_init__(self) -> None:
         if self.count < 0:
             raise ConfigError(f"count must be >= 0, got {self.count}")
         self.http_limits()  # raises for a bad http_* value
+        self.session_limits()
+
+    def session_limits(self) -> SessionLimits:
+        """The bounds of recorded agent sessions (the ``session_*`` keys)."""
+        names = {"max_sessions": "session_max", "max_turns": "session_max_turns",
+                 "max_session_tokens": "session_max_tokens",
+                 "max_total_tokens": "session_total_tokens", "ttl": "session_ttl"}
+        try:
+            return SessionLimits(**{k: getattr(self, v) for k, v in names.items()})
+        except ConfigError as e:
+            field = str(e).split(" ", 1)[0]
+            raise ConfigError(f"{names.get(field, field)}{str(e)[len(field):]}") from None
 
     def http_limits(self) -> HttpLimits:
         """The endpoint's limits (the ``http_*`` keys)."""
@@ -89,7 +115,7 @@ class GenerationServer(Worker):
         return {**super().rpc_handlers(), "echo": self.echo, "generate": self.generate,
                 "weight_sync_init": self.weight_sync_init, "update_weights": self.update_weights,
                 "load_weights_from_disk": self.load_weights_from_disk,
-                "engine_stats": self.engine_stats}
+                "engine_stats": self.engine_stats, "take_sessions": self.take_sessions}
 
     # --- what a role installs ---
     def open_engine(self, model_path: str, vllm_cfg: VllmConfig, eos_token_id: int | None
@@ -116,7 +142,7 @@ class GenerationServer(Worker):
             return None
         key = read_api_key(TrialPaths(self.boot.trial_dir).api_key)
         self.http = OpenAIEndpoint(self._engine(), tokenizer, model_name, self.host, key,
-                                   cfg.http_limits())
+                                   cfg.http_limits(), sessions=SessionStore(cfg.session_limits()))
         self.name_resolve.add(names.http_address(self.exp, self.trial, self.index),
                               self.http.address, replace=True)
         return self.http
@@ -198,6 +224,15 @@ class GenerationServer(Worker):
         return {**e.stats, "version": e.version, "load": e.load(),  # type: ignore[typeddict-item]
                 "http": self.http.address if self.http else None}
 
+    def take_sessions(self, sessions: list[str]) -> list[SessionRecord]:
+        """The recorded turns of each agent session asked for, dropped here as they go (see
+        :mod:`workers.engines.openai_sessions`); ``found`` False for one this server does not
+        hold."""
+        if self.http is None:
+            return [{"session": str(s), "found": False, "turns": [], "pending": 0}
+                    for s in sessions]
+        return self.http.sessions.take([str(s) for s in sessions])
+
     def echo(self, tokens: np.ndarray) -> dict[str, Any]:
         """Return the tokens with this server's identity: the transport check of the smoke
         experiment, which has no model."""
@@ -237,3 +272,7 @@ class GenerationClient(WorkerClient):
 
     def engine_stats(self) -> Pending[EngineStats]:
         return self._call("engine_stats")
+
+    def take_sessions(self, sessions: list[str]) -> Pending[list[SessionRecord]]:
+        """Fetch and drop the recorded turns of agent sessions on this server's endpoint."""
+        return self._call("take_sessions", sessions=sessions)

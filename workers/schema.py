@@ -114,6 +114,33 @@ class Sample(TypedDict):
     finish: str
 
 
+class SessionTurn(TypedDict):
+    """One choice of one request an agent made in a session on the OpenAI endpoint."""
+
+    prompt: np.ndarray
+    """The prompt's token ids (int32), as the engine received them."""
+    tokens: np.ndarray
+    """The completion's token ids (int32): what the policy sampled, up to and including the
+    token that completed a stop string."""
+    logprobs: np.ndarray
+    """float32, one per completion token."""
+    versions: np.ndarray
+    """int32: the weight version that produced each completion token."""
+    finish: str
+
+
+class SessionRecord(TypedDict):
+    """What ``take_sessions`` returns per session asked for (the session is then dropped)."""
+
+    session: str
+    found: bool
+    """False: the server holds no such session (it made no request, expired or was taken)."""
+    turns: list[SessionTurn]
+    """In the order the requests were made, then by choice index."""
+    pending: int
+    """Choices still running when it was taken (they will not be recorded)."""
+
+
 class EngineStats(TypedDict, total=False):
     version: int
     load: int
@@ -133,6 +160,9 @@ class Trajectory(TypedDict):
     versions: np.ndarray
     finish: str
     reward: NotRequired[float]
+    session: NotRequired[int]
+    """Which agent session of its group produced it (OpenAI-API agents: one session may give
+    several trajectories); GRPO normalises rewards over sessions. Absent: its own session."""
 
 
 class GroupMessage(TypedDict):

@@ -55,15 +55,38 @@ def trajectory_problem(t: Any) -> str | None:
 
 def group_message_problem(msg: Any, group_size: int | None = None) -> str | None:
     """What is wrong with a :class:`~workers.schema.GroupMessage`, or None; with
-    ``group_size``, a group that did not fail must hold exactly that many trajectories (the
-    advantages are normalised within each group)."""
+    ``group_size``, a group that did not fail must hold exactly that many sessions (the
+    advantages are normalised within each group): trajectories without ``session``, or
+    trajectories whose ``session`` indices are 0 .. group_size - 1, each at least once, in
+    order, all carrying their session's one reward."""
     problem = _fields_problem(msg, _GROUP_FIELDS)
     if problem:
         return f"group message: {problem}"
-    if group_size is not None and not msg["failed"] and len(msg["trajs"]) != group_size:
-        return f"group message: {len(msg['trajs'])} trajectories, not {group_size}"
     for i, t in enumerate(msg["trajs"]):
         problem = trajectory_problem(t)
         if problem:
             return f"group message, trajectory {i}: {problem}"
+    if group_size is not None and not msg["failed"]:
+        return _sessions_problem(msg["trajs"], group_size)
+    return None
+
+
+def _sessions_problem(trajs: list[dict[str, Any]], group_size: int) -> str | None:
+    keyed = ["session" in t for t in trajs]
+    if not any(keyed):
+        if len(trajs) != group_size:
+            return f"group message: {len(trajs)} trajectories, not {group_size}"
+        return None
+    if not all(keyed):
+        return "group message: some trajectories name their session, some do not"
+    sessions = [t["session"] for t in trajs]
+    if any(isinstance(k, bool) or not isinstance(k, int) for k in sessions):
+        return "group message: a session index is not an integer"
+    if sorted(set(sessions)) != list(range(group_size)) or sessions != sorted(sessions):
+        return (f"group message: sessions {sorted(set(sessions))[:10]} are not 0..{group_size - 1}"
+                " in order")
+    rewards: dict[int, float] = {}
+    for t in trajs:
+        if rewards.setdefault(t["session"], t["reward"]) != t["reward"]:
+            return f"group message: session {t['session']} has different rewards"
     return None

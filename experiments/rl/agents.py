@@ -11,6 +11,9 @@ output (which gets log-prob 0 and version -1 and is not trained on).
 - :class:`CalculatorAgent`: multi-turn with a tool. When the model writes ``[expr]`` the turn
   stops at ``]``; the agent evaluates ``expr`` (integers, + - * / and parentheses) and appends
   the result as tool output; the model then continues, up to ``max_turns`` calls.
+
+``kind=openai`` runs an agent function written against the OpenAI API instead
+(``rl.agent.function``; :mod:`experiments.rl.openai_agent`).
 """
 from __future__ import annotations
 
@@ -21,10 +24,16 @@ from typing import Any, Generator, Sequence
 
 import numpy as np
 
+from experiments.rl import plugins
 from system.errors import ConfigError
 from workers.schema import Sample, SamplingParams, Trajectory
 
 Episode = Generator["GenRequest", list[Sample], list[Trajectory]]
+
+AGENT_KINDS = ("single", "calculator", "openai")
+BUILTIN_FUNCTIONS = ("calculator",)
+"""Agent functions ``rl.agent.function`` names without a plugin (see
+:data:`experiments.rl.openai_agent.FUNCTIONS`)."""
 
 
 @dataclasses.dataclass
@@ -41,7 +50,12 @@ class AgentConfig:
     """The agent that runs each prompt."""
 
     kind: str = "single"
-    """single (one call, n samples) or calculator (multi-turn with a calculator tool)."""
+    """single (one call, n samples), calculator (multi-turn with a calculator tool), or openai
+    (an agent function written against the OpenAI API, ``function``)."""
+    function: str = ""
+    """kind=openai: the agent function ``async def run(client, task) -> reward``: calculator
+    (built in), or a plugin an installed package declares under the ``slurm_rl.agents``
+    entry-point group, by its name or its ``module:function`` value."""
     max_new_tokens: int = 4
     """Completion budget per trajectory (tool output included)."""
     temperature: float = 1.0
@@ -52,8 +66,18 @@ class AgentConfig:
     """Calculator agent: at most this many generation calls per trajectory."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("single", "calculator"):
-            raise ConfigError(f"kind={self.kind!r} is not one of single, calculator")
+        if self.kind not in AGENT_KINDS:
+            raise ConfigError(f"kind={self.kind!r} is not one of {', '.join(AGENT_KINDS)}")
+        if self.kind == "openai":
+            if not self.function:
+                valid = plugins.valid_names(plugins.AGENT_GROUP, list(BUILTIN_FUNCTIONS))
+                raise ConfigError("function is empty: kind=openai runs the agent function it "
+                                  f"names; valid: {valid}")
+            plugins.check(plugins.AGENT_GROUP, "function", self.function,
+                          list(BUILTIN_FUNCTIONS))
+        elif self.function:
+            raise ConfigError(f"function={self.function!r} is only read with kind=openai "
+                              f"(kind is {self.kind!r})")
         if self.max_new_tokens < 1 or self.max_turns < 1:
             raise ConfigError("max_new_tokens and max_turns must be >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1:

@@ -166,6 +166,9 @@ class RLExperimentConfig(ExperimentConfig):
         super().__post_init__()
         if self.model.count < 1 or self.generation.count < 1 or self.rollout.count < 1:
             raise ConfigError("RL needs model.count, generation.count and rollout.count >= 1")
+        if self.rl.agent.kind == "openai" and not self.generation.http:
+            raise ConfigError("rl.agent.kind=openai runs its agent on the generation servers' "
+                              "OpenAI endpoint: it needs generation.http=true")
         self.rl.actor.check_layout(self.model.count, model_config(self.rl.model_path),
                                    key="rl.actor.megatron")
 

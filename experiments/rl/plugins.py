@@ -1,4 +1,4 @@
-"""Task and reward plugins, found through installed packages' entry points.
+"""Task, reward and agent plugins, found through installed packages' entry points.
 
 A plugin is code an installed distribution declares, in its ``setup.cfg``::
 
@@ -25,6 +25,9 @@ TASK_GROUP = "slurm_rl.tasks"
 """Entry points of task factories: ``factory(cfg: TaskConfig) -> Task``."""
 REWARD_GROUP = "slurm_rl.rewards"
 """Entry points of reward functions: ``reward(completion: str, answer) -> float``."""
+AGENT_GROUP = "slurm_rl.agents"
+"""Entry points of agent functions written against the OpenAI API:
+``async def run(client: openai.AsyncOpenAI, task: dict) -> float``."""
 
 
 def declared(group: str) -> list[EntryPoint]:

@@ -11,14 +11,24 @@ from experiments.rl.config import RLConfig
 from workers.schema import Trajectory
 
 
-def advantages_grpo(trajs: list[Trajectory], n: int) -> list[np.ndarray]:
+def advantages_grpo(groups: list[list[Trajectory]], n: int) -> list[np.ndarray]:
+    """Per-token advantages of every trajectory of ``groups`` (flattened in order): rewards
+    normalised over each group's ``n`` sessions; a trajectory gets its session's advantage
+    (``session``; without it every trajectory is its own session)."""
     import torch
 
     from experiments.rl.algorithms.advantages import grpo_advantages
 
-    rewards = torch.tensor([t["reward"] for t in trajs])
-    adv = grpo_advantages(rewards, n)
-    return [np.full(len(t["mask"]), float(a), np.float32) for t, a in zip(trajs, adv)]
+    keys = [[t.get("session", i) for i, t in enumerate(g)] for g in groups]
+    rewards: list[float] = []
+    for g, k in zip(groups, keys):
+        first: dict[int, float] = {}
+        for s, t in zip(k, g):
+            first.setdefault(s, t["reward"])
+        rewards += [first[s] for s in sorted(first)]
+    adv = grpo_advantages(torch.tensor(rewards), n).view(len(groups), n)
+    return [np.full(len(t["mask"]), float(adv[j, s]), np.float32)
+            for j, (g, k) in enumerate(zip(groups, keys)) for t, s in zip(g, k)]
 
 
 def advantages_ppo(trajs: list[Trajectory], values: list[np.ndarray], rl: RLConfig

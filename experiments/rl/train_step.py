@@ -21,7 +21,7 @@ def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]]
     items = train_items(cluster, rl, trajs)
     stats: dict[str, object] = {}
     if rl.algorithm == "grpo":
-        advs = advantages_grpo(trajs, rl.group_size)
+        advs = advantages_grpo([a.group["trajs"] for a, _ in batch], rl.group_size)
     else:
         seqs = [t["tokens"] for t in trajs]
         values = cluster.per_token(seqs, "critic")

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 from system.errors import ConfigError
 from workers.engines.http_server import HttpError
 from workers.engines.openai_request import GenerationRequest
+from workers.engines.openai_sessions import Reservation
 from workers.engines.openai_text import Decode, SampleText
 from workers.engines.output_stream import OutputStream, SampleDelta, StreamTimeout
 from workers.engines.vllm_server import GenerationEngine
@@ -36,10 +37,13 @@ class Generation:
     """One submitted request (see the module's docstring)."""
 
     def __init__(self, engine: GenerationEngine, ids: list[int], req: GenerationRequest,
-                 decode: Decode, timeout: float) -> None:
+                 decode: Decode, timeout: float, record: Reservation | None = None) -> None:
         from vllm.exceptions import VLLMClientError
 
         self.engine, self.req, self.prompt_tokens = engine, req, len(ids)
+        self._ids, self._record, self._decode = ids, record, decode
+        self._lp: list[list[float]] = [[] for _ in range(req.n)]
+        self._ver: list[list[int]] = [[] for _ in range(req.n)]
         self._deadline = time.monotonic() + timeout
         self._timeout = timeout
         self._refused = (ConfigError, VLLMClientError, ValueError, TypeError)
@@ -86,19 +90,42 @@ class Generation:
                 runs[-1][1] += len(delta.token_ids)
             else:
                 runs.append([delta.version, len(delta.token_ids)])
+        before = len(text.tokens)
         piece = text.add(delta.token_ids, delta.finish)
         if piece.stopped:
             self.engine.stop_samples(self.stream, [delta.index])
+        if self._record is not None:
+            self._lp[delta.index] += delta.logprobs
+            self._ver[delta.index] += [delta.version] * len(delta.token_ids)
+            if piece.finish is not None:
+                self._record_choice(delta.index, before, piece.stopped)
         return ChoiceEvent(delta.index, piece.text, delta.token_ids, delta.logprobs,
                            delta.top_logprobs, delta.version, piece.finish)
 
+    def _record_choice(self, index: int, before: int, stopped: bool) -> None:
+        """Record a finished choice's tokens: those the engine gave, but when a stop string
+        ended it, only up to the token that completed the stop string (a delta may carry
+        more)."""
+        assert self._record is not None
+        tokens = self.texts[index].tokens
+        keep = len(tokens)
+        if stopped:
+            for keep in range(before + 1, len(tokens) + 1):
+                if any(s in self._decode(tokens[:keep]) for s in self.req.stop):
+                    break
+        self._record.record(index, self._ids, tokens[:keep], self._lp[index][:keep],
+                            self._ver[index][:keep], self.texts[index].finish or "stop")
+
     def close(self) -> None:
-        """Stop whatever still runs (the reader is gone or gave up)."""
+        """Stop whatever still runs (the reader is gone or gave up); a session's choices that
+        did not finish are not recorded."""
         if any(t.finish is None for t in self.texts):
             try:
                 self.engine.stop_samples(self.stream)
             except ConfigError:
                 pass
+        if self._record is not None:
+            self._record.release()
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

@@ -16,6 +16,11 @@ API key, and connections, time, memory and samples per request are bounded
 with 400 (an invalid request), 401 (no or a wrong key), 404/405, 408 (too slow), 411/413 (no or
 too large a ``Content-Length``), 429 (too many connections), 503 (the engine is down) or 504.
 A streamed answer that fails after its first chunk ends with an event ``{"error": ...}``.
+
+Agent sessions: the same routes under ``/sessions/<id>/v1/...`` (a client whose ``base_url`` is
+``<address>/sessions/<id>/v1``) are recorded for training
+(:mod:`workers.engines.openai_sessions`); a request the session bounds refuse is answered 400
+(the session's own caps) or 429 (the store is full).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from workers.engines.openai_chat import chat_messages, chat_tools, render_chat
 from workers.engines.openai_generation import ChoiceEvent, Generation, gather
 from workers.engines.openai_request import (GenerationRequest, chat_request, completion_prompt,
                                             completion_request)
+from workers.engines.openai_sessions import SESSION_ID, SessionRefused, SessionStore
 from workers.engines.openai_text import chat_logprobs, completion_logprobs
 from workers.engines.vllm_server import GenerationEngine
 
@@ -38,9 +44,12 @@ class OpenAIEndpoint:
     """The routes (a :class:`~workers.engines.http_server.JsonApp`) and their server thread."""
 
     def __init__(self, engine: GenerationEngine, tokenizer: Any, model_name: str, host: str,
-                 api_key: str, limits: HttpLimits | None = None, port: int = 0) -> None:
+                 api_key: str, limits: HttpLimits | None = None, port: int = 0,
+                 sessions: SessionStore | None = None) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.limits = limits or HttpLimits()
+        self.sessions = sessions or SessionStore()
+        """The agent sessions recorded for training (see the module's docstring)."""
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not re-entrant
         self.server = JsonHttpServer(host, port, self, api_key, self.limits)
         self.address = f"http://{host}:{self.server.server_address[1]}"
@@ -50,7 +59,7 @@ class OpenAIEndpoint:
 
     def handle(self, method: str, path: str, body: dict[str, Any] | None
                ) -> dict[str, Any] | EventStream:
-        route = path.split("?", 1)[0].rstrip("/")
+        route, session = _session_route(path.split("?", 1)[0].rstrip("/"))
         routes = {"/v1/models": ("GET", self.models), "/v1/completions": ("POST", self.completions),
                   "/v1/chat/completions": ("POST", self.chat)}
         if route not in routes:
@@ -59,20 +68,23 @@ class OpenAIEndpoint:
         if method != want:
             raise HttpError(405, f"{route} takes {want}", {"Allow": want})
         try:
-            return fn(body or {})
+            return fn(body or {}, session)
         except ConfigError as e:
             raise HttpError(400, str(e)) from None
+        except SessionRefused as e:
+            raise HttpError(e.status, str(e)) from None
 
-    def models(self, body: dict[str, Any]) -> dict[str, Any]:
+    def models(self, body: dict[str, Any], session: str | None = None) -> dict[str, Any]:
         return {"object": "list", "data": [
             {"id": self.model_name, "object": "model", "owned_by": "rlsys"}]}
 
     # --- completions ---
-    def completions(self, body: dict[str, Any]) -> dict[str, Any] | EventStream:
+    def completions(self, body: dict[str, Any], session: str | None = None
+                    ) -> dict[str, Any] | EventStream:
         req = completion_request(body, self.limits.max_n)
         prompt = completion_prompt(body)
         ids = self._encode(prompt) if isinstance(prompt, str) else prompt
-        gen = self._start(ids, req)
+        gen = self._start(ids, req, session)
         if req.stream:
             return self._stream(gen, "text_completion", self._completion_chunk)
         choices = []
@@ -99,13 +111,14 @@ class OpenAIEndpoint:
         return choice
 
     # --- chat ---
-    def chat(self, body: dict[str, Any]) -> dict[str, Any] | EventStream:
+    def chat(self, body: dict[str, Any], session: str | None = None
+             ) -> dict[str, Any] | EventStream:
         messages, tools = chat_messages(body), chat_tools(body)
         with self._tokenizer_lock:
             ids = render_chat(self.tokenizer, messages, tools)
         room = max(1, self.engine.cfg.max_model_len - len(ids))
         req = chat_request(body, self.limits.max_n, room)
-        gen = self._start(ids, req)
+        gen = self._start(ids, req, session)
         if req.stream:
             return self._stream(gen, "chat.completion.chunk", self._chat_chunk)
         choices = []
@@ -129,8 +142,19 @@ class OpenAIEndpoint:
         return choice
 
     # --- shared ---
-    def _start(self, ids: list[int], req: GenerationRequest) -> Generation:
-        return Generation(self.engine, ids, req, self._decode, self.limits.request_timeout)
+    def _start(self, ids: list[int], req: GenerationRequest, session: str | None) -> Generation:
+        """Submit; a session's request is first admitted by the session store (which may
+        refuse it) and its choices are recorded as they finish."""
+        record = None
+        if session is not None:
+            record = self.sessions.admit(session, len(ids), req.n, int(req.sampling.max_tokens))
+        try:
+            return Generation(self.engine, ids, req, self._decode, self.limits.request_timeout,
+                              record)
+        except BaseException:
+            if record is not None:
+                record.release()
+            raise
 
     def _stream(self, gen: Generation, obj: str, chunk: Any) -> EventStream:
         head = self._head(obj)
@@ -173,3 +197,16 @@ class OpenAIEndpoint:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+SESSIONS_PREFIX = "/sessions/"
+
+
+def _session_route(route: str) -> tuple[str, str | None]:
+    """``/sessions/<id>/v1/...`` -> (``/v1/...``, id); any other route -> (route, None)."""
+    if not route.startswith(SESSIONS_PREFIX):
+        return route, None
+    sid, _, rest = route[len(SESSIONS_PREFIX):].partition("/")
+    if not SESSION_ID.fullmatch(sid):
+        raise HttpError(400, "a session id is 1 to 64 characters of A-Z a-z 0-9 _ . -")
+    return "/" + rest, sid

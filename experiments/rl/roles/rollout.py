@@ -1,5 +1,7 @@
 """Rollout workers: take tasks from the master, run the agent against the server the master
-picked, score the samples and stream each group to the master."""
+picked, score the samples and stream each group to the master. With ``rl.agent.kind=openai``
+the agent is a function written against the OpenAI API (:mod:`experiments.rl.openai_agent`):
+its sessions run on the server's HTTP endpoint and come back as recorded turns."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +13,7 @@ from experiments.rl.agents import Episode, make_agent
 from experiments.rl.common import encode_prompt, load_tokenizer, model_path, rl_config
 from experiments.rl.config import RLConfig
 from experiments.rl.episodes import run_episodes, score
+from experiments.rl.openai_agent import OpenAIAgent, Session, group_trajectories
 from experiments.rl.tasks import dataset, get_task
 from system import names
 from system.errors import NameEntryNotFound, RpcError, RpcTimeout
@@ -31,6 +34,8 @@ class _Rollouts:
         self.task = get_task(rl.task)
         self.prompts = {p["id"]: p for p in dataset(rl.task, "train")}
         self.agent = make_agent(rl.agent, self.tok)
+        self.openai = (OpenAIAgent.for_trial(rl.agent, worker.boot.trial_dir, rl.call_timeout)
+                       if rl.agent.kind == "openai" else None)
         self.encoded: dict[int, list[int]] = {}
         self.gens: dict[int, GenerationClient] = {}
         self.incarnation = uuid.uuid4().hex
@@ -110,6 +115,54 @@ class _Rollouts:
                                                 f"generation/{index}")
         return self.gens[index]
 
+    def run_tasks(self, tasks: list[Task]) -> list[tuple[list[Trajectory], str]]:
+        """Each task's scored trajectories, or why its group failed."""
+        if self.openai is not None:
+            return self.run_openai(tasks)
+        results, owner, error = self.run(tasks)
+        out = []
+        for k, t in enumerate(tasks):
+            trajs = [tr for i, r in enumerate(results) if owner[i] == k for tr in r]
+            if not error:
+                score(trajs, self.tok, self.prompts[t["prompt_id"]]["answer"], self.task.reward)
+            out.append((trajs, error))
+        return out
+
+    def run_openai(self, tasks: list[Task]) -> list[tuple[list[Trajectory], str]]:
+        """``group_size`` agent calls per task, all at once; then every session's recorded
+        turns, fetched and dropped, as trajectories."""
+        assert self.openai is not None
+        groups = [[Session(t["server"], dict(self.prompts[t["prompt_id"]]))
+                   for _ in range(self.rl.group_size)] for t in tasks]
+        flat = [s for g in groups for s in g]
+        servers = sorted({t["server"] for t in tasks})
+        records = {}
+        try:
+            http = {i: self.worker.name_resolve.wait(
+                names.http_address(self.worker.exp, self.worker.trial, i), 60) for i in servers}
+            for i in servers:
+                self.server(i)
+            self.openai.run(flat, http, self.server_alive)
+        except Exception as e:  # a server failed or was cut off: give the tasks back
+            log.exception("rollout failed")
+            self._forget(servers)
+            return [([], f"{type(e).__name__}: {e}")] * len(tasks)
+        finally:  # fetch and drop (also after a failure: nothing waits for its expiry)
+            for i in servers:
+                try:
+                    got = self.gens[i].take_sessions([s.id for s in flat if s.server == i]
+                                                     ).result(self.rl.call_timeout)
+                    records.update({r["session"]: r for r in got})
+                except (RpcError, KeyError) as e:
+                    log.warning("take_sessions on generation server %d failed: %s", i, e)
+        return [group_trajectories(g, records) for g in groups]
+
+    def _forget(self, servers: list[int]) -> None:
+        """Look these servers up again next time: one requeued by Slurm registers anew."""
+        for server in servers:
+            if server in self.gens:
+                self.gens.pop(server).close()
+
     def run(self, tasks: list[Task]) -> tuple[list[list[Trajectory]], list[int], str]:
         """Every task's episodes, driven together: (results, owning task per episode, error)."""
         episodes: list[tuple[Episode, int]] = []
@@ -128,17 +181,10 @@ class _Rollouts:
                     owner, "")
         except Exception as e:  # a server failed or was cut off: give the tasks back
             log.exception("rollout failed")
-            # look the servers up again next time: one requeued by Slurm registers anew
-            for server in {t["server"] for t in tasks}:
-                if server in self.gens:
-                    self.gens.pop(server).close()
+            self._forget(sorted({t["server"] for t in tasks}))
             return [], owner, f"{type(e).__name__}: {e}"
 
-    def group(self, k: int, t: Task, results: list[list[Trajectory]], owner: list[int],
-              error: str) -> GroupMessage:
-        trajs = [tr for i, r in enumerate(results) if owner[i] == k for tr in r]
-        if not error:
-            score(trajs, self.tok, self.prompts[t["prompt_id"]]["answer"], self.task.reward)
+    def group(self, t: Task, trajs: list[Trajectory], error: str) -> GroupMessage:
         return {"seq": t["seq"], "prompt_id": t["prompt_id"], "worker": self.worker.index,
                 "server": t["server"], "trajs": trajs, "failed": bool(error), "error": error}
 
@@ -182,9 +228,8 @@ def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
                 time.sleep(float(reply["wait"]))
                 continue
             tasks = reply["tasks"]
-            results, owner, error = r.run(tasks)
-            for k, t in enumerate(tasks):
-                if not r.push(r.group(k, t, results, owner, error)):
+            for t, (trajs, error) in zip(tasks, r.run_tasks(tasks)):
+                if not r.push(r.group(t, trajs, error)):
                     if not worker.stopping:
                         r.reconnect()
                     break
