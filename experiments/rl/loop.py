@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from experiments.rl.admission import AdmissionConfig, AdmissionController, TrajectoryBuffer
-from experiments.rl.agents import make_agent
 from experiments.rl.checkpoint import CheckpointDir
 from experiments.rl.cluster import Cluster
 from experiments.rl.common import eval_prompts, group_version, load_tokenizer, model_path
@@ -28,7 +27,7 @@ from experiments.rl.config import RLConfig
 from experiments.rl.data import PromptCursor, Router, TaskSource
 from experiments.rl.evaluate import Evaluation, evaluate
 from experiments.rl.metrics import MetricsLog
-from experiments.rl.openai_agent import OpenAIAgent
+from experiments.rl.openai_agent import trial_agent
 from experiments.rl.state import Admitted, LoopState, load_state, save_state
 from experiments.rl.tasks import dataset
 from experiments.rl.train_step import train_step
@@ -77,8 +76,7 @@ class RLLoop:
                                                             group_size=rl.group_size))
         master.name_resolve.add(names.stream(master.exp, master.trial, "trajectories"),
                                 self.puller.address, replace=True)
-        self.agent = (make_agent(rl.agent, self.tok) if rl.agent.kind != "openai" else
-                      OpenAIAgent.for_trial(rl.agent, master.boot.trial_dir, rl.call_timeout))
+        self.agent = trial_agent(rl.agent, self.tok, master.boot.trial_dir, rl.call_timeout)
         self.held_out = eval_prompts(rl, self.tok)
         self.samples_at_start = self.state.consumed * rl.group_size
         self.t_loop = time.monotonic()

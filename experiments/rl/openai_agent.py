@@ -26,7 +26,7 @@ import uuid
 from typing import Any, Awaitable, Callable, Sequence
 
 from experiments.rl import openai_calculator, plugins
-from experiments.rl.agents import AgentConfig
+from experiments.rl.agents import AgentConfig, SingleTurnAgent, make_agent
 from experiments.rl.sessions import session_trajectories
 from system.api_key import read_api_key
 from system.errors import ConfigError, PeerDied
@@ -149,3 +149,12 @@ def group_trajectories(sessions: Sequence[Session], records: dict[str, SessionRe
                         "completion token (did the agent call the client it was given?)")
         trajs += got
     return trajs, ""
+
+
+def trial_agent(cfg: AgentConfig, tokenizer: Any, trial_dir: str, timeout: float
+                ) -> SingleTurnAgent | OpenAIAgent:
+    """The agent a master (training or evaluating) runs prompts with: a generator agent, or an
+    agent function against the endpoints of the servers of ``trial_dir``."""
+    if cfg.kind == "openai":
+        return OpenAIAgent.for_trial(cfg, trial_dir, timeout)
+    return make_agent(cfg, tokenizer)

@@ -15,7 +15,6 @@ import os
 import time
 from typing import Any
 
-from experiments.rl.agents import make_agent
 from experiments.rl.checkpoint import CheckpointDir
 from experiments.rl.checkpoint_weights import actor_dir
 from experiments.rl.common import eval_prompts, load_tokenizer, model_path, rl_config
@@ -25,6 +24,7 @@ from experiments.rl.eval_results import (PLOT, RESULTS, EvalResult, checkpoint_i
                                          merged, pending, plot_accuracy, read_results,
                                          write_results)
 from experiments.rl.evaluate import evaluate
+from experiments.rl.openai_agent import trial_agent
 from workers.client import collect
 from workers.generation import GenerationClient
 from workers.master import MasterWorker
@@ -77,7 +77,8 @@ def evaluate_checkpoints(master: MasterWorker, rl: RLConfig,
     ckpt = CheckpointDir(os.path.join(source, "checkpoints"))
     results_path, plot_path = os.path.join(out_dir, RESULTS), os.path.join(out_dir, PLOT)
     tok = load_tokenizer(model_path(master, rl))
-    agent, held_out = make_agent(rl.agent, tok), eval_prompts(rl, tok)
+    agent = trial_agent(rl.agent, tok, master.boot.trial_dir, rl.call_timeout)
+    held_out = eval_prompts(rl, tok)
     router = Router(len(gens))
     router.set_live(set(gens))
     eval_set = eval_set_id(rl)

@@ -77,6 +77,7 @@ def _fsdp_rank(rank: int, port: int, model: str, step_dir: str, out) -> None:
     assert eng.sharded
     seqs = _seqs()
     eng.train_step(seqs[rank::2], sft_loss, sum(len(s) - 1 for s in seqs))
+    os.makedirs(os.path.join(step_dir, "actor"), exist_ok=True)  # (the model worker does)
     eng.save(os.path.join(step_dir, "actor"), rank)
     dist.barrier()
     full = eng.full_state_dict()  # collective
@@ -100,6 +101,7 @@ def _megatron_rank(rank: int, port: int, model: str, step_dir: str, out) -> None
                                            megatron=MegatronConfig(tp=2, pp=1)), world_size=2)
     seqs = _seqs()
     eng.train_step(seqs, sft_loss, sum(len(s) - 1 for s in seqs))
+    os.makedirs(os.path.join(step_dir, "actor"), exist_ok=True)  # (the model worker does)
     eng.save(os.path.join(step_dir, "actor"), rank)
     dist.barrier()
     full = eng.full_state_dict(eng.master_dtype)  # collective
