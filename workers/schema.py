@@ -8,7 +8,7 @@ on the wire (:mod:`system.wire` carries them as zero-copy frames).
 """
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import numpy as np
 
@@ -31,6 +31,8 @@ class WorkerSetup(TypedDict):
     """Workers per kind."""
     recover: str
     """``off`` or ``resume``."""
+    metrics: NotRequired[dict[str, Any]]
+    """The root ``metrics`` section (where a master logs training metrics), as plain values."""
 
 
 class ConfigureReply(TypedDict):

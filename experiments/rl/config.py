@@ -7,7 +7,6 @@ import os
 
 from experiments.rl.agents import AgentConfig
 from experiments.rl.algorithms.objectives import ActorLossConfig
-from experiments.rl.metrics import MetricsConfig
 from experiments.rl.tasks import TaskConfig
 from scheduler.gpu_plan import GpuDemand
 from system.paths import PROJECT_ROOT
@@ -108,8 +107,6 @@ class RLConfig:
     """The generation servers' engines."""
     weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
     """Trainer -> generation server weight updates."""
-    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
-    """Training metrics besides metrics.jsonl and TensorBoard (``rl.metrics.wandb=offline``)."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("grpo", "ppo"):

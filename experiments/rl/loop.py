@@ -33,6 +33,7 @@ from experiments.rl.tasks import dataset
 from experiments.rl.train_step import train_step
 from system import names
 from system.errors import RpcError
+from system.launcher.config import MetricsConfig
 from system.rpc import StreamPuller
 from workers.master import MasterWorker
 from workers.schema import Task
@@ -57,7 +58,7 @@ class RLLoop:
         self.state = (load_state(self.ckpt.path(self.resumed_from))
                       if self.resumed_from is not None else LoopState())
         self.metrics = MetricsLog(self.trial_dir, resume=self.resumed_from is not None,
-                                  cfg=rl.metrics, name=f"{master.exp}/{master.trial}")
+                                  cfg=MetricsConfig(**master.config.get("metrics", {})), name=f"{master.exp}/{master.trial}")
         self.metrics.truncate(self.state.step)
         self.admission = AdmissionController(AdmissionConfig(rl.batch_size, rl.eta))
         self.buffer = TrajectoryBuffer(rl.eta)

@@ -1,5 +1,5 @@
 """Training metrics of a trial: a JSON-lines log, TensorBoard events, a PNG plot and, when
-``rl.metrics.wandb`` is on, a Weights & Biases run (offline: under ``<trial>/wandb``)."""
+``metrics.wandb`` is on, a Weights & Biases run (offline: under ``<trial>/wandb``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,32 +8,9 @@ import logging
 import os
 from typing import Any
 
-from system.errors import ConfigError
+from system.launcher.config import MetricsConfig
 
 log = logging.getLogger("rl-metrics")
-
-WANDB_MODES = ("off", "offline", "online")
-
-
-@dataclasses.dataclass
-class MetricsConfig:
-    """Where training metrics go besides metrics.jsonl and TensorBoard (always written)."""
-
-    wandb: str = "off"
-    """Weights & Biases: off, offline (a run directory under ``<trial>/wandb``, nothing sent;
-    ``wandb sync`` uploads it later) or online (needs network access and a W&B login)."""
-    wandb_project: str = "slurm-rl"
-    """The W&B project of the run (the run is named ``<exp>/<trial>``)."""
-    wandb_entity: str = ""
-    """The W&B team or user (empty: the login's default)."""
-
-    def __post_init__(self) -> None:
-        if self.wandb not in WANDB_MODES:
-            raise ConfigError(f"wandb={self.wandb!r} is not one of {list(WANDB_MODES)}")
-        if not self.wandb_project or "/" in self.wandb_project:
-            raise ConfigError(f"wandb_project={self.wandb_project!r} must be a non-empty name "
-                              "without '/'")
-
 
 class WandbRun:
     """One W&B run per trial process that logs (the master); its charts use ``step``."""

@@ -121,6 +121,30 @@ class RecoverConfig:
         return self.type in (RecoverMode.AUTO, RecoverMode.RESUME)
 
 
+WANDB_MODES = ("off", "offline", "online")
+
+
+@dataclasses.dataclass
+class MetricsConfig:
+    """Where an experiment's training metrics go besides ``metrics.jsonl`` and TensorBoard (always
+    written)."""
+
+    wandb: str = "off"
+    """Weights & Biases: off, offline (a run directory under ``<trial>/wandb``, nothing sent;
+    ``wandb sync`` uploads it later) or online (needs network access and a W&B login)."""
+    wandb_project: str = "slurm-rl"
+    """The W&B project of the run (the run is named ``<exp>/<trial>``)."""
+    wandb_entity: str = ""
+    """The W&B team or user (empty: the login's default)."""
+
+    def __post_init__(self) -> None:
+        if self.wandb not in WANDB_MODES:
+            raise ConfigError(f"wandb={self.wandb!r} is not one of {list(WANDB_MODES)}")
+        if not self.wandb_project or "/" in self.wandb_project:
+            raise ConfigError(f"wandb_project={self.wandb_project!r} must be a non-empty name "
+                              "without '/'")
+
+
 @dataclasses.dataclass
 class ExperimentConfig:
     """The root config of one trial."""
@@ -150,6 +174,9 @@ class ExperimentConfig:
     """Generation servers."""
     rollout: RolloutWorkerConfig = dataclasses.field(default_factory=RolloutWorkerConfig)
     """Rollout workers."""
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    """Training metrics besides metrics.jsonl and TensorBoard (``metrics.wandb=offline``; the RL
+    experiments log them, smoke has none)."""
 
     def __post_init__(self) -> None:
         check_name("exp", self.exp)

@@ -36,7 +36,8 @@ def worker_configs(cfg: ExperimentConfig, experiment: Experiment) -> dict[str, W
     recover = cfg.recovery()
     resume = "resume" if recover is not None and recover.resume else "off"
     return {kind: {"worker": plain(getattr(cfg, kind)), "experiment": section,
-                   "counts": cfg.worker_counts(), "recover": resume}
+                   "counts": cfg.worker_counts(), "recover": resume,
+                   "metrics": plain(cfg.metrics)}
             for kind in KINDS}
 
 

@@ -11,7 +11,10 @@ Prints ``name: value`` lines:
   plain single-process transformers + AdamW loop with the same loss on the same batches
   (target >= 0.85)
 - async_speedup: training samples/s of arith-tiny in async mode / sync mode (same steps, same
-  config otherwise; loop time, engine start-up excluded)
+  config otherwise, both with the local scheduler's default CPU sets: training and generation
+  on disjoint cores; loop time, engine start-up excluded; target >= 1.5)
+- cpu_sets_speedup: samples/s of the default async run with CPU sets / without
+  (``scheduler.local.cpus.mode=off``), and each one's training-reward gain per loop minute
 """
 from __future__ import annotations
 
@@ -201,23 +204,40 @@ def train(steps: int = 5) -> dict[str, float]:
 
 # --- async vs sync -----------------------------------------------------------------------------
 
+def _loop_run(root: str, name: str, steps: int, *overrides: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "system.launch", "exp=arith-tiny",
+                        f"trial=bench-{name}", f"cluster.fileroot={root}",
+                        f"rl.total_steps={steps}", "rl.eval_interval=0",
+                        "controller.progress=false", *overrides], cwd=REPO, capture_output=True,
+                       text=True, timeout=1200)
+    if r.returncode:
+        raise RuntimeError(f"{name} run failed:\n{r.stderr[-2000:]}")
+    with open(os.path.join(root, "arith-tiny", f"bench-{name}", "summary.json")) as f:
+        return json.load(f)
+
+
 def async_vs_sync(steps: int = 40) -> dict[str, float]:
+    """Sync against async with the local scheduler's default CPU sets (training and generation
+    on disjoint cores), and async without CPU sets (every worker on every core: the default
+    before the sets), in one invocation."""
     out = {}
     with tempfile.TemporaryDirectory() as root:
-        for mode in ("sync", "async"):
-            r = subprocess.run([sys.executable, "-m", "system.launch", "exp=arith-tiny",
-                                f"trial=bench-{mode}", f"cluster.fileroot={root}",
-                                f"rl.mode={mode}", f"rl.total_steps={steps}", "rl.eval_interval=0",
-                                "controller.progress=false"], cwd=REPO, capture_output=True,
-                               text=True, timeout=1200)
-            if r.returncode:
-                raise RuntimeError(f"{mode} run failed:\n{r.stderr[-2000:]}")
-            with open(os.path.join(root, "arith-tiny", f"bench-{mode}", "summary.json")) as f:
-                out[mode] = json.load(f)
+        for name, overrides in (("sync", ["rl.mode=sync"]), ("async", ["rl.mode=async"]),
+                                ("async-unbound", ["rl.mode=async",
+                                                   "scheduler.local.cpus.mode=off"])):
+            out[name] = _loop_run(root, name, steps, *overrides)
+
+    def gain_per_min(s: dict) -> float:
+        return (s["reward_last3"] - s["reward_first3"]) / (s["loop_seconds"] / 60)
     return {"async_speedup": out["async"]["samples_per_s"] / out["sync"]["samples_per_s"],
             "samples_per_s_async": out["async"]["samples_per_s"],
             "samples_per_s_sync": out["sync"]["samples_per_s"],
-            "max_staleness_async": out["async"]["max_staleness_used"]}
+            "max_staleness_async": out["async"]["max_staleness_used"],
+            "cpu_sets_speedup": (out["async"]["samples_per_s"]
+                                 / out["async-unbound"]["samples_per_s"]),
+            "samples_per_s_async_unbound": out["async-unbound"]["samples_per_s"],
+            "reward_gain_per_min_async": gain_per_min(out["async"]),
+            "reward_gain_per_min_async_unbound": gain_per_min(out["async-unbound"])}
 
 
 def main() -> None:

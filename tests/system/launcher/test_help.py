@@ -45,7 +45,7 @@ def test_deep_sections_are_listed():
     text = help_text("arith-tiny")
     for key in ("rl.vllm.tensor_parallel_size", "rl.vllm.gpu_memory_utilization",
                 "rl.loss.kl_coef", "rl.weight_sync.mode", "rl.task.fields", "rl.task.reward",
-                "rl.metrics.wandb", "scheduler.slurm.model.partition",
+                "metrics.wandb", "scheduler.slurm.model.partition",
                 "scheduler.slurm.generation.env", "scheduler.slurm.controller.time"):
         assert f"\n  {key} = " in text, key
     assert "scheduler.type = 'local'  (one of: local, slurm)" in text
