@@ -120,10 +120,12 @@ def _slices(cpus: Sequence[int], weights: Sequence[int]) -> list[tuple[int, ...]
 
 
 def plan_cpus(allowed: Sequence[int], binding: CpuBinding, demands: Sequence[CpuDemand],
-              gpus: bool = False) -> dict[str, tuple[int, ...]]:
+              gpus: bool = False, heavy: Iterable[str] = ("model", "generation")
+              ) -> dict[str, tuple[int, ...]]:
     """Each bound worker's CPUs, by worker name (``model/0``); a worker not listed is unbound.
-    ``allowed``: the launcher's CPUs (its affinity); ``gpus``: the workers use GPUs (then auto
-    binds nothing)."""
+    ``allowed``: the launcher's CPUs (its affinity); ``demands``: the workers of every kind;
+    ``gpus``: the workers use GPUs (then auto binds nothing); ``heavy``: the kinds auto keeps
+    apart (the experiment's compute: its training and generation workers, if it has any)."""
     fixed = binding.fixed()
     for kind, cpus in fixed.items():
         stray = sorted(set(cpus) - set(allowed))
@@ -134,13 +136,15 @@ def plan_cpus(allowed: Sequence[int], binding: CpuBinding, demands: Sequence[Cpu
     counts = {d.kind: d for d in demands if d.count > 0}
     out = {f"{kind}/{i}": cpus for kind, cpus in fixed.items()
            for i in range(counts[kind].count if kind in counts else 0)}
-    auto = [counts[k] for k in ("model", "generation") if k in counts and k not in fixed]
+    heavy = set(heavy)
+    auto = [counts[k] for k in ("model", "generation")
+            if k in counts and k in heavy and k not in fixed]
     if binding.mode == "off" or gpus or not auto:
         return out
     taken = {c for cpus in fixed.values() for c in cpus
              if not set(cpus) >= set(allowed)}  # (a kind given every CPU takes none away)
     free = [c for c in allowed if c not in taken]
-    sides = [k for k in ("model", "generation") if k in counts]
+    sides = [k for k in ("model", "generation") if k in counts and k in heavy]
     if len(sides) < 2 or not free or len(auto) == 2 and len(free) < 2:
         return out  # nothing to keep apart, or no room to: every CPU stays shared
     workers = [(d.kind, i, d.weight) for d in auto for i in range(d.count)]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from scheduler.base import Scheduler
 from scheduler.config import SchedulerConfig, SchedulerKind
@@ -11,11 +11,12 @@ from system.paths import PROJECT_ROOT
 
 
 def make_scheduler(sched: SchedulerConfig, exp: str, trial: str, trial_dir: str,
-                   umask: int = 0o077, gpu_demands: Sequence[GpuDemand] = ()) -> Scheduler:
+                   umask: int = 0o077, gpu_demands: Sequence[GpuDemand] = (),
+                   counts: Mapping[str, int] | None = None) -> Scheduler:
     """The scheduler ``sched`` names, for trial ``exp/trial`` in ``trial_dir``; its jobs create
     files under ``umask`` (local workers inherit the launcher's). ``gpu_demands``: the GPUs
     each worker kind uses (local: placed, refused if too few are here; Slurm: requested and
-    bound per task)."""
+    bound per task); ``counts``: workers per kind (local: their CPU sets)."""
     if sched.type == SchedulerKind.SLURM:
         from scheduler.slurm import SlurmScheduler
 
@@ -28,8 +29,10 @@ def make_scheduler(sched: SchedulerConfig, exp: str, trial: str, trial_dir: str,
     from scheduler.local import LocalScheduler, local_gpus
 
     gpus = local_gpus(sched.local.gpus, os.environ)
+    weights = {d.kind: max(1, d.per_worker) for d in gpu_demands}
+    demands = {d.kind: d.count for d in gpu_demands} | dict(counts or {})
     cpus = plan_cpus(sorted(os.sched_getaffinity(0)), sched.local.cpus,
-                     [CpuDemand(d.kind, d.count, max(1, d.per_worker)) for d in gpu_demands],
-                     gpus=bool(gpus.ids))
+                     [CpuDemand(k, n, weights.get(k, 1)) for k, n in demands.items()],
+                     gpus=bool(gpus.ids), heavy={d.kind for d in gpu_demands})
     return LocalScheduler(gpus, gpu_demands, sched.local.share_gpus, spares=sched.local.spares,
                           cpus=cpus)

@@ -197,7 +197,7 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
     paths = trial.paths
     try:
         scheduler = make_scheduler(cfg.scheduler, cfg.exp, cfg.trial, paths.root, umask,
-                                   cfg.gpu_demands())
+                                   cfg.gpu_demands(), cfg.worker_counts())
         if args.dry_run or "--test-only" in args.flags:
             return dry_run(cfg, paths, scheduler, resolved, "--test-only" in args.flags)
         if "--detach" in args.flags:

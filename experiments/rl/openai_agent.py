@@ -111,10 +111,15 @@ class OpenAIAgent:
 
     async def _one(self, base: Any, address: str, s: Session) -> None:
         url = f"{address}/sessions/{s.id}/v1" if s.record else f"{address}/v1"
-        try:
-            reward = await self.fn(base.with_options(base_url=url), s.task)
+        try:  # (a function that never returns would hold the rollout worker for good)
+            reward = await asyncio.wait_for(self.fn(base.with_options(base_url=url), s.task),
+                                            self.timeout)
         except asyncio.CancelledError:
             raise
+        except asyncio.TimeoutError:
+            s.error = (f"rl.agent.function={self.name!r} did not return within "
+                       f"{self.timeout:.0f}s (rl.call_timeout)")
+            return
         except Exception as e:  # the user's code: its error fails the group, named
             s.error = f"rl.agent.function={self.name!r} raised {type(e).__name__}: {e}"
             return

@@ -9,15 +9,22 @@ engines unless told otherwise.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
-from typing import Callable
+from typing import Any, Callable
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from system.errors import ConfigError
 from system.launcher.config import ExperimentConfig, RunMode
 from system.paths import TrialPaths
+
+log = logging.getLogger("launch")
+
+MOVED = {("rl", "metrics"): ("metrics",)}
+"""Sections a trial's saved config may hold at their old place (old -> new path)."""
 
 EVAL_DIR = "eval"
 """The evaluation's directory inside the trial directory."""
@@ -65,11 +72,43 @@ def trained_base(cfg: ExperimentConfig, defaults: ExperimentConfig,
     if not os.path.isfile(saved):
         return cfg
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(defaults),
-                                 OmegaConf.load(saved))
-        base = OmegaConf.to_object(merged)
+        schema = OmegaConf.structured(defaults)
+        loaded = OmegaConf.load(saved)
+        dropped = fit_saved(loaded, schema)
+        if dropped:
+            log.warning("mode=eval: %s ignores settings this version no longer has: %s",
+                        saved, ", ".join(dropped))
+        base = OmegaConf.to_object(OmegaConf.merge(schema, loaded))
     except (OmegaConfBaseException, ValueError, TypeError, ConfigError) as e:
         raise ConfigError(f"mode=eval: the trial's config {saved} does not load: "
                           f"{str(e).splitlines()[0]}") from None
     assert isinstance(base, ExperimentConfig)
     return rebuild(base)
+
+
+def fit_saved(saved: Any, schema: Any, path: str = "") -> list[str]:
+    """Bring a trial's saved config (``config.yaml`` as loaded) in line with this version's
+    ``schema`` in place: sections that moved (:data:`MOVED`) go to their new place, settings
+    the schema no longer has are removed; returns the removed keys (dotted)."""
+    if not path:
+        for old, new in MOVED.items():
+            node = OmegaConf.select(saved, ".".join(old))
+            if node is not None and OmegaConf.select(saved, ".".join(new)) is None:
+                OmegaConf.update(saved, ".".join(new), node, force_add=True)
+    dropped: list[str] = []
+    if not isinstance(saved, DictConfig) or not isinstance(schema, DictConfig):
+        return dropped
+    for key in list(saved.keys()):
+        name = f"{path}{key}"
+        if key not in schema:
+            dropped.append(name)
+            del saved[key]
+        elif _structured(schema, str(key)):
+            dropped += fit_saved(saved[key], schema[key], name + ".")
+    return dropped
+
+
+def _structured(schema: DictConfig, key: str) -> bool:
+    """Whether ``schema.key`` is a config section (a dataclass), not a free mapping."""
+    node = schema._get_node(key)  # (reading the value would resolve interpolations)
+    return isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node))

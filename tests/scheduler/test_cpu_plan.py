@@ -106,3 +106,18 @@ def test_a_worker_moves_every_thread_onto_its_set():
     assert out["bound"] == [cpu] and out["omp"] == "1"
     assert len(out["threads"]) >= 2
     assert all(s == [cpu] for s in out["threads"].values()), out
+
+
+def test_every_kind_given_a_list_gets_it_through_the_registry():
+    """Master and rollout workers have no GPU demand: their sets come from the worker counts."""
+    from scheduler.config import SchedulerConfig
+    from scheduler.gpu_plan import GpuDemand
+    from scheduler.registry import make_scheduler
+
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    cfg = SchedulerConfig(local=LocalConfig(gpus="none", spares=False,
+                                            cpus=CpuBinding(master=str(cpu), rollout=str(cpu))))
+    sched = make_scheduler(cfg, "e", "t", "/tmp/unused", 0o077,
+                           [GpuDemand("model", 1, 1, "m"), GpuDemand("generation", 1, 1, "g")],
+                           {"master": 1, "model": 1, "generation": 1, "rollout": 2})
+    assert sched.cpus("master/0") == sched.cpus("rollout/1") == (cpu,)

@@ -32,7 +32,9 @@ class ActorLossConfig:
     proximal: str = "forward"
     """Decoupled PPO's proximal log-probs (the weights before this step's update): forward
     (the training forward's own log-probs, detached: exact, since every batch takes one
-    optimizer step after all its forwards, and it saves a pass), recompute (a separate
+    optimizer step after all its forwards, and it saves a pass; exact for a model without
+    dropout, as the built-in ones: with dropout the forward's log-probs are noisy, use
+    recompute), recompute (a separate
     log-prob pass before the step, as AReaL does), or off (standard PPO against the behaviour
     log-probs; what sync mode and ``rl.decoupled_loss=false`` use)."""
 

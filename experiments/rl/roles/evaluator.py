@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from experiments.rl.checkpoint import CheckpointDir
-from experiments.rl.checkpoint_weights import actor_dir
+from experiments.rl.checkpoint_weights import CheckpointFormatError, actor_dir
 from experiments.rl.common import eval_prompts, load_tokenizer, model_path, rl_config
 from experiments.rl.config import RLConfig
 from experiments.rl.data import Router
@@ -85,6 +85,11 @@ def evaluate_checkpoints(master: MasterWorker, rl: RLConfig,
     steps, broken = [], {}
     for step in sorted(ckpt.steps()):
         problem = ckpt.verify(step)
+        if problem is None:
+            try:
+                actor_dir(ckpt.path(step), rl.actor.backend)
+            except CheckpointFormatError as e:  # (no policy weights to load: skipped, named)
+                problem = str(e)
         if problem is None:
             steps.append(step)
         else:

@@ -136,7 +136,7 @@ class _Rollouts:
                    for _ in range(self.rl.group_size)] for t in tasks]
         flat = [s for g in groups for s in g]
         servers = sorted({t["server"] for t in tasks})
-        records = {}
+        records, error = {}, ""
         try:
             http = {i: self.worker.name_resolve.wait(
                 names.http_address(self.worker.exp, self.worker.trial, i), 60) for i in servers}
@@ -145,16 +145,21 @@ class _Rollouts:
             self.openai.run(flat, http, self.server_alive)
         except Exception as e:  # a server failed or was cut off: give the tasks back
             log.exception("rollout failed")
+            error = f"{type(e).__name__}: {e}"
+        # fetch and drop (after a failure too, from every server still serving: nothing there
+        # waits for its expiry, holding the session store's room)
+        for i in servers:
+            if error and not self.server_alive(i):
+                continue
+            try:
+                got = self.gens[i].take_sessions([s.id for s in flat if s.server == i]
+                                                 ).result(self.rl.call_timeout)
+                records.update({r["session"]: r for r in got})
+            except (RpcError, KeyError) as e:
+                log.warning("take_sessions on generation server %d failed: %s", i, e)
+        if error:
             self._forget(servers)
-            return [([], f"{type(e).__name__}: {e}")] * len(tasks)
-        finally:  # fetch and drop (also after a failure: nothing waits for its expiry)
-            for i in servers:
-                try:
-                    got = self.gens[i].take_sessions([s.id for s in flat if s.server == i]
-                                                     ).result(self.rl.call_timeout)
-                    records.update({r["session"]: r for r in got})
-                except (RpcError, KeyError) as e:
-                    log.warning("take_sessions on generation server %d failed: %s", i, e)
+            return [([], error)] * len(tasks)
         return [group_trajectories(g, records) for g in groups]
 
     def _forget(self, servers: list[int]) -> None:

@@ -115,3 +115,36 @@ def test_the_builtin_calculator_function_loads_and_is_async():
 
     fn = load_function(AgentConfig(kind="openai", function="calculator"))
     assert inspect.iscoroutinefunction(fn)
+
+
+def test_a_function_that_never_returns_fails_its_session_at_the_deadline():
+    """No server is needed: the function never calls one, and the run ends at the deadline
+    (``rl.call_timeout``) with the session failed and named, not a rollout worker held."""
+    import asyncio
+    import time
+
+    from experiments.rl import openai_agent
+    from experiments.rl.openai_agent import OpenAIAgent
+
+    async def stuck(client, task):
+        await asyncio.sleep(3600)
+        return 1.0
+
+    async def quick(client, task):
+        return 0.5
+
+    openai_agent.FUNCTIONS.update(stuck=stuck, quick=quick)
+    try:
+        cfgs = [AgentConfig(kind="openai", function="calculator") for _ in range(2)]
+        cfgs[0].function, cfgs[1].function = "stuck", "quick"  # (built in for this test)
+        agent, fine = (OpenAIAgent(c, "k" * 43, 0.5) for c in cfgs)
+        sessions = [Session(0, {"id": 1}), Session(0, {"id": 2})]
+        t0 = time.monotonic()
+        agent.run(sessions, {0: "http://127.0.0.1:9"})
+        assert time.monotonic() - t0 < 5
+        assert all("did not return within" in s.error for s in sessions)
+        ok = [Session(0, {"id": 3})]
+        fine.run(ok, {0: "http://127.0.0.1:9"})
+        assert ok[0].reward == 0.5 and not ok[0].error
+    finally:
+        del openai_agent.FUNCTIONS["stuck"], openai_agent.FUNCTIONS["quick"]

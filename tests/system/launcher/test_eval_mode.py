@@ -85,3 +85,26 @@ def test_eval_leaves_a_finished_trial_alone_and_writes_under_eval(tmp_path):
             prepare_trial(_cfg(tmp_path), "arith-tiny", "x\n")
     finally:
         prepared.lock.release()
+
+
+def test_a_config_saved_by_an_older_version_loads():
+    """A trial trained before a section moved (``rl.metrics`` -> ``metrics``) or a setting was
+    removed still evaluates: moved sections follow, removed settings are dropped and named."""
+    from omegaconf import OmegaConf
+
+    from experiments.catalog import get_experiment
+    from system.launcher.eval_mode import fit_saved
+
+    cfg = get_experiment("arith-tiny").make_config()
+    cfg.exp, cfg.trial = "arith-tiny", "t"
+    schema = OmegaConf.structured(cfg)
+    old = OmegaConf.create(OmegaConf.to_container(schema))
+    del old["metrics"]
+    old.rl.metrics = {"wandb": "offline", "wandb_project": "p", "wandb_entity": ""}
+    old.rl.retired = 3
+    old.rl.vllm.gone = {"a": 1}
+    old.scheduler.slurm.model.env = {"KEEP": "1"}  # a free mapping keeps its keys
+    assert sorted(fit_saved(old, schema)) == ["rl.metrics", "rl.retired", "rl.vllm.gone"]
+    loaded = OmegaConf.to_object(OmegaConf.merge(schema, old))
+    assert loaded.metrics.wandb == "offline" and loaded.metrics.wandb_project == "p"
+    assert loaded.scheduler.slurm.model.env == {"KEEP": "1"}
