@@ -24,29 +24,12 @@ worker forked by a warm spare gets its own set, not its spare's.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Iterable, Mapping, Sequence
 
-from system.cpu_binding import CPUS_ENV
+from system.cpu_binding import CPUS_ENV, parse_cpu_list
 from system.errors import ConfigError
 
 KINDS = ("master", "model", "generation", "rollout")
-
-
-def parse_cpu_list(text: str) -> tuple[int, ...]:
-    """``0-3,8`` -> ``(0, 1, 2, 3, 8)`` (sorted, no repeats); :class:`ConfigError` if
-    malformed or empty."""
-    out: set[int] = set()
-    for item in text.split(","):
-        m = re.fullmatch(r"\s*(\d{1,5})(?:-(\d{1,5}))?\s*", item)
-        if m is None:
-            raise ConfigError(f"{text!r} is not a CPU list such as 0-3,8")
-        lo = int(m.group(1))
-        hi = int(m.group(2)) if m.group(2) is not None else lo
-        if hi < lo:
-            raise ConfigError(f"{text!r}: range {lo}-{hi} runs backwards")
-        out.update(range(lo, hi + 1))
-    return tuple(sorted(out))
 
 
 def format_cpu_list(cpus: Iterable[int]) -> str:

