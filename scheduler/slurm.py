@@ -19,6 +19,8 @@ from scheduler.slurm_cli import (STATE_TABLE, last_error, map_state, parse_sbatc
                                  parse_scontrol_job)
 from scheduler.slurm_cli import run as _run
 from scheduler.slurm_config import SlurmConfig
+from scheduler.slurm_jobs import (cancel_until_gone, het_leader, queued, scancel, scontrol_job,
+                                  scontrol_update, terminate)
 from scheduler.slurm_queue import blocked_message, hopeless, queue_timeout_message, unavailable_nodes
 from scheduler.slurm_render import (HETJOB, job_label, job_name, render_hetjob_script,
                                     render_worker_script, requeue_mark_prefix, script_name)
@@ -54,11 +56,6 @@ class HetRequest(SlurmRequest):
 
     def members(self) -> tuple[GroupSpec, ...]:
         return self.groups
-
-
-def het_leader(job_id: str) -> str:
-    """``"12+1"`` (component 1 of heterogeneous job 12) -> ``"12"``; a plain id as it is."""
-    return job_id.split("+")[0]
 
 
 class SlurmScheduler(Scheduler):
@@ -187,7 +184,7 @@ class SlurmScheduler(Scheduler):
             raw, reason = found.get(job_id, ("", ""))
             restarts = 0
             if fresh or not raw or map_state(raw) in (JobState.PENDING, JobState.REQUEUED):
-                info = self._scontrol(job_id)  # finished jobs, and restart counts
+                info = scontrol_job(job_id)  # finished jobs, and restart counts
                 raw = raw or info.get("JobState", "")
                 reason = reason or info.get("Reason", "")
                 restarts = int(info.get("Restarts", "0") or 0)
@@ -240,28 +237,11 @@ class SlurmScheduler(Scheduler):
         if now < due:
             return
         del self._release_at[job_id]
-        try:
-            r = _run(["scontrol", "update", f"JobId={het_leader(job_id)}", "StartTime=now"],
-                     timeout=self.scancel_timeout)
-        except SchedulerError as e:
-            log.warning("%s", e)
-            return
-        if r.returncode == 0:
+        error = scontrol_update(job_id, "StartTime=now", self.scancel_timeout)
+        if error is None:
             log.info("requeued job %s made eligible again (Slurm's hold released)", job_id)
         else:
-            log.warning("could not release requeued job %s: %s", job_id, r.stderr.strip())
-
-    @staticmethod
-    def _scontrol(job_id: str) -> dict[str, str]:
-        """``scontrol show job`` of ``job_id`` (a heterogeneous job's component: its line)."""
-        leader, _, offset = job_id.partition("+")
-        r = _run(["scontrol", "show", "job", "-o", leader])
-        if r.returncode != 0 or not r.stdout.strip():
-            return {}
-        lines = [parse_scontrol_job(line) for line in r.stdout.strip().splitlines()]
-        if offset:
-            lines = [kv for kv in lines if kv.get("HetJobOffset") == offset]
-        return lines[0] if lines else {}
+            log.warning("could not release requeued job %s: %s", job_id, error)
 
     def stop_all(self, grace: float) -> None:
         """Cancel every job of the trial; return once none is left in the queue.
@@ -275,15 +255,16 @@ class SlurmScheduler(Scheduler):
         if not self._jobs:
             return
         ids = list(self._jobs)
-        queued = self._queued(ids)
-        pending = [j for j in ids if queued is not None
-                   and queued.get(j) in (JobState.PENDING, JobState.REQUEUED)]
+        in_queue = queued(ids, self.scancel_timeout)
+        pending = [j for j in ids if in_queue is not None
+                   and in_queue.get(j) in (JobState.PENDING, JobState.REQUEUED)]
         if pending:
-            self._scancel(pending)
+            scancel(pending, timeout=self.scancel_timeout)
         running = [j for j in ids if j not in pending  # those that ended need no signal
-                   and (queued is None or j in queued)]
-        self._terminate(running, grace)  # polite: workers stop gracefully
-        left = self._cancel_until_gone(ids, time.monotonic() + self.cancel_deadline)
+                   and (in_queue is None or j in in_queue)]
+        terminate(running, grace, self.scancel_timeout)  # polite: workers stop gracefully
+        left = cancel_until_gone(ids, time.monotonic() + self.cancel_deadline,
+                                 self.scancel_timeout)
         if left:
             raise SchedulerError(f"jobs still in the queue {self.cancel_deadline:.0f}s after "
                                  f"scancel: {', '.join(left)}")
@@ -315,11 +296,11 @@ class SlurmScheduler(Scheduler):
             return
         others = [w for w in self._live(job_id)[0] if w != name] + [
             w for j in self._het_siblings(job_id) for w in self._live(j)[0]]
-        queued = self._queued([job_id]) if others else {}
-        if queued and queued[job_id] in (JobState.PENDING, JobState.REQUEUED):
+        in_queue = queued([job_id], self.scancel_timeout) if others else {}
+        if in_queue and in_queue[job_id] in (JobState.PENDING, JobState.REQUEUED):
             raise SchedulerError(f"worker {name} is queued in job {job_id} with "
                                  f"{', '.join(others)}: stop its group instead")
-        if queued is None or job_id in queued:  # running others (or squeue did not say)
+        if in_queue is None or job_id in in_queue:  # running others (or squeue did not say)
             self._forgotten.setdefault(job_id, set()).add(name)
             self._no_requeue(job_id)
         else:
@@ -364,90 +345,15 @@ class SlurmScheduler(Scheduler):
         ``scancel`` until they are gone (SchedulerError naming ``what`` if they are not)."""
         if not ids:
             return
-        self._terminate(ids, grace)
-        left = self._cancel_until_gone(ids, time.monotonic() + self.cancel_deadline)
+        terminate(ids, grace, self.scancel_timeout)
+        left = cancel_until_gone(ids, time.monotonic() + self.cancel_deadline,
+                                 self.scancel_timeout)
         if left:
             raise SchedulerError(f"{what} still in the queue {self.cancel_deadline:.0f}s after "
                                  f"scancel: {', '.join(left)}")
 
-    def _terminate(self, ids: list[str], grace: float) -> None:
-        """SIGTERM to the running jobs ``ids``; up to ``grace`` seconds for them to leave."""
-        if not ids:
-            return
-        self._scancel(ids, "--signal=TERM", "--full")
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and self._queued(ids) != {}:
-            time.sleep(0.5)
-
     def _no_requeue(self, job_id: str) -> None:
         """Make job ``job_id`` never requeued (logged, never raised, if Slurm refuses)."""
-        try:
-            r = _run(["scontrol", "update", f"JobId={het_leader(job_id)}", "Requeue=0"],
-                     timeout=self.scancel_timeout)
-        except SchedulerError as e:
-            log.warning("%s", e)
-            return
-        if r.returncode != 0:
-            log.warning("job %s may still be requeued: %s", job_id, r.stderr.strip())
-
-    def _cancel_until_gone(self, ids: list[str], deadline: float) -> list[str]:
-        """Plain ``scancel`` of whatever is still queued, retried with backoff (1 s doubling to
-        16 s) until nothing is left or ``deadline``; returns the ids left."""
-        left, wait = list(ids), 1.0
-        while True:
-            queued = self._queued(left)
-            if queued is not None:
-                left = [j for j in left if j in queued]
-                if not left:
-                    return []
-            if time.monotonic() >= deadline:
-                return left
-            self._scancel(left)
-            time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
-            wait = min(wait * 2, 16.0)
-
-    def _queued(self, ids: list[str]) -> dict[str, JobState] | None:
-        """``{job id: state}`` of those of ``ids`` still in the queue (pending, running,
-        completing); ``None`` when squeue did not answer (no news is not an empty queue)."""
-        if not ids:
-            return {}
-        try:
-            r = _run(["squeue", "-h", "-j", ",".join(sorted({het_leader(j) for j in ids})),
-                      "-o", "%i|%T"], timeout=self.scancel_timeout)
-        except SchedulerError as e:
-            log.warning("%s", e)
-            return None
-        if r.returncode != 0:
-            if "Invalid job id" in r.stderr:  # one has left the queue (and Slurm's memory)
-                return {} if len({het_leader(j) for j in ids}) == 1 else self._queued_each(ids)
-            log.warning("squeue failed: %s", r.stderr.strip())
-            return None
-        out = {}
-        for line in r.stdout.splitlines():
-            job_id, _, raw = line.strip().partition("|")
-            state = map_state(raw)
-            if job_id in ids and state.active:
-                out[job_id] = state
-        return out
-
-    def _queued_each(self, ids: list[str]) -> dict[str, JobState] | None:
-        """:meth:`_queued` one id at a time (squeue refuses a list naming a purged job)."""
-        out: dict[str, JobState] = {}
-        for job_id in ids:
-            one = self._queued([job_id])
-            if one is None:
-                return None
-            out.update(one)
-        return out
-
-    def _scancel(self, ids: list[str], *flags: str) -> None:
-        """One ``scancel``; a slow or failed one is logged, never raised (the caller checks the
-        queue and tries again)."""
-        targets = sorted({het_leader(j) for j in ids})  # Slurm cancels a hetjob as a whole
-        try:
-            r = _run(["scancel", *flags, *targets], timeout=self.scancel_timeout)
-        except SchedulerError as e:
-            log.warning("%s", e)
-            return
-        if r.returncode != 0:
-            log.warning("scancel %s failed: %s", " ".join([*flags, *ids]), r.stderr.strip())
+        error = scontrol_update(job_id, "Requeue=0", self.scancel_timeout)
+        if error is not None:
+            log.warning("job %s may still be requeued: %s", job_id, error)

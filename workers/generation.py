@@ -18,7 +18,7 @@ import numpy as np
 from system import names
 from system.api_key import read_api_key
 from system.errors import ConfigError
-from system.name_resolve import NameEntryNotFound
+from system.errors import NameEntryNotFound
 from system.paths import TrialPaths
 from system.rendezvous import store_prefix
 from system.reshard.spec import WeightSyncSpec

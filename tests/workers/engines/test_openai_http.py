@@ -340,7 +340,7 @@ def test_the_endpoint_can_be_switched_off_and_needs_its_key(tmp_path):
     """``generation.http=false``: no endpoint, no address published. On: the trial's api_key
     file must exist (the launcher writes it); a server never serves without one."""
     from system import names
-    from system.name_resolve import NameEntryNotFound
+    from system.errors import NameEntryNotFound
 
     server = generation_server(str(tmp_path), {"http": False})
     try:

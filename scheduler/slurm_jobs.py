@@ -1,0 +1,124 @@
+"""Slurm's job commands the scheduler runs on job ids: look a job up (``scontrol``), which are
+still queued (``squeue``), signal and cancel them (``scancel``), never requeue one.
+
+Plain functions over ids: the scheduler keeps which jobs are its own. A command that does not
+answer within ``timeout`` seconds, or fails, is logged and reported as "no news" (``None``),
+never raised: a busy slurmctld may not answer for a minute, and callers look again.
+A heterogeneous job's component ``<job>+<offset>`` is named by its leader where Slurm wants the
+whole job (squeue, scancel, scontrol update).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from scheduler.base import JobState
+from scheduler.slurm_cli import map_state, parse_scontrol_job
+from scheduler.slurm_cli import run as _run
+from system.errors import SchedulerError
+
+log = logging.getLogger("slurm")
+
+
+def het_leader(job_id: str) -> str:
+    """``"12+1"`` (component 1 of heterogeneous job 12) -> ``"12"``; a plain id as it is."""
+    return job_id.split("+")[0]
+
+
+def scontrol_job(job_id: str) -> dict[str, str]:
+    """``scontrol show job`` of ``job_id`` (a heterogeneous job's component: its line)."""
+    leader, _, offset = job_id.partition("+")
+    r = _run(["scontrol", "show", "job", "-o", leader])
+    if r.returncode != 0 or not r.stdout.strip():
+        return {}
+    lines = [parse_scontrol_job(line) for line in r.stdout.strip().splitlines()]
+    if offset:
+        lines = [kv for kv in lines if kv.get("HetJobOffset") == offset]
+    return lines[0] if lines else {}
+
+
+def queued(ids: list[str], timeout: float) -> dict[str, JobState] | None:
+    """``{job id: state}`` of those of ``ids`` still in the queue (pending, running,
+    completing); ``None`` when squeue did not answer (no news is not an empty queue)."""
+    if not ids:
+        return {}
+    try:
+        r = _run(["squeue", "-h", "-j", ",".join(sorted({het_leader(j) for j in ids})),
+                  "-o", "%i|%T"], timeout=timeout)
+    except SchedulerError as e:
+        log.warning("%s", e)
+        return None
+    if r.returncode != 0:
+        if "Invalid job id" in r.stderr:  # one has left the queue (and Slurm's memory)
+            return {} if len({het_leader(j) for j in ids}) == 1 else _queued_each(ids, timeout)
+        log.warning("squeue failed: %s", r.stderr.strip())
+        return None
+    out = {}
+    for line in r.stdout.splitlines():
+        job_id, _, raw = line.strip().partition("|")
+        state = map_state(raw)
+        if job_id in ids and state.active:
+            out[job_id] = state
+    return out
+
+
+def _queued_each(ids: list[str], timeout: float) -> dict[str, JobState] | None:
+    """:func:`queued` one id at a time (squeue refuses a list naming a purged job)."""
+    out: dict[str, JobState] = {}
+    for job_id in ids:
+        one = queued([job_id], timeout)
+        if one is None:
+            return None
+        out.update(one)
+    return out
+
+
+def scancel(ids: list[str], *flags: str, timeout: float) -> None:
+    """One ``scancel``; a slow or failed one is logged, never raised (the caller checks the
+    queue and tries again)."""
+    targets = sorted({het_leader(j) for j in ids})  # Slurm cancels a hetjob as a whole
+    try:
+        r = _run(["scancel", *flags, *targets], timeout=timeout)
+    except SchedulerError as e:
+        log.warning("%s", e)
+        return
+    if r.returncode != 0:
+        log.warning("scancel %s failed: %s", " ".join([*flags, *ids]), r.stderr.strip())
+
+
+def terminate(ids: list[str], grace: float, timeout: float) -> None:
+    """SIGTERM to the running jobs ``ids``; up to ``grace`` seconds for them to leave."""
+    if not ids:
+        return
+    scancel(ids, "--signal=TERM", "--full", timeout=timeout)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and queued(ids, timeout) != {}:
+        time.sleep(0.5)
+
+
+def cancel_until_gone(ids: list[str], deadline: float, timeout: float) -> list[str]:
+    """Plain ``scancel`` of whatever is still queued, retried with backoff (1 s doubling to
+    16 s) until nothing is left or ``deadline`` (monotonic); returns the ids left."""
+    left, wait = list(ids), 1.0
+    while True:
+        found = queued(left, timeout)
+        if found is not None:
+            left = [j for j in left if j in found]
+            if not left:
+                return []
+        if time.monotonic() >= deadline:
+            return left
+        scancel(left, timeout=timeout)
+        time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
+        wait = min(wait * 2, 16.0)
+
+
+def scontrol_update(job_id: str, setting: str, timeout: float) -> str | None:
+    """``scontrol update JobId=<job> <setting>``; the error it gave (for the caller to log),
+    or None."""
+    try:
+        r = _run(["scontrol", "update", f"JobId={het_leader(job_id)}", setting],
+                 timeout=timeout)
+    except SchedulerError as e:
+        return str(e)
+    return None if r.returncode == 0 else r.stderr.strip()

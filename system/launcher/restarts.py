@@ -1,0 +1,144 @@
+"""The controller's automatic recovery: restart the stateful workers from the latest checkpoint
+after one of them failed, or a failed stateless worker alone, and go on watching.
+
+A mixin of :class:`~system.launcher.controller.Controller`: it works on the controller's state
+(its clients, groups, logs, requeue policy and :class:`~system.launcher.recovery.Recovery`) and
+calls its phases (register, configure, start, watch) again for the restarted workers. The policy
+(whether and what to restart, back-off, the summary) is :mod:`system.launcher.recovery`'s.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from experiments.registry import Experiment
+from scheduler.base import Scheduler
+from scheduler.requeue import RequeuePolicy
+from system import names
+from system.errors import NameEntryNotFound, WorkerFailure
+from system.launcher.config import ExperimentConfig
+from system.launcher.failures import clear_worker_keys
+from system.launcher.groups import GroupSpec, group_spec
+from system.launcher.recovery import MasterProgress, Recovery
+from system.launcher.summary import TrialSummary
+from system.name_resolve import NameResolve
+from system.paths import TrialPaths
+from workers.client import WorkerClient, collect_settled
+from workers.kinds import KINDS
+
+RESTART_GRACE = 0.0
+"""Seconds a recovery gives the stateful workers it stops before SIGKILL: none, their state is
+abandoned for the checkpoint's (written atomically: a kill cannot tear it), and a survivor
+mid-step would only delay the restart (up to its whole grace)."""
+
+
+class RecoveringController:
+    """The recovery half of the controller (see the module's docstring). It uses the
+    controller's state below and its phases ``_watch``, ``_wait_registered``,
+    ``_configure_all``, ``_start_all``, ``_drop_clients`` and ``_running``."""
+
+    cfg: ExperimentConfig
+    experiment: Experiment
+    paths: TrialPaths
+    scheduler: Scheduler
+    nr: NameResolve
+    groups: dict[str, GroupSpec]
+    logs: dict[str, str]
+    clients: dict[str, WorkerClient]
+    addresses: dict[str, str]
+    requeue: RequeuePolicy
+    recovery: Recovery
+    watch: MasterProgress
+
+    def _watch_recovering(self, summary: TrialSummary) -> dict[str, Any]:
+        """Watch until the master completes; a failure of a stateful worker restarts the
+        stateful workers from the latest checkpoint, up to ``recover.retries`` times."""
+        while True:
+            try:
+                return self._watch()
+            except WorkerFailure as e:
+                failure = e
+            while True:  # a failure during a recovery is recovered too
+                if not self.recovery.should_recover(failure):
+                    raise failure
+                try:
+                    self._recover(failure, summary)
+                    break
+                except WorkerFailure as e:
+                    failure = e
+
+    def _recover(self, failure: WorkerFailure, summary: TrialSummary) -> None:
+        """A stateless worker that failed restarts alone (:meth:`_respawn`). When a stateful
+        worker failed: stop every stateful group, wait the back-off, start them again (their
+        own logs); they restore the latest checkpoint. The other groups stay up."""
+        if not self.recovery.restarts_stateful(failure):
+            self._respawn(failure, summary)
+            return
+        attempt = self.recovery.begin(failure, self._last_step())
+        kinds = self.recovery.kinds_to_restart(failure, tuple(KINDS))
+        self.recovery.incomplete = set(kinds)
+        workers = [w for k in kinds for w in self.groups[k].worker_names()]
+        print(f"\n{attempt.cause}\nrecovering (attempt {attempt.attempt} of "
+              f"{self.recovery.cfg.retries if self.recovery.cfg else 0}): restarting "
+              f"{', '.join(kinds)}" + (" from the latest checkpoint" if set(kinds) & set(
+                  self.experiment.stateful) else ""), file=sys.stderr)
+        # their state is abandoned (the checkpoint is on disk) and a survivor may be stuck in
+        # a call to the dead worker: no graceful stop is waited for
+        # (the failed one is not asked: it is dead, or past helping)
+        collect_settled([self.clients[w].stop() for w in workers
+                         if w in self.clients and w != failure.worker], 0.2)
+        self._drop_clients(workers)
+        self.requeue.rejoined([w for w in workers if w in self.requeue.rejoining])
+        for k in kinds:
+            self.scheduler.stop_group(k, min(self.cfg.scheduler.stop_grace, RESTART_GRACE))
+        clear_worker_keys(self.nr, self.cfg.exp, self.cfg.trial, workers,
+                          stateful=bool(set(kinds) & set(self.experiment.stateful)))
+        time.sleep(self.recovery.backoff())
+        for k in kinds:
+            group = group_spec(k, self.groups[k].count, self.paths, self.scheduler.python,
+                               attempt.attempt)
+            self.groups[k] = group
+            self.logs.update(zip(group.worker_names(), group.log_paths))
+            summary.submitted(k, self.scheduler.submit(group))
+        self._wait_registered(set(workers))
+        self._configure_all([self.clients[w] for w in workers])
+        for k in kinds:
+            self._start_all([self.clients[w] for w in self.groups[k].worker_names()])
+        self.recovery.running()
+        self.recovery.incomplete = set()
+        self.watch.restarted()
+        print(f"recovered: {', '.join(workers)} running again", file=sys.stderr)
+
+    def _respawn(self, failure: WorkerFailure, summary: TrialSummary) -> None:
+        """Restart the failed stateless worker alone, at once, and go on watching: it rejoins
+        like a requeued worker (:meth:`_rejoin` configures and starts it once it registered);
+        training goes on meanwhile."""
+        w = failure.worker
+        assert w is not None
+        kind, index = w.split("/")
+        attempt = self.recovery.begin(failure, self._last_step(), restarted=[w])
+        print(f"\n{attempt.cause}\nrecovering (attempt {attempt.attempt}): restarting {w} "
+              "alone; training goes on", file=sys.stderr)
+        if w in self.clients and self._running(w):  # a dead one cannot answer: no wait
+            collect_settled([self.clients[w].stop()], 1.0)
+        self._drop_clients([w])
+        self.scheduler.stop_worker(w, self.cfg.scheduler.stop_grace)
+        clear_worker_keys(self.nr, self.cfg.exp, self.cfg.trial, [w], stateful=False)
+        self.addresses.pop(w, None)
+        group = group_spec(kind, 1, self.paths, self.scheduler.python, attempt.attempt,
+                           first=int(index))
+        self.logs[w] = group.log_paths[0]
+        summary.submitted(kind, self.scheduler.submit(group))
+        self.requeue.respawned([w], self.cfg.controller.register_timeout)
+
+    def _last_step(self) -> int | None:
+        """The last step the master reported: its progress key outlives it (a poll may have
+        missed the last step before a crash)."""
+        try:
+            self.watch.update(json.loads(self.nr.get(names.progress(self.cfg.exp,
+                                                                    self.cfg.trial))))
+        except (NameEntryNotFound, ValueError):
+            pass
+        return self.watch.last_step

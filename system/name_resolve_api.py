@@ -1,0 +1,263 @@
+"""Name resolution's API: its configuration and the abstract store every backend implements
+(authenticated values, TTLs, keep-alive refreshes, batch reads, subtrees).
+
+See :mod:`system.name_resolve` for the backends and how one is chosen.
+"""
+from __future__ import annotations
+
+import abc
+import collections
+import dataclasses
+import enum
+import os
+import threading
+import time
+from typing import ClassVar, Iterator, NamedTuple
+
+from system.errors import ConfigError, NameEntryNotFound, NameResolveError
+from system.name_auth import EntrySealer
+from system.private_files import read_private_file
+
+PASSWORD_ENV = "RLSYS_REDIS_PASSWORD"
+"""The environment variable the Redis password may come from (see ``redis_password_file``)."""
+
+
+class NameResolveBackend(str, enum.Enum):
+    FILE = "file"
+    REDIS = "redis"
+
+
+@dataclasses.dataclass
+class NameResolveConfig:
+    """Where workers find each other."""
+
+    type: NameResolveBackend = NameResolveBackend.FILE
+    """Backend: ``file`` (a directory, shared filesystem on a cluster) or ``redis``."""
+    file_root: str = ""
+    """Directory of the ``file`` backend; empty means ``<cluster.fileroot>/.name_resolve``. Each
+    user's entries live in ``<file_root>/<uid>/`` (mode 0700, refused unless owned by the user)."""
+    redis_host: str = "127.0.0.1"
+    """Redis server host (``redis`` backend)."""
+    redis_port: int = 6379
+    """Redis server port (``redis`` backend)."""
+    redis_db: int = 0
+    """Redis database number."""
+    redis_password_file: str = ""
+    """File holding the Redis password, yours and readable by you only (mode 0600 or 0400; refused
+    otherwise); empty: the RLSYS_REDIS_PASSWORD environment variable, else no password. The
+    password itself is never written to a config, a bootstrap file, a job script or a command
+    line."""
+
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {
+        "redis_password": "a password given on the command line lands in config.yaml, job scripts "
+                          "and the process list; put it in a file only you can read (chmod 600) and "
+                          "set name_resolve.redis_password_file=PATH, or export "
+                          f"{PASSWORD_ENV}"}
+
+    def __post_init__(self) -> None:
+        if isinstance(self.type, str):
+            try:
+                self.type = NameResolveBackend(self.type)
+            except ValueError:
+                raise ConfigError(
+                    f"type={self.type!r} is not one of "
+                    f"{[b.value for b in NameResolveBackend]}"
+                ) from None
+        if not 0 < self.redis_port < 65536:
+            raise ConfigError(f"redis_port={self.redis_port} is not a valid port")
+        if self.redis_password_file:  # workers may start elsewhere: keep an absolute path
+            self.redis_password_file = os.path.abspath(os.path.expanduser(self.redis_password_file))
+
+
+def redis_password(cfg: NameResolveConfig) -> str:
+    """The Redis password: from ``cfg.redis_password_file`` (a private file of this user), else
+    from the environment variable :data:`PASSWORD_ENV`, else none."""
+    if not cfg.redis_password_file:
+        return os.environ.get(PASSWORD_ENV, "")
+    try:
+        data = read_private_file(cfg.redis_password_file, "the Redis password file "
+                                 "(name_resolve.redis_password_file)", (0o600, 0o400))
+    except FileNotFoundError:
+        raise ConfigError(f"name_resolve.redis_password_file={cfg.redis_password_file}: "
+                          "no such file") from None
+    return data.decode().rstrip("\r\n")
+
+
+def _check_key(key: str) -> str:
+    key = key.strip("/")
+    parts = key.split("/")
+    if not key or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+        raise NameResolveError(f"invalid name-resolve key {key!r}")
+    return key
+
+
+class Entry(NamedTuple):
+    """A live entry read in a batch: its value and when it expires (unix time; None: never)."""
+
+    value: str
+    expires: float | None
+
+
+_VERIFIED_MAX = 100_000  # entries whose verified value is remembered (then forgotten at once)
+
+
+class NameResolve(abc.ABC):
+    """The name-resolution API shared by all backends. Values are sealed with ``secret`` when
+    stored and checked when read (``secret=None``: stored as they are, for tools that run outside
+    a trial in a private directory of their own)."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        self._sealer = EntrySealer(secret)
+        self._keepalive: dict[str, tuple[str, float]] = {}
+        self._ka_lock = threading.Lock()
+        self._ka_thread: threading.Thread | None = None
+        self._ka_stop = threading.Event()
+        self._verified: dict[str, tuple[str, str]] = {}  # key -> (stored, value) checked
+        self.ops: collections.Counter[str] = collections.Counter()
+        """Operations issued so far: ``write`` (adds and keep-alive refreshes), ``read`` (entries
+        read), ``list`` (subtree listings); for benchmarks, not exact under concurrent threads."""
+
+    # --- backend primitives ---
+    @abc.abstractmethod
+    def _put(self, key: str, value: str, ttl: float | None, replace: bool) -> None: ...
+
+    @abc.abstractmethod
+    def _get(self, key: str) -> str | None: ...
+
+    @abc.abstractmethod
+    def _get_many(self, keys: list[str]) -> list[tuple[str | None, float | None]]:
+        """The stored value and expiry (unix time; None: none) of each of ``keys``, in one
+        round trip where the backend allows; ``(None, None)`` for an absent or expired one."""
+
+    @abc.abstractmethod
+    def _delete(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def _keys_under(self, prefix: str) -> Iterator[str]: ...
+
+    @property
+    def refused(self) -> int:
+        """Entries read so far that failed authentication (each treated as absent)."""
+        return self._sealer.refused
+
+    def _value(self, key: str) -> str | None:
+        """The authentic value under ``key``; None if absent, expired or refused."""
+        self.ops["read"] += 1
+        return self._open(key, self._get(key))
+
+    def _open(self, key: str, stored: str | None) -> str | None:
+        """:meth:`EntrySealer.open`, but a stored value already verified under ``key`` is not
+        checked again (a heartbeat's refresh stores the same sealed value every time)."""
+        if stored is None:
+            return None
+        seen = self._verified.get(key)
+        if seen is not None and seen[0] == stored:
+            return seen[1]
+        value = self._sealer.open(key, stored)
+        if value is not None:
+            if len(self._verified) >= _VERIFIED_MAX:
+                self._verified.clear()
+            self._verified[key] = (stored, value)
+        return value
+
+    # --- public API ---
+    def add(self, key: str, value: str, *, replace: bool = False,
+            keepalive_ttl: float | None = None) -> None:
+        """Store ``value`` under ``key``. With ``keepalive_ttl`` the entry expires unless this
+        process keeps it alive (a background thread refreshes it every ``ttl/3`` seconds)."""
+        key = _check_key(key)
+        if keepalive_ttl is not None and keepalive_ttl <= 0:
+            raise NameResolveError(f"keepalive_ttl must be > 0, got {keepalive_ttl}")
+        stored = self._sealer.seal(key, str(value))
+        self.ops["write"] += 1
+        self._put(key, stored, keepalive_ttl, replace)
+        if keepalive_ttl is not None:
+            with self._ka_lock:
+                self._keepalive[key] = (stored, keepalive_ttl)
+            self._ensure_keepalive_thread()
+
+    def get(self, key: str) -> str:
+        """The live value under ``key``; :class:`NameEntryNotFound` if absent or expired."""
+        value = self._value(_check_key(key))
+        if value is None:
+            raise NameEntryNotFound(key)
+        return value
+
+    def wait(self, key: str, timeout: float | None = None, poll: float = 0.05) -> str:
+        """Block until ``key`` exists; :class:`NameEntryNotFound` after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            value = self._value(_check_key(key))
+            if value is not None:
+                return value
+            if deadline is not None and time.monotonic() >= deadline:
+                raise NameEntryNotFound(f"{key} (waited {timeout:.1f}s)")
+            time.sleep(poll)
+
+    def read_many(self, keys: list[str]) -> dict[str, Entry]:
+        """``{key: Entry}`` of those of ``keys`` that are live, read in one batch (one round
+        trip with redis); absent, expired and refused ones are left out."""
+        keys = [_check_key(k) for k in keys]
+        self.ops["read"] += len(keys)
+        out = {}
+        for k, (stored, expires) in zip(keys, self._get_many(keys) if keys else []):
+            value = self._open(k, stored)
+            if value is not None:
+                out[k] = Entry(value, expires)
+        return out
+
+    def find_subtree(self, prefix: str) -> list[str]:
+        """Sorted keys of live entries at or below ``prefix``."""
+        return list(self.get_subtree(prefix))
+
+    def get_subtree(self, prefix: str) -> dict[str, str]:
+        """``{key: value}`` of live entries at or below ``prefix``, sorted by key."""
+        self.ops["list"] += 1
+        keys = sorted(self._keys_under(_check_key(prefix)))
+        return {k: e.value for k, e in self.read_many(keys).items()}
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (and stop keeping it alive); :class:`NameEntryNotFound` if absent."""
+        key = _check_key(key)
+        with self._ka_lock:
+            self._keepalive.pop(key, None)
+        if not self._delete(key):
+            raise NameEntryNotFound(key)
+
+    def clear_subtree(self, prefix: str) -> int:
+        """Remove every key at or below ``prefix`` (e.g. a whole trial); returns how many."""
+        prefix = _check_key(prefix)
+        with self._ka_lock:
+            for k in [k for k in self._keepalive if k == prefix or k.startswith(prefix + "/")]:
+                del self._keepalive[k]
+        n = 0
+        for k in list(self._keys_under(prefix)):
+            n += int(self._delete(k))
+        return n
+
+    def close(self) -> None:
+        """Stop keep-alive refreshes (entries then expire on their own)."""
+        self._ka_stop.set()
+        if self._ka_thread is not None:
+            self._ka_thread.join(timeout=5)
+
+    # --- keep-alive ---
+    def _ensure_keepalive_thread(self) -> None:
+        if self._ka_thread is None or not self._ka_thread.is_alive():
+            self._ka_stop.clear()
+            self._ka_thread = threading.Thread(target=self._keepalive_loop, name="name-resolve-keepalive",
+                                               daemon=True)
+            self._ka_thread.start()
+
+    def _keepalive_loop(self) -> None:
+        while not self._ka_stop.is_set():
+            with self._ka_lock:
+                items = list(self._keepalive.items())
+                period = min((ttl for _, ttl in self._keepalive.values()), default=1.0) / 3
+            for key, (value, ttl) in items:
+                try:
+                    self.ops["write"] += 1
+                    self._put(key, value, ttl, True)
+                except Exception:  # a transient backend error must not kill the refresher
+                    pass
+            self._ka_stop.wait(max(period, 0.02))
