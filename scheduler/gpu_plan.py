@@ -35,6 +35,10 @@ class GpuDemand:
     count: int
     per_worker: int
     keys: str
+    exclusive: bool = False
+    """Its workers form one NCCL group among themselves (model workers: FSDP2, megatron), and
+    NCCL refuses two ranks on one GPU: even when workers share GPUs, none of these may share
+    one with another of its kind (it may with other kinds)."""
 
     def __post_init__(self) -> None:
         if self.count < 0 or self.per_worker < 0:
@@ -91,7 +95,30 @@ def plan_gpus(visible: Sequence[str], demands: Sequence[GpuDemand],
             plan[f"{d.kind}/{i}"] = tuple(visible[(at + j) % len(visible)]
                                           for j in range(d.per_worker))
             at += d.per_worker
+    if share:
+        for d in demands:
+            _check_exclusive(d, plan, len(visible))
     return plan
+
+
+def _check_exclusive(d: GpuDemand, plan: dict[str, tuple[str, ...]], visible: int) -> None:
+    """Refuse, in one line naming the keys, an exclusive kind whose workers were given a
+    shared GPU (sharing wrapped around within the kind)."""
+    if not d.exclusive:
+        return
+    seen: dict[str, str] = {}
+    for i in range(d.count):
+        for gpu in plan[f"{d.kind}/{i}"]:
+            if gpu in seen:
+                raise GpuPlanError(
+                    f"{seen[gpu]} and {d.kind}/{i} would share GPU {gpu} "
+                    f"(scheduler.local.share_gpus=true with {d.count} x {d.per_worker} "
+                    f"({d.keys}) on {visible} visible): they form one NCCL group, and NCCL "
+                    "refuses two ranks on one GPU (gloo lacks FSDP2's all_gather/reduce_scatter "
+                    f"on CUDA); lower {d.keys} to at most {visible // max(1, d.per_worker)} or "
+                    "give more GPUs (scheduler.local.gpus or CUDA_VISIBLE_DEVICES); share_gpus then "
+                    "shares them with the other workers only")
+            seen[gpu] = f"{d.kind}/{i}"
 
 
 def task_devices(visible: Sequence[str], local_rank: int, per_task: int) -> tuple[str, ...]:

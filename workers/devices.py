@@ -1,7 +1,11 @@
-"""Which device a worker computes on (pure): its own GPU, never another worker's."""
+"""Which device a worker computes on (pure): its own GPU, never another worker's; and the
+refusal of model workers that share one (NCCL would refuse their group)."""
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 from system.errors import ConfigError
+from system.reshard.backend import RankDevice, and_list, shared_devices
 
 
 def select_device(local_rank: int, visible: int) -> str:
@@ -20,3 +24,33 @@ def select_device(local_rank: int, visible: int) -> str:
                           "them its own; give each model worker one GPU (scheduler.local.gpus, "
                           "or scheduler.slurm.gpus=true / scheduler.slurm.model.gpus_per_node)")
     return f"cuda:{local_rank}"
+
+
+def default_group_refusal(ranks: Sequence[RankDevice]) -> str | None:
+    """Why the model workers' default group cannot form on these devices (None: it can). It
+    needs NCCL on GPUs (FSDP2's all_gather and reduce_scatter, megatron's groups), NCCL refuses
+    two ranks on one GPU, and gloo has neither collective for CUDA tensors: model workers
+    that share a GPU are refused, in one line naming the keys."""
+    shared = shared_devices(ranks)
+    if not shared:
+        return None
+    parts = "; ".join(f"{and_list(names)} share GPU {dev}" for dev, names in shared.items())
+    return (f"{parts}: the model workers' training group needs NCCL, which refuses two ranks "
+            "on one GPU (and gloo lacks FSDP2's all_gather/reduce_scatter on CUDA); give each "
+            "model worker a GPU of its own: lower model.count or give more GPUs "
+            "(scheduler.local.gpus or CUDA_VISIBLE_DEVICES); scheduler.local.share_gpus=true "
+            "shares GPUs between model workers and generation servers only")
+
+
+def check_own_devices(store: Any, rank: int, world: int, device: str) -> None:
+    """Before NCCL forms the model workers' default group (collective): each rank publishes
+    its GPU's physical identity (:func:`~system.reshard.backend.device_identity`) in the
+    group's store and reads every other's; ranks that share a GPU are refused
+    (:func:`default_group_refusal`) instead of failing inside NCCL ("Duplicate GPU
+    detected")."""
+    store.set(f"rlsys/device/{rank}", device)
+    ranks = [RankDevice(f"model-{r}", store.get(f"rlsys/device/{r}").decode())
+             for r in range(world)]
+    why = default_group_refusal(ranks)
+    if why is not None:
+        raise ConfigError(why)

@@ -222,7 +222,7 @@ class GenerationServer(Worker):
     def engine_stats(self) -> EngineStats:
         e = self._engine()
         return {**e.stats, "version": e.version, "load": e.load(),  # type: ignore[typeddict-item]
-                "http": self.http.address if self.http else None}
+                "http": self.http.address if self.http else None, "devices": list(e.devices)}
 
     def take_sessions(self, sessions: list[str]) -> list[SessionRecord]:
         """The recorded turns of each agent session asked for, dropped here as they go (see

@@ -26,10 +26,11 @@ from system import names
 from system.errors import ConfigError
 from system.files import fsync_path
 from system.rendezvous import host_store, lookup_store, store_prefix
+from system.reshard.backend import device_identity
 from system.reshard.spec import WeightSyncSpec
 from workers.base import Worker
 from workers.client import Pending, WorkerClient
-from workers.devices import select_device
+from workers.devices import check_own_devices, select_device
 from workers.publish import send_shards, source_boxes
 from workers.schema import EngineInfo, TrainItem, TrainStats, WeightsSent, WorkerSetup
 
@@ -125,7 +126,9 @@ class ModelWorker(Worker):
 
     # --- set-up (the role, on the main thread, before it reports ready) ---
     def init_default_group(self) -> None:
-        """The default process group over all model workers (FSDP2's mesh needs it)."""
+        """The default process group over all model workers (FSDP2's mesh needs it): gloo on
+        the CPU; NCCL on GPUs, once the ranks have checked that no two of them share a GPU
+        (NCCL would refuse, and gloo lacks FSDP2's collectives on CUDA: refused in one line)."""
         import torch.distributed as dist
 
         if self.world_size > 1 and not dist.is_initialized():
@@ -135,6 +138,8 @@ class ModelWorker(Worker):
                 import torch
 
                 torch.cuda.set_device(self.device)
+                check_own_devices(store, self.index, self.world_size,
+                                  device_identity(self.device))
             dist.init_process_group(backend, store=store, rank=self.index,
                                     world_size=self.world_size,
                                     timeout=datetime.timedelta(seconds=self.model_cfg.group_timeout))
@@ -152,12 +157,11 @@ class ModelWorker(Worker):
         return bool(self.engines)
 
     def engine_info(self) -> EngineInfo:
-        """The actor's publish dtype, the collective backend and whether its ranks hold FSDP2
-        shards (for the weight-sync spec)."""
+        """The actor's publish dtype, this worker's physical device and whether its ranks hold
+        FSDP2 shards (for the weight-sync spec; the master picks its backend)."""
         actor = self._engine("actor")
         return {"dtype": str(actor.dtype).replace("torch.", ""),
-                "backend": "nccl" if self.device.startswith("cuda") else "gloo",
-                "sharded": actor.sharded}
+                "device": device_identity(self.device), "sharded": actor.sharded}
 
     def _engine(self, which: str) -> "TorchEngine":
         if which not in self.engines:

@@ -147,6 +147,9 @@ class EngineStats(TypedDict, total=False):
     version: int
     load: int
     http: str | None
+    devices: list[str]
+    """The physical identity of each vLLM worker's device, by tensor-parallel rank (``cpu`` or
+    ``GPU-<uuid>``; see :func:`system.reshard.backend.device_identity`)."""
 
 
 # --- RL plane: trajectories streamed to the master ---------------------------------------------
@@ -211,10 +214,13 @@ class TrainStats(TypedDict, total=False):
 
 
 class EngineInfo(TypedDict):
-    """The actor's publish dtype and collective backend (for the weight-sync spec)."""
+    """The actor's publish dtype and device (for the weight-sync spec)."""
 
     dtype: str
-    backend: str
+    device: str
+    """The physical identity of the worker's device (:func:`system.reshard.backend.
+    device_identity`: ``cpu`` or ``GPU-<uuid>``): the master picks the weight-sync backend
+    from every rank's (NCCL refuses two ranks on one GPU)."""
     sharded: bool
     """Whether the actor's ranks hold FSDP2 dim-0 shards (the training layout's ``fsdp``)."""
 

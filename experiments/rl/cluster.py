@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import numpy as np
 
 from experiments.rl.config import RLConfig
+from system.reshard.backend import CPU, RankDevice, choose_backend
 from system.reshard.hf import weight_names
 from system.reshard.layout import GenLayout, TrainLayout
 from system.reshard.params import ModelShape, check_mapped
@@ -53,6 +54,8 @@ class Cluster:
         self._joined: dict[int, str] = {}  # replica -> the address it joined weight sync from
         self._left: dict[int, str] = {}  # replica -> the address it left from (not back there)
         self._spec: WeightSyncSpec | None = None
+        self._model_devices: list[str] = []  # by rank: each model worker's physical device
+        self._gen_devices: dict[int, list[str]] = {}  # replica -> its vLLM workers' (by tp)
         self.layout = train_layout(rl.actor, self.n_model)
         """Model worker ``i`` is training rank ``i`` of this layout."""
         self.leads = [self.layout.rank(dp=d, tp=0, pp=self.layout.pp - 1)
@@ -79,6 +82,9 @@ class Cluster:
             time.sleep(0.5)
         self.models = sorted(models, key=lambda c: _index(c.name))  # by rank
         self.gens = {_index(g.name): g for g in gens}
+        for g, stats in zip(gens, ok_g):
+            if stats is not None:
+                self._gen_devices[_index(g.name)] = list(stats.get("devices", []))
 
     # --- data-parallel calls on every model worker ---
     def on_models(self, call: Callable[[ModelClient], Pending[T]]) -> list[T]:
@@ -128,20 +134,23 @@ class Cluster:
         return self.layout.coord(rank).dp
 
     # --- weights ---
-    def init_weight_sync(self, path: str, info: EngineInfo) -> None:
+    def init_weight_sync(self, path: str, infos: list[EngineInfo]) -> None:
         """Plan the per-replica weight update and let every server join (each its own group).
         Refuses (one line naming it) a model with a weight the specs do not map: it would stay
-        stale in the generation servers. Model workers with FSDP2 shards send them as they are."""
+        stale in the generation servers. Model workers with FSDP2 shards send them as they are.
+        ``infos``: every model worker's, by rank (their devices pick each group's backend)."""
         from transformers import AutoConfig
 
         ws = self.rl.weight_sync
+        info = infos[0]
+        self._model_devices = [i["device"] for i in infos]
         if ws.mode != "disk":
             self._spec = WeightSyncSpec(
-                src=(dataclasses.replace(self.layout, fsdp=True) if info.get("sharded")
+                src=(dataclasses.replace(self.layout, fsdp=True) if info["sharded"]
                      else self.layout),
                 dst=GenLayout(tp=self.rl.vllm.tensor_parallel_size, replicas=1),
                 shape=ModelShape.from_hf(AutoConfig.from_pretrained(path)),
-                dtype=info["dtype"], backend=info["backend"], mode=ws.mode,
+                dtype=info["dtype"], backend="gloo", mode=ws.mode,  # per replica: join()
                 bucket_bytes=ws.bucket_mb << 20, timeout=ws.timeout)
             check_mapped(self._spec.specs(), weight_names(path), f"model {path}")
         self.live = self.join(sorted(self.gens))
@@ -155,17 +164,30 @@ class Cluster:
             self._joined[r] = self.peers.address(self.gens[r].name) or ""
         if self._spec is None:  # disk mode: nothing to join
             return set(replicas)
-        spec, pending, owner = self._spec, [], []
+        pending, owner = [], []
         for r in replicas:
+            spec = self.replica_spec(r)
             group = f"weight_sync/{r}-{uuid.uuid4().hex[:8]}"  # never an old group's store
             pending += [c.weight_sync_init(spec, group, r) for c in self.models]
             pending.append(self.gens[r].weight_sync_init(spec, group))
             owner += [r] * (len(self.models) + 1)
-        failed = {r for r, res in zip(owner, collect_settled(pending, spec.timeout + 30))
+        failed = {r for r, res in zip(owner, collect_settled(pending, self._spec.timeout + 30))
                   if isinstance(res, RpcError)}
         for r in sorted(failed):
             log.warning("generation server %d could not join the weight updates", r)
         return set(replicas) - failed
+
+    def replica_spec(self, replica: int) -> WeightSyncSpec:
+        """The weight-sync spec of ``replica``'s group, with the backend its ranks' devices
+        allow (:func:`~system.reshard.backend.choose_backend`: NCCL unless a rank is on the
+        CPU or two share a GPU); a fallback to gloo is logged in one line."""
+        assert self._spec is not None  # set by init_weight_sync (not in disk mode)
+        choice = choose_backend(group_ranks(self._model_devices,
+                                            self._gen_devices.get(replica, []), replica,
+                                            self._spec.dst.tp))
+        if choice.fallback:
+            log.warning("%s", choice.line(f"weight sync with generation server {replica}"))
+        return dataclasses.replace(self._spec, backend=choice.backend)
 
     def publish(self, version: int, replicas: set[int] | None = None,
                 alive: Callable[[int], bool] | None = None) -> dict[str, float]:
@@ -235,8 +257,10 @@ class Cluster:
             wait = 0.25 if address == self._left.get(r) else 2.0
             self.drop(r, "it registered again")
             self.gens[r] = g
-            if _answer(g.engine_stats(), wait) is None:
+            stats = _answer(g.engine_stats(), wait)
+            if stats is None:
                 continue  # its engine is still starting (or it is gone)
+            self._gen_devices[r] = list(stats.get("devices", []))  # it may have moved
             if self.join([r]):
                 self.live.add(r)
                 self.publish(version, {r}, lambda i: i in alive)
@@ -247,6 +271,20 @@ class Cluster:
 
     def close(self) -> None:
         self.peers.close()
+
+
+def group_ranks(model_devices: Sequence[str], gen_devices: Sequence[str], replica: int,
+                tp: int) -> list[RankDevice]:
+    """The ranks of replica ``replica``'s weight-update group with their devices: every model
+    worker (``model-<rank>``), then the replica's ``tp`` vLLM workers (``generation-<replica>
+    tp<rank>``). A server that did not say where its workers are is taken to be on the CPU
+    (gloo works everywhere)."""
+    if gen_devices and len(gen_devices) != tp:
+        raise ValueError(f"generation server {replica} reports {len(gen_devices)} devices for "
+                         f"tensor_parallel_size={tp}")
+    gens = list(gen_devices) or [CPU] * tp
+    return ([RankDevice(f"model-{i}", d) for i, d in enumerate(model_devices)]
+            + [RankDevice(f"generation-{replica} tp{t}", d) for t, d in enumerate(gens)])
 
 
 def train_layout(actor: TorchEngineConfig, n_model: int) -> TrainLayout:

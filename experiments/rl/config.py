@@ -176,8 +176,11 @@ class RLExperimentConfig(ExperimentConfig):
         return self.recover if self.mode == RunMode.TRAIN else None
 
     def gpu_demands(self) -> list[GpuDemand]:
-        """One GPU per model worker, ``tensor_parallel_size`` per generation server."""
-        return [GpuDemand("model", self.worker_counts()["model"], 1, "model.count"),
+        """One GPU per model worker, ``tensor_parallel_size`` per generation server. Model
+        workers form one NCCL group: shared GPUs (``scheduler.local.share_gpus``) may hold a
+        model worker and generation servers, never two model workers."""
+        return [GpuDemand("model", self.worker_counts()["model"], 1, "model.count",
+                          exclusive=True),
                 GpuDemand("generation", self.generation.count,
                           self.rl.vllm.tensor_parallel_size,
                           "generation.count x rl.vllm.tensor_parallel_size")]

@@ -93,8 +93,8 @@ class RLLoop:
         t0 = time.monotonic()
         self.cluster.wait_ready(self.rl.startup_timeout)
         t1 = time.monotonic()
-        info = self.cluster.on_models(lambda c: c.engine_info())[0]
-        self.cluster.init_weight_sync(self.path, info)
+        infos = self.cluster.on_models(lambda c: c.engine_info())
+        self.cluster.init_weight_sync(self.path, infos)
         self.router.set_live(self.cluster.live)
         t2 = time.monotonic()
         if self.state.step > 0 or self.master.config["recover"] == "resume":

@@ -39,7 +39,8 @@ class WeightSyncSpec:
     dtype: str
     """Parameter dtype on both sides: float32, bfloat16 or float16."""
     backend: str
-    """gloo or nccl."""
+    """gloo or nccl (the master picks it per group from its ranks' physical devices:
+    :func:`~system.reshard.backend.choose_backend`)."""
     mode: str
     """fast (each generation rank receives its own shards, vLLM's fused names, in place) or
     load_weights (full Hugging Face tensors, handed to vLLM's loader)."""

@@ -53,3 +53,14 @@ def test_one_gpu_shared_when_asked(fileroot):
     assert r.returncode == 0, r.stderr
     got = _visible(fileroot, "share")
     assert got["model/0"] == got["model/1"] == got["generation/0"] == "6"
+
+
+def test_rl_model_workers_sharing_a_gpu_are_refused_in_one_line(fileroot):
+    r = run_launch("exp=arith-tiny", "trial=share", f"cluster.fileroot={fileroot}",
+                   "model.count=2", "scheduler.local.share_gpus=true",
+                   env={"CUDA_VISIBLE_DEVICES": "6"})
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "model/0 and model/1 would share GPU 6" in lines[0]
+    assert "model.count" in lines[0] and "scheduler.local.share_gpus=true" in lines[0]

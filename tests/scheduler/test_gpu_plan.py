@@ -58,6 +58,25 @@ def test_sharing_wraps_around_but_never_gives_one_worker_a_device_twice():
         plan_gpus(("0",), MODEL2_GEN2_TP2, share=True)
 
 
+def test_sharing_never_puts_two_workers_of_an_exclusive_kind_on_one_gpu():
+    model = GpuDemand("model", 2, 1, "model.count", exclusive=True)
+    gen = GpuDemand("generation", 1, 1, "generation.count")
+    # two GPUs: each model worker its own, the server shares one (its weight sync falls back
+    # to gloo, see system.reshard.backend)
+    assert plan_gpus(("0", "1"), [model, gen], share=True) == {
+        "model/0": ("0",), "model/1": ("1",), "generation/0": ("0",)}
+    with pytest.raises(GpuPlanError) as e:
+        plan_gpus(("7",), [model, gen], share=True)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("model/0 and model/1 would share GPU 7 "
+                          "(scheduler.local.share_gpus=true with 2 x 1 (model.count) on 1 visible)")
+    assert "NCCL refuses two ranks on one GPU" in msg and "lower model.count to at most 1" in msg
+    # a kind that is not exclusive (the smoke test's model workers use gloo on the CPU) shares
+    assert plan_gpus(("7",), [GpuDemand("model", 2, 1, "model.count"), gen], share=True) == {
+        "model/0": ("7",), "model/1": ("7",), "generation/0": ("7",)}
+
+
 def test_parse_visible_follows_cuda():
     assert parse_visible("") == () and parse_visible(" , ") == ()
     assert parse_visible("3,1,-1,2") == ("3", "1")  # CUDA ignores devices after an invalid one
@@ -158,6 +177,20 @@ def test_launcher_refuses_too_few_gpus_before_starting(tmp_path):
                                            r"rl\.vllm\.tensor_parallel_size"):
         make_scheduler(cfg.scheduler, cfg.exp, cfg.trial, str(tmp_path), 0o077,
                        cfg.gpu_demands())
+
+
+def test_launcher_refuses_model_workers_sharing_a_gpu_before_starting(tmp_path):
+    from scheduler.registry import make_scheduler
+
+    def scheduler(*overrides: str):
+        cfg = build_config("arith-tiny", "t", ["scheduler.local.gpus=0",
+                                               "scheduler.local.share_gpus=true", *overrides])
+        return make_scheduler(cfg.scheduler, cfg.exp, cfg.trial, str(tmp_path), 0o077,
+                              cfg.gpu_demands())
+    with pytest.raises(GpuPlanError, match=r"model/0 and model/1 would share GPU 0.*"
+                                           r"lower model\.count to at most 1"):
+        scheduler("model.count=2")
+    scheduler("model.count=1")  # the one-GPU machine: trainer and vLLM share the GPU
 
 
 def test_local_gpus_config_is_validated():

@@ -92,6 +92,11 @@ class GenerationEngine:
         self.eos = eos_token_id
         self.version = 0
         self.vocab_size = int(self.engine.model_config.get_vocab_size())
+        # before the loop starts (only it touches vLLM afterwards)
+        self.devices: tuple[str, ...] = tuple(
+            str(d) for d in llm.collective_rpc("rlsys_device_identity"))
+        """The physical identity of each vLLM worker's device, by tensor-parallel rank (``cpu``
+        or ``GPU-<uuid>``): the weight-sync backend depends on them."""
         self.error: GenerationLoopDied | None = None
         """Why the loop died (``None`` while it runs): the generation server fails with it."""
         self._cv = threading.Condition()

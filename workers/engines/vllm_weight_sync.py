@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from system.rendezvous import join_store
+from system.reshard.backend import device_identity
 from system.reshard.params import DstParam, UnmappedWeightError
 from system.reshard.spec import WeightSyncSpec
 
@@ -65,6 +66,11 @@ class WeightSyncExtension:
                                       getattr(torch, sync.dtype), device)
         return {"rank": rank, "tp_rank": tp_rank, "mode": sync.mode,
                 "buckets": len(self._rlsys_sync.executor.buckets)}
+
+    def rlsys_device_identity(self) -> str:
+        """The physical identity of this vLLM worker's device (``cpu`` or ``GPU-<uuid>``): the
+        master picks the weight-sync backend from every rank's."""
+        return device_identity(next(self.model_runner.model.parameters()).device)
 
     def rlsys_load_from_disk(self, directory: str) -> dict[str, Any]:
         """The disk fallback: load a Hugging Face safetensors checkpoint (as the trainer wrote

@@ -79,6 +79,13 @@ def test_samples_carry_logprobs_and_versions(engine):
 
 
 @pytest.mark.slow
+def test_the_engine_names_its_workers_devices(engine):
+    """What the server reports to the master (the weight-sync backend depends on it): on this
+    machine its one vLLM worker computes on the CPU."""
+    assert engine.devices == ("cpu",)
+
+
+@pytest.mark.slow
 def test_bad_request_is_refused(engine):
     from system.errors import ConfigError
 
