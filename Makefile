@@ -21,7 +21,10 @@ bench: setup
 	$(PY) tests/benchmarks/fuzz.py
 	$(PY) tests/benchmarks/scale.py
 
-# GPU checks of the torch engine on cuda:0 (exit 2: no CUDA device here)
+# GPU checks of issue 13: the torch engine on cuda:0, the NCCL reshard benchmark, vLLM weight
+# sync with log-prob parity, megatron tp=2 = tp=1, a 30-step SmolLM2 GRPO (scripts/gpu_checks/).
+# Exit 0 pass, 1 a check failed, 2 nothing could run (no CUDA). Without `make setup`:
+# python3 -m scripts.gpu_checks; the CPU twins: ARGS="--device cpu".
 .PHONY: gpu-check
 gpu-check: setup
-	$(PY) scripts/gpu_check.py $(ARGS)
+	$(PY) -m scripts.gpu_checks $(ARGS)

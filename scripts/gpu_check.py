@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """GPU checks of the torch training engine (``workers/engines/torch_engine.py``) on ``cuda:0``.
 
-The first half of ``make gpu-check`` (the rest needs vLLM and Megatron). Prints ``name: value``
-lines and ends with ``gpu_check: PASS`` or ``gpu_check: FAIL (<checks>)``:
+The engine part of ``make gpu-check`` (``python3 -m scripts.gpu_checks`` runs it and the
+rest). Prints ``name: value`` lines and ends with ``gpu_check: PASS`` or ``gpu_check: FAIL (<checks>)``:
 
 - parity: per-token log-probs of the engine on CUDA (bfloat16 compute over float32 master
   weights with ``dtype=auto``; and float32, which isolates the precision from the
@@ -47,6 +47,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from scripts.gpu_checks.common import (abs_diffs, out, random_seqs,  # noqa: E402
+                                       reference_logprobs, sft_loss)
+
 MEAN_BF16_TOL = 0.03   # mean |log-prob difference|, bfloat16 engine vs float32 reference
 MAX_BF16_TOL = 0.25    # worst token, bfloat16 (a sanity bound: padding or masking bugs show here)
 MAX_FP32_TOL = 1e-4    # worst token, float32 engine on CUDA vs the same reference
@@ -56,46 +59,6 @@ MAX_FP32_TOL = 1e-4    # worst token, float32 engine on CUDA vs the same referen
 # float32 masters (a bfloat16 rounding step there: ~1e-4) or the AdamW state (~1e-3) does not
 NEXT_STEP_TOL = 1e-6
 UPDATE_FRAC_MIN = 0.5  # fraction of parameter elements one default-lr AdamW step must change
-
-
-def out(name: str, value) -> None:
-    if isinstance(value, float):
-        value = f"{value:.6g}"
-    print(f"{name}: {value}", flush=True)
-
-
-def sft_loss(lps, idx):  # negative log-likelihood, summed over tokens (as in the tests)
-    return -sum(lp.sum() for lp in lps)
-
-
-def make_seqs(torch, n: int, lo: int, hi: int, vocab: int, seed: int):
-    """``n`` random sequences of lengths in [lo, hi] over the non-special ids (3..vocab-1)."""
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-    return [torch.randint(3, vocab, (k,), generator=g) for k in lens]
-
-
-def reference_logprobs(torch, model_dir: str, seqs, device: str):
-    """Float32 Hugging Face forward of each sequence alone (no padding), TF32 off."""
-    from transformers import AutoModelForCausalLM
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                               local_files_only=True).to(device).eval()
-    want = []
-    with torch.no_grad():
-        for s in seqs:
-            s = s.to(device)
-            logits = ref(s[None]).logits[0].float()
-            want.append(torch.log_softmax(logits[:-1], -1).gather(1, s[1:, None])[:, 0].cpu())
-    del ref
-    return want
-
-
-def diffs(torch, got, want):
-    d = torch.cat([(g.float() - w.float()).abs() for g, w in zip(got, want)])
-    return float(d.mean()), float(d.max())
 
 
 def time_train(torch, eng, seqs, steps: int, warmup: int, cuda: bool) -> float:
@@ -126,7 +89,7 @@ class Checks:
         self.state: dict = {}
         torch.manual_seed(0)
         # parity set: lengths up to max_model_len (128) so padding and several micro-batches
-        self.seqs = make_seqs(torch, 32, 5, 128, vocab, seed=0)
+        self.seqs = random_seqs(32, 5, 128, vocab, seed=0)
 
     def check(self, name: str, ok: bool) -> None:
         out(f"{name}_ok", ok)
@@ -144,7 +107,7 @@ class Checks:
     def parity(self) -> None:
         torch, args, dev, seqs = self.torch, self.args, self.dev, self.seqs
         TorchEngine, TorchEngineConfig = self.engine_api
-        want = reference_logprobs(torch, args.model, seqs, dev)
+        want = reference_logprobs(args.model, seqs, dev)
         eng = TorchEngine(TorchEngineConfig(model_path=args.model), dev)
         out("engine_dtype_cuda", str(eng.dtype).replace("torch.", ""))
         out("engine_master_dtype_cuda", str(eng.master_dtype).replace("torch.", ""))
@@ -152,14 +115,14 @@ class Checks:
             sorted({str(p.dtype).replace("torch.", "") for p in eng.model.parameters()}))
         got = eng.logprobs(seqs)
         on_cpu = all(g.device.type == "cpu" and g.shape == w.shape for g, w in zip(got, want))
-        mean, mx = diffs(torch, got, want)
+        mean, mx = abs_diffs(got, want)
         out("parity_bf16_mean_abs_diff", mean)
         out("parity_bf16_max_abs_diff", mx)
         self.check("parity_bf16", on_cpu and mean <= MEAN_BF16_TOL and mx <= MAX_BF16_TOL)
         del eng
         eng = TorchEngine(TorchEngineConfig(model_path=args.model, dtype="float32",
                                             max_tokens_per_microbatch=512), dev)
-        mean, mx = diffs(torch, eng.logprobs(seqs), want)
+        mean, mx = abs_diffs(eng.logprobs(seqs), want)
         out("parity_fp32_mean_abs_diff", mean)
         out("parity_fp32_max_abs_diff", mx)
         self.check("parity_fp32", mx <= MAX_FP32_TOL)
@@ -194,7 +157,7 @@ class Checks:
             back = TorchEngine(TorchEngineConfig(model_path=d, lr=1e-3), dev)
             back.load_optimizer(d, 0)
         after = back.logprobs(seqs)
-        _, mx = diffs(torch, after, before)
+        _, mx = abs_diffs(after, before)
         out("ckpt_logprob_max_abs_diff", mx)
         out("ckpt_dtype", f"{back.dtype} published, {back.master_dtype} master")
         sd_w = eng.full_state_dict()
@@ -239,7 +202,7 @@ class Checks:
         [1/64, 1/32), 2**-8 for RMSNorm's 1.0) is kept and accumulates. Checked on the engine's
         parameters (the masters); the published (bfloat16) weights are printed alongside: they
         change once the accumulated update crosses a rounding step."""
-        batch = make_seqs(torch, 128, 6, 10, vocab, seed=1)
+        batch = random_seqs(128, 6, 10, vocab, seed=1)
         tokens = sum(len(s) - 1 for s in batch)
         lrs = [("arith_tiny_actor", 5e-4), ("critic", 1e-4),
                ("engine_default", TorchEngineConfig.lr), ("smollm2_actor", 2e-6)]
@@ -296,11 +259,11 @@ class Checks:
             params = list(eng.model.parameters())
             masters = all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in params)
             out("fsdp_mixed_masters_fp32_dtensor", masters)
-            want = reference_logprobs(torch, args.model, seqs, dev)
-            mean, mx = diffs(torch, eng.logprobs(seqs), want)
+            want = reference_logprobs(args.model, seqs, dev)
+            mean, mx = abs_diffs(eng.logprobs(seqs), want)
             out("fsdp_mixed_parity_bf16_mean_abs_diff", mean)
             out("fsdp_mixed_parity_bf16_max_abs_diff", mx)
-            batch = make_seqs(torch, 128, 6, 10, self.vocab, seed=1)
+            batch = random_seqs(128, 6, 10, self.vocab, seed=1)
             p0 = [p.detach().to_local().clone() for p in params]
             eng.train_step(batch, sft_loss, sum(len(s) - 1 for s in batch))
             changed = sum(int((p.detach().to_local() != q).sum()) for p, q in zip(params, p0))
@@ -326,9 +289,9 @@ class Checks:
         TorchEngine, TorchEngineConfig = self.engine_api
         batches = {
             # arith-tiny's step: batch_size 16 x group_size 8, prompt "a+b=" + bos + <= 4 tokens
-            "rl_batch": make_seqs(torch, 128, 6, 10, vocab, seed=2),
+            "rl_batch": random_seqs(128, 6, 10, vocab, seed=2),
             # the same count at max_model_len (128): what a longer task would train on
-            "long_batch": make_seqs(torch, 128, 128, 128, vocab, seed=3),
+            "long_batch": random_seqs(128, 128, 128, vocab, seed=3),
         }
         for name, batch in batches.items():
             ntok = sum(len(s) for s in batch)
