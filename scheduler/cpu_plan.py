@@ -138,5 +138,10 @@ def plan_cpus(allowed: Sequence[int], binding: CpuBinding, demands: Sequence[Cpu
 
 def cpu_env(plan: Mapping[str, tuple[int, ...]], name: str) -> dict[str, str]:
     """Worker ``name``'s environment for its CPU set (none: unbound)."""
-    cpus = plan.get(name)
+    return cpus_env(plan.get(name, ()))
+
+
+def cpus_env(cpus: Iterable[int]) -> dict[str, str]:
+    """The environment that binds a process to ``cpus`` (none: unbound)."""
+    cpus = tuple(cpus)
     return {CPUS_ENV: format_cpu_list(cpus)} if cpus else {}

@@ -22,7 +22,7 @@ import time
 from typing import Mapping, Sequence
 
 from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
-from scheduler.cpu_plan import cpu_env
+from scheduler.cpu_plan import cpu_env, cpus_env
 from scheduler.gpu_plan import GpuDemand, parse_visible, plan_gpus
 from scheduler.spares import Activation, ForkedWorker, Spares
 from system.errors import SchedulerError
@@ -170,7 +170,7 @@ class LocalScheduler(Scheduler):
             group_cpus = {c for w in request.processes for c in self.cpus(w.name)}
             self._spares.remember(request.group, {
                 **self._gpu_env(request.processes[0].name),
-                **cpu_env({"group": tuple(group_cpus)}, "group")})
+                **cpus_env(group_cpus)})
         for w in request.processes:
             if w.name in self._procs:
                 raise SchedulerError(f"worker {w.name} was already submitted")

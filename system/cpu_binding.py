@@ -1,6 +1,7 @@
 """A worker applying the CPU set its scheduler chose (``RLSYS_CPUS``, see
 :mod:`scheduler.cpu_plan`): every thread of the process is moved onto the set, and the thread
-pools that size themselves by the CPU count (OpenMP, torch's intra-op pool) are sized to it.
+pools that size themselves by the CPU count (OpenMP, torch's intra-op pool) are sized to it,
+unless the user set ``OMP_NUM_THREADS`` (then that count is used for both).
 
 Every thread, not only the calling one: ``sched_setaffinity(0)`` moves the calling thread alone,
 and a worker forked by a warm spare may already run threads (a vLLM engine prepared ahead).
@@ -45,12 +46,18 @@ def bind_from_env(environ: dict[str, str] | None = None) -> set[int] | None:
             os.sched_setaffinity(tid, cpus)
         except (ProcessLookupError, PermissionError):
             pass  # a thread that just ended
-    n = str(len(cpus))
-    os.environ["OMP_NUM_THREADS"] = n  # for OpenMP pools started from now on
+    threads = _user_threads() or len(cpus)  # a user's own OMP_NUM_THREADS wins
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for OpenMP pools started from now on
     torch = sys.modules.get("torch")
     if torch is not None:  # (imported ahead by a warm spare)
-        torch.set_num_threads(len(cpus))
+        torch.set_num_threads(threads)
     return cpus
+
+
+def _user_threads() -> int | None:
+    """``OMP_NUM_THREADS`` as the user set it (a positive count), else None."""
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
 def _threads() -> list[int]:

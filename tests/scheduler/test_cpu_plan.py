@@ -99,13 +99,21 @@ def test_a_worker_moves_every_thread_onto_its_set():
     import json
 
     cpu = sorted(os.sched_getaffinity(0))[-1]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     r = subprocess.run([sys.executable, "-c", _PROBE], cwd=PROJECT_ROOT, capture_output=True,
-                       text=True, env={**os.environ, "RLSYS_CPUS": str(cpu)}, timeout=60)
+                       text=True, env={**env, "RLSYS_CPUS": str(cpu)}, timeout=60)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["bound"] == [cpu] and out["omp"] == "1"
     assert len(out["threads"]) >= 2
     assert all(s == [cpu] for s in out["threads"].values()), out
+    # a user's own OMP_NUM_THREADS is kept (the set still binds)
+    r = subprocess.run([sys.executable, "-c", _PROBE], cwd=PROJECT_ROOT, capture_output=True,
+                       text=True, env={**env, "RLSYS_CPUS": str(cpu), "OMP_NUM_THREADS": "3"},
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["bound"] == [cpu] and out["omp"] == "3"
 
 
 def test_every_kind_given_a_list_gets_it_through_the_registry():
