@@ -51,6 +51,10 @@ class Experiment:
     eval_roles: Roles | None = None
     """The roles of an evaluation of the trial's checkpoints (``mode=eval``: the master and the
     generation servers run); None: the experiment has nothing to evaluate."""
+    eval_done: Callable[[Any, str, str], str | None] | None = None
+    """``mode=eval``, before anything starts, given the config, the trial's directory and the
+    evaluation's (``<trial>/eval``): one line saying the trial's checkpoints are all evaluated
+    already (the launcher prints it and exits 0), or None to run."""
     stateful: tuple[str, ...] = ()
     """Worker kinds that hold training state: when one dies (and ``recover=auto``), all of
     these restart from the latest checkpoint; the others stay up. A worker of any other kind

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from experiments.registry import Experiment, Roles
 from experiments.rl.config import RLExperimentConfig
-from experiments.rl.roles.evaluator import eval_master_role
+from experiments.rl.roles.evaluator import eval_master_role, nothing_to_evaluate
 from experiments.rl.roles.generation import generation_role
 from experiments.rl.roles.master import master_role
 from experiments.rl.roles.model import model_role
@@ -56,6 +56,8 @@ def smollm2_arith() -> RLExperimentConfig:
 
 STATEFUL = ("model", "master")
 ARITH_TINY = Experiment("arith-tiny", arith_tiny, ROLES, section="rl", stateful=STATEFUL,
-                        warm=WARM, prepare=PREPARE, eval_roles=EVAL_ROLES)
+                        warm=WARM, prepare=PREPARE, eval_roles=EVAL_ROLES,
+                        eval_done=nothing_to_evaluate)
 SMOLLM2_ARITH = Experiment("smollm2-arith", smollm2_arith, ROLES, section="rl",
-                           stateful=STATEFUL, warm=WARM, prepare=PREPARE, eval_roles=EVAL_ROLES)
+                           stateful=STATEFUL, warm=WARM, prepare=PREPARE, eval_roles=EVAL_ROLES,
+                           eval_done=nothing_to_evaluate)

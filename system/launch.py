@@ -29,7 +29,7 @@ from experiments.registry import Experiment
 from scheduler.registry import make_scheduler
 from system.checks import check_name
 from system.launcher.config import ExperimentConfig, RunMode
-from system.launcher.eval_mode import trained_base
+from system.launcher.eval_mode import run_paths, trained_base, trial_paths
 from system.launcher.controller import Controller
 from system.launcher.launcher_log import tee_stderr
 from system.errors import ConfigError, RLSystemError
@@ -191,6 +191,19 @@ def private_modes(group_readable: bool) -> int:
     return umask
 
 
+def evaluated_already(cfg: ExperimentConfig, experiment: Experiment) -> str | None:
+    """With ``mode=eval``: the experiment's line saying there is nothing left to evaluate, or
+    None (also when its files do not read: the run itself then says why)."""
+    if cfg.mode != RunMode.EVAL or experiment.eval_done is None:
+        return None
+    try:
+        return experiment.eval_done(cfg, trial_paths(cfg).root, run_paths(cfg).root)
+    except (OSError, ValueError) as e:
+        logging.getLogger("launch").warning("mode=eval: could not tell what is evaluated "
+                                            "already (%s); running", e)
+        return None
+
+
 def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTrial,
               args: CliArgs, argv: list[str], resolved: str, umask: int) -> int:
     """Show, submit, or run the trial's controller (the launcher holds the trial's lock)."""
@@ -203,6 +216,10 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
         if "--detach" in args.flags:
             return detach(cfg, paths, scheduler, [a for a in argv if a != "--detach"],
                           trial.lock)
+        done = evaluated_already(cfg, experiment)
+        if done is not None:  # every checkpoint is evaluated already: start nothing
+            print(done, file=sys.stderr)
+            return 0
         tee_stderr(paths.logs)  # logs/launcher.log, for `python -m system.ctl logs`
         controller = Controller(cfg, experiment, paths, scheduler,
                                 make_name_resolve(cfg.name_resolve, name_resolve_root(cfg),

@@ -74,10 +74,24 @@ def test_eval_mode_evaluates_every_checkpoint_as_training_did(fileroot):
     assert sorted(summary["jobs"]) == ["generation", "master"]
     assert _digests(root) == files  # nothing of the trial itself was written
 
+    # again: every checkpoint is in results.jsonl, so nothing starts (no worker, no new run)
+    logs_before = sorted(os.listdir(os.path.join(out, "logs")))
     again = run_launch(*trial, "mode=eval", "controller.progress=false", timeout=400)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing to evaluate" in again.stderr and "steps 2, 4" in again.stderr, again.stderr
+    with open(os.path.join(out, "summary.json")) as f:
+        assert json.load(f) == summary
+    assert sorted(os.listdir(os.path.join(out, "logs"))) == logs_before
+    assert _rows(os.path.join(out, "results.jsonl")) == rows
+    # a checkpoint whose line is gone is evaluated again, and only it
+    with open(os.path.join(out, "results.jsonl"), "w") as f:
+        f.write(json.dumps(rows[0]) + "\n")
+    third = run_launch(*trial, "mode=eval", "controller.progress=false", timeout=400)
+    assert third.returncode == 0, third.stderr[-3000:]
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
-    assert summary["evaluated"] == [] and summary["skipped"] == [2, 4]
-    assert _rows(os.path.join(out, "results.jsonl")) == rows
+    assert summary["evaluated"] == [4] and summary["skipped"] == [2]
+    key = [(r["step"], r["accuracy"], r["digest"], r["checkpoint_id"]) for r in rows]
+    assert [(r["step"], r["accuracy"], r["digest"], r["checkpoint_id"])
+            for r in _rows(os.path.join(out, "results.jsonl"))] == key
     assert trial_processes(root) == [] and trial_processes(out) == []

@@ -10,6 +10,7 @@ and rewrites ``<trial>/eval/results.jsonl`` and ``accuracy.png``.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -18,7 +19,7 @@ from typing import Any
 from experiments.rl.checkpoint import CheckpointDir
 from experiments.rl.checkpoint_weights import CheckpointFormatError, actor_dir
 from experiments.rl.common import eval_prompts, load_tokenizer, model_path, rl_config
-from experiments.rl.config import RLConfig
+from experiments.rl.config import RLConfig, RLExperimentConfig
 from experiments.rl.data import Router
 from experiments.rl.eval_results import (PLOT, RESULTS, EvalResult, checkpoint_id, eval_set_id,
                                          merged, pending, plot_accuracy, read_results,
@@ -69,19 +70,24 @@ def wait_for_servers(master: MasterWorker, peers: PeerClients, n: int,
         time.sleep(0.5)
 
 
-def evaluate_checkpoints(master: MasterWorker, rl: RLConfig,
-                         gens: dict[int, GenerationClient]) -> dict[str, Any]:
-    """Evaluate the checkpoints ``results.jsonl`` lacks; returns the run's summary."""
-    source = master.boot.evaluated_dir
-    out_dir = master.boot.trial_dir  # <trial>/eval
-    ckpt = CheckpointDir(os.path.join(source, "checkpoints"))
-    results_path, plot_path = os.path.join(out_dir, RESULTS), os.path.join(out_dir, PLOT)
-    tok = load_tokenizer(model_path(master, rl))
-    agent = trial_agent(rl.agent, tok, master.boot.trial_dir, rl.call_timeout)
-    held_out = eval_prompts(rl, tok)
-    router = Router(len(gens))
-    router.set_live(set(gens))
-    eval_set = eval_set_id(rl)
+@dataclasses.dataclass(frozen=True)
+class EvalPlan:
+    """What an evaluation of a trial's checkpoints has to do."""
+
+    steps: list[int]
+    """Checkpoints that verify and hold policy weights, oldest first."""
+    broken: dict[int, str]
+    """Checkpoints skipped, with why."""
+    rows: list[dict[str, Any]]
+    """``results.jsonl`` as it is."""
+    todo: list[int]
+    """Steps of :attr:`steps` with no result for this checkpoint and evaluation set."""
+    eval_set: str
+
+
+def plan_evaluation(trial_root: str, eval_dir: str, rl: RLConfig) -> EvalPlan:
+    """Read the trial's checkpoints and ``<eval_dir>/results.jsonl`` (nothing is written)."""
+    ckpt = CheckpointDir(os.path.join(trial_root, "checkpoints"))
     steps, broken = [], {}
     for step in sorted(ckpt.steps()):
         problem = ckpt.verify(step)
@@ -94,9 +100,43 @@ def evaluate_checkpoints(master: MasterWorker, rl: RLConfig,
             steps.append(step)
         else:
             broken[step] = problem
-            log.warning("checkpoint %s is unreadable (%s): skipped", ckpt.path(step), problem)
-    rows = read_results(results_path)
+    rows = read_results(os.path.join(eval_dir, RESULTS))
+    eval_set = eval_set_id(rl)
     todo = pending(rows, [(s, checkpoint_id(ckpt.path(s))) for s in steps], eval_set)
+    return EvalPlan(steps, broken, rows, todo, eval_set)
+
+
+def nothing_to_evaluate(cfg: RLExperimentConfig, trial_root: str, eval_dir: str) -> str | None:
+    """``mode=eval`` before anything starts: one line saying every checkpoint of the trial in
+    ``trial_root`` is already evaluated (``<eval_dir>/results.jsonl`` holds each for this
+    evaluation set), or None when some checkpoint is left (or none verifies: the run itself
+    says why)."""
+    plan = plan_evaluation(trial_root, eval_dir, cfg.rl)
+    if plan.todo or not plan.steps:
+        return None
+    return (f"mode=eval: nothing to evaluate: every checkpoint of {cfg.exp}/{cfg.trial} "
+            f"(steps {', '.join(map(str, plan.steps))}) is already in "
+            f"{os.path.join(eval_dir, RESULTS)} (with {PLOT} beside it); delete a line of it "
+            "to evaluate that checkpoint again")
+
+
+def evaluate_checkpoints(master: MasterWorker, rl: RLConfig,
+                         gens: dict[int, GenerationClient]) -> dict[str, Any]:
+    """Evaluate the checkpoints ``results.jsonl`` lacks; returns the run's summary."""
+    source = master.boot.evaluated_dir
+    out_dir = master.boot.trial_dir  # <trial>/eval
+    ckpt = CheckpointDir(os.path.join(source, "checkpoints"))
+    results_path, plot_path = os.path.join(out_dir, RESULTS), os.path.join(out_dir, PLOT)
+    tok = load_tokenizer(model_path(master, rl))
+    agent = trial_agent(rl.agent, tok, master.boot.trial_dir, rl.call_timeout)
+    held_out = eval_prompts(rl, tok)
+    router = Router(len(gens))
+    router.set_live(set(gens))
+    plan = plan_evaluation(source, out_dir, rl)
+    steps, broken, rows, todo, eval_set = (plan.steps, plan.broken, plan.rows, plan.todo,
+                                           plan.eval_set)
+    for step, problem in broken.items():
+        log.warning("checkpoint %s is unreadable (%s): skipped", ckpt.path(step), problem)
     log.info("checkpoints %s: %d to evaluate, %d already in %s", steps, len(todo),
              len(steps) - len(todo), results_path)
     for i, step in enumerate(todo):
