@@ -16,6 +16,10 @@ from system.errors import ConfigError
 
 CPUS_ENV = "RLSYS_CPUS"
 """A worker's CPU set (``0-3,8``), set by the local scheduler, applied by the worker."""
+OMP_FROM_CPUS_ENV = "RLSYS_OMP_FROM_CPUS"
+"""The ``OMP_NUM_THREADS`` a binding wrote itself (not the user's): a warm spare binds to its
+group's CPUs, and the worker it forks binds again to its own; that second binding must size
+the pools to the worker's set, not keep the group's count as if the user had set it."""
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -46,8 +50,13 @@ def bind_from_env(environ: dict[str, str] | None = None) -> set[int] | None:
             os.sched_setaffinity(tid, cpus)
         except (ProcessLookupError, PermissionError):
             pass  # a thread that just ended
-    threads = _user_threads() or len(cpus)  # a user's own OMP_NUM_THREADS wins
+    user = _user_threads()
+    threads = user or len(cpus)  # a user's own OMP_NUM_THREADS wins
     os.environ["OMP_NUM_THREADS"] = str(threads)  # for OpenMP pools started from now on
+    if user is None:
+        os.environ[OMP_FROM_CPUS_ENV] = str(threads)
+    else:
+        os.environ.pop(OMP_FROM_CPUS_ENV, None)
     torch = sys.modules.get("torch")
     if torch is not None:  # (imported ahead by a warm spare)
         torch.set_num_threads(threads)
@@ -55,8 +64,11 @@ def bind_from_env(environ: dict[str, str] | None = None) -> set[int] | None:
 
 
 def _user_threads() -> int | None:
-    """``OMP_NUM_THREADS`` as the user set it (a positive count), else None."""
+    """``OMP_NUM_THREADS`` as the user set it (a positive count), else None (unset, or
+    written by an earlier binding of this process or its parent: :data:`OMP_FROM_CPUS_ENV`)."""
     text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if text == os.environ.get(OMP_FROM_CPUS_ENV):
+        return None
     return int(text) if text.isdigit() and int(text) > 0 else None
 
 

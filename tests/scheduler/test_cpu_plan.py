@@ -87,6 +87,8 @@ def spin():
 t = threading.Thread(target=spin); t.start(); started.wait()
 from system.cpu_binding import bind_from_env
 bound = bind_from_env()
+if os.environ.get("PROBE_REBIND"):  # a spare's forked worker binds again, to its own set
+    bound = bind_from_env({"RLSYS_CPUS": os.environ["PROBE_REBIND"]})
 sets = {tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir('/proc/self/task')}
 print(json.dumps({"bound": sorted(bound or []), "threads": sets,
                   "omp": os.environ.get("OMP_NUM_THREADS")}))
@@ -114,6 +116,27 @@ def test_a_worker_moves_every_thread_onto_its_set():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["bound"] == [cpu] and out["omp"] == "3"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_second_binding_sizes_the_pools_to_the_worker_set():
+    """A warm spare binds to its group's CPUs, then the worker it forks to its own: the
+    worker's pools get its own count, not the group's (which the first binding wrote, not the
+    user); a user's own OMP_NUM_THREADS survives both."""
+    import json
+
+    group = sorted(os.sched_getaffinity(0))[-2:]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    probe = {**env, "RLSYS_CPUS": ",".join(map(str, group)), "PROBE_REBIND": str(group[1])}
+    r = subprocess.run([sys.executable, "-c", _PROBE], cwd=PROJECT_ROOT, capture_output=True,
+                       text=True, env=probe, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["bound"] == [group[1]] and out["omp"] == "1", out
+    r = subprocess.run([sys.executable, "-c", _PROBE], cwd=PROJECT_ROOT, capture_output=True,
+                       text=True, env={**probe, "OMP_NUM_THREADS": "2"}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["omp"] == "2"
 
 
 def test_every_kind_given_a_list_gets_it_through_the_registry():
