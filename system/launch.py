@@ -166,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     umask = private_modes(cfg.cluster.group_readable)
     experiment = get_experiment(args.exp)
+    done = None if args.dry_run or "--test-only" in args.flags else \
+        evaluated_already(cfg, experiment)
+    if done is not None:  # every checkpoint is evaluated already: write and start nothing
+        print(done, file=sys.stderr)
+        return 0
     resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     try:
         trial = prepare_trial(cfg, experiment.name, resolved,
@@ -193,7 +198,8 @@ def private_modes(group_readable: bool) -> int:
 
 def evaluated_already(cfg: ExperimentConfig, experiment: Experiment) -> str | None:
     """With ``mode=eval``: the experiment's line saying there is nothing left to evaluate, or
-    None (also when its files do not read: the run itself then says why)."""
+    None (also when its files do not read: the run itself then says why). Asked before the
+    trial's lock and files: such a run writes nothing, ``--detach`` included."""
     if cfg.mode != RunMode.EVAL or experiment.eval_done is None:
         return None
     try:
@@ -216,10 +222,6 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
         if "--detach" in args.flags:
             return detach(cfg, paths, scheduler, [a for a in argv if a != "--detach"],
                           trial.lock)
-        done = evaluated_already(cfg, experiment)
-        if done is not None:  # every checkpoint is evaluated already: start nothing
-            print(done, file=sys.stderr)
-            return 0
         tee_stderr(paths.logs)  # logs/launcher.log, for `python -m system.ctl logs`
         controller = Controller(cfg, experiment, paths, scheduler,
                                 make_name_resolve(cfg.name_resolve, name_resolve_root(cfg),

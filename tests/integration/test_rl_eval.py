@@ -75,14 +75,24 @@ def test_eval_mode_evaluates_every_checkpoint_as_training_did(fileroot):
     assert _digests(root) == files  # nothing of the trial itself was written
 
     # again: every checkpoint is in results.jsonl, so nothing starts (no worker, no new run)
-    logs_before = sorted(os.listdir(os.path.join(out, "logs")))
+    # and nothing of eval/ is written (its config, secret, bootstrap, logs, summary)
+    eval_files = _digests(out)
     again = run_launch(*trial, "mode=eval", "controller.progress=false", timeout=400)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "nothing to evaluate" in again.stderr and "steps 2, 4" in again.stderr, again.stderr
+    assert _digests(out) == eval_files
     with open(os.path.join(out, "summary.json")) as f:
         assert json.load(f) == summary
-    assert sorted(os.listdir(os.path.join(out, "logs"))) == logs_before
     assert _rows(os.path.join(out, "results.jsonl")) == rows
+    # a plot older than results.jsonl (a run stopped between the two) is no reason to stop
+    from experiments.rl.roles.evaluator import nothing_to_evaluate
+    from system.launch import build_config
+
+    cfg = build_config("arith-tiny", "ev", [f"cluster.fileroot={fileroot}", "mode=eval"])
+    assert nothing_to_evaluate(cfg, root, out) is not None
+    later = os.stat(os.path.join(out, "accuracy.png")).st_mtime + 10
+    os.utime(os.path.join(out, "results.jsonl"), (later, later))
+    assert nothing_to_evaluate(cfg, root, out) is None
     # a checkpoint whose line is gone is evaluated again, and only it
     with open(os.path.join(out, "results.jsonl"), "w") as f:
         f.write(json.dumps(rows[0]) + "\n")

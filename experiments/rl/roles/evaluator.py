@@ -112,12 +112,22 @@ def nothing_to_evaluate(cfg: RLExperimentConfig, trial_root: str, eval_dir: str)
     evaluation set), or None when some checkpoint is left (or none verifies: the run itself
     says why)."""
     plan = plan_evaluation(trial_root, eval_dir, cfg.rl)
-    if plan.todo or not plan.steps:
+    if plan.todo or not plan.steps or not _plot_current(eval_dir):
         return None
     return (f"mode=eval: nothing to evaluate: every checkpoint of {cfg.exp}/{cfg.trial} "
             f"(steps {', '.join(map(str, plan.steps))}) is already in "
             f"{os.path.join(eval_dir, RESULTS)} (with {PLOT} beside it); delete a line of it "
             "to evaluate that checkpoint again")
+
+
+def _plot_current(eval_dir: str) -> bool:
+    """``accuracy.png`` exists and is no older than ``results.jsonl`` (a run stopped or failed
+    between the two leaves it stale: then the run goes on, evaluates nothing and plots)."""
+    try:
+        return (os.stat(os.path.join(eval_dir, PLOT)).st_mtime
+                >= os.stat(os.path.join(eval_dir, RESULTS)).st_mtime)
+    except FileNotFoundError:
+        return False
 
 
 def evaluate_checkpoints(master: MasterWorker, rl: RLConfig,
