@@ -53,4 +53,8 @@ def check_own_devices(store: Any, rank: int, world: int, device: str) -> None:
              for r in range(world)]
     why = default_group_refusal(ranks)
     if why is not None:
+        # every rank has read every device before any refuses: rank 0 hosts the store, and
+        # a rank still reading when it exits would fail on the lost store, not with this line
+        store.set(f"rlsys/device_read/{rank}", "1")
+        store.wait([f"rlsys/device_read/{r}" for r in range(world)])
         raise ConfigError(why)

@@ -164,9 +164,14 @@ class Cluster:
             self._joined[r] = self.peers.address(self.gens[r].name) or ""
         if self._spec is None:  # disk mode: nothing to join
             return set(replicas)
-        pending, owner = [], []
+        pending, owner, refused = [], [], set()
         for r in replicas:
-            spec = self.replica_spec(r)
+            try:
+                spec = self.replica_spec(r)
+            except ValueError as e:  # it misreports its devices: left out, the others go on
+                log.warning("generation server %d cannot join the weight updates: %s", r, e)
+                refused.add(r)
+                continue
             group = f"weight_sync/{r}-{uuid.uuid4().hex[:8]}"  # never an old group's store
             pending += [c.weight_sync_init(spec, group, r) for c in self.models]
             pending.append(self.gens[r].weight_sync_init(spec, group))
@@ -175,7 +180,7 @@ class Cluster:
                   if isinstance(res, RpcError)}
         for r in sorted(failed):
             log.warning("generation server %d could not join the weight updates", r)
-        return set(replicas) - failed
+        return set(replicas) - failed - refused
 
     def replica_spec(self, replica: int) -> WeightSyncSpec:
         """The weight-sync spec of ``replica``'s group, with the backend its ranks' devices

@@ -51,3 +51,37 @@ def test_a_server_that_names_no_devices_is_gloo_and_a_wrong_count_is_refused():
     assert choose_backend(ranks).backend == "gloo"
     with pytest.raises(ValueError, match="reports 1 devices for tensor_parallel_size=2"):
         group_ranks([GPU_A], [GPU_B], 0, 2)
+
+
+def test_a_server_that_misreports_its_devices_is_left_out_of_the_weight_updates(caplog):
+    """On the master's join (at start or when a server comes back): one server that names
+    the wrong number of devices is refused with a line in the log, the master goes on."""
+    import dataclasses as dc
+    import logging
+
+    from experiments.rl.cluster import Cluster
+    from system.reshard.layout import GenLayout, TrainLayout
+    from system.reshard.params import ModelShape
+    from system.reshard.spec import WeightSyncSpec
+
+    @dc.dataclass
+    class Named:  # what join reads of a generation server before it calls it
+        name: str
+
+    class Peers:
+        def address(self, name: str) -> str:
+            return f"tcp://{name}"
+
+    cluster = Cluster.__new__(Cluster)
+    cluster.peers, cluster.models, cluster._joined = Peers(), [], {}
+    cluster.gens = {0: Named("generation/0")}
+    cluster._model_devices, cluster._gen_devices = [GPU_A], {0: [GPU_A, GPU_B, GPU_B]}
+    shape = ModelShape(vocab_size=32, hidden_size=8, intermediate_size=16, num_layers=1,
+                       num_heads=2, num_kv_heads=2, head_dim=4)
+    cluster._spec = WeightSyncSpec(src=TrainLayout(), dst=GenLayout(tp=2, replicas=1),
+                                   shape=shape, dtype="float32", backend="gloo", mode="fast",
+                                   bucket_bytes=1 << 20, timeout=5)
+    with caplog.at_level(logging.WARNING):
+        assert cluster.join([0]) == set()
+    assert "generation server 0 cannot join the weight updates: generation server 0 " \
+           "reports 3 devices for tensor_parallel_size=2" in caplog.text
