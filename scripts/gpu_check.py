@@ -47,8 +47,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from scripts.gpu_checks.common import (abs_diffs, out, random_seqs,  # noqa: E402
-                                       reference_logprobs, sft_loss)
+from scripts.gpu_checks.common import (Verdict, abs_diffs, model_skip, out,  # noqa: E402
+                                       random_seqs, reference_logprobs, sft_loss)
 
 MEAN_BF16_TOL = 0.03   # mean |log-prob difference|, bfloat16 engine vs float32 reference
 MAX_BF16_TOL = 0.25    # worst token, bfloat16 (a sanity bound: padding or masking bugs show here)
@@ -334,10 +334,10 @@ def main() -> int:
               f"{torch.__version__}): the GPU checks need one, nothing was checked",
               file=sys.stderr)
         return 2
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        print(f"gpu_check: no model at {args.model} (make setup builds .models/arith-tiny)",
-              file=sys.stderr)
-        return 1
+    why = model_skip(args.model)
+    if why:  # a SKIP like the other parts' (make setup builds .models/arith-tiny)
+        Verdict("gpu_check", "SKIP", why).show()
+        return 2
 
     import transformers
 

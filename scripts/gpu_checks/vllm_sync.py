@@ -25,6 +25,7 @@ refuses two ranks on one GPU: "Duplicate GPU detected"; see ``system.reshard.bac
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import threading
 import time
@@ -198,4 +199,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the verdict is out and vLLM is closed: no wait on the teardown of the weight-sync
+    # groups (NCCL communicators, a TCPStore) that nothing destroys, which can hang at exit
+    os._exit(code)

@@ -62,6 +62,8 @@ def worker(rank, args, port, out):
     specs = qwen2_specs(shape)
     dev = torch.device("cuda", rank % max(1, torch.cuda.device_count())) \
         if args.backend == "nccl" else torch.device("cpu")
+    if dev.type == "cuda":  # NCCL's own allocations and barriers go to the current device
+        torch.cuda.set_device(dev)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
                           timeout=datetime.timedelta(seconds=600))
     groups = GroupFactory(store, rank, args.backend, 600)
@@ -265,6 +267,8 @@ def _mg_worker(rank, spec, args, port, out):
     S, world = spec.src.world_size, spec.world_size
     dev = torch.device("cuda", rank % max(1, torch.cuda.device_count())) \
         if args.backend == "nccl" else torch.device("cpu")
+    if dev.type == "cuda":  # NCCL's own allocations and barriers go to the current device
+        torch.cuda.set_device(dev)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
                           timeout=datetime.timedelta(seconds=600))
     groups = GroupFactory(store, rank, args.backend, 600)
