@@ -86,7 +86,12 @@ class EvalPlan:
 
 
 def plan_evaluation(trial_root: str, eval_dir: str, rl: RLConfig) -> EvalPlan:
-    """Read the trial's checkpoints and ``<eval_dir>/results.jsonl`` (nothing is written)."""
+    """Read the trial's checkpoints and ``<eval_dir>/results.jsonl`` (nothing is written: a
+    trial without a checkpoint directory has no step)."""
+    rows = read_results(os.path.join(eval_dir, RESULTS))
+    eval_set = eval_set_id(rl)
+    if not os.path.isdir(os.path.join(trial_root, "checkpoints")):  # (CheckpointDir makes it)
+        return EvalPlan([], {}, rows, [], eval_set)
     ckpt = CheckpointDir(os.path.join(trial_root, "checkpoints"))
     steps, broken = [], {}
     for step in sorted(ckpt.steps()):
@@ -100,8 +105,6 @@ def plan_evaluation(trial_root: str, eval_dir: str, rl: RLConfig) -> EvalPlan:
             steps.append(step)
         else:
             broken[step] = problem
-    rows = read_results(os.path.join(eval_dir, RESULTS))
-    eval_set = eval_set_id(rl)
     todo = pending(rows, [(s, checkpoint_id(ckpt.path(s))) for s in steps], eval_set)
     return EvalPlan(steps, broken, rows, todo, eval_set)
 
