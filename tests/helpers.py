@@ -124,7 +124,7 @@ def tiny_llm(model_dir: str) -> Any:
     from vllm import LLM
 
     return LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-               gpu_memory_utilization=0.2, max_model_len=512, seed=0,
+               kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=0,
                worker_extension_cls="workers.engines.vllm_weight_sync.WeightSyncExtension")
 
 

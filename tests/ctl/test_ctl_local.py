@@ -48,8 +48,11 @@ def test_ls_status_logs_cancel(fileroot):
     words = ["exp=smoke", "trial=op", f"cluster.fileroot={fileroot}"]
     proc = start_trial(fileroot, "op")
     try:
-        deadline = time.time() + 30  # the controller's record says running within seconds
-        while (s := status(fileroot, "op"))[1]["state"] != "running":
+        # the controller's record says running within seconds, and the master's progress soon
+        # after (a loaded machine showed '0/400' at first)
+        deadline = time.time() + 30
+        while (s := status(fileroot, "op"))[1]["state"] != "running" or (
+                (s[1].get("progress") or {}).get("trajectories") != "400/400"):
             assert time.time() < deadline, s
             time.sleep(0.5)
         code, s = status(fileroot, "op")

@@ -19,7 +19,7 @@ def qwen3(tmp_path_factory):
         pytest.skip(f"vllm is not installed: {e}")
     model_dir = save_tiny_qwen3(str(tmp_path_factory.mktemp("qwen3")))
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              gpu_memory_utilization=0.05, max_model_len=512, seed=0,
+              kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=0,
               worker_extension_cls="workers.engines.vllm_weight_sync.WeightSyncExtension")
     yield llm, model_dir
     llm.llm_engine.engine_core.shutdown()

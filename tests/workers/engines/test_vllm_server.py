@@ -244,7 +244,7 @@ def doomed_llm(tiny_model_dir):
     from vllm import LLM
 
     llm = LLM(model=tiny_model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              gpu_memory_utilization=0.2, max_model_len=512, seed=0,
+              kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=0,
               worker_extension_cls="workers.engines.vllm_weight_sync.WeightSyncExtension")
     yield llm
     try:
