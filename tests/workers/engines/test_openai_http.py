@@ -7,6 +7,7 @@ session's); the tests run in order and the last checks the engine still answers.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -33,18 +34,23 @@ def engine(vllm_tiny):
     eng.close()
 
 
-@pytest.fixture(scope="module")
-def served(engine, tmp_path_factory):
-    """``(server, key)``: a generation server's endpoint on the module's engine."""
-    trial_dir = tmp_path_factory.mktemp("trial")
-    key = write_api_key(str(trial_dir / "api_key"))
-    server = generation_server(str(trial_dir), dict(LIMITS))
+def _serve(engine: GenerationEngine, trial_dir: str, limits: dict[str, Any]) -> Any:
+    """``(endpoint, key)`` of a generation server on ``engine`` with ``limits``, then closes
+    both (a generator for a fixture)."""
+    key = write_api_key(os.path.join(trial_dir, "api_key"))
+    server = generation_server(trial_dir, limits)
     server.engine = engine
     http = server.serve_http(word_tokenizer(), "tiny")
     assert http is not None
     yield http, key
     http.close()
     server.server.close()
+
+
+@pytest.fixture(scope="module")
+def served(engine, tmp_path_factory):
+    """``(server, key)``: a generation server's endpoint on the module's engine."""
+    yield from _serve(engine, str(tmp_path_factory.mktemp("trial")), dict(LIMITS))
 
 
 class Client:
@@ -305,14 +311,7 @@ def flood_served(engine, tmp_path):
     """The module's endpoint limits, but a read timeout longer than any flood takes to
     connect: with 2 s, a loaded machine's 300 connects outlasted it, the 4 idle admitted
     connections were cut, and 4 later ones were admitted (and cut in turn, unanswered)."""
-    key = write_api_key(str(tmp_path / "api_key"))
-    server = generation_server(str(tmp_path), {**LIMITS, "http_read_timeout": 60.0})
-    server.engine = engine
-    http = server.serve_http(word_tokenizer(), "tiny")
-    assert http is not None
-    yield http, key
-    http.close()
-    server.server.close()
+    yield from _serve(engine, str(tmp_path), {**LIMITS, "http_read_timeout": 60.0})
 
 
 @pytest.mark.slow
