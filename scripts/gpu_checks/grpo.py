@@ -20,8 +20,8 @@ import sys
 import time
 from typing import Any
 
-from scripts.gpu_checks.common import (ROOT, Verdict, cuda_devices, device_skip, kill_group,
-                                       model_skip, need, out, start_group)
+from scripts.gpu_checks.common import (ROOT, Verdict, cuda_devices, device_skip, exit_code,
+                                       kill_group, model_skip, need, out, start_group)
 
 CHECK = "grpo"
 CHECKS = (CHECK,)
@@ -107,7 +107,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=1500)
     args = ap.parse_args()
     v = run(args.device, args.steps, os.path.abspath(args.fileroot), args.timeout).show()
-    return 1 if v.status == "FAIL" else 0
+    return exit_code([v])
 
 
 if __name__ == "__main__":

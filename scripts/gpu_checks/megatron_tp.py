@@ -27,10 +27,9 @@ import tempfile
 import time
 from typing import Any
 
-from scripts.gpu_checks.common import (Verdict, abs_diffs, base_parser, cuda_devices,
-                                       device_skip, free_port, kill_group, model_skip, need, out,
-                                       random_seqs, reference_logprobs, sft_loss,
-                                       start_group)
+from scripts.gpu_checks.common import (Verdict, abs_diffs, base_parser, cuda_devices, device_skip,
+                                       exit_code, free_port, kill_group, model_skip, need, out,
+                                       random_seqs, reference_logprobs, sft_loss, start_group)
 
 CHECKS = ("megatron_tp1", "megatron_tp2")
 LR = 1e-3
@@ -204,7 +203,7 @@ def main() -> int:
         worker(args)
         return 0
     verdicts = [v.show() for v in run(args)]
-    return 1 if any(v.status == "FAIL" for v in verdicts) else 0
+    return exit_code(verdicts)
 
 
 if __name__ == "__main__":

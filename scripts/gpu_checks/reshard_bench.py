@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import sys
 
-from scripts.gpu_checks.common import (ROOT, Verdict, base_parser, cuda_devices, device_skip, need,
-                                       out, run_group)
+from scripts.gpu_checks.common import (ROOT, Verdict, base_parser, cuda_devices, device_skip,
+                                       exit_code, need, out, run_group)
 
 CHECK = "reshard_bench"
 CHECKS = (CHECK,)
@@ -111,7 +111,7 @@ def main() -> int:
             args.repeat or (3 if cpu else 11),
             args.min_fraction if args.min_fraction is not None else (0.0 if cpu else 0.5),
             args.timeout).show()
-    return 1 if v.status == "FAIL" else 0
+    return exit_code([v])
 
 
 if __name__ == "__main__":

@@ -31,9 +31,8 @@ import threading
 import time
 from typing import Any
 
-from scripts.gpu_checks.common import (Verdict, abs_diffs, base_parser, cuda_devices,
-                                       device_skip, model_skip, need, out, random_seqs,
-                                       sft_loss)
+from scripts.gpu_checks.common import (Verdict, abs_diffs, base_parser, cuda_devices, device_skip,
+                                       exit_code, model_skip, need, out, random_seqs, sft_loss)
 
 CHECK = "vllm_sync"
 CHECKS = (CHECK,)
@@ -195,7 +194,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=300)
     args = ap.parse_args()
     v = run(args).show()
-    return 1 if v.status == "FAIL" else 0
+    return exit_code([v])
 
 
 if __name__ == "__main__":
