@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from system.errors import ConfigError
-from system.reshard.backend import RankDevice, and_list, shared_devices
+from system.reshard.backend import RankDevice, sharing
 
 
 def select_device(local_rank: int, visible: int) -> str:
@@ -31,11 +31,10 @@ def default_group_refusal(ranks: Sequence[RankDevice]) -> str | None:
     needs NCCL on GPUs (FSDP2's all_gather and reduce_scatter, megatron's groups), NCCL refuses
     two ranks on one GPU, and gloo has neither collective for CUDA tensors: model workers
     that share a GPU are refused, in one line naming the keys."""
-    shared = shared_devices(ranks)
+    shared = sharing(ranks)
     if not shared:
         return None
-    parts = "; ".join(f"{and_list(names)} share GPU {dev}" for dev, names in shared.items())
-    return (f"{parts}: the model workers' training group needs NCCL, which refuses two ranks "
+    return (f"{shared}: the model workers' training group needs NCCL, which refuses two ranks "
             "on one GPU (and gloo lacks FSDP2's all_gather/reduce_scatter on CUDA); give each "
             "model worker a GPU of its own: lower model.count or give more GPUs "
             "(scheduler.local.gpus or CUDA_VISIBLE_DEVICES); scheduler.local.share_gpus=true "

@@ -70,6 +70,13 @@ def shared_devices(ranks: Sequence[RankDevice]) -> dict[str, list[str]]:
     return {dev: names for dev, names in on.items() if len(names) > 1}
 
 
+def sharing(ranks: Sequence[RankDevice]) -> str:
+    """``a and b share GPU X; c and d share GPU Y`` for the GPUs that hold more than one rank
+    (empty when none does)."""
+    return "; ".join(f"{and_list(names)} share GPU {dev}"
+                     for dev, names in shared_devices(ranks).items())
+
+
 def choose_backend(ranks: Sequence[RankDevice]) -> BackendChoice:
     """NCCL only when every rank is on a GPU and no two ranks share one; gloo otherwise, with
     the reason (a rank on the CPU while others are on GPUs, or the ranks sharing a GPU)."""
@@ -82,10 +89,9 @@ def choose_backend(ranks: Sequence[RankDevice]) -> BackendChoice:
         on_gpu = [r.name for r in ranks if r.on_gpu]
         return BackendChoice("gloo", f"{and_list(on_cpu)} on the CPU, {and_list(on_gpu)} on a "
                              "GPU", "NCCL needs every rank on a GPU", fallback=True)
-    shared = shared_devices(ranks)
+    shared = sharing(ranks)
     if shared:
-        parts = "; ".join(f"{and_list(names)} share GPU {dev}" for dev, names in shared.items())
-        return BackendChoice("gloo", parts, "NCCL refuses two ranks on one GPU", fallback=True)
+        return BackendChoice("gloo", shared, "NCCL refuses two ranks on one GPU", fallback=True)
     return BackendChoice("nccl")
 
 
