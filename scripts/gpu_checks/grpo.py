@@ -62,8 +62,8 @@ def judge(summary: dict[str, Any] | None, rc: int, steps: int) -> Verdict:
 
 def run(device: str, steps: int, fileroot: str, timeout: float) -> Verdict:
     exp, model = EXPS[device]
-    why = (device_skip(device) or model_skip(model)
-           or need("vllm", "zmq", "msgpack", "system.launch"))
+    why = (device_skip(device) or need("vllm", "zmq", "msgpack", "system.launch")
+           or model_skip(model))
     if why:
         return Verdict(CHECK, "SKIP", why)
     trial = time.strftime("gpu-check-%Y%m%d-%H%M%S")

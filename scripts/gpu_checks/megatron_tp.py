@@ -158,7 +158,7 @@ def tp2_skip(device: str, gpus: int) -> str | None:
 
 
 def run(args: Any) -> list[Verdict]:
-    why = (device_skip(args.device) or model_skip(args.model)
+    why = (device_skip(args.device)
            or need("megatron.core", "workers.engines.megatron_engine"))
     if why is None:
         from workers.engines import megatron_compat
@@ -167,6 +167,7 @@ def run(args: Any) -> list[Verdict]:
             megatron_compat.check_version()
         except Exception as e:
             why = str(e).splitlines()[0]
+    why = why or model_skip(args.model)
     if why:
         return [Verdict(c, "SKIP", why) for c in CHECKS]
     tol = TOLS[args.device]

@@ -164,8 +164,9 @@ def check(args: Any, trainer_device: str, backend: str, mem: float | None) -> Ve
 
 
 def run(args: Any) -> Verdict:
-    why = (device_skip(args.device) or model_skip(args.model)
-           or need("vllm", "workers.engines.vllm_server", "workers.publish"))
+    why = (device_skip(args.device)
+           or need("vllm", "workers.engines.vllm_server", "workers.publish")
+           or model_skip(args.model))
     if why:
         return Verdict(CHECK, "SKIP", why)
     where = placement(args.device, args.sync_backend, cuda_devices())

@@ -8,9 +8,12 @@ import os
 
 import pytest
 
+from system.paths import PROJECT_ROOT
 from tests.helpers import read_summary, run_launch, trial_processes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")),
+    reason="the arith-tiny model is created by scripts/setup.sh")]
 
 
 def test_an_openai_calculator_agent_trains_end_to_end(tmp_path):
