@@ -10,8 +10,12 @@ setup:
 run: setup
 	$(PY) -m system.launch exp=$(EXP) trial=$(TRIAL) $(ARGS)
 
+# Two pytest-xdist workers (TEST_WORKERS=0 runs in one process): about half the suite waits on
+# processes, sockets and Slurm, so two share the 2 cores CI has. One file, and every Slurm
+# test, stays on one worker (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup) $(ARGS)
 
 bench: setup
 	$(PY) tests/benchmarks/control_plane.py

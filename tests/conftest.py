@@ -12,6 +12,19 @@ import pytest
 from tests.helpers import free_port, save_tiny_model, tiny_llm
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With pytest-xdist's ``--dist loadgroup`` (``make test`` runs two workers), keep each
+    test file on one worker, so a module's expensive fixture (a vLLM engine, a model) is built
+    once; and every Slurm test on the same worker, so one host runs one test Slurm at a time
+    (each xdist worker would start its own session cluster)."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[tuple[str, int]]:
     """A real redis-server on a free loopback port, for the whole session."""
