@@ -102,7 +102,8 @@ class ModelWorker(Worker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.engines: dict[str, TorchEngine] = {}   # "actor" | "ref" | "critic"
-        self._exec = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix="engine",
+                                        initializer=self._bind_thread)
         self._syncs: dict[int, _WeightSync] = {}    # generation replica -> its update group
         self._stores: list[Any] = []                # keep every group's store alive
         self._actor_loss: ActorLoss | None = None
@@ -217,7 +218,7 @@ class ModelWorker(Worker):
         sync = WeightSyncSpec.from_wire(spec)
 
         def init() -> dict[str, Any]:
-            self._syncs.pop(int(replica), None)
+            self._drop_sync(int(replica))
             address = self.serving_at("generation", int(replica))
             if address is None:
                 raise RuntimeError(f"generation server {replica} is not serving")
@@ -271,7 +272,7 @@ class ModelWorker(Worker):
                 {int(r): self._syncs[int(r)].address for r in replicas})
             for r, why in failed.items():
                 log.warning("weight update of generation replica %d failed: %s", r, why)
-                self._syncs.pop(r, None)
+                self._drop_sync(r)
             return {"seconds": time.perf_counter() - t0, "bytes_sent": sum(done.values()),
                     "failed": {str(r): why for r, why in failed.items()}}
         return self._run(send)
@@ -284,7 +285,8 @@ class ModelWorker(Worker):
         noticed only at the group's timeout (minutes), and the engine thread would wait that
         long. Its thread (a daemon: it never holds up this process's exit) ends at that
         timeout."""
-        futures = {r: _in_daemon_thread(fn, f"replica-{r}") for r, fn in work.items()}
+        futures = {r: _in_daemon_thread(self._bound(fn), f"replica-{r}")
+                   for r, fn in work.items()}
         done: dict[int, Any] = {}
         failed: dict[int, str] = {}
         while futures:
@@ -301,6 +303,29 @@ class ModelWorker(Worker):
                     failed[r] = f"generation server {r} stopped serving during the transfer"
                     del futures[r]
         return done, failed
+
+    def _drop_sync(self, replica: int) -> None:
+        """Forget ``replica``'s weight-update group, aborting it (NCCL: a transfer stuck on
+        its dead server ends instead of waiting for the group's timeout)."""
+        sync = self._syncs.pop(replica, None)
+        if sync is not None:
+            sync.executor.abort()
+
+    def _bind_thread(self) -> None:
+        """Make this worker's GPU the current device of the calling thread (CUDA's current
+        device is per thread: megatron and FSDP2 create tensors and streams on it)."""
+        device = self.device
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(device)
+
+    def _bound(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """``fn`` run with this worker's GPU as the thread's current device."""
+        def run() -> Any:
+            self._bind_thread()
+            return fn()
+        return run
 
     def _serving_generation(self) -> dict[int, str] | None:
         """``{index: address}`` of the generation servers that heart-beat (None: name

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import logging
 import time
 from typing import Any, Mapping
 
@@ -25,6 +26,8 @@ import torch.distributed as dist
 
 from system.reshard.params import Box, box_shape
 from system.reshard.plan import Bucket, ReshardPlan, flat_range
+
+log = logging.getLogger(__name__)
 
 
 def _slices(box: Box, origin: Box | None = None) -> tuple[slice, ...]:
@@ -112,6 +115,23 @@ class ReshardExecutor:
         # created in one global sorted order on every rank: no two ranks wait on each other
         self._groups = {(m, lane): groups.get(m, lane) for m in plan.groups if rank in m
                         for lane in range(min(self.lanes, count[m]))}
+        self.backend = groups.backend
+        # NCCL: the transfers run on a stream of their own, so a broadcast that never
+        # completes (a peer died) holds up only that stream, not the default one training uses
+        self._stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
+
+    def abort(self) -> None:
+        """Give up this executor's groups (a peer died): NCCL's communicators are aborted, which
+        ends a broadcast stuck on the dead peer (its ``run`` raises) instead of leaving it on
+        the GPU until the group's timeout, when NCCL's watchdog would end the whole process.
+        Gloo needs nothing: its broadcasts fail when the peer's connection closes."""
+        if self.backend != "nccl":
+            return
+        for pg in self._groups.values():
+            try:
+                pg.abort()
+            except Exception as e:  # best effort: the executor is dropped either way
+                log.warning("aborting a weight-update group failed: %s", e)
 
     def run(self, src: Mapping[str, torch.Tensor] | None = None,
             src_boxes: Mapping[str, Box] | None = None,
@@ -123,6 +143,16 @@ class ReshardExecutor:
         the caller believes ``src`` holds; a shape that disagrees is refused."""
         if src is not None and src_boxes is not None:
             _check_shapes(src, src_boxes)
+        if self._stream is None:
+            return self._run(src, dst)
+        # the side stream first waits for what the default stream wrote (the weights); the
+        # host waits for the side stream at the end, so the caller's later work sees the result
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            return self._run(src, dst)
+
+    def _run(self, src: Mapping[str, torch.Tensor] | None,
+             dst: Mapping[str, torch.Tensor] | None) -> ReshardStats:
         stats = ReshardStats()
         t0 = time.perf_counter()
         pending: collections.deque[tuple[Bucket, torch.Tensor | None, Any, int]] = \
@@ -148,8 +178,8 @@ class ReshardExecutor:
                 live -= self._finish(*pending.popleft(), dst, stats)
         while pending:
             live -= self._finish(*pending.popleft(), dst, stats)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self._stream is not None:
+            self._stream.synchronize()
         stats.seconds = time.perf_counter() - t0
         stats.buckets = len(self.buckets)
         return stats

@@ -85,9 +85,12 @@ def worker(rank, args, port, out):
         local = {p.name: torch.zeros(p.shape, device=dev) for p in params}
         own_bytes = sum(t.numel() * 4 for t in local.values())
 
-    def barrier():
-        everyone.barrier().wait() if args.backend == "gloo" else everyone.allreduce(
-            [torch.zeros(1, device=dev)]).wait()
+    def barrier():  # NCCL's wait() only orders streams: the host waits for the allreduce
+        if args.backend == "gloo":
+            everyone.barrier().wait()
+        else:
+            everyone.allreduce([torch.zeros(1, device=dev)]).wait()
+            torch.cuda.synchronize(dev)
 
     def sync():
         if dev.type == "cuda":
@@ -284,9 +287,12 @@ def _mg_worker(rank, spec, args, port, out):
         own = {p.name: torch.zeros(p.shape, device=dev) for p in params}
     specs = spec.specs()
 
-    def barrier():
-        everyone.barrier().wait() if args.backend == "gloo" else everyone.allreduce(
-            [torch.zeros(1, device=dev)]).wait()
+    def barrier():  # NCCL's wait() only orders streams: the host waits for the allreduce
+        if args.backend == "gloo":
+            everyone.barrier().wait()
+        else:
+            everyone.allreduce([torch.zeros(1, device=dev)]).wait()
+            torch.cuda.synchronize(dev)
 
     def ours():
         ex.run(src=own) if rank < S else ex.run(dst=own)

@@ -228,7 +228,8 @@ class MegatronEngine:
                 for item in store:
                     for i, o in zip(item["group"], item["out"]):
                         parts[i] = o
-                flat = torch.cat([p.float() for p in parts]) if parts else torch.zeros(0)
+                flat = (torch.cat([p.float() for p in parts]) if parts
+                        else torch.zeros(0, device=self.device))
             flat = self._from_last_stage(flat, sum(lens))
         return [t.cpu() for t in torch.split(flat, lens)]
 

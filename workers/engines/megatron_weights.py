@@ -103,7 +103,10 @@ def sync_replicated_kv_grads(model: torch.nn.Module, shape: ModelShape, tp: int)
     tp_rank = ps.get_tensor_model_parallel_rank()
     hn, qpg = shape.head_dim, shape.num_heads // tp  # one query group per rank
     for name, p in model.named_parameters():
-        if "linear_qkv" not in name or getattr(p, "main_grad", None) is None:
+        # the fused QKV weight and bias only (Transformer Engine's layer spec also puts the
+        # attention's input norm there, as linear_qkv.layer_norm_weight: the same on every rank)
+        if (not name.endswith(("linear_qkv.weight", "linear_qkv.bias"))
+                or getattr(p, "main_grad", None) is None):
             continue
         kv = p.main_grad[qpg * hn:(qpg + 2) * hn]  # this rank's k head, then its v head
         parts = [torch.empty_like(kv) for _ in range(tp)]
