@@ -62,7 +62,7 @@ log "flavour: $FLAVOUR"
 if [ "$FLAVOUR" = gpu ] && [ ! -f "$(stamp torch-vllm-cuda)" ]; then
   log "installing CUDA torch, vllm and megatron-core (several GB; vllm picks its torch)"
   "$VPY" -m pip install -q --upgrade pip wheel setuptools
-  "$VPY" -m pip install -q vllm megatron-core
+  "$VPY" -m pip install -q vllm "megatron-core==0.16.1"  # the version megatron_compat pins
   touch "$(stamp torch-vllm-cuda)"
 fi
 

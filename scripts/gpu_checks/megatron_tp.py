@@ -10,8 +10,8 @@ sequences, one training step (token-mean NLL, lr 1e-3), the log-probs again.
 
 Thresholds: on CUDA (bfloat16 compute over float32 masters) mean |diff| <= 0.03 and max <= 0.25
 (as the torch engine's parity check), loss within 1%; on CPU (float32) max |diff| <= 1e-4 and
-the loss within 1e-4 (relative). SKIP: no CUDA, megatron-core not importable (or not the
-supported release), fewer than 2 GPUs for tp=2.
+the loss within 1e-4 (relative). SKIP: no CUDA, megatron-core not importable, fewer
+than 2 GPUs for tp=2. FAIL: a megatron-core other than the pinned release (the engine refuses it).
 
     python3 -m scripts.gpu_checks.megatron_tp [--device cuda|cpu] [--model .models/arith-tiny]
 """
@@ -165,8 +165,8 @@ def run(args: Any) -> list[Verdict]:
 
         try:
             megatron_compat.check_version()
-        except Exception as e:
-            why = str(e).splitlines()[0]
+        except Exception as e:  # installed, but not the pinned version: the engine refuses
+            return [Verdict(c, "FAIL", str(e).splitlines()[0]) for c in CHECKS]
     why = why or model_skip(args.model)
     if why:
         return [Verdict(c, "SKIP", why) for c in CHECKS]

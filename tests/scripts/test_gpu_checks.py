@@ -151,6 +151,19 @@ def test_missing_packages_skip_with_one_line():
     assert found["megatron_tp1"].why.startswith("no model at no-such-model"), text
 
 
+def test_another_megatron_release_fails_the_megatron_checks(tmp_path):
+    """An installed megatron-core other than the pinned release is a FAIL (the engine would
+    refuse it), not a SKIP that lets ``make gpu-check`` pass without testing megatron."""
+    info = tmp_path / "megatron_core-0.99.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.99.0\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    rc, found, text = run_part("megatron_tp", "--device", "cpu", env={"PYTHONPATH": path})
+    assert rc == 1, text
+    for c in megatron_tp.CHECKS:
+        assert found[c].status == "FAIL" and "megatron-core 0.99.0 is installed" in found[c].why
+
+
 def test_driver_cpu_skips_the_cuda_only_engine_checks():
     p = subprocess.run([sys.executable, "-m", "scripts.gpu_checks", "--device", "cpu",
                         "--only", "engine"], cwd=ROOT, text=True, capture_output=True,
