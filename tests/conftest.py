@@ -13,16 +13,30 @@ from tests.helpers import free_port, save_tiny_model, tiny_llm
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With pytest-xdist's ``--dist loadgroup`` (``make test`` runs two workers), keep each
-    test file on one worker, so a module's expensive fixture (a vLLM engine, a model) is built
-    once; and every Slurm test on the same worker, so one host runs one test Slurm at a time
-    (each xdist worker would start its own session cluster)."""
+    """With pytest-xdist's ``--dist loadgroup`` (``make test`` runs two workers): the tests of
+    a file with a module-scoped fixture (a vLLM engine, a model) stay on one worker, so it is
+    built once; every Slurm test stays on one worker, so one host runs one test Slurm at a time
+    (each xdist worker would start its own session cluster); any other test goes wherever a
+    worker is free (the long end-to-end trials of one file then run side by side)."""
     if config.getoption("dist", "no") != "loadgroup":
         return
     for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group))
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        if item.get_closest_marker("slurm"):
+            group = "slurm"
+        elif _uses_module_fixture(item):
+            group = item.nodeid.split("::")[0]
+        else:
+            group = item.nodeid
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _uses_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:  # not a function item: keep its file together
+        return True
+    return any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs)
 
 
 @pytest.fixture(scope="session")
