@@ -12,13 +12,14 @@ import pytest
 from tests.helpers import free_port, save_tiny_model, tiny_llm
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """With pytest-xdist's ``--dist loadgroup`` (``make test`` runs two workers): the tests of
     a file with a module-scoped fixture (a vLLM engine, a model) stay on one worker, so it is
     built once; every Slurm test stays on one worker, so one host runs one test Slurm at a time
     (each xdist worker would start its own session cluster); any other test goes wherever a
     worker is free (the long end-to-end trials of one file then run side by side)."""
-    if config.getoption("dist", "no") != "loadgroup":
+    if not config.getoption("loadgroup", False):  # a worker's dist is "no"; this is its mode
         return
     for item in items:
         if item.get_closest_marker("xdist_group") is not None:
