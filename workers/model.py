@@ -254,9 +254,16 @@ class ModelWorker(Worker):
 
         def send() -> WeightsSent:
             t0 = time.perf_counter()
+            # a transfer queued before this one may have dropped a replica since the check above
+            gone = {int(r): f"generation server {r} left the weight sync in an earlier update"
+                    for r in replicas if int(r) not in self._syncs}
+            live = [int(r) for r in replicas if int(r) not in gone]
+            if not live:
+                return {"seconds": 0.0, "bytes_sent": 0,
+                        "failed": {str(r): why for r, why in gone.items()}}
             actor = self._engine("actor")
             if getattr(actor, "backend", "fsdp") == "megatron":  # boxes cut from its shards
-                own = actor.publish_shards(self._syncs[int(replicas[0])].boxes)
+                own = actor.publish_shards(self._syncs[live[0]].boxes)
 
                 def one(sync: _WeightSync) -> int:
                     return sync.executor.run(src={n: own[n].contiguous() for n in sync.boxes},
@@ -268,23 +275,27 @@ class ModelWorker(Worker):
 
             # each replica's group is independent of the others': all are sent at once
             done, failed = self._while_serving(
-                {int(r): (lambda s=self._syncs[int(r)]: one(s)) for r in replicas},
-                {int(r): self._syncs[int(r)].address for r in replicas})
+                {r: (lambda s=self._syncs[r]: one(s)) for r in live},
+                {r: self._syncs[r].address for r in live}, on_failed=self._drop_sync)
             for r, why in failed.items():
                 log.warning("weight update of generation replica %d failed: %s", r, why)
                 self._drop_sync(r)
+            failed.update(gone)
             return {"seconds": time.perf_counter() - t0, "bytes_sent": sum(done.values()),
                     "failed": {str(r): why for r, why in failed.items()}}
         return self._run(send)
 
     def _while_serving(self, work: dict[int, Callable[[], Any]], addresses: dict[int, str],
-                       period: float = 0.5) -> tuple[dict[int, Any], dict[int, str]]:
+                       period: float = 0.5, on_failed: Callable[[int], None] | None = None
+                       ) -> tuple[dict[int, Any], dict[int, str]]:
         """Run each generation replica's part of a transfer in a thread of its own; returns
         (results, why each failed). A replica whose server stops serving at the address it
         joined from is given up at once: a peer that died before connecting is otherwise
         noticed only at the group's timeout (minutes), and the engine thread would wait that
         long. Its thread (a daemon: it never holds up this process's exit) ends at that
-        timeout."""
+        timeout, or when ``on_failed(replica)``, called at once, aborts its group (NCCL: a
+        broadcast stuck on the dead server could share a CUDA stream from torch's pool with a
+        live replica's and hold that one up too)."""
         futures = {r: _in_daemon_thread(self._bound(fn), f"replica-{r}")
                    for r, fn in work.items()}
         done: dict[int, Any] = {}
@@ -302,6 +313,8 @@ class ModelWorker(Worker):
                 elif serving is not None and serving.get(r) != addresses[r]:
                     failed[r] = f"generation server {r} stopped serving during the transfer"
                     del futures[r]
+                    if on_failed is not None:
+                        on_failed(r)
         return done, failed
 
     def _drop_sync(self, replica: int) -> None:

@@ -122,9 +122,10 @@ class ReshardExecutor:
 
     def abort(self) -> None:
         """Give up this executor's groups (a peer died): NCCL's communicators are aborted, which
-        ends a broadcast stuck on the dead peer (its ``run`` raises) instead of leaving it on
-        the GPU until the group's timeout, when NCCL's watchdog would end the whole process.
-        Gloo needs nothing: its broadcasts fail when the peer's connection closes."""
+        ends a broadcast stuck on the dead peer (the ``run`` waiting for it returns or raises;
+        its result is worthless) instead of leaving it on the GPU until the group's timeout,
+        when NCCL's watchdog would end the whole process. Gloo needs nothing: its broadcasts
+        fail when the peer's connection closes."""
         if self.backend != "nccl":
             return
         for pg in self._groups.values():
