@@ -54,6 +54,16 @@ def _sl(box):
     return tuple(slice(a, b) for a, b in box)
 
 
+def _barrier(group, backend: str, dev) -> None:
+    """Every rank of ``group`` arrives; NCCL's wait() only orders streams: the host waits for
+    the allreduce."""
+    if backend == "gloo":
+        group.barrier().wait()
+    else:
+        group.allreduce([torch.zeros(1, device=dev)]).wait()
+        torch.cuda.synchronize(dev)
+
+
 def worker(rank, args, port, out):
     torch.set_num_threads(1)
     src, dst = parse_train_layout(args.src), parse_gen_layout(args.dst)
@@ -85,12 +95,8 @@ def worker(rank, args, port, out):
         local = {p.name: torch.zeros(p.shape, device=dev) for p in params}
         own_bytes = sum(t.numel() * 4 for t in local.values())
 
-    def barrier():  # NCCL's wait() only orders streams: the host waits for the allreduce
-        if args.backend == "gloo":
-            everyone.barrier().wait()
-        else:
-            everyone.allreduce([torch.zeros(1, device=dev)]).wait()
-            torch.cuda.synchronize(dev)
+    def barrier():
+        _barrier(everyone, args.backend, dev)
 
     def sync():
         if dev.type == "cuda":
@@ -287,12 +293,8 @@ def _mg_worker(rank, spec, args, port, out):
         own = {p.name: torch.zeros(p.shape, device=dev) for p in params}
     specs = spec.specs()
 
-    def barrier():  # NCCL's wait() only orders streams: the host waits for the allreduce
-        if args.backend == "gloo":
-            everyone.barrier().wait()
-        else:
-            everyone.allreduce([torch.zeros(1, device=dev)]).wait()
-            torch.cuda.synchronize(dev)
+    def barrier():
+        _barrier(everyone, args.backend, dev)
 
     def ours():
         ex.run(src=own) if rank < S else ex.run(dst=own)
