@@ -7,7 +7,8 @@ from workers.base import Worker
 from workers.client import WorkerClient
 from workers.generation import GenerationClient, GenerationServer
 from workers.master import MasterClient, MasterWorker
-from workers.model import ModelClient, ModelWorker
+from workers.model import ModelWorker
+from workers.model_client import ModelClient
 from workers.rollout import RolloutClient, RolloutWorker
 
 KINDS: dict[str, type[Worker]] = {

@@ -29,13 +29,11 @@ from system.rendezvous import host_store, lookup_store, store_prefix
 from system.reshard.backend import device_identity
 from system.reshard.spec import WeightSyncSpec
 from workers.base import Worker
-from workers.client import Pending, WorkerClient
 from workers.devices import check_own_devices, select_device
 from workers.publish import send_shards, source_boxes
 from workers.schema import EngineInfo, TrainItem, TrainStats, WeightsSent, WorkerSetup
 
 if TYPE_CHECKING:  # torch is imported by the model worker process, not by the launcher
-    import numpy as np
     import torch
 
     from workers.engines.torch_engine import LossFn, TorchEngine
@@ -437,43 +435,3 @@ def _tensors(seqs: list) -> list:
     import torch
 
     return [torch.as_tensor(s, dtype=torch.long) for s in seqs]
-
-
-class ModelClient(WorkerClient):
-    """The model worker's RPC surface. Every data-parallel rank must receive the same sequence
-    of collective calls: call them on all model workers together."""
-
-    def logprobs(self, seqs: "list[np.ndarray]", which: str = "actor"
-                 ) -> "Pending[list[np.ndarray]]":
-        return self._call("logprobs", seqs=seqs, which=which)
-
-    def values(self, seqs: "list[np.ndarray]") -> "Pending[list[np.ndarray]]":
-        return self._call("values", seqs=seqs)
-
-    def train_actor(self, batch: list[TrainItem], global_tokens: int, loss: dict[str, Any]
-                    ) -> Pending[TrainStats]:
-        return self._call("train_actor", batch=batch, global_tokens=global_tokens, loss=loss)
-
-    def train_critic(self, batch: list[TrainItem], global_tokens: int, value_clip: float
-                     ) -> Pending[TrainStats]:
-        return self._call("train_critic", batch=batch, global_tokens=global_tokens,
-                          value_clip=value_clip)
-
-    def weight_sync_init(self, spec: WeightSyncSpec, group: str, replica: int
-                         ) -> Pending[dict[str, Any]]:
-        return self._call("weight_sync_init", spec=spec.to_wire(), group=group, replica=replica)
-
-    def send_weights(self, replicas: list[int]) -> Pending[WeightsSent]:
-        return self._call("send_weights", replicas=list(replicas))
-
-    def save(self, directory: str) -> Pending[dict[str, Any]]:
-        return self._call("save", directory=directory)
-
-    def save_weights(self, directory: str) -> Pending[dict[str, Any]]:
-        return self._call("save_weights", directory=directory)
-
-    def ready(self) -> Pending[bool]:
-        return self._call("ready")
-
-    def engine_info(self) -> Pending[EngineInfo]:
-        return self._call("engine_info")

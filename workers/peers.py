@@ -8,7 +8,7 @@ from system.rpc import RpcClient
 from workers.client import WorkerClient
 from workers.generation import GenerationClient
 from workers.kinds import client_for
-from workers.model import ModelClient
+from workers.model_client import ModelClient
 
 C = TypeVar("C", bound=WorkerClient)
 

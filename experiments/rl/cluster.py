@@ -31,7 +31,7 @@ from workers.client import Pending, collect, collect_settled
 from workers.engines.configs import TorchEngineConfig
 from workers.generation import GenerationClient
 from workers.master import MasterWorker
-from workers.model import ModelClient
+from workers.model_client import ModelClient
 from workers.peers import PeerClients
 from workers.schema import EngineInfo, TrainItem, TrainStats
 
