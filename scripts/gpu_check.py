@@ -24,6 +24,9 @@ rest). Prints ``name: value`` lines and ends with ``gpu_check: PASS`` or ``gpu_c
   reduce_dtype=fp32)`` (log-prob parity as above, and not the float32 result), one step at
   smollm2-arith's lr 2e-6 changes at least half the master elements, and the publish sends
   float32 local shards that the executor casts to bfloat16 bucket by bucket;
+- nccl_groups: the weight-update groups' NCCL calls on one rank (``GroupFactory``'s
+  communicator broadcasts on a stream of its own, as ``ReshardExecutor.run`` does; its
+  ``abort()``, which ``ReshardExecutor.abort`` calls, returns);
 - timing: train-step tokens/s on arith-tiny's RL batch (batch_size 16 x group_size 8 short
   sequences) and on a full-length batch (128 x max_model_len 128), CUDA against the CPU engine
   (float32) in the same run, with the peak GPU memory.
@@ -284,6 +287,35 @@ class Checks:
         finally:
             dist.destroy_process_group()
 
+    def nccl_groups(self) -> None:
+        """The weight-update groups' NCCL calls on one rank (two ranks need two GPUs): a
+        ``GroupFactory`` communicator broadcasts on a stream of its own, as
+        ``ReshardExecutor.run`` does, and ``abort()``, which ``ReshardExecutor.abort`` calls when
+        a generation server is given up, returns at once on this torch."""
+        import torch.distributed as dist
+
+        from system.reshard.executor import GroupFactory
+
+        torch, dev = self.torch, self.dev
+        torch.cuda.set_device(dev)
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+        pg = GroupFactory(store, 0, backend="nccl", timeout=60).get((0,))
+        x = torch.full((1 << 22,), 3.0, device=dev)
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            pg.broadcast([x], opts).wait()
+        stream.synchronize()
+        sent = bool((x == 3.0).all())
+        out("nccl_groups_side_stream_broadcast", sent)
+        t0 = time.monotonic()
+        pg.abort()
+        took = time.monotonic() - t0
+        out("nccl_groups_abort_s", took)
+        self.check("nccl_groups", sent and took < 10)
+
     def timing(self) -> None:
         torch, args, dev, vocab = self.torch, self.args, self.dev, self.vocab
         TorchEngine, TorchEngineConfig = self.engine_api
@@ -356,7 +388,8 @@ def main() -> int:
     checks = Checks(torch, args, vocab)
     for name, fn in (("parity", checks.parity), ("train", checks.training),
                      ("ckpt", checks.checkpoint), ("default_lr_update", checks.default_lr_update),
-                     ("fsdp_mixed", checks.fsdp_mixed), ("timing", checks.timing)):
+                     ("fsdp_mixed", checks.fsdp_mixed), ("nccl_groups", checks.nccl_groups),
+                     ("timing", checks.timing)):
         checks.guarded(name, fn)
     failed = checks.failed
     print(f"gpu_check: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}", flush=True)
