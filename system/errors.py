@@ -67,9 +67,12 @@ class SchedulerError(RLSystemError):
 
 
 class WorkerFailure(RLSystemError):
-    """A worker died, failed to register, or reported an exception."""
+    """A worker died, failed to register, or reported an exception. ``also``: workers that
+    failed as a consequence (a peer of the dead one raised), restarted with it."""
 
-    def __init__(self, message: str, worker: str | None = None, log_path: str | None = None) -> None:
+    def __init__(self, message: str, worker: str | None = None, log_path: str | None = None,
+                 also: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.worker = worker
         self.log_path = log_path
+        self.also = tuple(also)

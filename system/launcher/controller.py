@@ -23,7 +23,7 @@ from scheduler.requeue import Restart
 from system import names
 from system.errors import RLSystemError, RpcError, SchedulerError, WorkerFailure
 from system.launcher.config import ExperimentConfig
-from system.launcher.failures import job_failure, reported_failure
+from system.launcher.failures import job_failure, reported_failure, root_cause
 from system.launcher.groups import group_specs, worker_configs
 from system.launcher.progress import Progress
 from system.launcher.queue_wait import StartClock, blocked_failure
@@ -193,9 +193,12 @@ class Controller(RecoveringController):
                                     f"limit); log: {self.logs[w]}", w, self.logs[w])
 
     def _check_reported_errors(self) -> None:
+        """Raise a worker's report of its exception; named after another worker whose job had
+        already ended (the report is then that death's consequence: a SIGKILLed model worker
+        makes its peers' collectives fail, and the master's call to them)."""
         failure = reported_failure(self.names.errors(), self.logs)
         if failure is not None:
-            raise failure
+            raise root_cause(failure, self._poll(fresh=True))
 
     def _await_report(self, seconds: float) -> None:
         """Raise a worker's own report of its failure if one arrives within ``seconds``."""

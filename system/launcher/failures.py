@@ -16,10 +16,13 @@ from system.launcher.groups import log_tail
 from system.name_resolve import NameResolve
 
 
-def job_failure(statuses: Iterable[JobStatus], phase: str) -> WorkerFailure | None:
-    """The first job that is no longer active, as a failure of its first worker."""
+def job_failure(statuses: Iterable[JobStatus], phase: str,
+                excluding: Iterable[str] = ()) -> WorkerFailure | None:
+    """The first job that is no longer active (and has none of ``excluding``'s workers), as a
+    failure of its first worker."""
+    skip = set(excluding)
     for st in statuses:
-        if st.state.active:
+        if st.state.active or skip & set(st.workers):
             continue
         logs = ", ".join(st.log_paths)
         how = f"{st.state.value}" + (f" ({st.detail})" if st.detail else "")
@@ -45,6 +48,20 @@ def reported_failure(errors: dict[str, str], logs: dict[str, str]) -> WorkerFail
         return WorkerFailure(f"worker {worker} raised {text}log: {log_path or '?'}", worker,
                              log_path)
     return None
+
+
+def root_cause(report: WorkerFailure, statuses: Iterable[JobStatus]) -> WorkerFailure:
+    """The failure to act on when a worker reported an exception: a worker whose job had
+    already ended by then (killed, say) is the cause, and the reporter failed because of it (a
+    collective's peer closed its connection, a call to it failed); else the report itself."""
+    if report.worker is None:
+        return report
+    dead = job_failure(statuses, "before the trial completed", excluding=[report.worker])
+    if dead is None:
+        return report
+    first = str(report).splitlines()[0]
+    return WorkerFailure(f"{dead}\nthen {first}", dead.worker, dead.log_path,
+                         also=(report.worker, *report.also))
 
 
 def clear_worker_keys(nr: NameResolve, exp: str, trial: str, workers: Iterable[str],

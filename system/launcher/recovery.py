@@ -44,6 +44,8 @@ class Attempt:
     stateful: bool = True
     """Whether the workers that hold training state restarted from a checkpoint (else only
     the failed stateless worker restarted, and training went on)."""
+    also: list[str] = dataclasses.field(default_factory=list)
+    """Workers that failed as the failure's consequence (a peer of the dead one raised)."""
 
     @property
     def steps_lost(self) -> int | None:
@@ -87,17 +89,15 @@ class Recovery:
         return sum(failure.worker in a.restarted for a in self.attempts) < self.cfg.retries
 
     def restarts_stateful(self, failure: WorkerFailure) -> bool:
-        """Whether ``failure`` restarts the stateful workers: one of them failed, or their
-        restart was interrupted."""
-        kind = (failure.worker or "").split("/")[0]
-        return kind in self.stateful or bool(self.incomplete)
+        """Whether ``failure`` restarts the stateful workers: one of them failed (or failed as
+        its consequence), or their restart was interrupted."""
+        return bool(set(_kinds(failure)) & set(self.stateful)) or bool(self.incomplete)
 
     def kinds_to_restart(self, failure: WorkerFailure, order: tuple[str, ...]
                          ) -> tuple[str, ...]:
         """Every stateful kind and any kind whose restart a failure interrupted, in start
         ``order`` (when :meth:`restarts_stateful`)."""
-        kind = (failure.worker or "").split("/")[0]
-        restart = {kind} | self.incomplete | set(self.stateful)
+        restart = set(_kinds(failure)) | self.incomplete | set(self.stateful)
         return tuple(k for k in order if k in restart)
 
     def begin(self, failure: WorkerFailure, failed_step: int | None,
@@ -107,7 +107,7 @@ class Recovery:
         a = Attempt(attempt=len(self.attempts) + 1, cause=str(failure).splitlines()[0],
                     worker=failure.worker, failed_at_s=round(self._clock() - self.t0, 3),
                     failed_step=failed_step, restarted=list(restarted or []),
-                    stateful=restarted is None)
+                    stateful=restarted is None, also=list(failure.also))
         self.attempts.append(a)
         return a
 
@@ -147,6 +147,11 @@ class Recovery:
 
     def summary(self) -> list[dict[str, Any]]:
         return [a.as_dict() for a in self.attempts]
+
+
+def _kinds(failure: WorkerFailure) -> list[str]:
+    """The kinds of the failed worker and of those that failed as its consequence."""
+    return [w.split("/")[0] for w in (failure.worker or "", *failure.also) if w]
 
 
 @dataclasses.dataclass

@@ -283,3 +283,30 @@ def test_megatron_tp2_pp2_trains_and_publishes_into_vllm(fileroot):
             if "sync_replicas" in row]
     assert len(rows) == 4 and all(row["sync_replicas"] == 1 for row in rows), rows
     assert all(row["sync_bytes"] > 0 for row in rows), rows
+
+
+def test_a_killed_megatron_rank_restarts_the_model_group_from_its_checkpoint(fileroot):
+    """rl.actor.backend=megatron, tp=2 over two model workers: SIGKILL one rank mid-run. Its
+    peer's collective fails at once and the master's call with it; the recovery is named after
+    the killed rank (not the master that raised because of it), both ranks and the master
+    restart from the megatron checkpoint, and the trial ends at the uninterrupted run's step
+    with every prompt of an epoch trained once."""
+    import signal
+
+    root = os.path.join(fileroot, "arith-tiny", "megatron-kill")
+    code, err = _launch_signalling(fileroot, "megatron-kill", [
+        "rl.actor.backend=megatron", "rl.actor.megatron.tp=2", "model.count=2",
+        "rl.total_steps=16", "rl.save_interval=2", "rl.save_interval_s=0",
+        "rl.save_overhead=0", "recover.backoff=0.5", *SMALL],
+        [(6, "model", 1, signal.SIGKILL)], timeout=400, spares=True)
+    assert code == 0, err[-4000:]
+    s = read_summary(fileroot, "arith-tiny", "megatron-kill")
+    assert s["status"] == "completed" and s["steps"] == 16
+    (rec,) = s["recoveries"]
+    assert rec["worker"] == "model/1" and rec["stateful"], rec
+    assert "SIGKILL" in rec["cause"] or "heart-beating" in rec["cause"], rec
+    assert rec["resumed_from"] >= 4 and rec["steps_lost"] <= 2, rec
+    _epochs_exact(s["results"]["prompts_per_step"], 14)
+    assert len(s["results"]["prompts_per_step"]) == 16
+    assert "recovered: model/0, model/1, master/0 running again" in err
+    assert trial_processes(root) == []

@@ -67,7 +67,7 @@ def test_retries_backoff_and_attempts():
     r.resumed(99)  # only the first report counts
     assert r.summary() == [{"attempt": 1, "cause": a.cause, "worker": "master/0",
                             "failed_at_s": 10.0, "failed_step": 7, "resumed_from": 6,
-                            "recovered_at_s": 30.0, "restarted": [], "stateful": True,
+                            "recovered_at_s": 30.0, "restarted": [], "stateful": True, "also": [],
                             "steps_lost": 1}]
     clock.t += 30  # fails again 30 s after running: a crash loop
     r.begin(failure, failed_step=None)

@@ -1,0 +1,61 @@
+"""Which failure the controller acts on: a reported exception, or the death that caused it."""
+from __future__ import annotations
+
+from scheduler.jobs import JobState, JobStatus
+from system.errors import WorkerFailure
+from system.launcher.config import RecoverConfig
+from system.launcher.failures import job_failure, reported_failure, root_cause
+from system.launcher.recovery import Recovery
+
+ORDER = ("model", "generation", "rollout", "master")
+REPORT = ('{"type": "RemoteError", "message": "RuntimeError: Connection closed by peer",'
+          ' "traceback": "Traceback...\\n"}')
+
+
+def status(job: str, state: JobState, *workers: str, detail: str = "") -> JobStatus:
+    return JobStatus(job, state, tuple(workers), tuple(f"/logs/{w.replace('/', '-')}.log"
+                                                       for w in workers), detail)
+
+
+def master_report() -> WorkerFailure:
+    failure = reported_failure({"exp/trial/error/master/0": REPORT},
+                               {"master/0": "/logs/master-0.log"})
+    assert failure is not None and failure.worker == "master/0"
+    return failure
+
+
+def test_a_report_after_a_peer_died_names_the_dead_worker_and_then_the_reporter():
+    statuses = [status("1", JobState.RUNNING, "master/0"),
+                status("2", JobState.RUNNING, "model/0"),
+                status("3", JobState.FAILED, "model/1", detail="killed by signal 9")]
+    f = root_cause(master_report(), statuses)
+    assert f.worker == "model/1" and f.also == ("master/0",)
+    assert f.log_path == "/logs/model-1.log"
+    lines = str(f).splitlines()
+    assert lines[0].startswith("worker model/1 exited before the trial completed: FAILED "
+                               "(killed by signal 9)")
+    assert lines[-1] == "then worker master/0 raised RemoteError: RuntimeError: " \
+        "Connection closed by peer"
+
+
+def test_a_report_with_every_other_job_alive_is_the_failure_itself():
+    report = master_report()
+    alive = [status("1", JobState.RUNNING, "master/0"), status("2", JobState.PENDING, "model/0")]
+    assert root_cause(report, alive) is report
+    # the reporter's own job having ended (it exited after reporting) names nothing else
+    ended = [status("1", JobState.FAILED, "master/0"), status("2", JobState.RUNNING, "model/0")]
+    assert root_cause(report, ended) is report
+    assert job_failure(ended, "x", excluding=["master/0"]) is None
+    assert job_failure(ended, "x").worker == "master/0"
+
+
+def test_a_stateless_death_that_made_the_master_raise_restarts_both():
+    r = Recovery(RecoverConfig(), ("model", "master"), t0=0.0)
+    f = root_cause(master_report(), [status("1", JobState.RUNNING, "master/0"),
+                                     status("2", JobState.FAILED, "rollout/1")])
+    assert f.worker == "rollout/1" and f.also == ("master/0",)
+    # the master is dead too: not the rollout worker alone, but every stateful kind and it
+    assert r.restarts_stateful(f)
+    assert r.kinds_to_restart(f, ORDER) == ("model", "rollout", "master")
+    assert not r.restarts_stateful(WorkerFailure("x", "rollout/1"))
+    assert r.begin(f, failed_step=7).worker == "rollout/1"
