@@ -198,7 +198,11 @@ class Controller(RecoveringController):
         makes its peers' collectives fail, and the master's call to them)."""
         failure = reported_failure(self.names.errors(), self.logs)
         if failure is not None:
-            raise root_cause(failure, self._poll(fresh=True))
+            try:
+                statuses = self._poll(fresh=True)
+            except SchedulerError:  # the report is what is known
+                raise failure from None
+            raise root_cause(failure, statuses)
 
     def _await_report(self, seconds: float) -> None:
         """Raise a worker's own report of its failure if one arrives within ``seconds``."""
