@@ -16,7 +16,7 @@ from scheduler import slurm_preflight
 from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
 from scheduler.requeue import RequeuePolicy
 from scheduler.slurm_cli import (STATE_TABLE, last_error, map_state, parse_sbatch_parsable,
-                                 parse_scontrol_job)
+                                 parse_scontrol_job, unreachable)
 from scheduler.slurm_cli import run as _run
 from scheduler.slurm_config import SlurmConfig
 from scheduler.slurm_jobs import (cancel_until_gone, het_leader, queued, scancel, scontrol_job,
@@ -29,7 +29,7 @@ from system.errors import SchedulerError
 log = logging.getLogger("slurm")
 
 __all__ = ["HetRequest", "STATE_TABLE", "SlurmRequest", "SlurmScheduler", "het_leader",
-           "map_state", "parse_sbatch_parsable", "parse_scontrol_job"]
+           "map_state", "parse_sbatch_parsable", "parse_scontrol_job", "ControllerRequest"]
 
 @dataclasses.dataclass(frozen=True)
 class SlurmRequest(JobRequest):
@@ -39,6 +39,12 @@ class SlurmRequest(JobRequest):
 
     def materialize(self) -> str:
         return self.script
+
+    def describe(self) -> str:
+        """What the job is, for messages: ``the master group``, ``the model and rollout
+        groups``."""
+        kinds = [g.kind for g in self.members()]
+        return f"the {' and '.join(kinds)} group{'s' if len(kinds) > 1 else ''}"
 
     def write(self) -> str:
         os.makedirs(os.path.dirname(self.script_path), exist_ok=True)
@@ -56,6 +62,15 @@ class HetRequest(SlurmRequest):
 
     def members(self) -> tuple[GroupSpec, ...]:
         return self.groups
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerRequest(SlurmRequest):
+    """The job that runs the trial's controller (``--detach``), on the master group's
+    resources."""
+
+    def describe(self) -> str:
+        return "the trial's controller"
 
 
 class SlurmScheduler(Scheduler):
@@ -139,10 +154,13 @@ class SlurmScheduler(Scheduler):
         assert isinstance(request, SlurmRequest)
         path = request.write()
         r = _run(["sbatch", "--parsable", path])
-        kinds = " and ".join(g.kind for g in request.members())
         if r.returncode != 0:
-            raise SchedulerError(f"sbatch refused the job of the {kinds} group"
-                                 f"{'s' if len(request.members()) > 1 else ''}: "
+            if unreachable(r):
+                raise SchedulerError(f"sbatch could not reach Slurm's controller to submit "
+                                     f"{request.describe()}: {last_error(r)} (nothing was "
+                                     "submitted; is slurmctld up, and this node's Slurm "
+                                     "configuration readable? `scontrol ping` tells)")
+            raise SchedulerError(f"sbatch refused the job of {request.describe()}: "
                                  f"{last_error(r)} (script: {path})")
         job_id = parse_sbatch_parsable(r.stdout)
         ids = [job_id] if not isinstance(request, HetRequest) else [

@@ -68,6 +68,20 @@ def run(argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess
         raise SchedulerError(f"{' '.join(argv)} did not answer within {timeout:.0f}s") from e
 
 
+UNREACHABLE = ("unable to contact slurm controller", "could not establish a configuration source",
+               "socket timed out", "connection refused", "connection timed out",
+               "slurm_persist_conn_open", "zero bytes were transmitted or received",
+               "unable to process configuration file")
+"""What Slurm's commands say when they cannot talk to slurmctld (down, restarting, or a node
+whose Slurm configuration is missing or broken): not a judgement of the request."""
+
+
+def unreachable(r: subprocess.CompletedProcess) -> bool:
+    """Whether a failed Slurm command failed because slurmctld could not be reached."""
+    text = f"{r.stderr}\n{r.stdout}".lower()
+    return any(s in text for s in UNREACHABLE)
+
+
 def last_error(r: subprocess.CompletedProcess) -> str:
     """The last line Slurm printed, without its ``sbatch: error:`` prefixes."""
     text = (r.stderr.strip() or r.stdout.strip()).splitlines()

@@ -10,7 +10,7 @@ import logging
 from typing import Mapping, Sequence
 
 from scheduler.base import GroupSpec
-from scheduler.slurm_cli import last_error, run
+from scheduler.slurm_cli import last_error, run, unreachable
 from scheduler.slurm_config import SlurmConfig, SlurmGroupConfig
 from scheduler.slurm_fit import co_schedule_problem, default_partition, parse_nodes
 from scheduler.slurm_render import group_demand
@@ -34,8 +34,13 @@ def keys_set(kind: str, g: SlurmGroupConfig) -> str:
 
 
 def test_only(path: str) -> str | None:
-    """``sbatch --test-only path``: None if Slurm would take it, else its last error line."""
+    """``sbatch --test-only path``: None if Slurm would take it, else its last error line;
+    SchedulerError when slurmctld cannot be reached (that says nothing of the job)."""
     r = run(["sbatch", "--test-only", path])
+    if r.returncode != 0 and unreachable(r):
+        raise SchedulerError(f"Slurm's controller cannot be reached: sbatch --test-only says "
+                             f"{last_error(r)!r}; nothing was submitted (is slurmctld up, and "
+                             "this node's Slurm configuration readable? `scontrol ping` tells)")
     return None if r.returncode == 0 else last_error(r)
 
 

@@ -68,11 +68,14 @@ class SchedulerError(RLSystemError):
 
 class WorkerFailure(RLSystemError):
     """A worker died, failed to register, or reported an exception. ``also``: workers that
-    failed as a consequence (a peer of the dead one raised), restarted with it."""
+    failed as a consequence (a peer of the dead one raised), restarted with it. ``config``: the
+    worker reported a configuration error (a missing prompt file, say): restarting it would
+    only fail the same way."""
 
     def __init__(self, message: str, worker: str | None = None, log_path: str | None = None,
-                 also: tuple[str, ...] = ()) -> None:
+                 also: tuple[str, ...] = (), config: bool = False) -> None:
         super().__init__(message)
         self.worker = worker
         self.log_path = log_path
         self.also = tuple(also)
+        self.config = config

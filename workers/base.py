@@ -22,7 +22,7 @@ from typing import Any, Callable, ClassVar
 
 from system import names
 from system.bootstrap import Bootstrap, bind_host, read_secret
-from system.errors import FdExhausted, NameEntryNotFound
+from system.errors import ConfigError, FdExhausted, NameEntryNotFound
 from system.limits import FdWatch, raise_fd_limit
 from system.name_resolve import NameResolveConfig, make_name_resolve
 from system.rpc import RpcClient, RpcConfig, RpcServer
@@ -190,11 +190,12 @@ class Worker:
 
     def _report_failure(self, e: Exception, tb: str) -> None:
         """Publish the role's exception under the trial's ``error`` key (the controller names
-        it in the failure)."""
+        it in the failure; ``config``: a configuration error, which a restart cannot mend)."""
         try:
             self.name_resolve.add(
                 names.worker_error(self.exp, self.trial, self.kind, self.index),
-                json.dumps({"type": type(e).__name__, "message": str(e), "traceback": tb}),
+                json.dumps({"type": type(e).__name__, "message": str(e), "traceback": tb,
+                            "config": isinstance(e, ConfigError)}),
                 replace=True)
         except Exception:
             log.exception("could not report the failure")

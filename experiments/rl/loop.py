@@ -286,9 +286,14 @@ class RLLoop:
         """Every ``save_interval`` steps, once ``save_interval_s`` seconds have passed since the
         last checkpoint (or since the loop started), and as often as keeps checkpointing under
         ``save_overhead`` of the loop's time (the first one after the first step: its cost is
-        not known before), whichever comes first."""
+        not known before), whichever comes first; and after the last step, unless all three
+        are off (the trained policy is kept: ``mode=eval`` reads it, a rerun finds the trial
+        done instead of training its last steps again)."""
         rl = self.rl
         if rl.save_interval and self.state.step % rl.save_interval == 0:
+            return True
+        if self.state.step >= rl.total_steps and (rl.save_interval or rl.save_interval_s > 0
+                                                  or rl.save_overhead > 0):
             return True
         since = time.monotonic() - (self._last_save if self._last_save is not None
                                     else self.t_loop)

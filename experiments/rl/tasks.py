@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import socket
 
 from experiments.rl import plugins
 from experiments.rl.prompt_files import load_prompts
@@ -57,6 +59,9 @@ def dataset(cfg: TaskConfig, split: str) -> list[Prompt]:
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not one of {SPLITS}")
     path = cfg.train_path if split == "train" else cfg.eval_path
+    if path and not os.path.exists(path):  # (the launcher's machine need not see it)
+        raise ConfigError(f"rl.task.{split}_path={path!r} does not exist on "
+                          f"{socket.gethostname()}")
     if path:
         return load_prompts(path, cfg.fields, cfg.train_split if split == "train"
                             else cfg.eval_split)  # type: ignore[return-value]

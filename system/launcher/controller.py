@@ -64,6 +64,7 @@ class Controller(RecoveringController):
         self._t0 = time.time()
         self.recovery = Recovery(cfg.recovery(), experiment.stateful, self._t0)
         self.watch = MasterProgress()
+        self._watch_t0: float | None = None  # the first watch's start: a recovery keeps it
         self.names = NameWatch(name_resolve, cfg.exp, cfg.trial, cfg.controller.heartbeat_ttl)
         self.status = StatusWriter(cfg, paths, self._t0, self.timeline, self.logs, name_resolve,
                                    self.recovery.summary)
@@ -305,7 +306,9 @@ class Controller(RecoveringController):
     def _watch(self) -> dict[str, Any]:
         cc = self.cfg.controller
         last_master_answer = time.monotonic()
-        started = time.monotonic()
+        if self._watch_t0 is None:  # controller.timeout counts from here, recoveries included
+            self._watch_t0 = last_master_answer
+        started = self._watch_t0
         while True:
             self._check_reported_errors()
             statuses = self._poll()

@@ -39,14 +39,16 @@ def reported_failure(errors: dict[str, str], logs: dict[str, str]) -> WorkerFail
     ``type``, ``message``, ``traceback``; anything else is reported as it is)."""
     for key, value in errors.items():
         worker = "/".join(key.split("/")[-2:])
+        config = False
         try:
             info = json.loads(value)
-            text = f"{info['type']}: {info['message']}\n{info['traceback']}"
-        except (ValueError, TypeError, KeyError):
+            config = info.get("config") is True  # its message says it all (the log has more)
+            text = f"{info['type']}: {info['message']}\n" + ("" if config else info['traceback'])
+        except (ValueError, TypeError, KeyError, AttributeError):
             text = f"an unreadable error report: {value[:200]!r}\n"
         log_path = logs.get(worker)
         return WorkerFailure(f"worker {worker} raised {text}log: {log_path or '?'}", worker,
-                             log_path)
+                             log_path, config=config)
     return None
 
 

@@ -80,8 +80,8 @@ class Recovery:
     def should_recover(self, failure: WorkerFailure) -> bool:
         """A failure of a worker while retries are left: ``recover.retries`` restarts of the
         stateful workers, and as many of each stateless worker (a failure naming no worker,
-        such as ``controller.timeout``, is not recovered)."""
-        if not self.enabled or failure.worker is None:
+        such as ``controller.timeout``, or a worker's configuration error is not recovered)."""
+        if not self.enabled or failure.worker is None or failure.config:
             return False
         assert self.cfg is not None
         if self.restarts_stateful(failure):
@@ -110,6 +110,13 @@ class Recovery:
                     stateful=restarted is None, also=list(failure.also))
         self.attempts.append(a)
         return a
+
+    def count(self, attempt: Attempt) -> int:
+        """``attempt``'s number among those that draw on the same ``recover.retries``: the
+        restarts of the stateful workers, or of that one stateless worker."""
+        same = [a for a in self.attempts if (a.stateful if attempt.stateful
+                                             else a.restarted == attempt.restarted)]
+        return same.index(attempt) + 1
 
     def backoff(self) -> float:
         """Seconds to wait before the current attempt: none after an independent failure (the

@@ -80,7 +80,7 @@ class RecoveringController:
         kinds = self.recovery.kinds_to_restart(failure, tuple(KINDS))
         self.recovery.incomplete = set(kinds)
         workers = [w for k in kinds for w in self.groups[k].worker_names()]
-        print(f"\n{attempt.cause}\nrecovering (attempt {attempt.attempt} of "
+        print(f"\n{attempt.cause}\nrecovering (attempt {self.recovery.count(attempt)} of "
               f"{self.recovery.cfg.retries if self.recovery.cfg else 0}): restarting "
               f"{', '.join(kinds)}" + (" from the latest checkpoint" if set(kinds) & set(
                   self.experiment.stateful) else ""), file=sys.stderr)
@@ -119,8 +119,9 @@ class RecoveringController:
         assert w is not None
         kind, index = w.split("/")
         attempt = self.recovery.begin(failure, self._last_step(), restarted=[w])
-        print(f"\n{attempt.cause}\nrecovering (attempt {attempt.attempt}): restarting {w} "
-              "alone; training goes on", file=sys.stderr)
+        print(f"\n{attempt.cause}\nrecovering (attempt {self.recovery.count(attempt)} of "
+              f"{self.recovery.cfg.retries if self.recovery.cfg else 0} for {w}): restarting "
+              f"{w} alone; training goes on", file=sys.stderr)
         if w in self.clients and self._running(w):  # a dead one cannot answer: no wait
             collect_settled([self.clients[w].stop()], 1.0)
         self._drop_clients([w])

@@ -8,7 +8,7 @@ import sys
 import time
 
 from scheduler.base import Scheduler
-from scheduler.slurm import SlurmRequest, SlurmScheduler
+from scheduler.slurm import ControllerRequest, SlurmRequest, SlurmScheduler
 from scheduler.slurm_render import job_name, render_controller_script
 from system.launcher.config import ExperimentConfig
 from system.launcher.groups import group_specs
@@ -48,7 +48,7 @@ def dry_run(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, reso
 
 
 def controller_request(cfg: ExperimentConfig, paths: TrialPaths, scheduler: SlurmScheduler,
-                       argv: list[str]) -> SlurmRequest:
+                       argv: list[str]) -> ControllerRequest:
     """The job that runs the controller itself (``system.launch argv``) on a CPU node (pure)."""
     script = render_controller_script(
         exp=cfg.exp, trial=cfg.trial, slurm=scheduler.slurm,
@@ -56,8 +56,8 @@ def controller_request(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Slur
         env={"PYTHONUNBUFFERED": "1"}, logs_dir=paths.logs, workdir=scheduler.workdir,
         umask=scheduler.umask)
     groups = group_specs(cfg, paths, scheduler.python)
-    return SlurmRequest(groups["master"], os.path.join(paths.root, "jobs", "controller.sbatch"),
-                        script)
+    return ControllerRequest(groups["master"],
+                             os.path.join(paths.root, "jobs", "controller.sbatch"), script)
 
 
 def detach(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, argv: list[str],

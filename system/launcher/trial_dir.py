@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import shutil
+import stat
 import time
 from typing import Any
 
@@ -45,10 +46,12 @@ def write_secret(path: str) -> bytes:
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-    os.replace(tmp, path)
+    """Write ``obj`` as JSON to ``path`` atomically, as private as the trial's other files
+    whatever this process's umask (``system.ctl`` sets none): 0640 in a group-readable
+    directory, else 0600."""
+    group = os.stat(os.path.dirname(path) or ".").st_mode & stat.S_IRGRP
+    write_private(path, json.dumps(obj, indent=2, default=str).encode(),
+                  0o640 if group else 0o600)
 
 
 def now_iso() -> str:
@@ -95,7 +98,8 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
     (0600) and the bootstrap file (:class:`~system.errors.ConfigError` for a trial that must not
     be overwritten, :class:`~system.errors.TrialLocked` for one that is running). With
     ``mode=eval`` these go to ``<trial>/eval/`` and the trial's own lock is held: the trial must
-    exist and have a checkpoint (:func:`~system.launcher.eval_mode.check_evaluable`)."""
+    exist and have a checkpoint (:func:`~system.launcher.eval_mode.check_evaluable`). A dry run
+    of an existing trial writes none of them (its secret is then empty)."""
     paths = run_paths(cfg)
     if cfg.mode == RunMode.EVAL:
         check_evaluable(cfg)
@@ -105,6 +109,10 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
         os.chmod(paths.root, dir_mode(cfg.cluster.group_readable))
         check_existing(cfg, paths, dry_run)
         os.makedirs(paths.logs, exist_ok=True)
+        if dry_run and os.path.isfile(paths.config):
+            # a dry run shows what would run; an existing trial keeps its own config (which an
+            # evaluation and the next launch read), secret, API key and bootstrap file
+            return PreparedTrial(paths, b"", lock)
         mode = file_mode(cfg.cluster.group_readable)
         write_private(paths.config, resolved_yaml.encode(), mode)
         secret = write_secret(paths.secret)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -101,6 +102,9 @@ def test_ls_status_logs_cancel(fileroot):
         assert "cancelled: stopping every worker" in f.read()
     r = ctl("ls", "--fileroot", fileroot)
     assert "cancelled" in r.stdout.split()
+    # what ctl wrote is as private as the trial's other files (ctl sets no umask of its own)
+    for name in ("cancel.json", "status.json", "summary.json"):
+        assert stat.S_IMODE(os.stat(os.path.join(trial_dir, name)).st_mode) == 0o600, name
     # cancelling again finds nothing to do
     r = ctl("cancel", *words)
     assert r.returncode == 0 and "is cancelled" in r.stdout

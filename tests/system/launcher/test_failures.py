@@ -59,3 +59,19 @@ def test_a_stateless_death_that_made_the_master_raise_restarts_both():
     assert r.kinds_to_restart(f, ORDER) == ("model", "rollout", "master")
     assert not r.restarts_stateful(WorkerFailure("x", "rollout/1"))
     assert r.begin(f, failed_step=7).worker == "rollout/1"
+
+
+def test_a_reported_configuration_error_is_one_line_and_never_retried():
+    report = ('{"type": "ConfigError", "message": "rl.task.train_path=\'/x.jsonl\' does not '
+              'exist on h1", "traceback": "Traceback (most recent call last): ...\\n", '
+              '"config": true}')
+    f = reported_failure({"exp/trial/error/rollout/0": report}, {"rollout/0": "/logs/r0.log"})
+    assert f is not None and f.config and f.worker == "rollout/0"
+    assert str(f) == ("worker rollout/0 raised ConfigError: rl.task.train_path='/x.jsonl' does "
+                      "not exist on h1\nlog: /logs/r0.log")
+    r = Recovery(RecoverConfig(), ("model", "master"), t0=0.0)
+    assert not r.should_recover(f)
+    assert r.should_recover(master_report())  # any other exception is
+    # a report from an older worker (no "config" field) is an ordinary failure
+    old = reported_failure({"k/master/0": REPORT}, {})
+    assert old is not None and not old.config and "Traceback" in str(old)

@@ -135,3 +135,16 @@ def test_a_failure_after_progress_past_the_last_one_is_no_crash_loop():
     clock.t += 3
     r.begin(WorkerFailure("y", "master/0"), failed_step=None)
     assert r.backoff() == 4.0
+
+
+def test_attempts_are_numbered_against_the_retries_they_draw_on():
+    """What 'recovering (attempt N of 3)' says: N counts the stateful restarts, or that one
+    stateless worker's restarts, never every recovery of the trial (no 'attempt 5 of 3')."""
+    r = Recovery(RecoverConfig(retries=3), ("model", "master"), t0=0.0)
+    a1 = r.begin(WorkerFailure("x", "master/0"), failed_step=1)
+    g1 = r.begin(WorkerFailure("x", "rollout/0"), failed_step=2, restarted=["rollout/0"])
+    g2 = r.begin(WorkerFailure("x", "rollout/1"), failed_step=2, restarted=["rollout/1"])
+    g3 = r.begin(WorkerFailure("x", "rollout/0"), failed_step=3, restarted=["rollout/0"])
+    a2 = r.begin(WorkerFailure("x", "model/1"), failed_step=4)
+    assert [r.count(a) for a in (a1, g1, g2, g3, a2)] == [1, 1, 1, 2, 2]
+    assert [a.attempt for a in (a1, g1, g2, g3, a2)] == [1, 2, 3, 4, 5]

@@ -56,6 +56,20 @@ def test_trial_files_are_private_unless_group_readable(fileroot, group, dirs, fi
     assert Bootstrap.read(os.path.join(trial_dir, "bootstrap.json")).group_readable is group
 
 
+def test_a_dry_run_of_an_existing_trial_leaves_its_files(fileroot):
+    """A dry run shows what a launch would run; the trial's config (read by mode=eval and the
+    next launch), secret, API key and bootstrap file stay as they were."""
+    assert _dry_run(fileroot, "kept", "smoke.trajectories_per_worker=3").returncode == 0
+    trial_dir = os.path.join(fileroot, "smoke", "kept")
+    names = ("config.yaml", "secret", "api_key", "bootstrap.json")
+    before = {n: open(os.path.join(trial_dir, n), "rb").read() for n in names}
+    r = _dry_run(fileroot, "kept", "smoke.trajectories_per_worker=7")
+    assert r.returncode == 0, r.stderr
+    assert "trajectories_per_worker: 7" in r.stdout  # what it shows is the new config
+    assert {n: open(os.path.join(trial_dir, n), "rb").read() for n in names} == before
+    assert b"trajectories_per_worker: 3" in before["config.yaml"]
+
+
 def test_an_existing_trial_directory_of_yours_is_tightened(fileroot):
     trial_dir = os.path.join(fileroot, "smoke", "loose")
     os.makedirs(trial_dir)
