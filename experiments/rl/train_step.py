@@ -1,6 +1,8 @@
 """One training step on the master: from a batch of groups to trained weights and figures."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from experiments.rl.cluster import Cluster
@@ -18,6 +20,7 @@ def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]]
     state.max_staleness = max([state.max_staleness, *staleness])
     state.history.append([[int(a.group["prompt_id"]), a.epoch] for a, _ in batch])
     trajs = [t for a, _ in batch for t in a.group["trajs"]]
+    check_behaviour_logprobs(trajs, state.step + 1)
     items = train_items(cluster, rl, trajs)
     stats: dict[str, object] = {}
     if rl.algorithm == "grpo":
@@ -34,7 +37,31 @@ def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]]
     for it, a in zip(items, advs):
         it["adv"] = a
     out = cluster.train(items)
+    if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])):
+        raise NonFiniteTraining(
+            f"step {state.step + 1}: the actor's loss {out['loss']} / grad_norm "
+            f"{out['grad_norm']} is not finite: stopped before this step's weights are "
+            "published or checkpointed (a recovery resumes from the last checkpoint)")
     return {**stats, **step_figures(rl, trajs, out, staleness)}
+
+
+class NonFiniteTraining(RuntimeError):
+    """A training step met NaN or infinite numbers; going on would train (and publish, and
+    checkpoint) NaN weights while the trial reports success."""
+
+
+def check_behaviour_logprobs(trajs: list[Trajectory], step: int) -> None:
+    """Refuse a batch whose generated tokens' log-probs are not finite (before any weight
+    changes): the generation servers' weights are broken, and every later step would be NaN."""
+    bad = [t for t in trajs
+           if not np.isfinite(np.asarray(t["logprobs"], dtype=np.float64)[
+               np.asarray(t["mask"]) > 0]).all()]
+    if bad:
+        versions = sorted({int(v) for t in bad for v in t["versions"] if v >= 0})
+        raise NonFiniteTraining(
+            f"step {step}: {len(bad)} of {len(trajs)} samples carry non-finite log-probs from "
+            f"the generation servers (weights versions {versions}): their weights are broken "
+            "(a publish in the wrong dtype, say); nothing was trained on them")
 
 
 def train_items(cluster: Cluster, rl: RLConfig, trajs: list[Trajectory]) -> list[TrainItem]:

@@ -118,7 +118,10 @@ class WeightSyncExtension:
                 # vocabulary padded by vLLM (to a multiple of 64): the real rows come first
                 targets[p.name] = param.data[:p.shape[0]]
             elif param.numel() == 0:                  # repacked by vLLM's CPU GEMM dispatch
-                targets[p.name] = torch.empty(p.shape, dtype=state.dtype, device=state.device)
+                # in vLLM's dtype (the emptied weight keeps it), not the trainer's: the GEMM
+                # dispatch picks its kernel by the weight's dtype (bfloat16 weights under a
+                # float32 model gave NaN log-probs)
+                targets[p.name] = torch.empty(p.shape, dtype=param.dtype, device=state.device)
                 repack.append(p.name)
             else:
                 raise ValueError(f"{p.name}: vLLM holds {tuple(param.shape)}, the plan expects "

