@@ -55,6 +55,11 @@ class Experiment:
     """``mode=eval``, before anything starts, given the config, the trial's directory and the
     evaluation's (``<trial>/eval``): one line saying the trial's checkpoints are all evaluated
     already (the launcher prints it and exits 0), or None to run."""
+    resume_check: Callable[[Any, str], None] | None = None
+    """Before a training launch that would continue an existing trial (``recover=auto`` or
+    ``resume``), given the config and the trial's directory: ConfigError (one line) when the
+    trial's checkpoint cannot be continued with this config; the launcher refuses (exit 2)
+    before it writes or starts anything."""
     stateful: tuple[str, ...] = ()
     """Worker kinds that hold training state: when one dies (and ``recover=auto``), all of
     these restart from the latest checkpoint; the others stay up. A worker of any other kind

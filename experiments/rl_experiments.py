@@ -8,7 +8,10 @@ loop in :mod:`experiments.rl.loop`.
 """
 from __future__ import annotations
 
+import os
+
 from experiments.registry import Experiment, Roles
+from experiments.rl.checkpoint_layout import check_resume_layout, layout_of
 from experiments.rl.config import RLExperimentConfig
 from experiments.rl.roles.evaluator import eval_master_role, nothing_to_evaluate
 from experiments.rl.roles.generation import generation_role
@@ -54,10 +57,16 @@ def smollm2_arith() -> RLExperimentConfig:
     return cfg
 
 
+def same_layout(cfg: RLExperimentConfig, trial_dir: str) -> None:
+    """A continued trial keeps the training layout its checkpoint is sharded by."""
+    check_resume_layout(os.path.join(trial_dir, "checkpoints"),
+                        layout_of(cfg.rl.actor, cfg.model.count))
+
+
 STATEFUL = ("model", "master")
 ARITH_TINY = Experiment("arith-tiny", arith_tiny, ROLES, section="rl", stateful=STATEFUL,
                         warm=WARM, prepare=PREPARE, eval_roles=EVAL_ROLES,
-                        eval_done=nothing_to_evaluate)
+                        eval_done=nothing_to_evaluate, resume_check=same_layout)
 SMOLLM2_ARITH = Experiment("smollm2-arith", smollm2_arith, ROLES, section="rl",
                            stateful=STATEFUL, warm=WARM, prepare=PREPARE, eval_roles=EVAL_ROLES,
-                           eval_done=nothing_to_evaluate)
+                           eval_done=nothing_to_evaluate, resume_check=same_layout)

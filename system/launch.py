@@ -28,7 +28,7 @@ from experiments.catalog import all_experiments, get_experiment
 from experiments.registry import Experiment
 from scheduler.registry import make_scheduler
 from system.checks import check_name
-from system.launcher.config import ExperimentConfig, RunMode
+from system.launcher.config import ExperimentConfig, RecoverMode, RunMode
 from system.launcher.eval_mode import run_paths, trained_base, trial_paths
 from system.launcher.controller import Controller
 from system.launcher.launcher_log import tee_stderr
@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     try:
+        continues = (cfg.mode == RunMode.TRAIN and cfg.recovery() is not None
+                     and cfg.recovery().type != RecoverMode.OFF)
+        if continues and experiment.resume_check is not None:
+            experiment.resume_check(cfg, trial_paths(cfg).root)
         trial = prepare_trial(cfg, experiment.name, resolved,
                               dry_run=args.dry_run or "--test-only" in args.flags)
     except ConfigError as e:  # e.g. recover=off on a trial that has checkpoints

@@ -3,14 +3,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.rl.config import RLConfig, resolve_model_path
+from experiments.rl.config import DEFAULT_MODEL, RLConfig, resolve_model_path
 from experiments.rl.tasks import Prompt, dataset, get_task
 from workers.base import Worker
 from workers.schema import Trajectory
-
-DEFAULT_MODEL = {"arith-tiny": "arith-tiny", "smollm2-arith": "smollm2-135m-instruct"}
-"""The model under ``.models/`` each experiment trains when ``rl.model_path`` is empty."""
-
 
 def rl_config(worker: Worker) -> RLConfig:
     """The ``rl`` section the controller sent, as a validated :class:`RLConfig`."""

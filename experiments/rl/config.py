@@ -126,9 +126,9 @@ class RLConfig:
         if self.lease_timeout <= 0:
             raise ConfigError(f"lease_timeout must be > 0, got {self.lease_timeout}")
         if self.algorithm == "ppo" and self.actor.backend == "megatron":
-            raise ConfigError("algorithm=ppo with actor.backend=megatron: the megatron engine "
-                              "trains a critic but does not checkpoint its value head yet "
-                              "(use actor.backend=fsdp)")
+            raise ConfigError("rl.algorithm=ppo with rl.actor.backend=megatron: the megatron "
+                              "engine trains a critic but does not checkpoint its value head "
+                              "yet (use rl.actor.backend=fsdp)")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ConfigError("group_size must be >= 2 for grpo (advantages are relative)")
         if self.sync_interval - 1 > self.eta:
@@ -166,7 +166,11 @@ class RLExperimentConfig(ExperimentConfig):
         if self.rl.agent.kind == "openai" and not self.generation.http:
             raise ConfigError("rl.agent.kind=openai runs its agent on the generation servers' "
                               "OpenAI endpoint: it needs generation.http=true")
-        self.rl.actor.check_layout(self.model.count, model_config(self.rl.model_path),
+        # the experiment's own model when rl.model_path is empty (the split is then checked
+        # at launch, not after every worker started)
+        path = self.rl.model_path or os.path.join(PROJECT_ROOT, ".models",
+                                                  DEFAULT_MODEL.get(self.exp, "arith-tiny"))
+        self.rl.actor.check_layout(self.model.count, model_config(path),
                                    key="rl.actor.megatron")
 
 
@@ -184,6 +188,10 @@ class RLExperimentConfig(ExperimentConfig):
                 GpuDemand("generation", self.generation.count,
                           self.rl.vllm.tensor_parallel_size,
                           "generation.count x rl.vllm.tensor_parallel_size")]
+
+
+DEFAULT_MODEL = {"arith-tiny": "arith-tiny", "smollm2-arith": "smollm2-135m-instruct"}
+"""The model under ``.models/`` each experiment trains when ``rl.model_path`` is empty."""
 
 
 def model_config(path: str) -> dict | None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from experiments.rl.admission import AdmissionConfig, AdmissionController, TrajectoryBuffer
 from experiments.rl.checkpoint import CheckpointDir
+from experiments.rl.checkpoint_layout import check_resume_layout, layout_of
 from experiments.rl.cluster import Cluster
 from experiments.rl.common import eval_prompts, group_version, load_tokenizer, model_path
 from experiments.rl.config import RLConfig
@@ -54,6 +55,7 @@ class RLLoop:
                                   rl.keep_checkpoints)
         random.seed(rl.seed)
         np.random.seed(rl.seed)
+        self.layout = layout_of(rl.actor, int(master.config["counts"]["model"]))
         self.resumed_from = self.resume_point()
         self.state = (load_state(self.ckpt.path(self.resumed_from))
                       if self.resumed_from is not None else LoopState())
@@ -278,8 +280,11 @@ class RLLoop:
             return None
         step = self.ckpt.latest()
         if step is None:
-            log.warning("recover=resume but %s holds no readable checkpoint: starting at step 0",
-                        self.ckpt.root)
+            log.info("recover=resume and %s holds no readable checkpoint: starting at step 0",
+                     self.ckpt.root)
+            return None
+        # (the launcher checked this already; a worker's own view of the files decides)
+        check_resume_layout(self.ckpt.root, self.layout)
         return step
 
     def checkpoint_due(self) -> bool:
@@ -310,7 +315,8 @@ class RLLoop:
         state.cursor = self.source.snapshot()
         state.buffer = self.buffer.items()  # type: ignore[assignment]
         save_state(staging, state)
-        self.ckpt.commit(state.step, {"consumed": state.consumed, "buffered": len(state.buffer),
+        self.ckpt.commit(state.step, {"layout": self.layout,
+                                      "consumed": state.consumed, "buffered": len(state.buffer),
                                       "cursor": {k: v for k, v in state.cursor.items()
                                                  if k != "redo"}})
         state.buffer = []

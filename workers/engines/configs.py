@@ -91,3 +91,7 @@ class TorchEngineConfig:
                               "each other")
         if layers % pp:
             raise ConfigError(f"{key}.pp={pp} does not divide the model's {layers} layers")
+        inter = int(model_config.get("intermediate_size") or 0)
+        if inter % tp:
+            raise ConfigError(f"{key}.tp={tp} does not divide the model's intermediate_size "
+                              f"{inter}")

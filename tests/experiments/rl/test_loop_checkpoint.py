@@ -17,7 +17,8 @@ def _loop(tmp_path, recover: str = "resume", **rl):
     loop.master = types.SimpleNamespace(config={"recover": recover})
     loop.ckpt = CheckpointDir(str(tmp_path / "ck"))
     loop.rl = types.SimpleNamespace(**{"save_interval": 0, "save_interval_s": 60.0,
-                                       "save_overhead": 0.0, **rl})
+                                       "save_overhead": 0.0, "total_steps": 100, **rl})
+    loop.layout = {"backend": "fsdp", "model_workers": 1, "tp": 1, "pp": 1}
     loop.state = types.SimpleNamespace(step=1)
     loop._last_save = loop._last_cost = None  # as __init__ leaves them
     return loop
@@ -31,7 +32,7 @@ def test_resume_point_skips_a_torn_checkpoint(tmp_path, caplog):
     assert loop.resume_point() == 2
     assert _loop(tmp_path, recover="off").resume_point() is None
     os.unlink(os.path.join(loop.ckpt.path(2), "meta.json"))
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):  # (every fresh trial: not a warning)
         assert loop.resume_point() is None
     assert any("no readable checkpoint" in r.getMessage() for r in caplog.records)
 
@@ -56,6 +57,22 @@ def test_checkpoints_are_due_by_steps_or_by_seconds(tmp_path, monkeypatch):
     loop.rl.save_interval_s = 0
     now[0] = 5000.0
     assert not loop.checkpoint_due()
+
+
+def test_the_last_step_is_checkpointed_unless_checkpoints_are_off(tmp_path, monkeypatch):
+    """The trained policy is kept: mode=eval reads it, a rerun finds the trial done."""
+    import time
+
+    monkeypatch.setattr(time, "monotonic", lambda: 1000.0)
+    loop = _loop(tmp_path, save_interval=7, total_steps=10)
+    loop.t_loop = 1000.0
+    loop.state.step = 9
+    assert not loop.checkpoint_due()
+    loop.state.step = 10
+    assert loop.checkpoint_due()
+    off = _loop(tmp_path, save_interval=0, save_interval_s=0.0, total_steps=10)
+    off.t_loop, off.state.step = 1000.0, 10
+    assert not off.checkpoint_due()
 
 
 def test_cheap_checkpoints_are_frequent_expensive_ones_rare(tmp_path, monkeypatch):

@@ -2,11 +2,15 @@
 results stand for each dp rank, and the config checks naming rl.actor.megatron.*."""
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 
 from experiments.rl.cluster import train_layout
 from experiments.rl.config import RLConfig, RLExperimentConfig
 from system.errors import ConfigError
+from system.paths import PROJECT_ROOT
 from workers.engines.configs import MegatronConfig, TorchEngineConfig
 
 
@@ -36,5 +40,19 @@ def test_experiment_config_refuses_a_split_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"rl.actor.megatron.pp=2 does not divide the "
                        r"model's 3 layers"):
         RLExperimentConfig(rl=RLConfig(actor=_actor(1, 2), model_path=str(tmp_path)))
-    with pytest.raises(ConfigError, match="algorithm=ppo with actor.backend=megatron"):
+    with pytest.raises(ConfigError, match=r"rl\.algorithm=ppo with rl\.actor\.backend=megatron"):
         RLConfig(actor=_actor(1, 1), algorithm="ppo")
+    # the experiment's own model when rl.model_path is empty: checked at launch (arith-tiny:
+    # 2 heads, 2 layers), not once every worker started
+    if os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")):
+        with pytest.raises(ConfigError, match=r"rl.actor.megatron.tp=4 does not divide the "
+                           r"model's 2 attention heads"):
+            RLExperimentConfig(exp="arith-tiny", model=dataclasses.replace(
+                RLExperimentConfig().model, count=4), rl=RLConfig(actor=_actor(4, 1)))
+    (tmp_path / "config.json").write_text(
+        '{"num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2, '
+        '"intermediate_size": 6}')
+    with pytest.raises(ConfigError, match=r"rl.actor.megatron.tp=4 does not divide the "
+                       r"model's intermediate_size 6"):
+        RLExperimentConfig(model=dataclasses.replace(RLExperimentConfig().model, count=4),
+                           rl=RLConfig(actor=_actor(4, 1), model_path=str(tmp_path)))

@@ -1,0 +1,56 @@
+"""The training layout a checkpoint was written with, and the check that a resume asks for the
+same one: the optimizer state (and, for megatron, the weights) are saved per rank, sharded by
+that layout, and another layout would load them into tensors of other shapes."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+from experiments.rl.checkpoint import META, CheckpointDir
+from system.errors import ConfigError
+from workers.engines.configs import TorchEngineConfig
+
+
+def layout_of(actor: TorchEngineConfig, model_workers: int) -> dict[str, Any]:
+    """What a checkpoint's shards depend on (recorded in its ``meta.json``)."""
+    megatron = actor.backend == "megatron"
+    return {"backend": actor.backend, "model_workers": int(model_workers),
+            "tp": actor.megatron.tp if megatron else 1, "pp": actor.megatron.pp if megatron else 1}
+
+
+def describe(layout: Mapping[str, Any]) -> str:
+    split = (f", rl.actor.megatron.tp={layout.get('tp')}, pp={layout.get('pp')}"
+             if layout.get("backend") == "megatron" else "")
+    return (f"rl.actor.backend={layout.get('backend')}{split} over "
+            f"model.count={layout.get('model_workers')}")
+
+
+def saved_layout(checkpoints: str) -> tuple[int, dict[str, Any] | None] | None:
+    """``(step, layout)`` of the newest readable checkpoint under ``checkpoints`` (layout None
+    for one written before layouts were recorded), or None when there is none. Reads only."""
+    if not os.path.isdir(checkpoints):
+        return None
+    ckpt = CheckpointDir(checkpoints)
+    step = ckpt.latest()
+    if step is None:
+        return None
+    with open(os.path.join(ckpt.path(step), META)) as f:
+        layout = json.load(f).get("layout")
+    return step, layout if isinstance(layout, dict) else None
+
+
+def check_resume_layout(checkpoints: str, now: Mapping[str, Any]) -> None:
+    """ConfigError (one line) when the newest checkpoint under ``checkpoints`` was written by
+    another layout than ``now``."""
+    found = saved_layout(checkpoints)
+    if found is None or found[1] is None:
+        return
+    step, saved = found
+    if dict(saved) == dict(now):
+        return
+    raise ConfigError(
+        f"the latest checkpoint (step {step}) was written by {describe(saved)}; this run asks "
+        f"{describe(now)}: a resume needs the layout its optimizer state is sharded by. Launch "
+        "it with that layout; or start over (recover=off recover.overwrite=true); or train a new "
+        f"trial from its weights (rl.model_path={os.path.join(checkpoints, f'step_{step}', 'actor')})")

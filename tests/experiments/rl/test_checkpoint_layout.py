@@ -1,0 +1,66 @@
+"""A trial continues only with the training layout its checkpoint is sharded by: another one is
+refused in one line before anything is written or started."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from experiments.rl.checkpoint import CheckpointDir
+from experiments.rl.checkpoint_layout import check_resume_layout, saved_layout, layout_of
+from system.errors import ConfigError
+from tests.helpers import run_launch
+from workers.engines.configs import MegatronConfig, TorchEngineConfig
+
+MEGATRON_TP2 = layout_of(TorchEngineConfig(backend="megatron", megatron=MegatronConfig(tp=2)),
+                            2)
+
+
+def checkpoint(root: str, step: int, layout: dict | None) -> None:
+    ck = CheckpointDir(root)
+    with open(os.path.join(ck.staging(step), "state.json"), "w") as f:
+        f.write("{}")
+    ck.commit(step, {} if layout is None else {"layout": layout})
+
+
+def test_layouts_and_what_a_resume_accepts(tmp_path):
+    root = str(tmp_path / "checkpoints")
+    assert saved_layout(root) is None and not os.path.exists(root)  # reading creates nothing
+    check_resume_layout(root, MEGATRON_TP2)  # nothing to continue
+    assert layout_of(TorchEngineConfig(), 3) == {"backend": "fsdp", "model_workers": 3,
+                                                    "tp": 1, "pp": 1}
+    checkpoint(root, 2, None)  # written before layouts were recorded: not judged
+    check_resume_layout(root, layout_of(TorchEngineConfig(), 1))
+    checkpoint(root, 4, MEGATRON_TP2)
+    assert saved_layout(root) == (4, MEGATRON_TP2)
+    check_resume_layout(root, dict(MEGATRON_TP2))
+    for other in (layout_of(TorchEngineConfig(), 2),
+                  {**MEGATRON_TP2, "tp": 1}, {**MEGATRON_TP2, "model_workers": 4}):
+        with pytest.raises(ConfigError) as e:
+            check_resume_layout(root, other)
+        msg = str(e.value)
+        assert msg.startswith("the latest checkpoint (step 4) was written by "
+                              "rl.actor.backend=megatron, rl.actor.megatron.tp=2, pp=1 over "
+                              "model.count=2; this run asks "), msg
+        assert "\n" not in msg and f"rl.model_path={root}/step_4/actor" in msg
+
+
+def test_a_launch_with_another_layout_is_refused_before_it_writes_anything(fileroot):
+    trial_dir = os.path.join(fileroot, "arith-tiny", "lay")
+    checkpoint(os.path.join(trial_dir, "checkpoints"), 6, MEGATRON_TP2)
+    os.makedirs(os.path.join(trial_dir, "logs"))
+    with open(os.path.join(trial_dir, "config.yaml"), "w") as f:
+        f.write("# the trial's own\n")
+    r = run_launch("exp=arith-tiny", "trial=lay", f"cluster.fileroot={fileroot}",
+                   "rl.actor.backend=fsdp", "model.count=2", timeout=120)
+    assert r.returncode == 2, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert "the latest checkpoint (step 6) was written by rl.actor.backend=megatron" in line
+    assert "this run asks rl.actor.backend=fsdp over model.count=2" in line
+    with open(os.path.join(trial_dir, "config.yaml")) as f:
+        assert f.read() == "# the trial's own\n"
+    # starting over is still possible, and so is the same layout (a dry run shows it)
+    same = run_launch("exp=arith-tiny", "trial=lay", f"cluster.fileroot={fileroot}",
+                      "rl.actor.backend=megatron", "rl.actor.megatron.tp=2", "model.count=2",
+                      "--dry-run", timeout=120)
+    assert same.returncode == 0, same.stderr
