@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = build_config(args.exp, args.trial, args.overrides)
         if args.flags and cfg.scheduler.type.value != "slurm":
-            raise ConfigError(f"{' and '.join(args.flags)} need scheduler=slurm")
+            raise ConfigError(f"{' and '.join(args.flags)} need"
+                              f"{'s' if len(args.flags) == 1 else ''} scheduler=slurm")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -245,7 +245,7 @@ class Controller(RecoveringController):
             # (at most a second between listings of a thousand workers; a recovery waiting
             # for two lists again within 0.05 s)
             time.sleep(self.names.registration_interval(0.02, 0.05 + len(expected) / 1000))
-        self.timeline["registered"] = time.time()
+        self.timeline.setdefault("registered", time.time())  # the start's, not a recovery's
         for name, address in found.items():
             if name in expected:
                 self.addresses[name] = address
