@@ -51,9 +51,13 @@ def store(exp: str, trial: str, group: str) -> str:
     return f"{exp}/{trial}/store/{group}"
 
 
+def http_addresses(exp: str, trial: str) -> str:
+    return f"{exp}/{trial}/http"
+
+
 def http_address(exp: str, trial: str, index: int) -> str:
     """``http://host:port`` of generation server ``index``'s OpenAI-compatible endpoint."""
-    return f"{exp}/{trial}/http/{index}"
+    return f"{http_addresses(exp, trial)}/{index}"
 
 
 def controller(exp: str, trial: str) -> str:

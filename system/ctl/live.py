@@ -34,6 +34,8 @@ class LiveView:
     progress: dict[str, Any] = dataclasses.field(default_factory=dict)
     errors: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """Worker -> its reported error ``{"type", "message", "traceback"}``."""
+    endpoints: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Generation server index -> its OpenAI-compatible endpoint (``http://host:port``)."""
     problem: str = ""
 
 
@@ -64,7 +66,9 @@ def read_live(paths: TrialPaths, exp: str, trial: str) -> LiveView:
             progress = {}
         err = names.worker_errors(exp, trial)
         errors = {k[len(err) + 1:]: _json(v) for k, v in nr.get_subtree(err).items()}
-        return LiveView(beating, controller, progress, errors)
+        http = names.http_addresses(exp, trial)
+        endpoints = {k[len(http) + 1:]: v for k, v in sorted(nr.get_subtree(http).items())}
+        return LiveView(beating, controller, progress, errors, endpoints)
     except Exception as e:  # the backend's own errors too (redis-py raises its own types)
         return LiveView(problem=f"name resolution not readable: {e}")
     finally:

@@ -107,7 +107,7 @@ def gather(view: TrialView) -> dict[str, Any]:
                     "missing": [w for w in expected if w not in live.heartbeats]},
         "progress": live.progress or dict(view.record.get("progress") or {}),
         "metrics": last_metrics(view.paths.root), "errors": errors, "last_error": last_error,
-        "recoveries": recoveries,
+        "recoveries": recoveries, "endpoints": live.endpoints,
         "logs": {"controller": controller_log(view.paths), **logs},
         "name_resolution": live.problem or "ok"}
 
@@ -139,6 +139,9 @@ def render(s: dict[str, Any]) -> str:
         lines.append("  last metrics: " + ", ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
             for k, v in s["metrics"].items()))
+    if s["endpoints"]:
+        lines.append("  OpenAI endpoints (key: the trial's api_key file): " + ", ".join(
+            f"generation/{i} {url}" for i, url in s["endpoints"].items()))
     if s["last_error"]:
         lines.append(f"  last error: {s['last_error'].splitlines()[0]}")
     lines.append("  logs:")

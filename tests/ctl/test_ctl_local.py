@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from system import names
 from tests.helpers import REPO, launch_argv, read_summary, trial_name_resolve, trial_processes
 
 FAST = ["scheduler.stop_grace=3"]  # the default heartbeat TTL: this machine is often loaded
@@ -63,6 +64,12 @@ def test_ls_status_logs_cancel(fileroot):
         assert len(s["workers"]["alive"]) == 9 and s["workers"]["missing"] == []
         assert s["progress"]["trajectories"] == "400/400"
         assert all(os.path.isfile(p) for p in s["logs"].values())
+        assert s["endpoints"] == {}  # smoke serves no OpenAI endpoint; one that does shows:
+        trial_name_resolve(fileroot, "smoke", "op").add(
+            names.http_address("smoke", "op", 0), "http://127.0.0.1:8123", replace=True)
+        assert status(fileroot, "op")[1]["endpoints"] == {"0": "http://127.0.0.1:8123"}
+        assert ("OpenAI endpoints (key: the trial's api_key file): generation/0 "
+                "http://127.0.0.1:8123") in ctl("status", *words).stdout
 
         deadline = time.time() + 20  # ls reads status.json, rewritten every 2 s
         while True:
