@@ -80,6 +80,8 @@ class MegatronEngine:
                 self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay,
                                                  (cfg.beta1, cfg.beta2), cfg.grad_clip,
                                                  self.mixed)
+                # replicated kv heads: summed gradients (_finalize_grads), one copy in the norm
+                mw.count_kv_copies_once(self.optimizer, module, self.shape, self.dims.tp)
                 self.tcfg.finalize_model_grads_func = self._finalize_grads
         self.steps = 0
 

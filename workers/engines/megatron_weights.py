@@ -7,7 +7,8 @@ is loaded with each kv head *replicated* ``tp / kv_heads`` times (megatron split
 by whole query groups), as vLLM does. The copies start equal and stay equal: their gradients
 are summed over the tensor-parallel ranks that hold copies of one head
 (:func:`sync_replicated_kv_grads`) before the optimizer step, so every copy takes the same
-update; on export the first copy of each head is the HF head.
+update, and the optimizer's gradient norm (clipping) counts one copy of each head
+(:func:`count_kv_copies_once`); on export the first copy of each head is the HF head.
 """
 from __future__ import annotations
 
@@ -113,6 +114,78 @@ def sync_replicated_kv_grads(model: torch.nn.Module, shape: ModelShape, tp: int)
         dist.all_gather(parts, kv.contiguous(), group=group)
         first = tp_rank - tp_rank % rep
         kv.copy_(sum(parts[first + i] for i in range(rep)))
+
+
+def count_kv_copies_once(optimizer: Any, model: torch.nn.Module, shape: ModelShape, tp: int
+                         ) -> None:
+    """Make the gradient norm of megatron's optimizer (``optimizer``: a ``DistributedOptimizer``
+    or a ``ChainedOptimizer`` of them, over ``model``, the unwrapped stage) count every
+    replicated kv head once, as at tp=1 and in the FSDP engine.
+
+    megatron sums the squares of each tensor-parallel rank's ``linear_qkv`` shard over the whole
+    world (the fused weight is split, not a "duplicate"), so without this each of the ``rep``
+    equal copies of a kv head's rows (:func:`sync_replicated_kv_grads`) would add its square
+    once. Here every tp rank but the first of each head's ``rep`` ranks leaves its k/v rows out
+    of the list of gradients the norm is taken over (``get_main_grads_for_grad_norm``, which
+    both the optimizer's and ``ChainedOptimizer``'s clipping use); clipping itself still scales
+    every gradient, copies included, by the one coefficient. Works on the optimizer's float32
+    main-gradient shards (1-D slices of the parameters' flattened ``main_grad``, each covering
+    ``param_range`` of its parameter), so any data-parallel sharding and bf16 parameters are
+    handled. Nothing happens without replication or on a rank whose copies count."""
+    rep = kv_replicas(shape, tp)
+    if rep == 1:
+        return
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_rank() % rep == 0:  # the first copy of its head: counts
+        return
+    hn, qpg = shape.head_dim, shape.num_heads // tp  # one query group per rank
+    skip: dict[int, tuple[int, int]] = {}  # id(model param) -> flat range of its k/v rows
+    for name, p in model.named_parameters():
+        if name.endswith(("linear_qkv.weight", "linear_qkv.bias")) and p.requires_grad:
+            row = p[0].numel() if p.dim() > 1 else 1
+            skip[id(p)] = (qpg * hn * row, (qpg + 2) * hn * row)
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "is_stub_optimizer", False):
+            continue
+        if (not hasattr(opt, "shard_fp32_from_float16_groups")
+                or opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8):
+            raise NotImplementedError("replicated kv heads need megatron's DistributedOptimizer "
+                                      "with float32 main gradients")
+        # the optimizer's main params (fp32 shards) and where they lie in their model params
+        drop: list[tuple[torch.Tensor, int, int]] = []
+        for model_groups, main_groups in ((opt.model_float16_groups,
+                                           opt.shard_fp32_from_float16_groups),
+                                          (opt.model_fp32_groups, opt.shard_fp32_groups)):
+            for model_group, main_group in zip(model_groups, main_groups):
+                for mp, main in zip(model_group, main_group):
+                    if id(mp) not in skip:
+                        continue
+                    r = opt._get_model_param_range_map(mp)["param"]
+                    a, b = max(skip[id(mp)][0], r.start), min(skip[id(mp)][1], r.end)
+                    if a < b:
+                        drop.append((main, a - r.start, b - r.start))
+        if drop:
+            opt.get_main_grads_for_grad_norm = _without_rows(opt.get_main_grads_for_grad_norm,
+                                                              drop)
+
+
+def _without_rows(grads_for_norm: Any, drop: list[tuple[torch.Tensor, int, int]]) -> Any:
+    """``grads_for_norm`` (megatron's method) with the flat range ``[a, b)`` of each main
+    param's gradient in ``drop`` cut out (the gradients are read at call time: megatron sets
+    new ones every step)."""
+    def grads() -> list[torch.Tensor]:
+        cut = {id(main.grad): (a, b) for main, a, b in drop if main.grad is not None}
+        out: list[torch.Tensor] = []
+        for g in grads_for_norm():
+            if id(g) not in cut:
+                out.append(g)
+                continue
+            a, b = cut[id(g)]
+            flat = g.view(-1)
+            out.extend(part for part in (flat[:a], flat[b:]) if part.numel())
+        return out
+    return grads
 
 
 def publish_boxes(local: Mapping[str, torch.Tensor], boxes: Mapping[str, Box],
