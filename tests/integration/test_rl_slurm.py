@@ -59,6 +59,12 @@ def _preempt(env: dict, kind: str) -> str:
     subprocess.run(["scancel", "--signal=USR2", job], check=True, env=env)
     return job
 
+SLOW_OK = ("controller.heartbeat_ttl=15",)
+"""The whole trial runs beside other tests on a small machine, where slurmctld itself was seen
+taking over 30 s to answer one scancel: a 3 s heartbeat expired on a restarted master that was
+only slow, and its needless extra recovery failed the test. The preemptions here are detected
+through the jobs' requeues, not heartbeats."""
+
 
 def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_path):
     """USR2 to each RL job in turn, each once the trial is back from the previous one:
@@ -75,7 +81,7 @@ def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_
     env = {**os.environ, **slurm_cluster.env}
     proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=preempt",
                                         f"cluster.fileroot={root}", "rl.total_steps=60", *SLURM,
-                                        *SMALL),
+                                        *SMALL, *SLOW_OK),
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=env)
     err = _Stderr(proc)
