@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from functools import partial
 from typing import Any, Iterator, Sequence
 
@@ -304,11 +305,21 @@ class MegatronEngine:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, "model.safetensors")
         save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
-        cfg = self.hf_config.to_dict()
+        # what save_pretrained writes: the values that differ from the class defaults (no
+        # id2label noise, no source path), and the model's generation defaults, which vLLM
+        # reads when it serves the checkpoint (mode=eval, rl.model_path=<checkpoint>/actor)
+        cfg = self.hf_config.to_diff_dict()
+        cfg.pop("_name_or_path", None)
         cfg["dtype"] = str(dtype or self.dtype).replace("torch.", "")
         with open(os.path.join(directory, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
-        for name in ("model.safetensors", "config.json"):
+        written = ["model.safetensors", "config.json"]
+        gen = os.path.join(self.cfg.model_path, "generation_config.json")
+        if os.path.isfile(gen) and os.path.realpath(os.path.dirname(gen)) != \
+                os.path.realpath(directory):
+            shutil.copyfile(gen, os.path.join(directory, "generation_config.json"))
+            written.append("generation_config.json")
+        for name in written:
             fsync_path(os.path.join(directory, name))
 
     def save(self, directory: str, rank: int) -> None:

@@ -5,6 +5,7 @@ shards."""
 from __future__ import annotations
 
 import datetime
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -200,6 +201,15 @@ def test_checkpoint_roundtrip_continues_training(gqa_dir, tmp_path):
     ref = _reference(gqa_dir, 2)
     assert os.path.isfile(tmp_path / "ckpt" / "model.safetensors")
     _compare(outs, ref, 4, 2, 1)
+    # the export is what save_pretrained writes: no source path or default noise, and the
+    # model's generation defaults (vLLM reads them when it serves the checkpoint)
+    with open(tmp_path / "ckpt" / "config.json") as f:
+        cfg = json.load(f)
+    assert cfg["model_type"] == "qwen2" and cfg["num_key_value_heads"] == 2
+    assert "_name_or_path" not in cfg and "id2label" not in cfg, sorted(cfg)
+    with open(os.path.join(gqa_dir, "generation_config.json")) as f, \
+            open(tmp_path / "ckpt" / "generation_config.json") as g:
+        assert json.load(f) == json.load(g)
 
 
 def test_config_refuses_impossible_splits():
