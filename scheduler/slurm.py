@@ -157,9 +157,10 @@ class SlurmScheduler(Scheduler):
         if r.returncode != 0:
             if unreachable(r):
                 raise SchedulerError(f"sbatch could not reach Slurm's controller to submit "
-                                     f"{request.describe()}: {last_error(r)} (nothing was "
-                                     "submitted; is slurmctld up, and this node's Slurm "
-                                     "configuration readable? `scontrol ping` tells)")
+                                     f"{request.describe()}: {last_error(r)} (is slurmctld "
+                                     "up, and this node's Slurm configuration readable? "
+                                     "`scontrol ping` tells; after a timeout, `squeue --me` "
+                                     "shows whether the job was queued all the same)")
             raise SchedulerError(f"sbatch refused the job of {request.describe()}: "
                                  f"{last_error(r)} (script: {path})")
         job_id = parse_sbatch_parsable(r.stdout)

@@ -308,8 +308,8 @@ class Checks:
             opts.rootRank = 0
             pg.broadcast([x], opts).wait()
         stream.synchronize()
-        sent = bool((x == 3.0).all())
-        out("nccl_groups_side_stream_broadcast", sent)
+        sent = bool((x == 3.0).all())  # (one rank: the call completing is what is checked)
+        out("nccl_groups_side_stream_broadcast_completes", sent)
         t0 = time.monotonic()
         pg.abort()
         took = time.monotonic() - t0

@@ -176,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         continues = (cfg.mode == RunMode.TRAIN and cfg.recovery() is not None
                      and cfg.recovery().type != RecoverMode.OFF)
-        if continues and experiment.resume_check is not None:
-            experiment.resume_check(cfg, trial_paths(cfg).root)
+        check = experiment.resume_check
         trial = prepare_trial(cfg, experiment.name, resolved,
-                              dry_run=args.dry_run or "--test-only" in args.flags)
+                              dry_run=args.dry_run or "--test-only" in args.flags,
+                              before_write=(lambda: check(cfg, trial_paths(cfg).root))
+                              if continues and check is not None else None)
     except ConfigError as e:  # e.g. recover=off on a trial that has checkpoints
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -31,7 +31,7 @@ from experiments.rl.metrics import MetricsLog
 from experiments.rl.openai_agent import trial_agent
 from experiments.rl.state import Admitted, LoopState, load_state, save_state
 from experiments.rl.tasks import dataset
-from experiments.rl.train_step import train_step
+from experiments.rl.train_step import check_behaviour_logprobs, train_step
 from system import names
 from system.errors import RpcError
 from system.launcher.config import MetricsConfig
@@ -230,6 +230,8 @@ class RLLoop:
             if msg["failed"]:
                 log.warning("rollout of prompt %s failed: %s", msg["prompt_id"], msg["error"])
                 continue
+            # before it is buffered: a checkpoint (which saves the buffer) never holds it
+            check_behaviour_logprobs(msg["trajs"], self.state.step + 1)
             self.buffer.put(Admitted(msg, task["epoch"]),
                             group_version(msg["trajs"], task["version"]))
 

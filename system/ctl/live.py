@@ -35,7 +35,8 @@ class LiveView:
     errors: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """Worker -> its reported error ``{"type", "message", "traceback"}``."""
     endpoints: dict[str, str] = dataclasses.field(default_factory=dict)
-    """Generation server index -> its OpenAI-compatible endpoint (``http://host:port``)."""
+    """Generation server index -> its OpenAI-compatible endpoint (``http://host:port``), for
+    the servers whose heartbeat is live."""
     problem: str = ""
 
 
@@ -67,7 +68,10 @@ def read_live(paths: TrialPaths, exp: str, trial: str) -> LiveView:
         err = names.worker_errors(exp, trial)
         errors = {k[len(err) + 1:]: _json(v) for k, v in nr.get_subtree(err).items()}
         http = names.http_addresses(exp, trial)
-        endpoints = {k[len(http) + 1:]: v for k, v in sorted(nr.get_subtree(http).items())}
+        found = {k[len(http) + 1:]: v for k, v in nr.get_subtree(http).items()}
+        # a server's key outlives it: only those whose worker beats are shown
+        endpoints = {i: found[i] for i in sorted(found, key=lambda i: (len(i), i))
+                     if f"generation/{i}" in beating}
         return LiveView(beating, controller, progress, errors, endpoints)
     except Exception as e:  # the backend's own errors too (redis-py raises its own types)
         return LiveView(problem=f"name resolution not readable: {e}")

@@ -197,13 +197,17 @@ class Controller(RecoveringController):
         """Raise a worker's report of its exception; named after another worker whose job had
         already ended (the report is then that death's consequence: a SIGKILLed model worker
         makes its peers' collectives fail, and the master's call to them)."""
-        failure = reported_failure(self.names.errors(), self.logs)
-        if failure is not None:
-            try:
-                statuses = self._poll(fresh=True)
-            except SchedulerError:  # the report is what is known
-                raise failure from None
-            raise root_cause(failure, statuses)
+        errors = self.names.errors()
+        failure = reported_failure(errors, self.logs)
+        if failure is None:
+            return
+        reporters = ["/".join(k.split("/")[-2:]) for k in errors]
+        try:  # a plain fresh poll first: settling requeues (Slurm: seconds) only when needed
+            if root_cause(failure, self.scheduler.poll(fresh=True), reporters) is not failure:
+                failure = root_cause(failure, self._poll(fresh=True), reporters)
+        except SchedulerError:  # the report is what is known
+            pass
+        raise failure
 
     def _await_report(self, seconds: float) -> None:
         """Raise a worker's own report of its failure if one arrives within ``seconds``."""

@@ -52,13 +52,18 @@ def reported_failure(errors: dict[str, str], logs: dict[str, str]) -> WorkerFail
     return None
 
 
-def root_cause(report: WorkerFailure, statuses: Iterable[JobStatus]) -> WorkerFailure:
+def root_cause(report: WorkerFailure, statuses: Iterable[JobStatus],
+               reporters: Iterable[str] = ()) -> WorkerFailure:
     """The failure to act on when a worker reported an exception: a worker whose job had
-    already ended by then (killed, say) is the cause, and the reporter failed because of it (a
-    collective's peer closed its connection, a call to it failed); else the report itself."""
-    if report.worker is None:
+    already ended by then (killed, say) without a report of its own (``reporters``: every
+    worker that reported; a reporter exits right after) is the cause, and the reporter failed
+    because of it (a collective's peer closed its connection, a call to it failed); else the
+    report itself. A configuration error is the failure whatever else ended (a restart would
+    fail the same way)."""
+    if report.worker is None or report.config:
         return report
-    dead = job_failure(statuses, "before the trial completed", excluding=[report.worker])
+    dead = job_failure(statuses, "before the trial completed",
+                       excluding=[report.worker, *reporters])
     if dead is None:
         return report
     first = str(report).splitlines()[0]

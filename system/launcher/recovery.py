@@ -96,8 +96,12 @@ class Recovery:
     def kinds_to_restart(self, failure: WorkerFailure, order: tuple[str, ...]
                          ) -> tuple[str, ...]:
         """Every stateful kind and any kind whose restart a failure interrupted, in start
-        ``order`` (when :meth:`restarts_stateful`)."""
-        restart = set(_kinds(failure)) | self.incomplete | set(self.stateful)
+        ``order`` (when :meth:`restarts_stateful`). A stateless worker named as the cause of a
+        stateful one's failure (``also``) is not among them: its whole kind would restart (each
+        server's engine takes a minute); its ended job is respawned alone afterwards."""
+        restart = self.incomplete | set(self.stateful)
+        if not failure.also:  # (a stateless worker whose death made a stateful one raise is
+            restart |= set(_kinds(failure))  # respawned alone once its ended job is seen)
         return tuple(k for k in order if k in restart)
 
     def begin(self, failure: WorkerFailure, failed_step: int | None,

@@ -13,7 +13,7 @@ import os
 import shutil
 import stat
 import time
-from typing import Any
+from typing import Any, Callable
 
 from system.api_key import write_api_key
 from system.bootstrap import Bootstrap
@@ -93,13 +93,16 @@ def make_trial_dir(cfg: ExperimentConfig, paths: TrialPaths) -> None:
 
 
 def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: str,
-                  dry_run: bool = False) -> PreparedTrial:
+                  dry_run: bool = False,
+                  before_write: Callable[[], None] | None = None) -> PreparedTrial:
     """Create and lock the trial directory, then write the resolved config, a fresh secret
     (0600) and the bootstrap file (:class:`~system.errors.ConfigError` for a trial that must not
     be overwritten, :class:`~system.errors.TrialLocked` for one that is running). With
     ``mode=eval`` these go to ``<trial>/eval/`` and the trial's own lock is held: the trial must
     exist and have a checkpoint (:func:`~system.launcher.eval_mode.check_evaluable`). A dry run
-    of an existing trial writes none of them (its secret is then empty)."""
+    of an existing trial writes none of them (its secret is then empty). ``before_write``
+    (the experiment's check that an existing trial can be continued) runs once the lock is
+    held, before anything is written."""
     paths = run_paths(cfg)
     if cfg.mode == RunMode.EVAL:
         check_evaluable(cfg)
@@ -108,6 +111,8 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
     try:  # a second launch is refused above before it changes anything
         os.chmod(paths.root, dir_mode(cfg.cluster.group_readable))
         check_existing(cfg, paths, dry_run)
+        if before_write is not None:
+            before_write()
         os.makedirs(paths.logs, exist_ok=True)
         if dry_run and os.path.isfile(paths.config):
             # a dry run shows what would run; an existing trial keeps its own config (which an

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from functools import partial
 from typing import Any, Iterator, Sequence
 
@@ -61,6 +60,9 @@ class MegatronEngine:
         self.dims = ParallelDims(world_size, cfg.megatron.tp, cfg.megatron.pp)
         self.master_dtype, self.dtype, self.mixed = precision(self.device.type, cfg.dtype)
         self.hf_config = AutoConfig.from_pretrained(cfg.model_path, local_files_only=True)
+        gen = os.path.join(cfg.model_path, "generation_config.json")  # read now: a resumed
+        self.generation_config = (open(gen, "rb").read()  # engine's source may be pruned
+                                  if os.path.isfile(gen) else None)
         self.shape = ModelShape.from_hf(self.hf_config)
         mw.kv_replicas(self.shape, self.dims.tp)  # refuses a split that cannot work
         params_dtype = torch.bfloat16 if self.mixed else self.master_dtype
@@ -314,10 +316,9 @@ class MegatronEngine:
         with open(os.path.join(directory, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
         written = ["model.safetensors", "config.json"]
-        gen = os.path.join(self.cfg.model_path, "generation_config.json")
-        if os.path.isfile(gen) and os.path.realpath(os.path.dirname(gen)) != \
-                os.path.realpath(directory):
-            shutil.copyfile(gen, os.path.join(directory, "generation_config.json"))
+        if self.generation_config is not None:
+            with open(os.path.join(directory, "generation_config.json"), "wb") as f:
+                f.write(self.generation_config)
             written.append("generation_config.json")
         for name in written:
             fsync_path(os.path.join(directory, name))

@@ -49,16 +49,37 @@ def test_a_report_with_every_other_job_alive_is_the_failure_itself():
     assert job_failure(ended, "x").worker == "master/0"
 
 
-def test_a_stateless_death_that_made_the_master_raise_restarts_both():
+def test_a_stateless_death_that_made_the_master_raise_restarts_the_stateful_kinds():
     r = Recovery(RecoverConfig(), ("model", "master"), t0=0.0)
     f = root_cause(master_report(), [status("1", JobState.RUNNING, "master/0"),
                                      status("2", JobState.FAILED, "rollout/1")])
     assert f.worker == "rollout/1" and f.also == ("master/0",)
-    # the master is dead too: not the rollout worker alone, but every stateful kind and it
+    # the master is dead too: every stateful kind restarts; not every rollout worker (a kind
+    # of generation servers would each rebuild an engine): the dead one's ended job is seen
+    # at the next poll and respawned alone
     assert r.restarts_stateful(f)
-    assert r.kinds_to_restart(f, ORDER) == ("model", "rollout", "master")
+    assert r.kinds_to_restart(f, ORDER) == ("model", "master")
     assert not r.restarts_stateful(WorkerFailure("x", "rollout/1"))
     assert r.begin(f, failed_step=7).worker == "rollout/1"
+
+
+def test_workers_that_reported_and_exited_are_not_taken_for_the_cause():
+    """Several workers reporting (each exits right after): the one picked is not blamed on
+    another reporter's ended job; a job that ended without a report still is."""
+    ended = [status("1", JobState.FAILED, "master/0"), status("2", JobState.FAILED, "rollout/0"),
+             status("3", JobState.RUNNING, "model/0")]
+    report = master_report()
+    assert root_cause(report, ended, reporters=["master/0", "rollout/0"]) is report
+    assert root_cause(report, ended, reporters=["master/0"]).worker == "rollout/0"
+
+
+def test_a_configuration_error_is_the_failure_whatever_else_ended():
+    report = reported_failure({"e/t/error/master/0": REPORT.replace(
+        '"traceback"', '"config": true, "traceback"')}, {})
+    assert report is not None and report.config
+    f = root_cause(report, [status("2", JobState.FAILED, "rollout/1")])
+    assert f is report and not Recovery(RecoverConfig(), ("model", "master"),
+                                        t0=0.0).should_recover(f)
 
 
 def test_a_reported_configuration_error_is_one_line_and_never_retried():
