@@ -217,8 +217,10 @@ def test_dead_generation_servers_and_a_rollout_worker_restart_alone_training_goe
     import signal
 
     root = os.path.join(fileroot, "arith-tiny", "stateless")
+    # (the kills are seen as the jobs' exits; a 15 s heartbeat keeps a loaded CI machine from
+    # adding a recovery of a live but starved worker, as one run saw)
     code, err = _launch_signalling(fileroot, "stateless", [
-        "rl.total_steps=24", "generation.count=2", *SMALL],
+        "rl.total_steps=24", "generation.count=2", *SMALL, "controller.heartbeat_ttl=15"],
         [(2, "generation", 1, signal.SIGKILL), (4, "generation", 0, signal.SIGKILL),
          (6, "rollout", 0, signal.SIGKILL)])
     assert code == 0, err[-4000:]

@@ -18,9 +18,11 @@ from tests.helpers import read_summary, run_launch
 pytestmark = pytest.mark.slurm
 
 GPU_SLURM = ["scheduler=slurm", "cluster.interface=127.0.0.1", "scheduler.slurm.poll_interval=0.5",
-             "scheduler.slurm.gpus=true", "controller.heartbeat_ttl=3", "scheduler.stop_grace=3",
+             "scheduler.slurm.gpus=true", "controller.heartbeat_ttl=15", "scheduler.stop_grace=3",
              "controller.progress=false"]
 SMOKE = ["exp=smoke", "rollout.count=2", "smoke.trajectories_per_worker=20"]
+"""(Placement only: no failure is detected here, so a 15 s heartbeat, which a loaded 2-core
+CI machine keeps more easily than 3 s: a run saw a model worker's expire.)"""
 
 
 def _char_gpus(cluster) -> None:
