@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.rl.config import DEFAULT_MODEL, RLConfig, resolve_model_path
+from experiments.rl.config import RLConfig, resolve_model_path
 from experiments.rl.tasks import Prompt, dataset, get_task
 from workers.base import Worker
 from workers.schema import Trajectory
@@ -26,7 +26,7 @@ def model_path(worker: Worker, rl: RLConfig) -> str:
 
 
 def experiment_model_path(experiment: str, rl: RLConfig) -> str:
-    return resolve_model_path(rl, DEFAULT_MODEL.get(experiment, "arith-tiny"))
+    return resolve_model_path(rl, experiment)
 
 
 def load_tokenizer(path: str) -> Any:
@@ -56,5 +56,5 @@ def group_version(trajs: list[Trajectory], fallback: int) -> int:
     return min(vs) if vs else fallback
 
 
-__all__ = ["DEFAULT_MODEL", "encode_prompt", "eval_prompts", "experiment_model_path",
+__all__ = ["encode_prompt", "eval_prompts", "experiment_model_path",
            "group_version", "load_tokenizer", "model_path", "rl_config", "rl_section"]

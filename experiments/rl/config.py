@@ -168,9 +168,7 @@ class RLExperimentConfig(ExperimentConfig):
                               "OpenAI endpoint: it needs generation.http=true")
         # the experiment's own model when rl.model_path is empty (the split is then checked
         # at launch, not after every worker started)
-        path = self.rl.model_path or os.path.join(PROJECT_ROOT, ".models",
-                                                  DEFAULT_MODEL.get(self.exp, "arith-tiny"))
-        self.rl.actor.check_layout(self.model.count, model_config(path),
+        self.rl.actor.check_layout(self.model.count, model_config(model_dir(self.rl, self.exp)),
                                    key="rl.actor.megatron")
 
 
@@ -204,8 +202,14 @@ def model_config(path: str) -> dict | None:
         return json.load(f)
 
 
-def resolve_model_path(rl: RLConfig, default: str) -> str:
-    path = rl.model_path or os.path.join(PROJECT_ROOT, ".models", default)
+def model_dir(rl: RLConfig, experiment: str) -> str:
+    """``rl.model_path``, or the experiment's own model under ``.models/`` when it is empty."""
+    return rl.model_path or os.path.join(PROJECT_ROOT, ".models",
+                                         DEFAULT_MODEL.get(experiment, "arith-tiny"))
+
+
+def resolve_model_path(rl: RLConfig, experiment: str) -> str:
+    path = model_dir(rl, experiment)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"rl.model_path={path!r} is not a model directory (run `make setup`, "
                           f"which creates the experiment models under .models/)")

@@ -20,7 +20,6 @@ def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]]
     state.max_staleness = max([state.max_staleness, *staleness])
     state.history.append([[int(a.group["prompt_id"]), a.epoch] for a, _ in batch])
     trajs = [t for a, _ in batch for t in a.group["trajs"]]
-    check_behaviour_logprobs(trajs, state.step + 1)
     items = train_items(cluster, rl, trajs)
     stats: dict[str, object] = {}
     if rl.algorithm == "grpo":
