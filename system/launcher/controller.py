@@ -23,7 +23,8 @@ from scheduler.requeue import Restart
 from system import names
 from system.errors import RLSystemError, RpcError, SchedulerError, WorkerFailure
 from system.launcher.config import ExperimentConfig
-from system.launcher.failures import job_failure, reported_failure, root_cause
+from system.launcher.failures import (call_failure_cause, job_failure, reported_failure,
+                                      root_cause)
 from system.launcher.groups import group_specs, worker_configs
 from system.launcher.progress import Progress
 from system.launcher.queue_wait import StartClock, blocked_failure
@@ -42,6 +43,7 @@ from workers.kinds import KINDS, client_for
 log = logging.getLogger("controller")
 
 REPORT_GRACE = 1.0  # for a worker whose heartbeat expired to say why (out of descriptors, say)
+CAUSE_GRACE = 3.0  # for the scheduler to show a job ended when its worker refused a call
 
 
 class Controller(RecoveringController):
@@ -289,8 +291,25 @@ class Controller(RecoveringController):
         start-up): it rejoins later instead."""
         for c, r in zip(clients, results):
             if isinstance(r, Exception) and not self._requeued(c.name):
-                raise WorkerFailure(f"{method} of worker {c.name} failed: {r}; log: "
-                                    f"{self.logs[c.name]}", c.name, self.logs[c.name])
+                failed = WorkerFailure(f"{method} of worker {c.name} failed: {r}; log: "
+                                       f"{self.logs[c.name]}", c.name, self.logs[c.name])
+                raise self._ended_job(f"during {method}", failed)
+
+    def _ended_job(self, phase: str, failed: WorkerFailure) -> WorkerFailure:
+        """``failed`` (a call that failed) named after a job that ended meanwhile, if one did
+        within :data:`CAUSE_GRACE` seconds: a cancelled job's workers refuse calls as they stop
+        (the scheduler shows it ended once its processes are gone)."""
+        deadline = time.monotonic() + CAUSE_GRACE
+        while True:
+            try:
+                cause = call_failure_cause(failed, self._poll_fresh(), phase)
+            except SchedulerError:  # the failed call is what is known
+                return failed
+            if cause is not None:
+                return cause
+            if time.monotonic() > deadline:
+                return failed
+            time.sleep(0.5)
 
     def _requeued(self, worker: str) -> bool:
         """Whether ``worker``'s job was requeued (see :meth:`RequeuePolicy.wait_requeued`)."""

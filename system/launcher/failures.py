@@ -71,6 +71,17 @@ def root_cause(report: WorkerFailure, statuses: Iterable[JobStatus],
                          also=(report.worker, *report.also))
 
 
+def call_failure_cause(failed: WorkerFailure, statuses: Iterable[JobStatus],
+                       phase: str) -> WorkerFailure | None:
+    """A job that had ended when a call to a worker failed (a cancelled job's workers refuse
+    calls as they stop), as the failure, with the failed call after it; None if none had."""
+    dead = job_failure(statuses, phase)
+    if dead is None:
+        return None
+    first = str(failed).splitlines()[0]
+    return WorkerFailure(f"{dead}\nthen {first}", dead.worker, dead.log_path)
+
+
 def clear_worker_keys(nr: NameResolve, exp: str, trial: str, workers: Iterable[str],
                       stateful: bool) -> None:
     """Forget the stopped workers' keys (their replacements register anew) and, when

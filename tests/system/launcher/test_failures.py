@@ -4,7 +4,8 @@ from __future__ import annotations
 from scheduler.jobs import JobState, JobStatus
 from system.errors import WorkerFailure
 from system.launcher.config import RecoverConfig
-from system.launcher.failures import job_failure, reported_failure, root_cause
+from system.launcher.failures import (call_failure_cause, job_failure, reported_failure,
+                                      root_cause)
 from system.launcher.recovery import Recovery
 
 ORDER = ("model", "generation", "rollout", "master")
@@ -96,3 +97,20 @@ def test_a_reported_configuration_error_is_one_line_and_never_retried():
     # a report from an older worker (no "config" field) is an ordinary failure
     old = reported_failure({"k/master/0": REPORT}, {})
     assert old is not None and not old.config and "Traceback" in str(old)
+
+
+def test_a_call_refused_by_a_worker_whose_job_was_cancelled_names_the_cancelled_job():
+    failed = WorkerFailure("configure of worker generation/0 failed: RemoteError: cannot "
+                           "configure a worker in state stopping; log: /logs/generation-0.log",
+                           "generation/0", "/logs/generation-0.log")
+    cancelled = [status("1", JobState.RUNNING, "master/0"),
+                 status("2", JobState.CANCELLED, "generation/0", "generation/1")]
+    f = call_failure_cause(failed, cancelled, "during configure")
+    assert f is not None and f.worker == "generation/0"
+    lines = str(f).splitlines()
+    assert lines[0].startswith("worker generation/0, generation/1 exited during configure: "
+                               "CANCELLED")
+    assert lines[-1] == "then configure of worker generation/0 failed: RemoteError: cannot " \
+        "configure a worker in state stopping; log: /logs/generation-0.log"
+    # every job alive: the failed call is the failure
+    assert call_failure_cause(failed, cancelled[:1], "during configure") is None
