@@ -33,6 +33,11 @@ def worker_errors(exp: str, trial: str) -> str:
     return f"{exp}/{trial}/error"
 
 
+def worker_of(key: str) -> str:
+    """``kind/index`` of a per-worker key (``.../error/model/1`` -> ``model/1``)."""
+    return "/".join(key.split("/")[-2:])
+
+
 def stream(exp: str, trial: str, name: str) -> str:
     """Address of a PULL endpoint (e.g. the master's trajectory stream)."""
     return f"{exp}/{trial}/stream/{name}"

@@ -203,7 +203,7 @@ class Controller(RecoveringController):
         failure = reported_failure(errors, self.logs)
         if failure is None:
             return
-        reporters = ["/".join(k.split("/")[-2:]) for k in errors]
+        reporters = [names.worker_of(k) for k in errors]
         try:  # a plain fresh poll first: settling requeues (Slurm: seconds) only when needed
             if root_cause(failure, self.scheduler.poll(fresh=True), reporters) is not failure:
                 failure = root_cause(failure, self._poll(fresh=True), reporters)

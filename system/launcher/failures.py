@@ -38,7 +38,7 @@ def reported_failure(errors: dict[str, str], logs: dict[str, str]) -> WorkerFail
     """The first exception a worker published under the trial's ``error`` keys (JSON with
     ``type``, ``message``, ``traceback``; anything else is reported as it is)."""
     for key, value in errors.items():
-        worker = "/".join(key.split("/")[-2:])
+        worker = names.worker_of(key)
         config = False
         try:
             info = json.loads(value)
