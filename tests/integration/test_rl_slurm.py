@@ -63,6 +63,7 @@ SLOW_OK = ("controller.heartbeat_ttl=15",)
 taking over 30 s to answer one scancel: a 3 s heartbeat expired on a restarted master that was
 only slow, and its needless extra recovery failed the test. The preemptions here are detected
 through the jobs' requeues, not heartbeats."""
+STEPS = 120
 
 
 def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_path):
@@ -77,10 +78,13 @@ def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_
     No step is lost, the trial completes its steps and leaves no job behind."""
     root = str(tmp_path / "runs")
     trial_root = os.path.join(root, "arith-tiny", "preempt")
+    # steps run at up to ~5/s between preemptions, and each preemption waits for the previous
+    # kind to be back (a loaded machine reacts seconds late): a CI run finished 60 steps before
+    # the model's preemption landed; 120 leave the margin, at a few seconds' cost
     env = {**os.environ, **slurm_cluster.env}
     proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=preempt",
-                                        f"cluster.fileroot={root}", "rl.total_steps=60", *SLURM,
-                                        *SMALL, *SLOW_OK),
+                                        f"cluster.fileroot={root}", f"rl.total_steps={STEPS}",
+                                        *SLURM, *SMALL, *SLOW_OK),
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=env)
     err = _Stderr(proc)
@@ -105,7 +109,7 @@ def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_
             proc.kill()
     assert proc.returncode == 0, err.text[-4000:]
     s = read_summary(root, "arith-tiny", "preempt")
-    assert s["status"] == "completed" and s["steps"] == 60
+    assert s["status"] == "completed" and s["steps"] == STEPS
     assert s["restarts"].get(jobs["generation"]) == 1, s["restarts"]
     assert s["restarts"].get(jobs["rollout"]) == 1, s["restarts"]
     model, master = s["recoveries"]

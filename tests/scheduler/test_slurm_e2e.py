@@ -153,11 +153,13 @@ def test_preemption_during_start_up_rejoins(slurm_cluster, tmp_path):
     root = str(tmp_path / "runs")
     # the master's job begins 8 s late, so the controller is still waiting for it to register
     # when the rollout workers stop; it then configures them at their old, dead addresses (3 s
-    # timeout) while their requeued job is held back, and must treat that as a requeue
+    # timeout) while their requeued job is held back, and must treat that as a requeue; the
+    # requeue is seen by polls and registrations, so a loaded machine's starved 3 s heartbeat
+    # (a CI run saw the model workers' expire) gets 15 s
     proc, err, job = _preempt_rollout_job(
         slurm_cluster, root, "early",
         ['scheduler.slurm.master.extra_sbatch=["--begin=now+8"]', "rpc.request_timeout=3",
-         "scheduler.slurm.requeue_release=0"],
+         "scheduler.slurm.requeue_release=0", "controller.heartbeat_ttl=15"],
         when="startup", hold=16.0)
     assert proc.returncode == 0, err
     s = read_summary(root, "smoke", "early")
