@@ -27,4 +27,4 @@ def make_name_resolve(cfg: NameResolveConfig, default_file_root: str, secret: by
     if cfg.type == NameResolveBackend.FILE:
         return FileNameResolve(cfg.file_root or default_file_root, secret=secret)
     return RedisNameResolve(cfg.redis_host, cfg.redis_port, cfg.redis_db, redis_password(cfg),
-                            secret=secret)
+                            secret=secret, outage_timeout=cfg.redis_outage_timeout)

@@ -48,6 +48,11 @@ class NameResolveConfig:
     password itself is never written to a config, a bootstrap file, a job script or a command
     line."""
 
+    redis_outage_timeout: float = 30.0
+    """Seconds a Redis server that stopped answering (restarted, failed over, a network blip)
+    is retried before an operation fails. A server that restarted without its data gets back,
+    from every live process, the entries that process had added."""
+
     RETIRED_KEYS: ClassVar[dict[str, str]] = {
         "redis_password": "a password given on the command line lands in config.yaml, job scripts "
                           "and the process list; put it in a file only you can read (chmod 600) and "
@@ -65,6 +70,8 @@ class NameResolveConfig:
                 ) from None
         if not 0 < self.redis_port < 65536:
             raise ConfigError(f"redis_port={self.redis_port} is not a valid port")
+        if self.redis_outage_timeout < 0:
+            raise ConfigError(f"redis_outage_timeout={self.redis_outage_timeout} must be >= 0")
         if self.redis_password_file:  # workers may start elsewhere: keep an absolute path
             self.redis_password_file = os.path.abspath(os.path.expanduser(self.redis_password_file))
 
@@ -113,6 +120,11 @@ class NameResolve(abc.ABC):
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
         self._verified: dict[str, tuple[str, str]] = {}  # key -> (stored, value) checked
+        self._owned: dict[str, str] = {}  # key -> stored value, of entries added without TTL
+        self.outage_seen: float | None = None
+        """When (monotonic) a call of this process last found the backend not answering, or
+        answering again after that (None: never): heartbeats missed meanwhile are no news
+        until their owners refreshed them."""
         self.ops: collections.Counter[str] = collections.Counter()
         """Operations issued so far: ``write`` (adds and keep-alive refreshes), ``read`` (entries
         read), ``list`` (subtree listings); for benchmarks, not exact under concurrent threads."""
@@ -171,9 +183,13 @@ class NameResolve(abc.ABC):
         stored = self._sealer.seal(key, str(value))
         self.ops["write"] += 1
         self._put(key, stored, keepalive_ttl, replace)
-        if keepalive_ttl is not None:
-            with self._ka_lock:
+        with self._ka_lock:
+            if keepalive_ttl is not None:
                 self._keepalive[key] = (stored, keepalive_ttl)
+                self._owned.pop(key, None)
+            else:
+                self._owned[key] = stored
+        if keepalive_ttl is not None:
             self._ensure_keepalive_thread()
 
     def get(self, key: str) -> str:
@@ -221,6 +237,7 @@ class NameResolve(abc.ABC):
         key = _check_key(key)
         with self._ka_lock:
             self._keepalive.pop(key, None)
+            self._owned.pop(key, None)
         if not self._delete(key):
             raise NameEntryNotFound(key)
 
@@ -228,11 +245,27 @@ class NameResolve(abc.ABC):
         """Remove every key at or below ``prefix`` (e.g. a whole trial); returns how many."""
         prefix = _check_key(prefix)
         with self._ka_lock:
-            for k in [k for k in self._keepalive if k == prefix or k.startswith(prefix + "/")]:
-                del self._keepalive[k]
+            for held in (self._keepalive, self._owned):
+                for k in [k for k in held if k == prefix or k.startswith(prefix + "/")]:
+                    del held[k]
         n = 0
         for k in list(self._keys_under(prefix)):
             n += int(self._delete(k))
+        return n
+
+    def _restore_owned(self) -> int:
+        """Add again, where missing, every entry this process added and still holds (after the
+        backend lost its data: a Redis server restarted without persistence); keep-alive ones
+        come back with their next refresh. Returns how many were added."""
+        with self._ka_lock:
+            items = list(self._owned.items())
+        n = 0
+        for key, stored in items:
+            try:
+                self._put(key, stored, None, False)
+                n += 1
+            except NameResolveError:  # there (kept, or written anew by its new owner)
+                pass
         return n
 
     def close(self) -> None:

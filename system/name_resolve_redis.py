@@ -1,40 +1,120 @@
 """The ``redis`` name-resolution backend: a real Redis server (``SET NX PX``, native TTLs, SCAN
-not KEYS); each user's keys under a prefix of their own."""
+not KEYS); each user's keys under a prefix of their own.
+
+A server that stops answering (restarted, failed over, a network blip) is retried for
+``outage_timeout`` seconds before an operation fails with one line saying so. When it answers
+again as a new server process (its ``run_id`` changed), this process adds back the entries it
+holds, in case the server came back without its data (no persistence); keep-alive entries come
+back with their next refresh.
+"""
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 from system.errors import NameEntryExists, NameResolveError
 from system.name_resolve_api import NameResolve
+
+log = logging.getLogger("name_resolve")
+T = TypeVar("T")
+RETRY_SECONDS = 0.5
 
 
 class RedisNameResolve(NameResolve):
     """Redis backend: ``SET NX PX`` for add, native TTLs, ``SCAN MATCH`` for subtrees."""
 
     def __init__(self, host: str, port: int, db: int = 0, password: str = "",
-                 namespace: str = "rlsys", *, secret: bytes | None) -> None:
+                 namespace: str = "rlsys", *, secret: bytes | None,
+                 outage_timeout: float = 30.0) -> None:
         super().__init__(secret)
         import redis  # only this backend needs the client
 
         self._ns = f"{namespace.rstrip(':')}:{os.getuid()}:"  # each user's keys apart
         self._watch_error = redis.WatchError
+        self._response_error = redis.ResponseError
+        self._unreachable = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+        self._where = f"{host}:{port}"
+        self.outage_timeout = outage_timeout
+        """Seconds an unanswering server is retried before an operation fails."""
+        self.restored = 0
+        """Entries added back after the server restarted (see the module's docstring)."""
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # no retries of the client's own (they back off up to seconds): _call retries
         self._r = redis.Redis(host=host, port=port, db=db, password=password or None,
-                              socket_timeout=10, socket_connect_timeout=10, decode_responses=True)
+                              socket_timeout=10, socket_connect_timeout=10, decode_responses=True,
+                              retry=Retry(NoBackoff(), 0))
         try:
-            self._r.ping()
+            self._run_id = self._server_run_id()
         except redis.RedisError as e:
             raise NameResolveError(f"cannot reach redis at {host}:{port}: {e}") from e
+        self._outage_lock = threading.RLock()  # restoring calls _call, which may come back here
+
+    def _server_run_id(self) -> str:
+        """The server process's id; "" where INFO is not allowed (then every return of the
+        server counts as a new one: restoring is idempotent, only a round trip per entry)."""
+        try:
+            return str(self._r.info("server").get("run_id", ""))
+        except self._response_error:
+            self._r.ping()
+            return ""
+
+    def _call(self, op: Callable[[], T]) -> T:
+        """``op()``, retried while the server does not answer, for up to ``outage_timeout``
+        seconds; once it answers again, entries are restored if it is a new server process."""
+        deadline = None
+        failures = 0
+        while True:
+            try:
+                out = op()
+            except self._unreachable as e:
+                failures += 1
+                if failures == 1:  # a pooled connection the server closed: once more at once
+                    continue
+                now = self.outage_seen = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.outage_timeout
+                    log.warning("redis at %s does not answer (%s): retrying for up to %.0fs",
+                                self._where, e, self.outage_timeout)
+                if now >= deadline:
+                    raise NameResolveError(
+                        f"redis at {self._where} did not answer for {self.outage_timeout:.0f}s "
+                        f"(name_resolve.redis_outage_timeout): {e}") from None
+                time.sleep(min(RETRY_SECONDS, max(deadline - now, 0.0)))
+                continue
+            if deadline is not None:
+                self._back()
+            return out
+
+    def _back(self) -> None:
+        """The server answers again: if it is a new process, add back what this one holds."""
+        self.outage_seen = time.monotonic()
+        with self._outage_lock:
+            try:
+                run_id = self._server_run_id()
+            except self._unreachable:
+                return  # gone again: the next call's retries deal with it
+            if run_id and run_id == self._run_id:
+                log.warning("redis at %s answers again", self._where)
+                return
+            self._run_id = run_id
+            n = self._restore_owned()
+            self.restored += n
+            log.warning("redis at %s answers again as a new server: %d entries of this "
+                        "process added back", self._where, n)
 
     def _k(self, key: str) -> str:
         return self._ns + key
 
     def _put(self, key: str, value: str, ttl: float | None, replace: bool) -> None:
         px = None if ttl is None else max(1, int(ttl * 1000))
-        if self._r.set(self._k(key), value, px=px, nx=not replace):
+        if self._call(lambda: self._r.set(self._k(key), value, px=px, nx=not replace)):
             return
-        if not self._replace_refused(key, value, px):
+        if not self._call(lambda: self._replace_refused(key, value, px)):
             raise NameEntryExists(key)
 
     def _replace_refused(self, key: str, value: str, px: int | None) -> bool:
@@ -55,14 +135,17 @@ class RedisNameResolve(NameResolve):
         return False
 
     def _get(self, key: str) -> str | None:
-        return self._r.get(self._k(key))
+        return self._call(lambda: self._r.get(self._k(key)))
 
     def _get_many(self, keys: list[str]) -> list[tuple[str | None, float | None]]:
-        with self._r.pipeline(transaction=False) as pipe:
-            for k in keys:
-                pipe.get(self._k(k))
-                pipe.pttl(self._k(k))
-            res = pipe.execute()
+        def read() -> list:
+            with self._r.pipeline(transaction=False) as pipe:
+                for k in keys:
+                    pipe.get(self._k(k))
+                    pipe.pttl(self._k(k))
+                return pipe.execute()
+
+        res = self._call(read)
         now = time.time()
         # PTTL: -1 no expiry, -2 gone (expired between the GET and the PTTL)
         return [(None, None) if value is None or ms == -2 else
@@ -70,15 +153,18 @@ class RedisNameResolve(NameResolve):
                 for value, ms in zip(res[::2], res[1::2])]
 
     def _delete(self, key: str) -> bool:
-        return bool(self._r.delete(self._k(key)))
+        return bool(self._call(lambda: self._r.delete(self._k(key))))
 
     def _keys_under(self, prefix: str) -> Iterator[str]:
         exact = self._k(prefix)
-        if self._r.exists(exact):
-            yield prefix
         pattern = _glob_escape(exact) + "/*"
-        for k in self._r.scan_iter(match=pattern, count=10_000):
-            yield k[len(self._ns):]
+
+        def scan() -> list[str]:  # whole, so that a retry starts the SCAN over
+            found = [prefix] if self._r.exists(exact) else []
+            return found + [k[len(self._ns):]
+                            for k in self._r.scan_iter(match=pattern, count=10_000)]
+
+        return iter(self._call(scan))
 
     def close(self) -> None:
         super().close()

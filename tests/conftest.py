@@ -2,14 +2,11 @@
 file root. Helpers that are not fixtures live in ``tests/helpers.py``."""
 from __future__ import annotations
 
-import shutil
-import subprocess
-import time
 from typing import Iterator
 
 import pytest
 
-from tests.helpers import free_port, save_tiny_model, tiny_llm
+from tests.helpers import free_port, save_tiny_model, start_redis, tiny_llm
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
@@ -43,25 +40,8 @@ def _uses_module_fixture(item: pytest.Item) -> bool:
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[tuple[str, int]]:
     """A real redis-server on a free loopback port, for the whole session."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (scripts/setup.sh installs it as root)")
     port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--protected-mode", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        pytest.fail("redis-server did not start")
+    proc = start_redis(port)
     yield "127.0.0.1", port
     proc.terminate()
     proc.wait(10)

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 from typing import TYPE_CHECKING, Any
+
+import pytest
 
 if TYPE_CHECKING:
     from system.name_resolve import FileNameResolve
@@ -22,6 +25,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_redis(port: int) -> subprocess.Popen:
+    """A real redis-server on loopback ``port`` without persistence, once it answers (skips
+    the test where redis-server is not installed)."""
+    import redis
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (scripts/setup.sh installs it as root)")
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--protected-mode", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    try:
+        for _ in range(200):
+            try:
+                client.ping()
+                return proc
+            except redis.ConnectionError:
+                if proc.poll() is not None:
+                    break
+                time.sleep(0.05)
+    finally:
+        client.close()
+    proc.kill()
+    pytest.fail(f"redis-server did not start on port {port}")
 
 
 def trial_processes(marker: str) -> list[int]:

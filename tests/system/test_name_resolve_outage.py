@@ -1,0 +1,100 @@
+"""A Redis server that stops answering: operations wait for it (``outage_timeout``), a server
+that came back without its data gets every live process's entries back, and one that stays
+down fails an operation in one line. Each test runs a redis-server of its own, killed and
+started again on the same port."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from system.errors import ConfigError, NameEntryNotFound, NameResolveError
+from system.name_resolve import NameResolveConfig, RedisNameResolve
+from system.wire import new_secret
+from tests.helpers import free_port, start_redis
+
+pytestmark = pytest.mark.redis
+SECRET = new_secret()
+
+
+@pytest.fixture
+def server():
+    """``[port, process]`` of a private redis-server (the test may replace the process)."""
+    port = free_port()
+    box = [port, start_redis(port)]
+    yield box
+    box[1].kill()
+    box[1].wait(10)
+
+
+def _kill(box) -> None:
+    box[1].kill()
+    box[1].wait(10)
+
+
+def test_a_restarted_server_gets_back_the_entries_of_live_processes(server):
+    port = server[0]
+    owner = RedisNameResolve("127.0.0.1", port, namespace="o", secret=SECRET, outage_timeout=20)
+    reader = RedisNameResolve("127.0.0.1", port, namespace="o", secret=SECRET, outage_timeout=20)
+    try:
+        owner.add("e/t/worker/model/0", "tcp://h:1")
+        owner.add("e/t/heartbeat/model/0", "1", keepalive_ttl=1.5)
+        owner.add("e/t/gone", "x")
+        owner.delete("e/t/gone")  # deleted: not added back
+        _kill(server)
+        restart = threading.Timer(1.5, lambda: server.__setitem__(1, start_redis(port)))
+        restart.start()
+        t0 = time.monotonic()
+        # the reader waits for the server (no error), which answers without any entry until
+        # the owner's own calls (its keep-alive refresh, within ttl/3) meet the new server
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert reader.get("e/t/worker/model/0") == "tcp://h:1"
+                break
+            except NameEntryNotFound:
+                assert time.monotonic() < deadline, "the owner's entry did not come back"
+                time.sleep(0.1)
+        restart.join()
+        assert time.monotonic() - t0 >= 1.0  # it did wait out the outage
+        assert owner.restored == 1
+        assert reader.get("e/t/heartbeat/model/0") == "1"  # the keep-alive refresh's
+        with pytest.raises(NameEntryNotFound):
+            reader.get("e/t/gone")
+        # the outage is known to both processes, for the grace their heartbeats get
+        assert owner.outage_seen is not None and reader.outage_seen is not None
+        # the server that answers again is the same one: nothing is added back
+        before = owner.restored
+        owner.add("e/t/worker/model/1", "tcp://h:2")
+        assert owner.restored == before
+    finally:
+        owner.close()
+        reader.close()
+
+
+def test_a_server_that_stays_down_fails_an_operation_in_one_line(server):
+    nr = RedisNameResolve("127.0.0.1", server[0], namespace="d", secret=SECRET,
+                          outage_timeout=1.0)
+    try:
+        nr.add("e/t/a", "1")
+        _kill(server)
+        t0 = time.monotonic()
+        with pytest.raises(NameResolveError) as e:
+            nr.get("e/t/a")
+        waited = time.monotonic() - t0
+        assert 1.0 <= waited < 5.0
+        msg = str(e.value)
+        assert "\n" not in msg
+        assert msg.startswith(f"redis at 127.0.0.1:{server[0]} did not answer for 1s "
+                              "(name_resolve.redis_outage_timeout): ")
+        with pytest.raises(NameResolveError):  # every kind of call, a subtree listing too
+            nr.find_subtree("e/t")
+    finally:
+        nr.close()
+
+
+def test_the_outage_timeout_is_validated():
+    assert NameResolveConfig(redis_outage_timeout=0).redis_outage_timeout == 0
+    with pytest.raises(ConfigError, match="redis_outage_timeout=-1"):
+        NameResolveConfig(redis_outage_timeout=-1)
