@@ -73,6 +73,8 @@ class Worker:
         self._serve_stop = threading.Event()
         self.signalled: str | None = None  # the signal that stopped us, if any
         self.orphaned = False  # stopped because the controller's liveness key expired
+        self._alive_before: dict[str, set[int]] = {}  # kind -> alive at the last read
+        self._served: dict[tuple[str, int], str] = {}  # (kind, index) -> address last read
         self.prepared: Any = None
         """What a warm spare built for this worker ahead of its restart (the experiment's
         ``prepare``; None: nothing), for the role to use or drop."""
@@ -281,20 +283,37 @@ class Worker:
         return {k[len(root):]: v for k, v in self.name_resolve.get_subtree(prefix).items()}
 
     def alive(self, kind: str) -> set[int]:
-        """Indices of the workers of ``kind`` whose heartbeat key is alive."""
+        """Indices of the workers of ``kind`` whose heartbeat key is alive. For one heartbeat
+        TTL after name resolution answered again from an outage (a restarted Redis server may
+        have lost every key; their owners add them back within that time) those alive before it
+        count too."""
         prefix = names.heartbeats(self.exp, self.trial, kind) + "/"
-        return {int(k[len(prefix):]) for k in self.name_resolve.find_subtree(prefix[:-1])
-                if k[len(prefix):].isdigit()}
+        found = {int(k[len(prefix):]) for k in self.name_resolve.find_subtree(prefix[:-1])
+                 if k[len(prefix):].isdigit()}
+        if self._names_just_back():
+            return found | self._alive_before.get(kind, set())
+        self._alive_before[kind] = found
+        return found
+
+    def _names_just_back(self) -> bool:
+        """Name resolution was seen down (or back from it) less than a heartbeat TTL ago."""
+        seen = self.name_resolve.outage_seen
+        return seen is not None and time.monotonic() - seen < self.boot.heartbeat_ttl
 
     def serving_at(self, kind: str, index: int) -> str | None:
         """The address worker ``kind/index`` is registered at while it heart-beats (None: dead
-        or gone). A restarted worker registers anew: compare with the address a client holds."""
+        or gone). A restarted worker registers anew: compare with the address a client holds.
+        Just after a name-resolution outage an address not yet added back is the one last
+        read."""
         if index not in self.alive(kind):
             return None
         try:
-            return self.name_resolve.get(names.worker_address(self.exp, self.trial, kind, index))
+            address = self.name_resolve.get(names.worker_address(self.exp, self.trial, kind,
+                                                                 index))
         except NameEntryNotFound:
-            return None
+            return self._served.get((kind, index)) if self._names_just_back() else None
+        self._served[(kind, index)] = address
+        return address
 
     # --- lifecycle ---
     def run(self, role: Callable[[Any], dict[str, Any] | None]) -> int:

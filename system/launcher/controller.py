@@ -21,7 +21,8 @@ from experiments.registry import Experiment
 from scheduler.base import JobState, JobStatus, Scheduler
 from scheduler.requeue import Restart
 from system import names
-from system.errors import RLSystemError, RpcError, SchedulerError, WorkerFailure
+from system.errors import (NameResolveError, RLSystemError, RpcError, SchedulerError,
+                           WorkerFailure)
 from system.launcher.config import ExperimentConfig
 from system.launcher.failures import (call_failure_cause, job_failure, reported_failure,
                                       root_cause)
@@ -67,6 +68,7 @@ class Controller(RecoveringController):
         self.recovery = Recovery(cfg.recovery(), experiment.stateful, self._t0)
         self.watch = MasterProgress()
         self._watch_t0: float | None = None  # the first watch's start: a recovery keeps it
+        self._names_down = False  # the trial failed because name resolution stopped answering
         self.names = NameWatch(name_resolve, cfg.exp, cfg.trial, cfg.controller.heartbeat_ttl)
         self.status = StatusWriter(cfg, paths, self._t0, self.timeline, self.logs, name_resolve,
                                    self.recovery.summary)
@@ -93,6 +95,11 @@ class Controller(RecoveringController):
             failure = e if isinstance(e, WorkerFailure) else WorkerFailure(str(e))
             summary.failed(failure)
             print(f"\nerror: {e}", file=sys.stderr)
+        except NameResolveError as e:  # the name service is gone (past its outage timeout)
+            self._names_down = True
+            failure = WorkerFailure(f"name resolution failed: {e}")
+            summary.failed(failure)
+            print(f"\nerror: {failure}", file=sys.stderr)
         except KeyboardInterrupt as e:
             summary.interrupted(cancelled=isinstance(e, TrialCancelled))
             print(f"\n{summary.status}: stopping every worker", file=sys.stderr)
@@ -341,6 +348,9 @@ class Controller(RecoveringController):
             self._rejoin()
             beating = self.names.beating(self.logs)
             dead = sorted(set(self.logs) - beating - set(self.requeue.rejoining))
+            seen = self.nr.outage_seen
+            if dead and seen is not None and time.monotonic() - seen < cc.heartbeat_ttl:
+                dead = []  # name resolution was down: heartbeats refresh within one TTL
             if dead:  # a requeue may explain it: ask the scheduler afresh before judging
                 statuses = self._poll(fresh=True)
                 self._note_restarts(statuses)
@@ -408,10 +418,13 @@ class Controller(RecoveringController):
             print(f"\nerror while stopping: {e}", file=sys.stderr)
         for c in clients:
             c.close()
-        try:
-            self.nr.clear_subtree(names.trial_root(self.cfg.exp, self.cfg.trial))
-        except Exception as e:  # the backend may be gone; keys expire on their own
-            log.warning("could not clear name-resolve keys: %s", e)
+        if self._names_down:  # not waited for again: the next launch clears them
+            log.warning("name-resolve keys left in place: the name service does not answer")
+        else:
+            try:
+                self.nr.clear_subtree(names.trial_root(self.cfg.exp, self.cfg.trial))
+            except Exception as e:  # the backend may be gone; keys expire on their own
+                log.warning("could not clear name-resolve keys: %s", e)
         self.nr.close()
         self.timeline["stopped"] = time.time()
 

@@ -3,7 +3,6 @@ processes, a real file name resolution; the test plays the controller (it writes
 TTL and stops refreshing it, as a controller killed with -9 would)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -146,3 +145,29 @@ def test_alive_lists_the_workers_of_a_kind_whose_heartbeat_lives(trial):
     assert w.alive("model") == set()
     w.name_resolve.close()
     w.server.close()
+
+
+def test_heartbeats_missed_during_a_name_service_outage_are_no_news(trial):
+    """Just after name resolution was seen down (a restarted Redis lost every key; each owner
+    adds its own back within a heartbeat), ``alive`` and ``serving_at`` answer what they last
+    read; once a heartbeat TTL (2 s here) has passed, only what is there counts."""
+    from workers.base import Worker
+
+    tmp_path, nr, _ = trial
+    w = Worker(Bootstrap.read(str(tmp_path / "bootstrap.json")), 0)
+    try:
+        nr.add(names.heartbeat("orph", "t", "generation", 0), "1", keepalive_ttl=60)
+        nr.add(names.worker_address("orph", "t", "generation", 0), "tcp://h:1")
+        assert w.alive("generation") == {0}
+        assert w.serving_at("generation", 0) == "tcp://h:1"
+        nr.delete(names.heartbeat("orph", "t", "generation", 0))  # lost with the server
+        nr.delete(names.worker_address("orph", "t", "generation", 0))
+        w.name_resolve.outage_seen = time.monotonic()  # as the backend records it
+        assert w.alive("generation") == {0}
+        assert w.serving_at("generation", 0) == "tcp://h:1"
+        w.name_resolve.outage_seen = time.monotonic() - 2.5  # a TTL later: the loss is news
+        assert w.alive("generation") == set()
+        assert w.serving_at("generation", 0) is None
+    finally:
+        w.name_resolve.close()
+        w.server.close()
