@@ -32,6 +32,10 @@ class NameEntryExists(NameResolveError):
     """``add(replace=False)`` found a live entry under the key."""
 
 
+class NameServiceUnavailable(NameResolveError):
+    """The name-resolution server did not answer within its outage timeout."""
+
+
 class RpcError(RLSystemError):
     """A request/reply call failed."""
 

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import ClassVar, Iterator, NamedTuple
 
-from system.errors import ConfigError, NameEntryNotFound, NameResolveError
+from system.errors import ConfigError, NameEntryExists, NameEntryNotFound, NameResolveError
 from system.name_auth import EntrySealer
 from system.private_files import read_private_file
 
@@ -117,10 +117,15 @@ class NameResolve(abc.ABC):
         self._sealer = EntrySealer(secret)
         self._keepalive: dict[str, tuple[str, float]] = {}
         self._ka_lock = threading.Lock()
+        # held by a keep-alive refresh while it writes, and by delete/clear while they drop
+        # keys from keep-alive: a refresh never writes back a key just deleted
+        self._ka_put_lock = threading.Lock()
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
         self._verified: dict[str, tuple[str, str]] = {}  # key -> (stored, value) checked
         self._owned: dict[str, str] = {}  # key -> stored value, of entries added without TTL
+        self.outage_timeout = 0.0
+        """Seconds a backend that retries an unanswering server (redis) keeps trying."""
         self.outage_seen: float | None = None
         """When (monotonic) a call of this process last found the backend not answering, or
         answering again after that (None: never): heartbeats missed meanwhile are no news
@@ -235,7 +240,7 @@ class NameResolve(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove ``key`` (and stop keeping it alive); :class:`NameEntryNotFound` if absent."""
         key = _check_key(key)
-        with self._ka_lock:
+        with self._ka_put_lock, self._ka_lock:
             self._keepalive.pop(key, None)
             self._owned.pop(key, None)
         if not self._delete(key):
@@ -244,7 +249,7 @@ class NameResolve(abc.ABC):
     def clear_subtree(self, prefix: str) -> int:
         """Remove every key at or below ``prefix`` (e.g. a whole trial); returns how many."""
         prefix = _check_key(prefix)
-        with self._ka_lock:
+        with self._ka_put_lock, self._ka_lock:
             for held in (self._keepalive, self._owned):
                 for k in [k for k in held if k == prefix or k.startswith(prefix + "/")]:
                     del held[k]
@@ -264,7 +269,7 @@ class NameResolve(abc.ABC):
             try:
                 self._put(key, stored, None, False)
                 n += 1
-            except NameResolveError:  # there (kept, or written anew by its new owner)
+            except NameEntryExists:  # there (kept, or written anew by its new owner)
                 pass
         return n
 
@@ -288,9 +293,13 @@ class NameResolve(abc.ABC):
                 items = list(self._keepalive.items())
                 period = min((ttl for _, ttl in self._keepalive.values()), default=1.0) / 3
             for key, (value, ttl) in items:
-                try:
-                    self.ops["write"] += 1
-                    self._put(key, value, ttl, True)
-                except Exception:  # a transient backend error must not kill the refresher
-                    pass
+                with self._ka_put_lock:
+                    with self._ka_lock:
+                        if self._keepalive.get(key) != (value, ttl):
+                            continue  # deleted (or added anew) since the snapshot
+                    try:
+                        self.ops["write"] += 1
+                        self._put(key, value, ttl, True)
+                    except Exception:  # a transient backend error must not kill the refresher
+                        pass
             self._ka_stop.wait(max(period, 0.02))

@@ -3,9 +3,10 @@ not KEYS); each user's keys under a prefix of their own.
 
 A server that stops answering (restarted, failed over, a network blip) is retried for
 ``outage_timeout`` seconds before an operation fails with one line saying so. When it answers
-again as a new server process (its ``run_id`` changed), this process adds back the entries it
-holds, in case the server came back without its data (no persistence); keep-alive entries come
-back with their next refresh.
+again, or a new connection is made (the client reconnects by itself to a server that restarted
+between two calls), and the server is a new process (its ``run_id`` changed), this process adds
+back the entries it holds, in case the server came back without its data (no persistence);
+keep-alive entries come back with their next refresh.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import threading
 import time
 from typing import Callable, Iterator, TypeVar
 
-from system.errors import NameEntryExists, NameResolveError
+from system.errors import NameEntryExists, NameResolveError, NameServiceUnavailable
 from system.name_resolve_api import NameResolve
 
 log = logging.getLogger("name_resolve")
@@ -44,15 +45,24 @@ class RedisNameResolve(NameResolve):
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        # no retries of the client's own (they back off up to seconds): _call retries
+        self._outage_lock = threading.Lock()
+        self._local = threading.local()  # .restoring: this thread adds entries back (no retries)
+        self._connected = False  # a new connection was made: is it to a new server process?
+        # no retries of the client's own (they back off up to seconds): _call retries. Every
+        # new connection is noted: the client reconnects by itself to a server that restarted
+        # between two calls, which then never see it fail.
         self._r = redis.Redis(host=host, port=port, db=db, password=password or None,
                               socket_timeout=10, socket_connect_timeout=10, decode_responses=True,
-                              retry=Retry(NoBackoff(), 0))
+                              retry=Retry(NoBackoff(), 0), redis_connect_func=self._on_connect)
         try:
             self._run_id = self._server_run_id()
         except redis.RedisError as e:
             raise NameResolveError(f"cannot reach redis at {host}:{port}: {e}") from e
-        self._outage_lock = threading.RLock()  # restoring calls _call, which may come back here
+        self._connected = False
+
+    def _on_connect(self, connection) -> None:
+        connection.on_connect()  # what the client does by default (authentication, db)
+        self._connected = True
 
     def _server_run_id(self) -> str:
         """The server process's id; "" where INFO is not allowed (then every return of the
@@ -65,7 +75,8 @@ class RedisNameResolve(NameResolve):
 
     def _call(self, op: Callable[[], T]) -> T:
         """``op()``, retried while the server does not answer, for up to ``outage_timeout``
-        seconds; once it answers again, entries are restored if it is a new server process."""
+        seconds; once it answers again, or on any new connection, entries are added back if it
+        is a new server process."""
         deadline = None
         failures = 0
         while True:
@@ -76,36 +87,55 @@ class RedisNameResolve(NameResolve):
                 if failures == 1:  # a pooled connection the server closed: once more at once
                     continue
                 now = self.outage_seen = time.monotonic()
+                restoring = getattr(self._local, "restoring", False)
                 if deadline is None:
                     deadline = now + self.outage_timeout
-                    log.warning("redis at %s does not answer (%s): retrying for up to %.0fs",
-                                self._where, e, self.outage_timeout)
-                if now >= deadline:
-                    raise NameResolveError(
+                    if not restoring:
+                        log.warning("redis at %s does not answer (%s): retrying for up to "
+                                    "%.0fs", self._where, e, self.outage_timeout)
+                if restoring or now >= deadline:
+                    raise NameServiceUnavailable(
                         f"redis at {self._where} did not answer for {self.outage_timeout:.0f}s "
                         f"(name_resolve.redis_outage_timeout): {e}") from None
                 time.sleep(min(RETRY_SECONDS, max(deadline - now, 0.0)))
                 continue
-            if deadline is not None:
-                self._back()
+            if (deadline is not None or self._connected) and \
+                    not getattr(self._local, "restoring", False):
+                self._check_server(outage=deadline is not None)
             return out
 
-    def _back(self) -> None:
-        """The server answers again: if it is a new process, add back what this one holds."""
-        self.outage_seen = time.monotonic()
-        with self._outage_lock:
+    def _check_server(self, outage: bool) -> None:
+        """After an outage or a new connection: if the server is a new process (it may have
+        lost every key), add back what this process holds. Another thread already checking
+        is not waited for."""
+        if not self._outage_lock.acquire(blocking=False):
+            return
+        try:
+            self._connected = False
             try:
                 run_id = self._server_run_id()
             except self._unreachable:
                 return  # gone again: the next call's retries deal with it
             if run_id and run_id == self._run_id:
-                log.warning("redis at %s answers again", self._where)
+                if outage:
+                    self.outage_seen = time.monotonic()
+                    log.warning("redis at %s answers again", self._where)
                 return
+            self.outage_seen = time.monotonic()  # its heartbeats too may be gone for a while
+            self._local.restoring = True
+            try:
+                n = self._restore_owned()
+            except NameServiceUnavailable as e:  # gone again: the next return tries again
+                log.warning("redis at %s: adding entries back stopped: %s", self._where, e)
+                return
+            finally:
+                self._local.restoring = False
             self._run_id = run_id
-            n = self._restore_owned()
             self.restored += n
-            log.warning("redis at %s answers again as a new server: %d entries of this "
-                        "process added back", self._where, n)
+            log.warning("redis at %s answers as a new server: %d entries of this process "
+                        "added back", self._where, n)
+        finally:
+            self._outage_lock.release()
 
     def _k(self, key: str) -> str:
         return self._ns + key
@@ -124,7 +154,10 @@ class RedisNameResolve(NameResolve):
             for _ in range(5):
                 try:
                     pipe.watch(self._k(key))
-                    if self._sealer.open(key, pipe.get(self._k(key))) is not None:
+                    current = pipe.get(self._k(key))
+                    if current == value:  # this very write, retried after a lost reply
+                        return True
+                    if self._sealer.open(key, current) is not None:
                         return False
                     pipe.multi()
                     pipe.set(self._k(key), value, px=px)

@@ -290,12 +290,12 @@ class Worker:
         prefix = names.heartbeats(self.exp, self.trial, kind) + "/"
         found = {int(k[len(prefix):]) for k in self.name_resolve.find_subtree(prefix[:-1])
                  if k[len(prefix):].isdigit()}
-        if self._names_just_back():
+        if self.names_just_back():
             return found | self._alive_before.get(kind, set())
         self._alive_before[kind] = found
         return found
 
-    def _names_just_back(self) -> bool:
+    def names_just_back(self) -> bool:
         """Name resolution was seen down (or back from it) less than a heartbeat TTL ago."""
         seen = self.name_resolve.outage_seen
         return seen is not None and time.monotonic() - seen < self.boot.heartbeat_ttl
@@ -311,7 +311,7 @@ class Worker:
             address = self.name_resolve.get(names.worker_address(self.exp, self.trial, kind,
                                                                  index))
         except NameEntryNotFound:
-            return self._served.get((kind, index)) if self._names_just_back() else None
+            return self._served.get((kind, index)) if self.names_just_back() else None
         self._served[(kind, index)] = address
         return address
 

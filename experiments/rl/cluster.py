@@ -249,7 +249,8 @@ class Cluster:
         (a new address) and whose engine is ready join and receive the current weights as
         ``version``. Returns whether :attr:`live` changed."""
         before = set(self.live)
-        for r in sorted(self.live - alive):
+        # heartbeats lost with the name service (a restarted Redis) are no news for a while
+        for r in [] if self.master.names_just_back() else sorted(self.live - alive):
             self.drop(r, "it stopped heart-beating")
         self.peers.refresh()
         for g in self.peers.generation_servers():

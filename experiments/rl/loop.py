@@ -246,6 +246,8 @@ class RLLoop:
         now = time.monotonic()
         if now - self._heartbeats_read_at < 1.0:  # name resolution is a filesystem: poll gently
             return
+        if self.master.names_just_back():  # heartbeats lost with the name service: no news
+            return
         self._heartbeats_read_at = now
         holders = self.source.lease_holders()
         if not holders:

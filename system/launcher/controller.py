@@ -21,7 +21,7 @@ from experiments.registry import Experiment
 from scheduler.base import JobState, JobStatus, Scheduler
 from scheduler.requeue import Restart
 from system import names
-from system.errors import (NameResolveError, RLSystemError, RpcError, SchedulerError,
+from system.errors import (NameServiceUnavailable, RLSystemError, RpcError, SchedulerError,
                            WorkerFailure)
 from system.launcher.config import ExperimentConfig
 from system.launcher.failures import (call_failure_cause, job_failure, reported_failure,
@@ -44,6 +44,7 @@ from workers.kinds import KINDS, client_for
 log = logging.getLogger("controller")
 
 REPORT_GRACE = 1.0  # for a worker whose heartbeat expired to say why (out of descriptors, say)
+NAMES_CLEANUP_WAIT = 3.0  # for a name service that does not answer while the trial stops
 CAUSE_GRACE = 3.0  # for the scheduler to show a job ended when its worker refused a call
 
 
@@ -95,7 +96,7 @@ class Controller(RecoveringController):
             failure = e if isinstance(e, WorkerFailure) else WorkerFailure(str(e))
             summary.failed(failure)
             print(f"\nerror: {e}", file=sys.stderr)
-        except NameResolveError as e:  # the name service is gone (past its outage timeout)
+        except NameServiceUnavailable as e:  # gone past its outage timeout
             self._names_down = True
             failure = WorkerFailure(f"name resolution failed: {e}")
             summary.failed(failure)
@@ -420,7 +421,8 @@ class Controller(RecoveringController):
             c.close()
         if self._names_down:  # not waited for again: the next launch clears them
             log.warning("name-resolve keys left in place: the name service does not answer")
-        else:
+        else:  # a name service down meanwhile (Ctrl-C during an outage) is not waited out
+            self.nr.outage_timeout = min(self.nr.outage_timeout, NAMES_CLEANUP_WAIT)
             try:
                 self.nr.clear_subtree(names.trial_root(self.cfg.exp, self.cfg.trial))
             except Exception as e:  # the backend may be gone; keys expire on their own
