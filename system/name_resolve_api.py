@@ -258,6 +258,12 @@ class NameResolve(abc.ABC):
             n += int(self._delete(k))
         return n
 
+    def outage_within(self, seconds: float) -> bool:
+        """Whether a call of this process found the backend down (or back from it) less than
+        ``seconds`` ago: heartbeats missed meanwhile are no news yet."""
+        seen = self.outage_seen
+        return seen is not None and time.monotonic() - seen < seconds
+
     def _restore_owned(self) -> int:
         """Add again, where missing, every entry this process added and still holds (after the
         backend lost its data: a Redis server restarted without persistence); keep-alive ones

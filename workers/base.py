@@ -297,8 +297,7 @@ class Worker:
 
     def names_just_back(self) -> bool:
         """Name resolution was seen down (or back from it) less than a heartbeat TTL ago."""
-        seen = self.name_resolve.outage_seen
-        return seen is not None and time.monotonic() - seen < self.boot.heartbeat_ttl
+        return self.name_resolve.outage_within(self.boot.heartbeat_ttl)
 
     def serving_at(self, kind: str, index: int) -> str | None:
         """The address worker ``kind/index`` is registered at while it heart-beats (None: dead

@@ -349,8 +349,7 @@ class Controller(RecoveringController):
             self._rejoin()
             beating = self.names.beating(self.logs)
             dead = sorted(set(self.logs) - beating - set(self.requeue.rejoining))
-            seen = self.nr.outage_seen
-            if dead and seen is not None and time.monotonic() - seen < cc.heartbeat_ttl:
+            if dead and self.nr.outage_within(cc.heartbeat_ttl):
                 dead = []  # name resolution was down: heartbeats refresh within one TTL
             if dead:  # a requeue may explain it: ask the scheduler afresh before judging
                 statuses = self._poll(fresh=True)

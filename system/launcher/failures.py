@@ -66,9 +66,14 @@ def root_cause(report: WorkerFailure, statuses: Iterable[JobStatus],
                        excluding=[report.worker, *reporters])
     if dead is None:
         return report
-    first = str(report).splitlines()[0]
-    return WorkerFailure(f"{dead}\nthen {first}", dead.worker, dead.log_path,
-                         also=(report.worker, *report.also))
+    return _then(dead, report, also=(report.worker, *report.also))
+
+
+def _then(dead: WorkerFailure, after: WorkerFailure, also: tuple[str, ...] = ()
+          ) -> WorkerFailure:
+    """``dead`` as the failure, with the first line of ``after`` (its consequence) last."""
+    first = str(after).splitlines()[0]
+    return WorkerFailure(f"{dead}\nthen {first}", dead.worker, dead.log_path, also=also)
 
 
 def call_failure_cause(failed: WorkerFailure, statuses: Iterable[JobStatus],
@@ -76,10 +81,7 @@ def call_failure_cause(failed: WorkerFailure, statuses: Iterable[JobStatus],
     """A job that had ended when a call to a worker failed (a cancelled job's workers refuse
     calls as they stop), as the failure, with the failed call after it; None if none had."""
     dead = job_failure(statuses, phase)
-    if dead is None:
-        return None
-    first = str(failed).splitlines()[0]
-    return WorkerFailure(f"{dead}\nthen {first}", dead.worker, dead.log_path)
+    return None if dead is None else _then(dead, failed)
 
 
 def clear_worker_keys(nr: NameResolve, exp: str, trial: str, workers: Iterable[str],
