@@ -65,11 +65,8 @@ def test_eval_mode_evaluates_every_checkpoint_as_training_did(fileroot):
         # and published (float32 on CPU: the checkpoint holds exactly those weights)
         assert r["accuracy"] == logged[r["step"]]["eval_accuracy"]
         assert r["digest"] == logged[r["step"]]["eval_digest"], r["step"]
-    # the weights did change between them (two steps of a tiny model may leave every greedy
-    # answer, so the answers' digests, the same: the checkpoints themselves differ)
-    weights = [files[os.path.join("checkpoints", f"step_{s}", "actor", "model.safetensors")]
-               for s in (2, 4)]
-    assert weights[0] != weights[1]
+    # (no claim that steps 2 and 4 differ: two steps whose groups all got equal rewards train
+    # nothing under GRPO, and CI runs saw both the answers and the weights unchanged)
     assert os.path.getsize(os.path.join(out, "accuracy.png")) > 1000
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
