@@ -11,7 +11,9 @@ Two halves:
   lease ran out or whose rollout worker died (``TaskSource.expire`` / ``release_worker`` finish
   them as rejected): a lost rollout can never hold a slot for good, so even with ``eta = 0``
   (where the whole batch must be admitted before any of it trains) one leaked task cannot stall
-  the loop, and the bound above is unchanged.
+  the loop, and the bound above is unchanged. After a resume with another ``B``, the steps
+  before the restored version count as that many steps of the new ``B`` (see
+  :meth:`AdmissionController.restore`), so the bound is the same as for a fresh run.
 - Consumption (:class:`TrajectoryBuffer`): rollouts finish out of order, so one admitted early
   and finished late could still be too old. The buffer serves the oldest admissible
   trajectories first and drops (and counts) any whose weights lag more than ``eta`` versions;
@@ -65,6 +67,9 @@ class AdmissionController:
         self._running = 0
         self._issued = 0
         self._consumed = 0
+        # accepted trajectories that the staleness bound does not count: after a restore, those
+        # consumed beyond ``version * batch_size`` (earlier steps ran with another batch size)
+        self._uncounted = 0
 
     @property
     def version(self) -> int:
@@ -72,7 +77,7 @@ class AdmissionController:
 
     def _capacity(self) -> int:
         eta, b = self.cfg.max_head_offpolicyness, self.cfg.batch_size
-        cap = (self._version + eta + 1) * b - (self._accepted + self._running)
+        cap = (self._version + eta + 1) * b - (self._accepted - self._uncounted + self._running)
         if self.cfg.max_concurrent:
             cap = min(cap, self.cfg.max_concurrent - self._running)
         return max(0, cap)
@@ -116,10 +121,17 @@ class AdmissionController:
 
     def restore(self, version: int, consumed: int, buffered: int) -> None:
         """Resume: ``consumed`` trajectories trained so far, ``buffered`` restored into the
-        buffer, nothing in flight."""
+        buffer, nothing in flight.
+
+        ``consumed`` is kept as it is (the dataset position), but the steps before ``version``
+        may have run with another batch size, so the bound counts them as ``version`` steps of
+        the current one: admission may run ``(1 + eta) * B - buffered`` ahead, as if the whole
+        run had used this B (with an unchanged B, ``consumed == version * B`` and nothing
+        changes)."""
         with self._lock:
             self._version, self._consumed = version, consumed
             self._accepted, self._running = consumed + buffered, 0
+            self._uncounted = consumed - version * self.cfg.batch_size
 
     def outstanding(self) -> int:
         """In flight plus buffered (accepted, not yet consumed)."""

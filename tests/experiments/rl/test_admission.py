@@ -259,3 +259,121 @@ def test_leases_keep_the_bound_and_train_each_prompt_once(eta):
     assert len(epochs) > 10
     for e in epochs[:-2]:  # finished epochs: every prompt trained exactly once
         assert sorted(p for p, ep in trained if ep == e) == list(range(30))
+
+
+def _drive(ctl: AdmissionController, buffer: TrajectoryBuffer, B: int, eta: int,
+           rng: random.Random, actions: int) -> tuple[list[int], list[bool]]:
+    """A random interleaving of admissions, out-of-order finishes and training steps of ``B``
+    (as in :func:`test_no_trained_sample_exceeds_eta`). Returns the trained staleness and
+    whether each admission attempt succeeded; checks the bound after every action (a buffer
+    restored from a larger batch size may start above it: then it must not grow)."""
+    running, staleness, admitted = [], [], []
+    for _ in range(actions):
+        before = ctl.outstanding()
+        action = rng.random()
+        if action < 0.45:
+            t = ctl.try_admit()
+            admitted.append(t is not None)
+            if t is not None:
+                running.append(t)
+        elif action < 0.85 and running:
+            t = running.pop(rng.randrange(len(running)))
+            accepted = rng.random() > 0.2
+            ctl.finish(t, accepted)
+            if accepted:
+                buffer.put(t, t.version)
+        else:
+            ctl.discard(len(buffer.drop_stale(ctl.version)))
+            batch = buffer.take(B, ctl.version)
+            if batch is not None:
+                ctl.consumed(B)
+                staleness += [ctl.version - v for _, v in batch]
+                ctl.set_version(ctl.version + 1)
+        assert ctl.outstanding() <= max((1 + eta) * B, before)
+    for t in running:  # the trial stops: nothing in flight at the checkpoint
+        ctl.finish(t, accepted=False)
+    return staleness, admitted
+
+
+def _resume(old_b: int, new_b: int, eta: int, seed: int) -> None:
+    """Train with ``old_b``, checkpoint (version, consumed, buffer), resume with ``new_b``:
+    the bound holds with the new batch size and training goes on."""
+    rng = random.Random(seed)
+    ctl, buf = AdmissionController(AdmissionConfig(old_b, eta)), TrajectoryBuffer(eta)
+    _drive(ctl, buf, old_b, eta, rng, 600)
+    version, consumed = ctl.version, ctl.version * old_b
+    assert version > 5 and ctl.outstanding() == len(buf)
+    new, new_buf = AdmissionController(AdmissionConfig(new_b, eta)), TrajectoryBuffer(eta)
+    for item, v in buf.items():
+        new_buf.put(item, v)
+    new.restore(version, consumed, len(buf))
+    staleness, admitted = _drive(new, new_buf, new_b, eta, rng, 3000)
+    assert any(admitted) and new.version > version + 20  # no hang
+    assert max(staleness) <= eta
+    assert new.outstanding() <= (1 + eta) * new_b
+
+
+@pytest.mark.parametrize("version,consumed,new_b,eta,buffered,want", [
+    (20, 20 * 16, 8, 1, 0, 16),         # B 16 -> 8: was nothing, ever (the resume hung)
+    (20, 20 * 16, 8, 0, 3, 5),
+    (40, 20 * 16 + 20 * 8, 8, 1, 0, 16),  # resumed again, B unchanged since the last resume
+    (20, 20 * 16, 4, 2, 20, 0),          # more buffered than the new bound: train first
+])
+def test_restore_with_a_smaller_batch_size_admits(version, consumed, new_b, eta, buffered,
+                                                   want):
+    ctl = AdmissionController(AdmissionConfig(new_b, eta))
+    ctl.restore(version, consumed, buffered)
+    assert sum(ctl.try_admit() is not None for _ in range(1000)) == want
+    assert ctl.outstanding() <= max(buffered, (1 + eta) * new_b)
+    assert ctl.version == version and ctl.outstanding() == buffered + want
+
+
+def test_restore_with_a_smaller_batch_size_admits_again_once_the_buffer_drains():
+    ctl = AdmissionController(AdmissionConfig(4, 2))
+    ctl.restore(20, 20 * 16, 20)
+    assert ctl.try_admit() is None
+    for step in range(21, 24):  # 20 -> 16 -> 12 -> 8 buffered
+        ctl.consumed(4)
+        ctl.set_version(step)
+    assert sum(ctl.try_admit() is not None for _ in range(100)) == 3 * 4 - 8
+
+
+@pytest.mark.parametrize("version,consumed,new_b,eta,buffered,want", [
+    (20, 20 * 8, 16, 1, 0, 32),   # B 8 -> 16: was 192 admitted at once
+    (20, 20 * 8, 16, 0, 5, 11),
+    (10, 10 * 2, 3, 3, 0, 12),
+])
+def test_restore_with_a_larger_batch_size_keeps_the_bound(version, consumed, new_b, eta,
+                                                          buffered, want):
+    ctl = AdmissionController(AdmissionConfig(new_b, eta))
+    ctl.restore(version, consumed, buffered)
+    assert sum(ctl.try_admit() is not None for _ in range(1000)) == want
+    assert ctl.outstanding() == (1 + eta) * new_b
+
+
+@pytest.mark.parametrize("old_b,new_b,eta", [(16, 8, 1), (8, 3, 0), (6, 4, 2), (8, 16, 1),
+                                             (3, 8, 0), (4, 7, 2), (6, 6, 1)])
+def test_resume_with_another_batch_size_keeps_staleness_and_trains(old_b, new_b, eta):
+    _resume(old_b, new_b, eta, seed=old_b * 100 + new_b * 10 + eta)
+
+
+@pytest.mark.parametrize("eta", [0, 1, 3])
+def test_restore_with_the_same_batch_size_is_unchanged(eta):
+    """Same B: the restored controller admits exactly what one that never stopped would."""
+    B, rng = 6, random.Random(eta)
+    ctl, buf = AdmissionController(AdmissionConfig(B, eta)), TrajectoryBuffer(eta)
+    _drive(ctl, buf, B, eta, rng, 800)
+    assert ctl.version > 5 and ctl.outstanding() == len(buf)
+    new, new_buf = AdmissionController(AdmissionConfig(B, eta)), TrajectoryBuffer(eta)
+    for item, v in buf.items():
+        new_buf.put(item, v)
+    new.restore(ctl.version, ctl.version * B, len(buf))
+    assert new.outstanding() == ctl.outstanding()
+    state = rng.getstate()
+    kept = _drive(ctl, buf, B, eta, rng, 2000)
+    rng.setstate(state)
+    assert _drive(new, new_buf, B, eta, rng, 2000) == kept
+    assert new.version == ctl.version and new.outstanding() == ctl.outstanding()
+    fresh = AdmissionController(AdmissionConfig(B, eta))
+    fresh.restore(7, 7 * B, 2)
+    assert sum(fresh.try_admit() is not None for _ in range(100)) == (1 + eta) * B - 2
