@@ -54,7 +54,8 @@ class Experiment:
     eval_done: Callable[[Any, str, str], str | None] | None = None
     """``mode=eval``, before anything starts, given the config, the trial's directory and the
     evaluation's (``<trial>/eval``): one line saying the trial's checkpoints are all evaluated
-    already (the launcher prints it and exits 0), or None to run."""
+    already (the launcher prints it and exits 0), or None to run; ConfigError (one line, exit 2)
+    when this config cannot evaluate them."""
     resume_check: Callable[[Any, str], None] | None = None
     """Before a training launch that would continue an existing trial (``recover=auto`` or
     ``resume``), given the config and the trial's directory: ConfigError (one line) when the

@@ -167,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     umask = private_modes(cfg.cluster.group_readable)
     experiment = get_experiment(args.exp)
-    done = None if args.dry_run or "--test-only" in args.flags else \
-        evaluated_already(cfg, experiment)
+    try:
+        done = None if args.dry_run or "--test-only" in args.flags else \
+            evaluated_already(cfg, experiment)
+    except ConfigError as e:  # e.g. nothing to evaluate on
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if done is not None:  # every checkpoint is evaluated already: write and start nothing
         print(done, file=sys.stderr)
         return 0

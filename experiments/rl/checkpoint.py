@@ -117,7 +117,13 @@ class CheckpointDir:
                 kept += 1
                 continue
             shutil.rmtree(self.path(s), ignore_errors=True)
-        for d in os.listdir(self.root):  # staging dirs of earlier crashes
+        self.discard_staging()
+
+    def discard_staging(self) -> None:
+        """Remove the staging directories of checkpoints never committed (a crash, a full
+        disk): called when no party is writing one (after a commit; when the training loop
+        starts, before it asks for any)."""
+        for d in os.listdir(self.root):
             if d.startswith("step_") and d.endswith(".tmp"):
                 shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
 

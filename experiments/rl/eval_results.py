@@ -20,6 +20,7 @@ from typing import Any, Sequence, TypedDict
 from experiments.rl.checkpoint import META
 from experiments.rl.config import RLConfig
 from experiments.rl.metrics import read_rows
+from system import json_text
 
 RESULTS = "results.jsonl"
 PLOT = "accuracy.png"
@@ -80,7 +81,7 @@ def merged(rows: Sequence[dict[str, Any]], result: EvalResult) -> list[dict[str,
 def write_results(path: str, rows: Sequence[dict[str, Any]]) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.writelines(json_text.dumps(r) + "\n" for r in rows)
     os.replace(tmp, path)
 
 

@@ -53,6 +53,7 @@ class RLLoop:
         self.trial_dir = master.boot.trial_dir
         self.ckpt = CheckpointDir(os.path.join(self.trial_dir, "checkpoints"),
                                   rl.keep_checkpoints)
+        self.ckpt.discard_staging()  # a checkpoint the last run left half-written
         random.seed(rl.seed)
         np.random.seed(rl.seed)
         self.layout = layout_of(rl.actor, int(master.config["counts"]["model"]))
@@ -106,7 +107,7 @@ class RLLoop:
         log.info("start-up: engines ready in %.1fs, weight sync joined in %.1fs, weights "
                  "published in %.1fs", t1 - t0, t2 - t1, time.monotonic() - t2)
         self.master.set_progress(phase="starting", resumed_from=self.state.step)
-        if self.state.eval_before is None:
+        if self.state.eval_before is None and self.held_out:  # (none: nothing to evaluate)
             self.master.set_progress(phase="evaluating", resumed_from=self.state.step)
             before = self.evaluate()
             self.state.eval_before = before.accuracy
@@ -175,8 +176,9 @@ class RLLoop:
         sync = self.publish() if (
             state.step % rl.sync_interval == 0 or state.step == rl.total_steps) else {}
         self.admission.set_version(state.step)
-        ev = self.evaluate() if ((rl.eval_interval and state.step % rl.eval_interval == 0)
-                                 or state.step == rl.total_steps) else None
+        ev = self.evaluate() if self.held_out and (
+            (rl.eval_interval and state.step % rl.eval_interval == 0)
+            or state.step == rl.total_steps) else None
         acc = None if ev is None else ev.accuracy
         row = {**stats, **sync, "wait_seconds": t_wait, "step_seconds": time.monotonic() - t0,
                "buffered": len(self.buffer), "in_flight": len(self.source.in_flight),
@@ -342,11 +344,13 @@ class RLLoop:
         plot = self.metrics.plot(os.path.join(self.trial_dir, "reward.png"),
                                  f"{self.master.boot.experiment} ({rl.mode}, {rl.algorithm})")
         self.metrics.close()
-        first3 = float(np.mean(rewards[:3])) if rewards else float("nan")
-        last3 = float(np.mean(rewards[-3:])) if rewards else float("nan")
-        return {"reward_first3": first3, "reward_last3": last3, "reward_gain": last3 - first3,
+        first3 = float(np.mean(rewards[:3])) if rewards else None
+        last3 = float(np.mean(rewards[-3:])) if rewards else None
+        evals = self.metrics.series("eval_accuracy")  # (none without held-out prompts)
+        return {"reward_first3": first3, "reward_last3": last3,
+                "reward_gain": None if last3 is None or first3 is None else last3 - first3,
                 "eval_accuracy_before": state.eval_before,
-                "eval_accuracy_after": self.metrics.series("eval_accuracy")[-1][1],
+                "eval_accuracy_after": evals[-1][1] if evals else None,
                 "mode": rl.mode, "algorithm": rl.algorithm,
                 "max_staleness_used": state.max_staleness, "max_head_offpolicyness": rl.eta,
                 "steps": state.step, "resumed_from_step": self.resumed_from,

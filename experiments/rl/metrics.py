@@ -2,12 +2,13 @@
 ``metrics.wandb`` is on, a Weights & Biases run (offline: under ``<trial>/wandb``)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
+import shutil
 from typing import Any
 
+from system import json_text
 from system.launcher.config import MetricsConfig
 
 log = logging.getLogger("rl-metrics")
@@ -59,31 +60,40 @@ class MetricsLog:
         self.dir = trial_dir
         self.path = os.path.join(trial_dir, "metrics.jsonl")
         self.rows: list[dict[str, Any]] = []
+        self.tb_dir = os.path.join(trial_dir, "tensorboard")
         if resume and os.path.exists(self.path):
             self.rows = read_rows(self.path)
-        elif os.path.exists(self.path):
-            os.unlink(self.path)
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.tb = SummaryWriter(os.path.join(trial_dir, "tensorboard"))
+        elif not resume:  # a run started over: none of the last one's figures are this run's
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+            shutil.rmtree(self.tb_dir, ignore_errors=True)
+        self.tb = self._writer()
         cfg = cfg or MetricsConfig()
         self.wandb = (WandbRun(cfg, trial_dir, name or os.path.basename(trial_dir))
                       if cfg.wandb != "off" else None)
 
+    def _writer(self, purge_step: int | None = None) -> Any:
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(self.tb_dir, purge_step=purge_step)
+
     def truncate(self, step: int) -> None:
-        """Forget rows after ``step`` (a resumed run redoes them)."""
+        """Forget rows after ``step`` (a resumed run redoes them), in TensorBoard too (events
+        of later steps are hidden, as ``purge_step`` does)."""
+        self.tb.close()
+        self.tb = self._writer(purge_step=step + 1)
         self.rows = [r for r in self.rows if r.get("step", 0) <= step]
         tmp = self.path + ".tmp"  # replaced in one step: a crash here keeps the old log
         with open(tmp, "w") as f:
             for r in self.rows:
-                f.write(json.dumps(r) + "\n")
+                f.write(json_text.dumps(r) + "\n")
         os.replace(tmp, self.path)
 
     def log(self, step: int, **values: Any) -> None:
         row = {"step": step, **values}
         self.rows.append(row)
         with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json_text.dumps(row) + "\n")
         scalars = {k: v for k, v in values.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
         for k, v in scalars.items():

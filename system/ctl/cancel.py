@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import time
+from typing import Any
 
 from system.ctl import procs, slurm_query
 from system.ctl.live import request_cancel
@@ -120,15 +121,39 @@ def _sweep_local(view: TrialView, t0: float) -> list[int]:
 
 
 def _final_record(paths: TrialPaths, t0: float) -> None:
-    """The controller died before its last record: write one (state ``cancelled``)."""
+    """The controller died before its last record: write one (state ``cancelled``), and the
+    run's ``summary.json`` (a launch removes the previous run's, so none is there)."""
     view = read_trial(paths)
     if str(view.record.get("state")) in FINAL_STATES or not view.record:
         return
     jobs = [{**j, "state": "CANCELLED"} for j in view.record.get("jobs") or []]
+    now = time.time()
     write_json_atomic(paths.status, {**view.record, "state": "cancelled", "jobs": jobs,
-                                     "phase": "stopped by system.ctl cancel",
-                                     "updated": time.time()})
-    _say(t0, "the controller left no final record: status.json now says cancelled")
+                                     "phase": "stopped by system.ctl cancel", "updated": now})
+    wrote = ""
+    if not os.path.exists(paths.summary):
+        write_json_atomic(paths.summary, lost_summary(view.record, now))
+        wrote = " and summary.json"
+    _say(t0, f"the controller left no final record: status.json{wrote} now say{'' if wrote else 's'} "
+         "cancelled")
+
+
+def lost_summary(record: dict[str, Any], now: float) -> dict[str, Any]:
+    """A ``summary.json`` for a run whose controller died before writing one, from its last
+    ``status.json`` record (pure)."""
+    started = float(record.get("started") or 0.0)
+    progress = record.get("progress") or {}
+    return {"exp": record.get("exp"), "trial": record.get("trial"), "status": "cancelled",
+            "scheduler": record.get("scheduler"), "name_resolve": record.get("name_resolve"),
+            "workers": record.get("workers"),
+            "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))
+            if started else None,
+            "end_time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
+            "t0_epoch": started or None,
+            "failure": {"message": "the controller stopped without a final record (killed, or "
+                                   "its host lost); system.ctl cancel stopped what was left",
+                        "worker": None, "log": None},
+            "last_progress": progress, "written_by": "system.ctl cancel"}
 
 
 def run(paths: TrialPaths, grace: float = GRACE) -> int:

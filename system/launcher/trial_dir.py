@@ -8,7 +8,7 @@ writes anything, so a second launch cannot replace the secret of a running trial
 from __future__ import annotations
 
 import dataclasses
-import json
+import errno
 import os
 import shutil
 import stat
@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from system.api_key import write_api_key
 from system.bootstrap import Bootstrap
+from system import json_text
 from system.errors import ConfigError
 from system.launcher.config import ExperimentConfig, RecoverMode, RunMode
 from system.launcher.eval_mode import check_evaluable, run_paths, trial_paths
@@ -50,7 +51,7 @@ def write_json_atomic(path: str, obj: Any) -> None:
     whatever this process's umask (``system.ctl`` sets none): 0640 in a group-readable
     directory, else 0600."""
     group = os.stat(os.path.dirname(path) or ".").st_mode & stat.S_IRGRP
-    write_private(path, json.dumps(obj, indent=2, default=str).encode(),
+    write_private(path, json_text.dumps(obj, indent=2, default=str).encode(),
                   0o640 if group else 0o600)
 
 
@@ -84,12 +85,33 @@ def check_existing(cfg: ExperimentConfig, paths: TrialPaths, dry_run: bool = Fal
         shutil.rmtree(paths.checkpoints)
 
 
+CANNOT_CREATE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,
+                 errno.EISDIR, errno.ENOSPC, errno.EDQUOT)
+"""Why a trial directory cannot be made that ``cluster.fileroot`` is the one to change."""
+
+
 def make_trial_dir(cfg: ExperimentConfig, paths: TrialPaths) -> None:
     """Create the trial directory with its mode (parents under the umask; existing ones keep
     theirs); refuse one that is a link or another user's
     (:class:`~system.errors.UnsafeFileError`)."""
-    ensure_owned_dir(paths.root, dir_mode(cfg.cluster.group_readable), "the trial directory",
-                     adjust=False)  # its mode is set once the lock is held
+    try:
+        ensure_owned_dir(paths.root, dir_mode(cfg.cluster.group_readable), "the trial directory",
+                         adjust=False)  # its mode is set once the lock is held
+    except OSError as e:  # (an unsafe directory, UnsafeFileError, is no OSError)
+        if e.errno not in CANNOT_CREATE:
+            raise
+        raise ConfigError(f"cluster.fileroot={cfg.cluster.fileroot}: cannot create the trial "
+                          f"directory {paths.root} ({e.strerror})") from None
+
+
+def forget_outcome(paths: TrialPaths) -> None:
+    """Remove a previous run's ``summary.json``: it describes that run, and a launch that dies
+    before writing its own (SIGKILL, a lost node) must not leave it looking like this run's
+    outcome (``status.json`` says what this run is doing meanwhile)."""
+    try:
+        os.unlink(paths.summary)
+    except FileNotFoundError:
+        pass
 
 
 def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: str,
@@ -102,7 +124,8 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
     exist and have a checkpoint (:func:`~system.launcher.eval_mode.check_evaluable`). A dry run
     of an existing trial writes none of them (its secret is then empty). ``before_write``
     (the experiment's check that an existing trial can be continued) runs once the lock is
-    held, before anything is written."""
+    held, before anything is written. A previous run's ``summary.json`` is removed
+    (:func:`forget_outcome`), but by a dry run."""
     paths = run_paths(cfg)
     if cfg.mode == RunMode.EVAL:
         check_evaluable(cfg)
@@ -119,6 +142,7 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
             # evaluation and the next launch read), secret, API key and bootstrap file
             return PreparedTrial(paths, b"", lock)
         mode = file_mode(cfg.cluster.group_readable)
+        forget_outcome(paths)
         write_private(paths.config, resolved_yaml.encode(), mode)
         secret = write_secret(paths.secret)
         write_api_key(paths.api_key)  # before any worker starts: generation servers read it

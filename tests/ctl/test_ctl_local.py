@@ -122,7 +122,12 @@ def test_cancel_stops_a_trial_whose_controller_does_not_answer(fileroot):
     cancel stops its workers and it, checked through /proc, and records the end itself."""
     trial_dir = os.path.join(fileroot, "smoke", "hung")
     words = ["exp=smoke", "trial=hung", f"cluster.fileroot={fileroot}"]
+    os.makedirs(trial_dir)
+    with open(os.path.join(trial_dir, "summary.json"), "w") as f:  # a previous run's
+        json.dump({"exp": "smoke", "trial": "hung", "status": "completed"}, f)
     proc = start_trial(fileroot, "hung")
+    # the launch removed the previous run's outcome: it does not describe this run
+    assert not os.path.exists(os.path.join(trial_dir, "summary.json"))
     try:
         os.kill(proc.pid, signal.SIGSTOP)
         t0 = time.time()
@@ -139,6 +144,10 @@ def test_cancel_stops_a_trial_whose_controller_does_not_answer(fileroot):
     assert code == 5 and s["state"] == "cancelled"
     with open(os.path.join(trial_dir, "status.json")) as f:
         assert json.load(f)["phase"] == "stopped by system.ctl cancel"
+    summary = read_summary(fileroot, "smoke", "hung")  # the run's own, written by cancel
+    assert summary["status"] == "cancelled" and summary["written_by"] == "system.ctl cancel"
+    assert summary["t0_epoch"] > 0 and "without a final record" in summary["failure"]["message"]
+    assert "status.json and summary.json now say cancelled" in r.stdout
 
 
 def test_usage_errors(fileroot):

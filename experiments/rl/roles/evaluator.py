@@ -26,6 +26,8 @@ from experiments.rl.eval_results import (PLOT, RESULTS, EvalResult, checkpoint_i
                                          write_results)
 from experiments.rl.evaluate import evaluate
 from experiments.rl.openai_agent import trial_agent
+from experiments.rl.tasks import dataset
+from system.errors import ConfigError
 from workers.client import collect
 from workers.generation import GenerationClient
 from workers.master import MasterWorker
@@ -113,7 +115,13 @@ def nothing_to_evaluate(cfg: RLExperimentConfig, trial_root: str, eval_dir: str)
     """``mode=eval`` before anything starts: one line saying every checkpoint of the trial in
     ``trial_root`` is already evaluated (``<eval_dir>/results.jsonl`` holds each for this
     evaluation set), or None when some checkpoint is left (or none verifies: the run itself
-    says why)."""
+    says why). ConfigError (one line) when the task has no held-out prompts to evaluate on."""
+    try:
+        held_out = dataset(cfg.rl.task, "eval")
+    except ConfigError:  # (a file the launcher's machine does not see: the run says)
+        held_out = None
+    if held_out == []:
+        raise ConfigError(no_held_out(cfg.rl))
     plan = plan_evaluation(trial_root, eval_dir, cfg.rl)
     if plan.todo or not plan.steps or not _plot_current(eval_dir):
         return None
@@ -121,6 +129,14 @@ def nothing_to_evaluate(cfg: RLExperimentConfig, trial_root: str, eval_dir: str)
             f"(steps {', '.join(map(str, plan.steps))}) is already in "
             f"{os.path.join(eval_dir, RESULTS)} (with {PLOT} beside it); delete a line of it "
             "to evaluate that checkpoint again")
+
+
+def no_held_out(rl: RLConfig) -> str:
+    where = (f"rl.task.eval_path={rl.task.eval_path!r} holds none" if rl.task.eval_path else
+             f"rl.task.eval_size={rl.task.eval_size}" if rl.task.eval_size == 0 else
+             f"the task {rl.task.name!r} has none and rl.task.eval_path is not set")
+    return (f"mode=eval: no held-out prompts to evaluate on ({where}); give some with "
+            "rl.task.eval_size=N (generated tasks) or rl.task.eval_path=FILE")
 
 
 def _plot_current(eval_dir: str) -> bool:
@@ -143,6 +159,8 @@ def evaluate_checkpoints(master: MasterWorker, rl: RLConfig,
     tok = load_tokenizer(model_path(master, rl))
     agent = trial_agent(rl.agent, tok, master.boot.trial_dir, rl.call_timeout)
     held_out = eval_prompts(rl, tok)
+    if not held_out:  # (the launcher refuses it first: see nothing_to_evaluate)
+        raise ConfigError(no_held_out(rl))
     router = Router(len(gens))
     router.set_live(set(gens))
     plan = plan_evaluation(source, out_dir, rl)

@@ -93,3 +93,12 @@ def test_no_checkpoint_at_all(tmp_path):
     d = ck.staging(2)  # staged, never committed
     open(os.path.join(d, "x"), "w").write("2")
     assert ck.latest() is None
+
+
+def test_discard_staging_keeps_committed_checkpoints(tmp_path):
+    ck = CheckpointDir(str(tmp_path / "ck"))
+    _commit(ck, 2)
+    d = ck.staging(4)  # a checkpoint a full disk cut short
+    open(os.path.join(d, "x"), "w").write("4")
+    ck.discard_staging()
+    assert sorted(os.listdir(ck.root)) == ["latest", "step_2"] and ck.latest() == 2
