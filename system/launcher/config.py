@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 
 from scheduler.config import SchedulerConfig, SchedulerKind
 from scheduler.gpu_plan import GpuDemand
@@ -195,6 +196,14 @@ class ExperimentConfig:
             check_sbatch_text("trial", self.trial)
             check_sbatch_text("cluster.fileroot", self.cluster.fileroot)
 
+    def check_paths(self) -> None:
+        """Checks against the file system, made once the overrides are applied (not at
+        construction: ``--help`` and the defaults touch no disk): ``cluster.fileroot`` must be,
+        or be creatable as, a directory (:func:`fileroot_problem`)."""
+        problem = fileroot_problem(self.cluster.fileroot)
+        if problem:
+            raise ConfigError(f"cluster.fileroot={self.cluster.fileroot}: {problem}")
+
     def recovery(self) -> RecoverConfig | None:
         """The trial's recovery settings; None for experiments without checkpoints (and for
         runs that are not recovered)."""
@@ -214,3 +223,19 @@ class ExperimentConfig:
         (tensor parallelism) says so. Master and rollout workers use none."""
         return [GpuDemand("model", self.worker_counts()["model"], 1, "model.count"),
                 GpuDemand("generation", self.generation.count, 1, "generation.count")]
+
+
+def fileroot_problem(fileroot: str) -> str | None:
+    """Why ``fileroot`` cannot be the root of trial directories, found without writing: it, or
+    the nearest of its parents that exists, is not a directory; None when it may be. (Whether it
+    can be created and written shows only when the trial directory is: a read-only mount,
+    ``/sys``, permissions, which root ignores.)"""
+    path = os.path.abspath(fileroot)
+    while not os.path.isdir(path):
+        if os.path.lexists(path):  # (one that cannot be read looks absent: its parent is checked)
+            return f"not a directory ({path} is not a directory; valid: a directory path)"
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None

@@ -1,17 +1,20 @@
 """Command-line parsing: ``exp=NAME trial=T [dotted.key=value ...] [--dry-run] [--help]``.
 
 Overrides are type-checked by OmegaConf against the experiment's structured config. Every mistake
-becomes one :class:`~system.errors.ConfigError` naming the key and the valid choices there.
+becomes one :class:`~system.errors.ConfigError` naming the key and the valid choices there. A key
+is given once (the same value again is no conflict), and every float is finite.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Sequence
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from omegaconf.nodes import FloatNode
 
 from system.launcher.config import ExperimentConfig
 from system.errors import ConfigError
@@ -32,6 +35,7 @@ FLAGS = {"--dry-run": "dry_run", "--help": "help", "-h": "help"}
 
 def parse_cli(argv: Sequence[str], extra_flags: Sequence[str] = ()) -> CliArgs:
     args = CliArgs()
+    given: dict[str, str] = {}
     for item in argv:
         if item.startswith("-"):
             if item in FLAGS:
@@ -44,6 +48,8 @@ def parse_cli(argv: Sequence[str], extra_flags: Sequence[str] = ()) -> CliArgs:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"argument {item!r} is not key=value")
+        if key in ("exp", "trial"):
+            _once(given, key, item)
         if key == "exp":
             args.exp = value
         elif key == "trial":
@@ -58,6 +64,14 @@ def parse_cli(argv: Sequence[str], extra_flags: Sequence[str] = ()) -> CliArgs:
     return args
 
 
+def _once(given: dict[str, str], key: str, item: str) -> None:
+    """Record ``item`` (``key=value``, or a section's shorthand for ``key``) as setting ``key``;
+    one setting it to another value before is refused (the last would win, silently)."""
+    first = given.setdefault(key, item)
+    if first.partition("=")[2] != item.partition("=")[2]:
+        raise ConfigError(f"{key} given twice: {first} and {item}; give each key once")
+
+
 def _describe(node: DictConfig) -> str:
     return ", ".join(str(k) for k in node.keys())
 
@@ -65,6 +79,7 @@ def _describe(node: DictConfig) -> str:
 def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> ExperimentConfig:
     """``base`` with ``overrides`` applied, validated by every section's ``__post_init__``."""
     conf = OmegaConf.structured(base)
+    given: dict[str, str] = {}  # key (a section's shorthand resolved) -> the override setting it
     for item in overrides:
         key, _, raw = item.partition("=")
         parts = key.split(".")
@@ -98,6 +113,7 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
             node_conf = OmegaConf.select(conf, key)
             if node_conf is not None:  # replace, do not merge, a list or map
                 OmegaConf.update(conf, key, expected(), merge=False)
+        _once(given, key, item)
         problem = _not_literal(value)
         if problem:
             raise ConfigError(f"{key}={raw!r} {problem}; valid: a value without '${{' (a "
@@ -110,12 +126,38 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
             if enum_type is not None:
                 msg = f"valid values: {[m.value for m in enum_type]}"
             raise ConfigError(f"bad value for {key}={raw!r}: {msg}") from None
+    bad = _non_finite(conf)  # before any section sees it: NaN passes every `x <= 0` check
+    if bad is not None:
+        key, value = bad
+        item = given.get(key)
+        raise ConfigError(f"{item if item else f'{key}={value}'}: must be a finite number")
     try:
-        return OmegaConf.to_object(conf)  # runs every __post_init__
+        cfg = OmegaConf.to_object(conf)  # runs every __post_init__
     except ConfigError as e:
         raise ConfigError(_with_key(conf, str(e))) from None
     except (ValueError, TypeError, OmegaConfBaseException) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+    assert isinstance(cfg, ExperimentConfig)
+    cfg.check_paths()
+    return cfg
+
+
+def _non_finite(node: Any, path: str = "") -> tuple[str, float] | None:
+    """The first float-typed value under ``node`` that is NaN or infinite, with its dotted key;
+    None if there is none. Every float key of the config is a finite number: none uses inf
+    (nor NaN) as a setting (a key without a limit says so with 0, or null where optional)."""
+    if isinstance(node, FloatNode):
+        value = node._value()
+        return (path, value) if isinstance(value, float) and not math.isfinite(value) else None
+    if not isinstance(node, (DictConfig, ListConfig)) or node._is_none() \
+            or node._is_missing() or node._is_interpolation():
+        return None
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for key in keys:
+        found = _non_finite(node._get_node(key), f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def _not_literal(value: Any) -> str | None:

@@ -52,7 +52,9 @@ def controller_request(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Slur
     """The job that runs the controller itself (``system.launch argv``) on a CPU node (pure)."""
     script = render_controller_script(
         exp=cfg.exp, trial=cfg.trial, slurm=scheduler.slurm,
-        argv=[scheduler.python, "-m", "system.launch", *argv, "controller.progress=false"],
+        argv=[scheduler.python, "-m", "system.launch",  # (a key is given once)
+              *[a for a in argv if not a.startswith("controller.progress=")],
+              "controller.progress=false"],
         env={"PYTHONUNBUFFERED": "1"}, logs_dir=paths.logs, workdir=scheduler.workdir,
         umask=scheduler.umask)
     groups = group_specs(cfg, paths, scheduler.python)

@@ -1,6 +1,8 @@
 """The launcher's command line: help, field docs, one-line errors, dry runs."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from system.structs import field_docs
@@ -78,3 +80,43 @@ def test_stop_signals_raise_once_and_never_during_cleanup():
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["controller.heartbeat_ttl=inf"], "error: controller.heartbeat_ttl=inf: must be a finite "
+                                       "number\n"),
+    (["controller.heartbeat_ttl=nan"], "error: controller.heartbeat_ttl=nan: must be a finite "
+                                       "number\n"),
+    (["trial=u"], "error: trial given twice: trial=t and trial=u; give each key once\n"),
+    (["rollout.count=2", "rollout.count=3"], "error: rollout.count given twice: rollout.count=2 "
+                                             "and rollout.count=3; give each key once\n"),
+])
+def test_bad_values_and_repeated_keys_are_one_line(args, line, fileroot):
+    """Found by a user: NaN and inf floats and a key given twice were accepted on --dry-run."""
+    r = run_launch("exp=smoke", "trial=t", f"cluster.fileroot={fileroot}", *args, "--dry-run")
+    assert (r.returncode, r.stderr) == (2, line)
+
+
+def test_a_fileroot_that_is_not_a_directory_is_named(tmp_path):
+    """Found by a user: ``cluster.fileroot=<a file>`` said ``[Errno 20] Not a directory`` with
+    exit code 1, without naming the key."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for root in (afile, afile / "sub"):
+        r = run_launch("exp=smoke", "trial=t", f"cluster.fileroot={root}", "--dry-run")
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.startswith(f"error: cluster.fileroot={root}: not a directory ("), r.stderr
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_a_fileroot_where_no_directory_can_be_made_is_named(tmp_path):
+    """A read-only place (a read-only directory for other users; ``/proc``, read-only even for
+    root) is refused naming ``cluster.fileroot``, exit code 2."""
+    root = "/proc/rlsys-no-such-dir" if os.geteuid() == 0 else str(tmp_path / "ro" / "x")
+    if os.geteuid() != 0:
+        os.makedirs(tmp_path / "ro", mode=0o500)
+    r = run_launch("exp=smoke", "trial=t", f"cluster.fileroot={root}", "--dry-run")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"error: cluster.fileroot={root}: cannot create the trial "
+                               "directory "), r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr

@@ -94,3 +94,90 @@ def test_override_values_are_literal(override, key):
     assert "valid: a value without '${'" in str(e.value)
     assert build_config("smoke", "t", ["scheduler.slurm.partition=$HOME{a}??"]
                         ).scheduler.slurm.partition == "$HOME{a}??"
+
+
+def _float_keys(cfg, path=""):
+    """Dotted keys of every float-typed field of ``cfg`` (``Optional[float]`` included)."""
+    import dataclasses
+
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _float_keys(value, f"{path}{f.name}.")
+        elif "float" in str(f.type):
+            yield f"{path}{f.name}"
+
+
+@pytest.mark.parametrize("exp, key", [
+    ("smoke", "controller.heartbeat_ttl"), ("smoke", "controller.stall_timeout"),
+    ("smoke", "controller.orphan_timeout"), ("smoke", "controller.timeout"),
+    ("arith-tiny", "rl.lease_timeout"), ("arith-tiny", "rl.call_timeout"),
+    ("arith-tiny", "rl.loss.clip_eps"), ("arith-tiny", "rl.loss.kl_coef"),
+    ("arith-tiny", "rl.actor.lr"), ("arith-tiny", "recover.backoff"),
+])
+@pytest.mark.parametrize("raw", ["nan", "NaN", "inf", "-inf", "1e999"])
+def test_non_finite_floats_are_refused(exp, key, raw):
+    """Found by a user: NaN passed every ``x <= 0`` check (comparisons with NaN are false), and
+    so did inf: ``heartbeat_ttl=nan`` failed later with "no refresh within nans", ``=inf`` made
+    every worker's keep-alive thread raise OverflowError, ``rl.actor.lr=nan`` went through
+    three recoveries. Every float key must be finite, refused in one line naming it."""
+    with pytest.raises(ConfigError) as e:
+        build_config(exp, "t", [f"{key}={raw}"])
+    assert str(e.value) == f"{key}={raw}: must be a finite number", str(e.value)
+
+
+def test_every_float_key_of_every_experiment_refuses_nan():
+    """The check is generic (the typed config), not a list of keys: a float key added later is
+    covered too. ``null`` stays valid where a float key is optional."""
+    from experiments.catalog import all_experiments
+
+    for name, experiment in all_experiments().items():
+        for key in _float_keys(experiment.make_config()):
+            with pytest.raises(ConfigError, match=rf"^{key}=nan: must be a finite number$"):
+                build_config(name, "t", [f"{key}=nan"])
+    cfg = build_config("arith-tiny", "t", ["rl.vllm.kv_cache_gib=null", "rl.actor.lr=2e-5"])
+    assert cfg.rl.vllm.kv_cache_gib is None and cfg.rl.actor.lr == 2e-5
+
+
+def test_non_finite_floats_of_a_base_config_are_refused():
+    """A base that did not come from the command line (``mode=eval`` rebuilds on the trial's
+    saved config.yaml) passes the same check."""
+    from experiments.catalog import get_experiment
+    from system.launcher.overrides import apply_overrides
+
+    base = get_experiment("smoke").make_config()
+    base.exp, base.trial = "smoke", "t"
+    base.controller.heartbeat_ttl = float("inf")
+    with pytest.raises(ConfigError, match=r"^controller.heartbeat_ttl=inf: must be a finite"):
+        apply_overrides(base, [])
+    assert apply_overrides(base, ["controller.heartbeat_ttl=3"]).controller.heartbeat_ttl == 3
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["trial=a", "trial=b"], ["trial", "trial=a", "trial=b"]),
+    (["exp=arith-tiny", "trial=a"], ["exp", "exp=smoke", "exp=arith-tiny"]),
+])
+def test_cli_refuses_a_key_given_twice(argv, words):
+    """Found by a user: ``trial=a trial=b`` ran trial b, silently."""
+    with pytest.raises(ConfigError) as e:
+        parse_cli(["exp=smoke", *argv])
+    for w in words:
+        assert w in str(e.value), str(e.value)
+    assert parse_cli(["exp=smoke", "trial=a", "trial=a"]).trial == "a"  # the same twice: ok
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["rl.actor.lr=1e-5", "rl.actor.lr=2e-5"], ["rl.actor.lr=1e-5", "rl.actor.lr=2e-5"]),
+    (["recover=off", "recover.type=auto"], ["recover.type", "recover=off", "recover.type=auto"]),
+    (["rl.actor.lr=1e-5", "rl.actor.lr=0.00001"], ["rl.actor.lr=1e-5", "rl.actor.lr=0.00001"]),
+])
+def test_overrides_refuse_a_key_given_twice(overrides, words):
+    """Found by a user: the last of two values of a key won, silently (a section's shorthand,
+    ``recover=off``, is the same key as ``recover.type``)."""
+    with pytest.raises(ConfigError) as e:
+        build_config("arith-tiny", "t", overrides)
+    assert "twice" in str(e.value)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+    cfg = build_config("arith-tiny", "t", ["rl.actor.lr=1e-5", "rl.actor.lr=1e-5"])
+    assert cfg.rl.actor.lr == 1e-5  # the same value twice is no conflict
