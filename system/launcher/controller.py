@@ -24,6 +24,7 @@ from system import names
 from system.errors import (NameServiceUnavailable, RLSystemError, RpcError, SchedulerError,
                            WorkerFailure)
 from system.launcher.config import ExperimentConfig
+from system.launcher.disk import full_disk_cause
 from system.launcher.failures import (call_failure_cause, job_failure, reported_failure,
                                       root_cause)
 from system.launcher.groups import group_specs, worker_configs
@@ -94,8 +95,9 @@ class Controller(RecoveringController):
             summary.completed(self._watch_recovering(summary))
         except (WorkerFailure, SchedulerError) as e:
             failure = e if isinstance(e, WorkerFailure) else WorkerFailure(str(e))
+            failure = full_disk_cause(failure, self.paths.root, self.paths.checkpoints)
             summary.failed(failure)
-            print(f"\nerror: {e}", file=sys.stderr)
+            print(f"\nerror: {failure}", file=sys.stderr)
         except NameServiceUnavailable as e:  # gone past its outage timeout
             self._names_down = True
             failure = WorkerFailure(f"name resolution failed: {e}")
@@ -112,7 +114,10 @@ class Controller(RecoveringController):
             finally:
                 signal.signal(signal.SIGINT, old)
             summary.recoveries(self.recovery.summary())
-            summary.write(self.paths.summary, self.timeline, self.requeue.restarts)
+            try:
+                summary.write(self.paths.summary, self.timeline, self.requeue.restarts)
+            except OSError as e:  # a full disk, say: the outcome is still printed and returned
+                print(f"could not write {self.paths.summary}: {e}", file=sys.stderr)
             self.status.final(summary.data, self._poll_fresh)
         print(f"{summary.status}: {self.paths.summary}", file=sys.stderr)
         return 0 if summary.status == "completed" else 1

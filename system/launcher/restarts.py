@@ -19,6 +19,7 @@ from scheduler.requeue import RequeuePolicy
 from system import names
 from system.errors import NameEntryNotFound, WorkerFailure
 from system.launcher.config import ExperimentConfig
+from system.launcher.disk import full_disk_cause
 from system.launcher.failures import clear_worker_keys
 from system.launcher.groups import GroupSpec, group_spec
 from system.launcher.recovery import MasterProgress, Recovery
@@ -61,6 +62,7 @@ class RecoveringController:
             except WorkerFailure as e:
                 failure = e
             while True:  # a failure during a recovery is recovered too
+                failure = full_disk_cause(failure, self.paths.root, self.paths.checkpoints)
                 if not self.recovery.should_recover(failure):
                     raise failure
                 try:

@@ -1,0 +1,33 @@
+"""A full file system as a failure's cause: the pure rule, and the sizes it reads (the full
+disk itself, a real tmpfs, is in tests/integration/test_full_disk.py)."""
+from __future__ import annotations
+
+import os
+
+from system.errors import WorkerFailure
+from system.launcher.disk import MIN_FREE, FullDisk, full_disk_cause, judge_space, \
+    largest_checkpoint
+
+
+def test_judge_space():
+    assert judge_space(0, 0) and judge_space(MIN_FREE - 1, 0)
+    assert not judge_space(MIN_FREE, 0)
+    assert judge_space(MIN_FREE + 100, 101) and not judge_space(MIN_FREE + 100, 100)
+
+
+def test_largest_checkpoint_counts_committed_and_staged(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert largest_checkpoint(str(root)) == 0
+    for name, sizes in (("step_2", (10, 20)), ("step_4.tmp", (50,))):
+        os.makedirs(root / name / "actor")
+        for i, n in enumerate(sizes):
+            (root / name / "actor" / f"f{i}").write_bytes(b"x" * n)
+    (root / "latest").write_text("2")
+    assert largest_checkpoint(str(root)) == 50
+
+
+def test_a_failure_with_space_left_is_left_as_it_is(tmp_path):
+    failure = WorkerFailure("worker master/0 exited", "master/0", "/log")
+    assert full_disk_cause(failure, str(tmp_path), str(tmp_path / "checkpoints")) is failure
+    named = FullDisk("the file system ... is full", "master/0", "/log", config=True)
+    assert full_disk_cause(named, str(tmp_path), str(tmp_path)) is named
