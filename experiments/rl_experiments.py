@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from experiments.registry import Experiment, Roles
-from experiments.rl.checkpoint_layout import check_resume_layout, layout_of
+from experiments.rl.checkpoint_layout import check_resume_critic, check_resume_layout, layout_of
 from experiments.rl.config import RLExperimentConfig
 from experiments.rl.roles.evaluator import eval_master_role, nothing_to_evaluate
 from experiments.rl.roles.generation import generation_role
@@ -58,9 +58,11 @@ def smollm2_arith() -> RLExperimentConfig:
 
 
 def same_layout(cfg: RLExperimentConfig, trial_dir: str) -> None:
-    """A continued trial keeps the training layout its checkpoint is sharded by."""
-    check_resume_layout(os.path.join(trial_dir, "checkpoints"),
-                        layout_of(cfg.rl.actor, cfg.model.count))
+    """A continued trial keeps the training layout its checkpoint is sharded by, and finds
+    in it every model it trains."""
+    checkpoints = os.path.join(trial_dir, "checkpoints")
+    check_resume_layout(checkpoints, layout_of(cfg.rl.actor, cfg.model.count))
+    check_resume_critic(checkpoints, cfg.rl.algorithm)
 
 
 STATEFUL = ("model", "master")

@@ -54,3 +54,21 @@ def check_resume_layout(checkpoints: str, now: Mapping[str, Any]) -> None:
         f"{describe(now)}: a resume needs the layout its optimizer state is sharded by. Launch "
         "it with that layout; or start over (recover=off recover.overwrite=true); or train a new "
         f"trial from its weights (rl.model_path={os.path.join(checkpoints, f'step_{step}', 'actor')})")
+
+
+def check_resume_critic(checkpoints: str, algorithm: str) -> None:
+    """ConfigError (one line) when this run trains a critic (``rl.algorithm=ppo``) and the
+    newest checkpoint under ``checkpoints`` has none to resume it from (written by a run
+    without one: ``grpo``). The other way round is fine: a critic the run does not train is
+    left unread."""
+    if algorithm != "ppo" or not os.path.isdir(checkpoints):
+        return
+    ckpt = CheckpointDir(checkpoints)
+    step = ckpt.latest()
+    if step is None or os.path.isdir(os.path.join(ckpt.path(step), "critic")):
+        return
+    raise ConfigError(
+        f"rl.algorithm=ppo: the latest checkpoint (step {step}) has no critic to resume (it "
+        "was trained without one, rl.algorithm=grpo). Continue it with rl.algorithm=grpo; or "
+        "start over (recover=off recover.overwrite=true); or train a new trial from its "
+        f"weights (rl.model_path={os.path.join(checkpoints, f'step_{step}', 'actor')})")

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from experiments.rl.checkpoint import CheckpointDir
-from experiments.rl.checkpoint_layout import check_resume_layout, saved_layout, layout_of
+from experiments.rl.checkpoint_layout import (check_resume_critic, check_resume_layout, layout_of,
+                                              saved_layout)
 from system.errors import ConfigError
 from tests.helpers import run_launch
 from workers.engines.configs import MegatronConfig, TorchEngineConfig
@@ -16,10 +17,13 @@ MEGATRON_TP2 = layout_of(TorchEngineConfig(backend="megatron", megatron=Megatron
                             2)
 
 
-def checkpoint(root: str, step: int, layout: dict | None) -> None:
+def checkpoint(root: str, step: int, layout: dict | None, models: tuple[str, ...] = ()
+               ) -> None:
     ck = CheckpointDir(root)
     with open(os.path.join(ck.staging(step), "state.json"), "w") as f:
         f.write("{}")
+    for m in models:
+        os.makedirs(os.path.join(ck.staging(step), m))
     ck.commit(step, {} if layout is None else {"layout": layout})
 
 
@@ -64,3 +68,29 @@ def test_a_launch_with_another_layout_is_refused_before_it_writes_anything(filer
                       "rl.actor.backend=megatron", "rl.actor.megatron.tp=2", "model.count=2",
                       "--dry-run", timeout=120)
     assert same.returncode == 0, same.stderr
+
+
+def test_ppo_resumes_only_a_checkpoint_with_a_critic(tmp_path):
+    root = str(tmp_path / "checkpoints")
+    check_resume_critic(root, "ppo")  # nothing to continue
+    checkpoint(root, 3, None, ("actor",))  # grpo's
+    check_resume_critic(root, "grpo")
+    with pytest.raises(ConfigError) as e:
+        check_resume_critic(root, "ppo")
+    msg = str(e.value)
+    assert msg.startswith("rl.algorithm=ppo: the latest checkpoint (step 3) has no critic")
+    assert "\n" not in msg and f"rl.model_path={root}/step_3/actor" in msg
+    checkpoint(root, 5, None, ("actor", "critic"))  # ppo's: either algorithm continues it
+    check_resume_critic(root, "ppo")
+    check_resume_critic(root, "grpo")
+
+
+def test_a_ppo_launch_on_a_grpo_checkpoint_is_refused_before_it_starts(fileroot):
+    trial_dir = os.path.join(fileroot, "arith-tiny", "alg")
+    checkpoint(os.path.join(trial_dir, "checkpoints"), 4, layout_of(TorchEngineConfig(), 1),
+               ("actor",))
+    r = run_launch("exp=arith-tiny", "trial=alg", f"cluster.fileroot={fileroot}",
+                   "rl.algorithm=ppo", timeout=120)
+    assert r.returncode == 2, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert "has no critic to resume" in line and "rl.algorithm=grpo" in line
