@@ -28,6 +28,17 @@ from system.launcher.config import ExperimentConfig
 TRIAL_HELP = "exp=NAME trial=T [cluster.fileroot=DIR] (as given to system.launch)"
 
 
+def _lines(text: str) -> int:
+    """``-n``: a count of lines, 0 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count of lines (0 or more)")
+    return n
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m system.ctl", description=__doc__.split("\n")[0],
                                 epilog=__doc__.split("\n\n", 2)[2],
@@ -51,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
                       help=TRIAL_HELP + ", then optionally a worker such as rollout:1")
     p_lo.add_argument("-f", "--follow", action="store_true",
                       help="follow the log until the trial ends (or Ctrl-C)")
-    p_lo.add_argument("-n", "--lines", type=int, default=None,
+    p_lo.add_argument("-n", "--lines", type=_lines, default=None,
                       help="only the last LINES lines (default: all; 20 with -f)")
     return p
 

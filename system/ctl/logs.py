@@ -34,6 +34,9 @@ def log_path(paths: TrialPaths, worker: str | None) -> str:
     if worker is None:
         path = controller_log(paths)
         if path is None:
+            if not os.path.exists(paths.status) and not os.path.exists(paths.summary):
+                raise ConfigError(f"no controller log in {paths.logs}: the trial has not run "
+                                  "(a --dry-run prepared it)")
             raise ConfigError(f"no controller log in {paths.logs}: a launcher that ran before "
                               "logs/launcher.log existed wrote only to its terminal")
         return path

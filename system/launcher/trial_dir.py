@@ -20,7 +20,7 @@ from system.bootstrap import Bootstrap
 from system import json_text
 from system.errors import ConfigError
 from system.launcher.config import ExperimentConfig, RecoverMode, RunMode
-from system.launcher.eval_mode import check_evaluable, run_paths, trial_paths
+from system.launcher.eval_mode import EVAL_DIR, check_evaluable, run_paths, trial_paths
 from system.launcher.trial_lock import TrialLock
 from system.paths import TrialPaths
 from system.private_files import dir_mode, ensure_owned_dir, file_mode, write_private
@@ -68,8 +68,8 @@ def name_resolve_root(cfg: ExperimentConfig) -> str:
 
 def check_existing(cfg: ExperimentConfig, paths: TrialPaths, dry_run: bool = False) -> None:
     """An existing trial with checkpoints continues (``recover=auto|resume``); ``recover=off``
-    starts it over only when asked to (``recover.overwrite=true``: its checkpoints go, unless
-    this is a dry run). An evaluation (``mode=eval``) leaves the trial as it is."""
+    starts it over only when asked to (``recover.overwrite=true``: its checkpoints and their
+    evaluations go, unless this is a dry run). An evaluation (``mode=eval``) leaves the trial as it is."""
     recover = cfg.recovery()
     if cfg.mode == RunMode.EVAL:
         return
@@ -81,8 +81,9 @@ def check_existing(cfg: ExperimentConfig, paths: TrialPaths, dry_run: bool = Fal
         raise ConfigError(f"trial {cfg.exp}/{cfg.trial} has checkpoints ({paths.checkpoints}): "
                           "recover=off would start it over; continue it with recover=auto (the "
                           "default), or start over with recover.overwrite=true")
-    if not dry_run:
+    if not dry_run:  # (and the evaluations of those checkpoints: results of another run)
         shutil.rmtree(paths.checkpoints)
+        shutil.rmtree(os.path.join(paths.root, EVAL_DIR), ignore_errors=True)
 
 
 CANNOT_CREATE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,

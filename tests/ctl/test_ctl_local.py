@@ -156,6 +156,13 @@ def test_usage_errors(fileroot):
     assert ctl("status", "trial=t").returncode == 2
     r = ctl("ls", "--fileroot", fileroot)
     assert r.returncode == 0 and "no trials" in r.stdout
+    words = ["exp=smoke", "trial=dry", f"cluster.fileroot={fileroot}"]
+    assert subprocess.run(launch_argv(*words, "--dry-run"), cwd=REPO, capture_output=True,
+                          timeout=120).returncode == 0
+    r = ctl("logs", *words)
+    assert r.returncode == 2 and "the trial has not run (a --dry-run prepared it)" in r.stderr
+    r = ctl("logs", *words, "-n", "-2")
+    assert r.returncode == 2 and "'-2' is not a count of lines" in r.stderr
 
 
 @pytest.mark.redis

@@ -70,3 +70,31 @@ def test_wandb_offline_writes_a_run_with_the_metrics_under_the_trial(tmp_path, m
     assert rows[2]["eval_accuracy"] == 0.5 and "note" not in rows[0]
     assert run_info(run) == {"name": "arith-tiny/t1", "project": "slurm-rl",
                              "group": "arith-tiny"}
+
+
+def _tb_scalars(trial_dir, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(trial_dir / "tensorboard"))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_tensorboard_follows_the_log_on_resume_and_start_over(tmp_path):
+    m = MetricsLog(str(tmp_path))
+    for s in range(1, 6):
+        m.log(s, reward=float(s), loss=float("nan"))
+    m.close()
+    rows = [json.loads(line, parse_constant=lambda c: 1 / 0)  # NaN is written as null
+            for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0] == {"step": 1, "reward": 1.0, "loss": None}
+    m = MetricsLog(str(tmp_path), resume=True)
+    m.truncate(2)  # resumed from step 2: steps 3-5 are redone
+    m.log(3, reward=30.0)
+    m.close()
+    assert _tb_scalars(tmp_path, "reward") == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    m = MetricsLog(str(tmp_path))  # started over: nothing of the last run
+    m.truncate(0)
+    m.log(1, reward=7.0)
+    m.close()
+    assert _tb_scalars(tmp_path, "reward") == [(1, 7.0)]

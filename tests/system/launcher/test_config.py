@@ -26,6 +26,7 @@ def test_recover_off_refuses_a_trial_with_checkpoints_unless_asked(tmp_path):
     paths = TrialPaths.of(str(tmp_path), "arith-tiny", "t")
     check_existing(cfg("recover=off"), paths)  # a new trial: nothing to protect
     os.makedirs(os.path.join(paths.checkpoints, "step_4"))
+    os.makedirs(os.path.join(paths.root, "eval"))  # their evaluation (mode=eval)
     check_existing(cfg(), paths)  # recover=auto continues it
     with pytest.raises(ConfigError, match="recover.overwrite=true"):
         check_existing(cfg("recover=off"), paths)
@@ -33,3 +34,4 @@ def test_recover_off_refuses_a_trial_with_checkpoints_unless_asked(tmp_path):
     assert os.path.isdir(paths.checkpoints)  # a dry run deletes nothing
     check_existing(cfg("recover=off", "recover.overwrite=true"), paths)
     assert not os.path.exists(paths.checkpoints)
+    assert not os.path.exists(os.path.join(paths.root, "eval"))
