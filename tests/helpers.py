@@ -72,6 +72,13 @@ def trial_processes(marker: str) -> list[int]:
     return pids
 
 
+def overridden(base: "list[str] | tuple[str, ...]", *extra: str) -> list[str]:
+    """``base`` overrides with those of ``extra`` in place of any of the same key, then the rest
+    of ``extra`` (the launcher refuses a key given twice with two values)."""
+    keys = {e.partition("=")[0] for e in extra if "=" in e}
+    return [b for b in base if b.partition("=")[0] not in keys] + list(extra)
+
+
 def launch_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "system.launch", *args]
 

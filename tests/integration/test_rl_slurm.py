@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from system.paths import PROJECT_ROOT
-from tests.helpers import REPO, launch_argv, read_summary
+from tests.helpers import REPO, launch_argv, overridden, read_summary
 from tests.scheduler.test_slurm_e2e import SLURM, job_of, squeue, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.skipif(
@@ -84,7 +84,7 @@ def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_
     env = {**os.environ, **slurm_cluster.env}
     proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=preempt",
                                         f"cluster.fileroot={root}", f"rl.total_steps={STEPS}",
-                                        *SLURM, *SMALL, *SLOW_OK),
+                                        *overridden(SLURM, *SMALL, *SLOW_OK)),
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=env)
     err = _Stderr(proc)

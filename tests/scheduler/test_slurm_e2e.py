@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from tests.helpers import REPO, launch_argv, read_summary, run_launch, trial_name_resolve
+from tests.helpers import (REPO, launch_argv, overridden, read_summary, run_launch,
+                           trial_name_resolve)
 
 pytestmark = pytest.mark.slurm
 
@@ -52,7 +53,7 @@ def running_trial(slurm_cluster, root: str, trial: str, *extra: str, ready: int 
     """A trial launched in the background, yielded once ``ready`` workers (default: all 9) are
     heart-beating; the launcher is killed on the way out if it is still running."""
     proc = subprocess.Popen(launch_argv("exp=smoke", f"trial={trial}", f"cluster.fileroot={root}",
-                                        *SLURM, *extra),
+                                        *overridden(SLURM, *extra)),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **slurm_cluster.env})
     try:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.helpers import read_summary, run_launch
+from tests.helpers import overridden, read_summary, run_launch
 from tests.scheduler.test_slurm_e2e import SLURM
 
 pytestmark = pytest.mark.slurm
@@ -31,7 +31,7 @@ def error_lines(stderr: str) -> list[str]:
 
 def refused(cluster, root: str, trial: str, *extra: str) -> tuple[str, float]:
     t0 = time.monotonic()
-    r = run_launch("exp=smoke", f"trial={trial}", f"cluster.fileroot={root}", *SLURM, *extra,
+    r = run_launch("exp=smoke", f"trial={trial}", f"cluster.fileroot={root}", *overridden(SLURM, *extra),
                    env=cluster.env, timeout=120)
     took = time.monotonic() - t0
     assert r.returncode == 1, r.stderr
@@ -78,8 +78,8 @@ def test_a_busy_partition_is_waited_for(slurm_cluster, tmp_path):
                              text=True, env=env, check=True).stdout.strip()
     try:
         root = str(tmp_path / "runs")
-        r = run_launch("exp=smoke", "trial=busy", f"cluster.fileroot={root}", *SLURM,
-                       "controller.register_timeout=20", *SLOW_OK, env=slurm_cluster.env,
+        r = run_launch("exp=smoke", "trial=busy", f"cluster.fileroot={root}", *overridden(SLURM, *SLOW_OK),
+                       "controller.register_timeout=20", env=slurm_cluster.env,
                        timeout=240)
         assert r.returncode == 0, r.stderr
         assert "waiting in the queue: the model group's job" in r.stderr, r.stderr
@@ -108,8 +108,8 @@ def slurm_cluster_4n(tmp_path_factory):
 @pytest.mark.slow
 def test_every_group_as_one_heterogeneous_job(slurm_cluster_4n, tmp_path):
     root = str(tmp_path / "runs")
-    r = run_launch("exp=smoke", "trial=het", f"cluster.fileroot={root}", *SLURM,
-                   "scheduler.slurm.hetjob=true", *SLOW_OK, env=slurm_cluster_4n.env,
+    r = run_launch("exp=smoke", "trial=het", f"cluster.fileroot={root}", *overridden(SLURM, *SLOW_OK),
+                   "scheduler.slurm.hetjob=true", env=slurm_cluster_4n.env,
                    timeout=240)
     assert r.returncode == 0, r.stderr
     s = read_summary(root, "smoke", "het")
