@@ -36,7 +36,8 @@ def log_path(paths: TrialPaths, worker: str | None) -> str:
         if path is None:
             if not os.path.exists(paths.status) and not os.path.exists(paths.summary):
                 raise ConfigError(f"no controller log in {paths.logs}: the trial has not run "
-                                  "(a --dry-run prepared it)")
+                                  "(a --dry-run, or a launch that stopped before its "
+                                  "controller started, prepared it)")
             raise ConfigError(f"no controller log in {paths.logs}: a launcher that ran before "
                               "logs/launcher.log existed wrote only to its terminal")
         return path

@@ -4,7 +4,9 @@ fails writing (a checkpoint: ``unexpected pos``, ``No space left on device``), o
 being able to say so (its report and log need space too). A restart would fail the same way.
 
 :func:`full_disk_cause` reads how much space is left (``statvfs``) and how much the largest
-checkpoint takes; :func:`judge_space` is the pure rule.
+checkpoint takes (space an unfinished checkpoint holds counts as free: a restart removes it);
+:func:`judge_space` is the pure rule. A quota (``EDQUOT``) is not seen: ``statvfs`` reports
+the file system's space, not the user's.
 """
 from __future__ import annotations
 
@@ -26,15 +28,20 @@ def judge_space(free: int, checkpoint: int) -> bool:
     return free < checkpoint + MIN_FREE
 
 
-def largest_checkpoint(checkpoints: str) -> int:
-    """Bytes of the largest directory under ``checkpoints`` (committed or staged), 0 if none."""
+def checkpoint_sizes(checkpoints: str) -> tuple[int, int]:
+    """Bytes of the largest checkpoint directory under ``checkpoints`` (committed or staged),
+    and of the staged ones (``step_<N>.tmp``: never committed, removed when the trial starts
+    again, so a restart has that space back); 0, 0 if none."""
     if not os.path.isdir(checkpoints):
-        return 0
-    sizes = [0]
+        return 0, 0
+    largest = staged = 0
     for entry in os.scandir(checkpoints):
         if entry.is_dir(follow_symlinks=False):
-            sizes.append(_tree_size(entry.path))
-    return max(sizes)
+            size = _tree_size(entry.path)
+            largest = max(largest, size)
+            if entry.name.endswith(".tmp"):
+                staged += size
+    return largest, staged
 
 
 def _tree_size(path: str) -> int:
@@ -52,22 +59,28 @@ def full_disk_cause(failure: WorkerFailure, root: str, checkpoints: str) -> Work
     """``failure`` named after a full file system under the trial directory ``root``, not to
     be recovered (a restart would fail the same way), when too little space is left; else
     ``failure`` itself."""
-    if isinstance(failure, FullDisk):
+    if isinstance(failure, FullDisk) or failure.worker is None:  # (a timeout, say)
         return failure
-    try:
-        st = os.statvfs(root)
-        free = st.f_bavail * st.f_frsize
-        need = largest_checkpoint(checkpoints)
+    try:  # (checkpoints may be a link to another file system: the fuller one counts)
+        free = min(_free(root), _free(os.path.realpath(checkpoints)) if
+                   os.path.isdir(checkpoints) else _free(root))
+        need, staged = checkpoint_sizes(checkpoints)
     except OSError:
         return failure
-    if not judge_space(free, need):
+    if not judge_space(free + staged, need):
         return failure
     first = str(failure).splitlines()[0]
     return FullDisk(
-        f"the file system of the trial directory {root} is full ({_mib(free)} free; the "
-        f"largest checkpoint takes {_mib(need)}): free space, then launch the trial again: it "
+        f"the file system of the trial directory {root} is full ({_mib(free + staged)} free "
+        f"once the unfinished checkpoint is removed; the largest checkpoint takes "
+        f"{_mib(need)}): free space, then launch the trial again: it "
         f"continues from its latest checkpoint\nthen {first}", failure.worker,
         failure.log_path, also=failure.also, config=True)
+
+
+def _free(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def _mib(n: int) -> str:

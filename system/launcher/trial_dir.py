@@ -106,13 +106,15 @@ def make_trial_dir(cfg: ExperimentConfig, paths: TrialPaths) -> None:
 
 
 def forget_outcome(paths: TrialPaths) -> None:
-    """Remove a previous run's ``summary.json``: it describes that run, and a launch that dies
-    before writing its own (SIGKILL, a lost node) must not leave it looking like this run's
-    outcome (``status.json`` says what this run is doing meanwhile)."""
-    try:
-        os.unlink(paths.summary)
-    except FileNotFoundError:
-        pass
+    """Remove a previous run's ``summary.json`` and ``status.json``: they describe that run, and
+    a launch that stops before writing its own (SIGKILL, a lost node, a name service that does
+    not answer) must not leave them looking like this run's outcome (the controller writes
+    ``status.json`` as soon as it starts)."""
+    for path in (paths.summary, paths.status):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: str,
@@ -125,8 +127,8 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
     exist and have a checkpoint (:func:`~system.launcher.eval_mode.check_evaluable`). A dry run
     of an existing trial writes none of them (its secret is then empty). ``before_write``
     (the experiment's check that an existing trial can be continued) runs once the lock is
-    held, before anything is written. A previous run's ``summary.json`` is removed
-    (:func:`forget_outcome`), but by a dry run."""
+    held, before anything is written. A previous run's ``summary.json`` and ``status.json``
+    are removed (:func:`forget_outcome`), but by a dry run."""
     paths = run_paths(cfg)
     if cfg.mode == RunMode.EVAL:
         check_evaluable(cfg)
@@ -143,7 +145,8 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
             # evaluation and the next launch read), secret, API key and bootstrap file
             return PreparedTrial(paths, b"", lock)
         mode = file_mode(cfg.cluster.group_readable)
-        forget_outcome(paths)
+        if not dry_run:
+            forget_outcome(paths)
         write_private(paths.config, resolved_yaml.encode(), mode)
         secret = write_secret(paths.secret)
         write_api_key(paths.api_key)  # before any worker starts: generation servers read it

@@ -123,11 +123,15 @@ def test_cancel_stops_a_trial_whose_controller_does_not_answer(fileroot):
     trial_dir = os.path.join(fileroot, "smoke", "hung")
     words = ["exp=smoke", "trial=hung", f"cluster.fileroot={fileroot}"]
     os.makedirs(trial_dir)
-    with open(os.path.join(trial_dir, "summary.json"), "w") as f:  # a previous run's
-        json.dump({"exp": "smoke", "trial": "hung", "status": "completed"}, f)
+    for name in ("summary.json", "status.json"):  # a previous run's
+        with open(os.path.join(trial_dir, name), "w") as f:
+            json.dump({"exp": "smoke", "trial": "hung", "status": "completed",
+                       "state": "completed", "started": 1.0}, f)
     proc = start_trial(fileroot, "hung")
     # the launch removed the previous run's outcome: it does not describe this run
     assert not os.path.exists(os.path.join(trial_dir, "summary.json"))
+    with open(os.path.join(trial_dir, "status.json")) as f:
+        assert json.load(f)["started"] > 1.0  # this run's (the controller's first record)
     try:
         os.kill(proc.pid, signal.SIGSTOP)
         t0 = time.time()
@@ -160,7 +164,7 @@ def test_usage_errors(fileroot):
     assert subprocess.run(launch_argv(*words, "--dry-run"), cwd=REPO, capture_output=True,
                           timeout=120).returncode == 0
     r = ctl("logs", *words)
-    assert r.returncode == 2 and "the trial has not run (a --dry-run prepared it)" in r.stderr
+    assert r.returncode == 2 and "the trial has not run (a --dry-run" in r.stderr
     r = ctl("logs", *words, "-n", "-2")
     assert r.returncode == 2 and "'-2' is not a count of lines" in r.stderr
 

@@ -118,7 +118,7 @@ def nothing_to_evaluate(cfg: RLExperimentConfig, trial_root: str, eval_dir: str)
     says why). ConfigError (one line) when the task has no held-out prompts to evaluate on."""
     try:
         held_out = dataset(cfg.rl.task, "eval")
-    except ConfigError:  # (a file the launcher's machine does not see: the run says)
+    except Exception:  # (a file this machine does not see, a plugin that fails: the run says)
         held_out = None
     if held_out == []:
         raise ConfigError(no_held_out(cfg.rl))

@@ -70,6 +70,25 @@ def test_a_dry_run_of_an_existing_trial_leaves_its_files(fileroot):
     assert b"trajectories_per_worker: 3" in before["config.yaml"]
 
 
+def test_a_launch_forgets_the_previous_run_outcome_and_a_dry_run_keeps_it(fileroot):
+    """A launch that stops before its controller writes anything (SIGKILL, a name service that
+    does not answer) leaves no earlier run's ``summary.json`` / ``status.json`` behind."""
+    from system.launch import build_config
+    from system.launcher.trial_dir import prepare_trial
+
+    trial_dir = os.path.join(fileroot, "smoke", "old")
+    os.makedirs(trial_dir)
+    outcome = ("summary.json", "status.json")
+    for name in outcome:
+        with open(os.path.join(trial_dir, name), "w") as f:
+            f.write('{"status": "completed", "state": "completed"}')
+    cfg = build_config("smoke", "old", [f"cluster.fileroot={fileroot}"])
+    prepare_trial(cfg, "smoke", "{}", dry_run=True).lock.release()
+    assert all(os.path.exists(os.path.join(trial_dir, n)) for n in outcome)
+    prepare_trial(cfg, "smoke", "{}").lock.release()
+    assert not any(os.path.exists(os.path.join(trial_dir, n)) for n in outcome)
+
+
 def test_an_existing_trial_directory_of_yours_is_tightened(fileroot):
     trial_dir = os.path.join(fileroot, "smoke", "loose")
     os.makedirs(trial_dir)
