@@ -180,6 +180,10 @@ class GroupMessage(TypedDict):
     trajs: list[Trajectory]
     failed: bool
     error: str
+    unservable: bool
+    """The group failed because a generation server refused its request for good (a
+    ``ConfigError``: the prompt does not fit the context, ``rl.vllm.max_model_len``): the master
+    skips its prompt instead of handing it out again."""
 
 
 # --- RL plane: master <-> model workers ---------------------------------------------------------

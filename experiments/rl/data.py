@@ -25,12 +25,14 @@ from workers.schema import Task, TaskReply
 class PromptCursor:
     def __init__(self, ids: list[int], seed: int) -> None:
         if not ids:
-            raise ValueError("no training prompts")
+            raise ValueError("PromptCursor: no training prompts (tasks.dataset refuses an "
+                             "empty training set, naming its file or task)")
         self.ids = list(ids)
         self.seed = seed
         self.epoch = 0
         self.pos = 0
         self.redo: list[tuple[int, int]] = []  # (prompt id, epoch) to hand out again first
+        self.skipped: set[int] = set()  # prompts never handed out again (see ``skip``)
         self._order = self._perm(0)
 
     def _perm(self, epoch: int) -> list[int]:
@@ -39,17 +41,32 @@ class PromptCursor:
         return order
 
     def next(self) -> tuple[int, int]:
-        """``(prompt id, epoch)``."""
+        """``(prompt id, epoch)``, never a skipped one (ValueError once every one is)."""
         if self.redo:
             pid, epoch = self.redo.pop(0)
             return pid, epoch
-        if self.pos >= len(self._order):
-            self.epoch += 1
-            self.pos = 0
-            self._order = self._perm(self.epoch)
-        pid = self._order[self.pos]
-        self.pos += 1
-        return pid, self.epoch
+        if self.exhausted:
+            raise ValueError("every prompt is skipped")
+        while True:
+            if self.pos >= len(self._order):
+                self.epoch += 1
+                self.pos = 0
+                self._order = self._perm(self.epoch)
+            pid = self._order[self.pos]
+            self.pos += 1
+            if pid not in self.skipped:
+                return pid, self.epoch
+
+    @property
+    def exhausted(self) -> bool:
+        """Every prompt is skipped (and none is left to redo)."""
+        return not self.redo and len(self.skipped) >= len(self.ids)
+
+    def skip(self, pid: int) -> None:
+        """Never hand ``pid`` out again (its request can never be served). The epochs' orders
+        stay as they are: the others keep their places, so a resume lands where it did."""
+        self.skipped.add(pid)
+        self.redo = [r for r in self.redo if r[0] != pid]
 
     def give_back(self, pid: int, epoch: int) -> None:
         """A prompt whose rollout was lost: hand it out again next (in its own epoch)."""
@@ -130,6 +147,8 @@ class TaskSource:
                 self.incarnations[worker] = incarnation
             deadline = self.clock() + self.lease_timeout
             for _ in range(max_tasks if self.router.available() else 0):
+                if self.cursor.exhausted:  # (the loop stops the trial)
+                    break
                 ticket = self.admission.try_admit()
                 if ticket is None:
                     break
@@ -160,6 +179,15 @@ class TaskSource:
         if not accepted:
             self.cursor.give_back(task["prompt_id"], task["epoch"])
         return task
+
+    def skip(self, seq: int) -> Task | None:
+        """``seq``'s group failed for good: end its lease as failed and skip its prompt (it is
+        not handed out again). None for an unknown seq (see :meth:`finish`)."""
+        with self._lock:
+            task = self._end(seq, accepted=False)
+            if task is not None:
+                self.cursor.skip(task["prompt_id"])
+            return task
 
     def expire(self, now: float | None = None) -> list[Task]:
         """Release every lease whose deadline has passed (``now``: default ``clock()``), as

@@ -1,11 +1,13 @@
 """Driving agent episodes against generation servers, and scoring what they produce."""
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from experiments.rl.agents import Episode, GenRequest
+from system.errors import ConfigError, RemoteError
 from workers.client import Pending
 from workers.generation import GenerationClient
 from workers.schema import Sample, Trajectory
@@ -41,13 +43,38 @@ def run_episodes(episodes: Sequence[tuple[Episode, int]], clients: dict[int, Gen
     return results  # type: ignore[return-value]
 
 
+def unservable(e: BaseException) -> bool:
+    """Whether a generation server refused a request for good: it raised a ConfigError (the
+    prompt and ``max_tokens`` do not fit ``rl.vllm.max_model_len``, say), which asking again
+    cannot change."""
+    return isinstance(e, RemoteError) and e.type_name == "ConfigError"
+
+
 def score(trajs: list[Trajectory], tok: Any, answer: Any,
           reward_fn: Callable[[str, Any], float]) -> None:
     """Reward each trajectory on its final answer: the policy's last turn (after the last tool
-    output; for a single-turn agent, the whole completion)."""
+    output; for a single-turn agent, the whole completion). A reward function that raises, or
+    returns anything but a finite number, is a ConfigError naming it (the same completion
+    would fail it again: the trial stops in one line, not retried or recovered)."""
     for t in trajs:
         comp = t["tokens"][t["prompt_len"]:]
         tool = np.nonzero(t["mask"] == 0)[0]
         final = comp[tool[-1] + 1:] if len(tool) else comp
-        t["reward"] = float(reward_fn(tok.decode([int(x) for x in final],
-                                                 skip_special_tokens=True), answer))
+        text = tok.decode([int(x) for x in final], skip_special_tokens=True)
+        try:
+            reward = reward_fn(text, answer)
+        except Exception as e:
+            raise ConfigError(f"the reward function {_name(reward_fn)} (rl.task.reward, or the "
+                              f"task's own) raised {type(e).__name__}: {e} on the completion "
+                              f"{text[:60]!r} (answer {str(answer)[:40]!r})") from e
+        if isinstance(reward, bool) or not isinstance(reward, (int, float, np.number)) \
+                or not math.isfinite(reward):
+            raise ConfigError(f"the reward function {_name(reward_fn)} (rl.task.reward, or the "
+                              f"task's own) returned {str(reward)[:40]!r} on the completion "
+                              f"{text[:60]!r} (answer {str(answer)[:40]!r}); valid: a finite "
+                              "number")
+        t["reward"] = float(reward)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"

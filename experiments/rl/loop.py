@@ -26,6 +26,7 @@ from experiments.rl.cluster import Cluster
 from experiments.rl.common import eval_prompts, group_version, load_tokenizer, model_path
 from experiments.rl.config import RLConfig
 from experiments.rl.data import PromptCursor, Router, TaskSource
+from experiments.rl.episodes import unservable
 from experiments.rl.evaluate import Evaluation, evaluate
 from experiments.rl.metrics import MetricsLog
 from experiments.rl.openai_agent import trial_agent
@@ -33,7 +34,7 @@ from experiments.rl.state import Admitted, LoopState, load_state, save_state
 from experiments.rl.tasks import dataset
 from experiments.rl.train_step import check_behaviour_logprobs, train_step
 from system import names
-from system.errors import RpcError
+from system.errors import ConfigError, RpcError
 from system.launcher.config import MetricsConfig
 from system.rpc import StreamPuller
 from workers.master import MasterWorker
@@ -125,6 +126,8 @@ class RLLoop:
                 return evaluate(gens, self.rl, self.tok, self.agent, self.router, self.held_out,
                                 self.gen_alive)
             except RpcError as e:
+                if unservable(e):  # asking again cannot change it
+                    raise ConfigError(f"a held-out prompt cannot be evaluated: {e}") from e
                 log.warning("evaluation failed (%s): again on the live servers", e)
                 self.watch_replicas(force=True)
 
@@ -183,7 +186,8 @@ class RLLoop:
         row = {**stats, **sync, "wait_seconds": t_wait, "step_seconds": time.monotonic() - t0,
                "buffered": len(self.buffer), "in_flight": len(self.source.in_flight),
                "dropped_stale": self.buffer.dropped, "samples_per_s": self.samples_per_s(),
-               "leases_expired": self.source.expired, "leases_released": self.source.released}
+               "leases_expired": self.source.expired, "leases_released": self.source.released,
+               "prompts_skipped": len(self.source.cursor.skipped)}
         if ev is not None:
             row["eval_accuracy"], row["eval_digest"] = ev.accuracy, ev.digest
         self.metrics.log(state.step, **row)
@@ -226,6 +230,12 @@ class RLLoop:
             msg = self.puller.recv(0.5)
             if msg is None:
                 continue
+            if msg["unservable"]:  # a server refused its request for good: skip the prompt
+                pid = int(msg["prompt_id"])
+                new = pid not in self.source.cursor.skipped  # (two leases may hold it)
+                if self.source.skip(int(msg["seq"])) is not None and new:
+                    self.skip_prompt(pid, msg["error"])
+                continue
             task = self.source.finish(int(msg["seq"]), accepted=not msg["failed"])
             if task is None:
                 continue  # a duplicate or a leftover from before a restart
@@ -236,6 +246,17 @@ class RLLoop:
             check_behaviour_logprobs(msg["trajs"], self.state.step + 1)
             self.buffer.put(Admitted(msg, task["epoch"]),
                             group_version(msg["trajs"], task["version"]))
+
+    def skip_prompt(self, prompt_id: int, error: str) -> None:
+        """Prompt ``prompt_id`` can never be served (its request was refused: it does not fit
+        ``rl.vllm.max_model_len``, say): it is not handed out again in this run (a resumed run
+        finds it again). ConfigError once no training prompt is left."""
+        log.warning("prompt %d of the training set is skipped: a generation server refused "
+                    "its request (%s)", prompt_id, error)
+        skipped = len(self.source.cursor.skipped)
+        if self.source.cursor.exhausted:
+            raise ConfigError(f"every training prompt ({skipped}) was refused by the generation "
+                              f"servers; the last: {error}")
 
     def reclaim_leases(self) -> None:
         """Release the leases that ran out, and those of rollout workers whose heartbeat expired,

@@ -12,7 +12,7 @@ from typing import Any
 from experiments.rl.agents import Episode, make_agent
 from experiments.rl.common import encode_prompt, load_tokenizer, model_path, rl_config
 from experiments.rl.config import RLConfig
-from experiments.rl.episodes import run_episodes, score
+from experiments.rl.episodes import run_episodes, score, unservable
 from experiments.rl.openai_agent import OpenAIAgent, Session, group_trajectories
 from experiments.rl.tasks import dataset, get_task
 from system import names
@@ -115,17 +115,20 @@ class _Rollouts:
                                                 f"generation/{index}")
         return self.gens[index]
 
-    def run_tasks(self, tasks: list[Task]) -> list[tuple[list[Trajectory], str]]:
-        """Each task's scored trajectories, or why its group failed."""
+    def run_tasks(self, tasks: list[Task]) -> list[tuple[list[Trajectory], str, bool]]:
+        """Each task's scored trajectories, or why its group failed and whether for good (a
+        server refused the request: see :func:`unservable`)."""
         if self.openai is not None:
-            return self.run_openai(tasks)
-        results, owner, error = self.run(tasks)
+            return [(trajs, error, False) for trajs, error in self.run_openai(tasks)]
+        results, owner, error, refused = self.run(tasks)
+        if refused and len(tasks) > 1:  # the refused request must not fail the others with it
+            return [r for t in tasks for r in self.run_tasks([t])]
         out = []
         for k, t in enumerate(tasks):
             trajs = [tr for i, r in enumerate(results) if owner[i] == k for tr in r]
             if not error:
                 score(trajs, self.tok, self.prompts[t["prompt_id"]]["answer"], self.task.reward)
-            out.append((trajs, error))
+            out.append((trajs, error, refused))
         return out
 
     def run_openai(self, tasks: list[Task]) -> list[tuple[list[Trajectory], str]]:
@@ -168,8 +171,9 @@ class _Rollouts:
             if server in self.gens:
                 self.gens.pop(server).close()
 
-    def run(self, tasks: list[Task]) -> tuple[list[list[Trajectory]], list[int], str]:
-        """Every task's episodes, driven together: (results, owning task per episode, error)."""
+    def run(self, tasks: list[Task]) -> tuple[list[list[Trajectory]], list[int], str, bool]:
+        """Every task's episodes, driven together: (results, owning task per episode, error,
+        whether a server refused a request for good)."""
         episodes: list[tuple[Episode, int]] = []
         owner: list[int] = []
         for k, t in enumerate(tasks):
@@ -183,15 +187,21 @@ class _Rollouts:
                 owner.append(k)
         try:
             return (run_episodes(episodes, self.gens, self.rl.call_timeout, self.server_alive),
-                    owner, "")
+                    owner, "", False)
         except Exception as e:  # a server failed or was cut off: give the tasks back
-            log.exception("rollout failed")
-            self._forget(sorted({t["server"] for t in tasks}))
-            return [], owner, f"{type(e).__name__}: {e}"
+            refused = unservable(e)
+            if refused:  # (the server is fine: it refused this request)
+                log.warning("a server refused the request: %s", e)
+            else:
+                log.exception("rollout failed")
+                self._forget(sorted({t["server"] for t in tasks}))
+            return [], owner, f"{type(e).__name__}: {e}", refused
 
-    def group(self, t: Task, trajs: list[Trajectory], error: str) -> GroupMessage:
+    def group(self, t: Task, trajs: list[Trajectory], error: str,
+              refused: bool = False) -> GroupMessage:
         return {"seq": t["seq"], "prompt_id": t["prompt_id"], "worker": self.worker.index,
-                "server": t["server"], "trajs": trajs, "failed": bool(error), "error": error}
+                "server": t["server"], "trajs": trajs, "failed": bool(error), "error": error,
+                "unservable": refused}
 
     def push(self, msg: GroupMessage) -> bool:
         """Push, retrying while the master's queue is full; gives up once stopping or once the
@@ -233,8 +243,8 @@ def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
                 time.sleep(float(reply["wait"]))
                 continue
             tasks = reply["tasks"]
-            for t, (trajs, error) in zip(tasks, r.run_tasks(tasks)):
-                if not r.push(r.group(t, trajs, error)):
+            for t, (trajs, error, refused) in zip(tasks, r.run_tasks(tasks)):
+                if not r.push(r.group(t, trajs, error, refused)):
                     if not worker.stopping:
                         r.reconnect()
                     break

@@ -128,3 +128,32 @@ def test_a_restarted_rollout_worker_releases_what_its_predecessor_held():
     assert src.released == 2
     assert [t["prompt_id"] for t in again] == [t["prompt_id"] for t in held]
     assert all(src.finish(t["seq"], accepted=True) is None for t in held)  # late: dropped
+
+
+def test_a_skipped_prompt_is_never_handed_out_again_and_the_others_keep_their_places():
+    ids = list(range(6))
+    plain, skipping = PromptCursor(ids, 3), PromptCursor(ids, 3)
+    order = [plain.next() for _ in range(18)]
+    first = skipping.next()
+    skipping.give_back(4, 0)
+    skipping.skip(4)  # (also out of the prompts to redo)
+    rest = [skipping.next() for _ in range(14)]
+    assert [first] + rest == [o for o in order if o[0] != 4][:15]
+    for pid in (0, 1, 2, 3, 5):
+        assert not skipping.exhausted
+        skipping.skip(pid)
+    assert skipping.exhausted
+    with pytest.raises(ValueError):
+        skipping.next()
+
+
+def test_task_source_skip_ends_the_lease_and_skips_the_prompt():
+    adm = AdmissionController(AdmissionConfig(2, 1))
+    src = TaskSource(adm, PromptCursor([0, 1], 1), Router(1), group_size=4)
+    tasks = src.next_task(0, 2)["tasks"]
+    assert src.skip(tasks[0]["seq"])["prompt_id"] == tasks[0]["prompt_id"]
+    assert src.skip(tasks[0]["seq"]) is None and src.router.outstanding == [4]
+    other = tasks[1]["prompt_id"]
+    assert {t["prompt_id"] for t in src.next_task(0, 2)["tasks"]} == {other}
+    src.skip(tasks[1]["seq"])
+    assert src.cursor.exhausted and src.next_task(0, 2) == {"wait": 0.05}
