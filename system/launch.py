@@ -86,7 +86,52 @@ def build_config(exp: str, trial: str, overrides: list[str]) -> ExperimentConfig
     cfg = build(experiment.make_config())
     if cfg.mode == RunMode.EVAL:
         experiment.roles_for(cfg.mode.value)  # refuses an experiment with nothing to evaluate
-    return trained_base(cfg, experiment.make_config(), build)
+    cfg = trained_base(cfg, experiment.make_config(), build)
+    absolute_paths(cfg)
+    return cfg
+
+
+LAUNCHER_RELATIVE_PATHS = ("rl.model_path", "rl.task.train_path", "rl.task.eval_path",
+                           "name_resolve.file_root")
+"""Path-valued keys a user sets and workers read: a relative one is taken from the directory
+the launcher runs in, and made absolute when the config is built (so ``config.yaml`` holds the
+absolute path and every worker reads the same file whatever directory its scheduler starts it
+in; local workers inherit the launcher's, Slurm jobs start in ``scheduler.slurm.workdir``). A
+key an experiment lacks is skipped. Not listed: ``cluster.fileroot`` (read by the launcher
+only, made absolute where used; workers get the absolute trial directory),
+``scheduler.slurm.workdir`` (made absolute by the scheduler), ``name_resolve.
+redis_password_file`` (made absolute by its section), and the paths a job script resolves on
+the compute node (``scheduler.slurm.python``, the container and Apptainer images and mounts)."""
+
+
+def absolute_paths(cfg: ExperimentConfig, cwd: str | None = None) -> dict[str, str]:
+    """Make each non-empty relative :data:`LAUNCHER_RELATIVE_PATHS` key of ``cfg`` absolute
+    against ``cwd`` (default: this process's working directory; ``~`` is expanded); return
+    every such key with its (absolute) value."""
+    cwd = os.getcwd() if cwd is None else cwd
+    out = {}
+    for key in LAUNCHER_RELATIVE_PATHS:
+        *sections, name = key.split(".")
+        node: Any = cfg
+        for part in sections:
+            node = getattr(node, part, None)
+        value = getattr(node, name, None) if node is not None else None
+        if not isinstance(value, str) or not value:
+            continue
+        value = os.path.normpath(os.path.join(cwd, os.path.expanduser(value)))
+        setattr(node, name, value)
+        out[key] = value
+    return out
+
+
+def absolute_argv(argv: list[str], cfg: ExperimentConfig) -> list[str]:
+    """``argv`` for a launcher that starts elsewhere (``--detach``: the controller job starts
+    in ``scheduler.slurm.workdir``): each :data:`LAUNCHER_RELATIVE_PATHS` key ``cfg`` sets, and
+    ``cluster.fileroot`` (the trial directory this launcher prepared), is given with its
+    absolute value (``cfg``'s paths are absolute already)."""
+    paths = {**absolute_paths(cfg), "cluster.fileroot": os.path.abspath(cfg.cluster.fileroot)}
+    return [*(a for a in argv if a.partition("=")[0] not in paths),
+            *(f"{k}={v}" for k, v in paths.items())]
 
 
 EXTRA_FLAGS = ("--detach", "--test-only")
@@ -230,8 +275,8 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
         if args.dry_run or "--test-only" in args.flags:
             return dry_run(cfg, paths, scheduler, resolved, "--test-only" in args.flags)
         if "--detach" in args.flags:
-            return detach(cfg, paths, scheduler, [a for a in argv if a != "--detach"],
-                          trial.lock)
+            return detach(cfg, paths, scheduler,
+                          absolute_argv([a for a in argv if a != "--detach"], cfg), trial.lock)
         tee_stderr(paths.logs)  # logs/launcher.log, for `python -m system.ctl logs`
         controller = Controller(cfg, experiment, paths, scheduler,
                                 make_name_resolve(cfg.name_resolve, name_resolve_root(cfg),

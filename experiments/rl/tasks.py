@@ -59,12 +59,19 @@ def dataset(cfg: TaskConfig, split: str) -> list[Prompt]:
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not one of {SPLITS}")
     path = cfg.train_path if split == "train" else cfg.eval_path
+    key = f"rl.task.{split}_path"
     if path and not os.path.exists(path):  # (the launcher's machine need not see it)
-        raise ConfigError(f"rl.task.{split}_path={path!r} does not exist on "
-                          f"{socket.gethostname()}")
+        raise ConfigError(f"{key}={path!r} does not exist on {socket.gethostname()} (valid: a "
+                          "path every worker can read; the launcher makes a relative one "
+                          "absolute against its own working directory)")
     if path:
-        return load_prompts(path, cfg.fields, cfg.train_split if split == "train"
-                            else cfg.eval_split)  # type: ignore[return-value]
+        out = load_prompts(path, cfg.fields, cfg.train_split if split == "train"
+                           else cfg.eval_split, key=key)
+        if not out and split == "train":  # (an empty eval set: mode=eval says "holds none")
+            raise ConfigError(f"{key}={path!r} holds no prompts; valid: a .jsonl file with one "
+                              "JSON object per line, or a parquet file or saved dataset with "
+                              "at least one row")
+        return out  # type: ignore[return-value]
     task = get_task(cfg)
     if task.prompts is None:
         if split == "eval":
@@ -75,6 +82,10 @@ def dataset(cfg: TaskConfig, split: str) -> list[Prompt]:
     ids = [p["id"] for p in out]
     if len(set(ids)) != len(ids):
         raise ConfigError(f"rl.task.name={cfg.name!r}: {split} prompt ids repeat")
+    if not out and split == "train":
+        raise ConfigError(f"rl.task.name={cfg.name!r} gave no training prompts (with its "
+                          "rl.task settings); valid: settings that give at least one, or "
+                          "rl.task.train_path=FILE")
     return out
 
 

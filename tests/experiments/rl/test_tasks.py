@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -143,3 +144,133 @@ def test_a_plugin_task_and_reward_from_an_installed_package(tmp_path, monkeypatc
     assert strict.reward(" 6 ", 6) == 1.0 and strict.reward("6+", 6) == 0.0
     with pytest.raises(ValueError, match="max_operand=12"):
         get_task(TaskConfig(name="paren", options={"max_operand": "12"}))
+
+
+def _jsonl(tmp_path, name, lines, mode="w"):
+    path = tmp_path / name
+    with open(path, mode) as f:
+        f.write(lines)
+    return str(path)
+
+
+GOOD = '{"prompt": "1+1=", "answer": 2}\n'
+
+
+@pytest.mark.parametrize("text, words", [
+    (GOOD * 3 + '{"prompt": "2+2=" "answer": 4}\n',  # malformed line 4
+     ["line 4", "not JSON", "one JSON object per line"]),
+    (GOOD + "\n" + "5\n",  # blank lines count: line 3
+     ["line 3", "5 (int)", "not a JSON object"]),
+    (GOOD + '{"prompt": "x", "answer": 1, "id": "x0"}\n',
+     ["line 2", "id 'x0'", "not an integer", "rl.task.fields=id:COL"]),
+    (GOOD + '{"prompt": "x", "answer": 1, "id": 1.5}\n', ["line 2", "id 1.5", "not an integer"]),
+    (GOOD + '{"prompt": "x", "answer": 1, "id": true}\n', ["line 2", "not an integer"]),
+    (GOOD + '{"prompt": ["x"], "answer": 1}\n', ["line 2", "'prompt'", "list", "a string"]),
+    (GOOD + '{"prompt": "x", "answer": null}\n', ["line 2", "'answer'", "null"]),
+    ('{"prompt": "a", "answer": 1, "id": 3}\n{"prompt": "b", "answer": 1, "id": 3}\n',
+     ["line 2", "id 3", "line 1", "unique"]),
+    (GOOD + '{"question": "x", "answer": 1}\n', ["line 2", "lacks the column(s) ['prompt']"]),
+])
+def test_bad_jsonl_lines_are_config_errors_naming_key_file_and_line(tmp_path, text, words):
+    path = _jsonl(tmp_path, "train.jsonl", text)
+    cfg = TaskConfig(train_path=path)
+    with pytest.raises(ConfigError) as e:
+        dataset(cfg, "train")
+    msg = str(e.value)
+    assert msg.startswith(f"rl.task.train_path={path!r}") and "\n" not in msg, msg
+    for w in words:
+        assert w in msg, msg
+    cfg = TaskConfig(eval_path=path)
+    with pytest.raises(ConfigError, match=r"^rl\.task\.eval_path="):
+        dataset(cfg, "eval")
+
+
+def test_non_utf8_and_bom_jsonl(tmp_path):
+    path = _jsonl(tmp_path, "t.jsonl", GOOD.encode() + b'{"prompt": "caf\xe9", "answer": 1}\n',
+                  "wb")
+    with pytest.raises(ConfigError, match=r"train_path=.*t\.jsonl.*line 2.*not UTF-8.*valid"):
+        dataset(TaskConfig(train_path=path), "train")
+    bom = _jsonl(tmp_path, "bom.jsonl", b"\xef\xbb\xbf" + GOOD.encode(), "wb")
+    assert dataset(TaskConfig(train_path=bom), "train") == [{"id": 0, "prompt": "1+1=",
+                                                             "answer": 2}]
+
+
+def test_integer_ids_of_any_spelling_are_kept(tmp_path):
+    path = _jsonl(tmp_path, "t.jsonl", '{"prompt": "a", "answer": 1, "id": "7"}\n'
+                  '{"prompt": "b", "answer": 1, "id": 8.0}\n')
+    assert [p["id"] for p in dataset(TaskConfig(train_path=path), "train")] == [7, 8]
+
+
+def test_an_empty_training_set_names_its_file_or_task(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty = _jsonl(tmp_path, "empty.jsonl", "\n\n")
+    with pytest.raises(ConfigError, match=rf"^rl\.task\.train_path={empty!r} holds no prompts"):
+        dataset(TaskConfig(train_path=empty), "train")
+    assert dataset(TaskConfig(eval_path=empty), "eval") == []  # mode=eval says "holds none"
+    zero = str(tmp_path / "zero.parquet")
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()),
+                             "answer": pa.array([], pa.string())}), zero)
+    with pytest.raises(ConfigError, match=r"train_path=.*zero\.parquet.* holds no prompts"):
+        dataset(TaskConfig(train_path=zero), "train")
+    from experiments.rl import tasks
+
+    tasks.TASKS["nothing"] = lambda cfg: tasks.Task("nothing", lambda split: [],
+                                                    tasks.REWARDS["math"])
+    try:
+        cfg = TaskConfig()
+        object.__setattr__(cfg, "name", "nothing")  # (a plugin that yields no prompts)
+        with pytest.raises(ConfigError, match=r"rl\.task\.name='nothing'.*no training prompts"):
+            dataset(cfg, "train")
+    finally:
+        del tasks.TASKS["nothing"]
+
+
+def test_bad_parquet_files(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    junk = _jsonl(tmp_path, "junk.parquet", "not parquet at all")
+    with pytest.raises(ConfigError, match=r"^rl\.task\.train_path=.*junk\.parquet.*not a "
+                                          r"readable parquet file.*valid"):
+        dataset(TaskConfig(train_path=junk), "train")
+    typed = str(tmp_path / "typed.parquet")
+    pq.write_table(pa.table({"prompt": [[1, 2]], "answer": ["1"], "id": [1.5]}), typed)
+    with pytest.raises(ConfigError, match=r"typed\.parquet.*row 0.*'prompt'.*list"):
+        dataset(TaskConfig(train_path=typed), "train")
+    ids = str(tmp_path / "ids.parquet")
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"], "id": ["0", "x1"]}),
+                   ids)
+    with pytest.raises(ConfigError, match=r"ids\.parquet.*row 1.*id 'x1'.*not an integer"):
+        dataset(TaskConfig(train_path=ids), "train")
+
+
+def test_bad_saved_datasets(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    one = datasets.Dataset.from_list(_rows())
+    one.select([]).save_to_disk(str(tmp_path / "empty"))
+    cfg = TaskConfig(train_path=str(tmp_path / "empty"), fields="prompt:question,answer:solution")
+    with pytest.raises(ConfigError, match=r"^rl\.task\.train_path=.*empty.*holds no prompts"):
+        dataset(cfg, "train")
+    one.save_to_disk(str(tmp_path / "broken"))
+    for name in os.listdir(tmp_path / "broken"):
+        if name.endswith(".arrow"):
+            (tmp_path / "broken" / name).write_text("junk")
+    cfg = TaskConfig(train_path=str(tmp_path / "broken"), fields="prompt:question,answer:solution")
+    with pytest.raises(ConfigError, match=r"^rl\.task\.train_path=.*broken.*save_to_disk"):
+        dataset(cfg, "train")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ConfigError, match=r"^rl\.task\.eval_path=.*plain.*save_to_disk"):
+        dataset(TaskConfig(eval_path=str(tmp_path / "plain")), "eval")
+    datasets.DatasetDict({"train": one.select([]), "test": one}).save_to_disk(
+        str(tmp_path / "dict"))
+    cfg = TaskConfig(train_path=str(tmp_path / "dict"), fields="prompt:question,answer:solution")
+    with pytest.raises(ConfigError, match=r"^rl\.task\.train_path=.*dict.*holds no prompts"):
+        dataset(cfg, "train")
+
+
+def test_a_file_without_a_known_suffix_is_refused_when_read(tmp_path):
+    path = _jsonl(tmp_path, "train", GOOD)
+    with pytest.raises(ConfigError, match=r"train_path=.*is a file.*\.jsonl or \.parquet"):
+        dataset(TaskConfig(train_path=path), "train")
