@@ -20,8 +20,9 @@ from scheduler.slurm_cli import (STATE_TABLE, last_error, map_state, parse_sbatc
 from scheduler.slurm_cli import run as _run
 from scheduler.slurm_config import SlurmConfig
 from scheduler.slurm_jobs import (cancel_until_gone, het_leader, queued, scancel, scontrol_job,
-                                  scontrol_update, terminate)
-from scheduler.slurm_queue import blocked_message, hopeless, queue_timeout_message, unavailable_nodes
+                                  scontrol_update, slurm_release, terminate)
+from scheduler.slurm_queue import (blocked_message, held_after_launch_failure, hopeless,
+                                   queue_timeout_message, unavailable_nodes)
 from scheduler.slurm_render import (HETJOB, job_label, job_name, render_hetjob_script,
                                     render_worker_script, requeue_mark_prefix, script_name)
 from system.errors import SchedulerError
@@ -210,6 +211,8 @@ class SlurmScheduler(Scheduler):
             state = map_state(raw) if raw else JobState.UNKNOWN
             if restarts and state == JobState.PENDING and reason == "BeginTime":
                 self._release_when_due(job_id)
+            elif state == JobState.PENDING and held_after_launch_failure(reason):
+                self._release_held(job_id)
             workers, log_paths = self._live(job_id)
             waiting = reason if state in (JobState.PENDING, JobState.REQUEUED) and \
                 reason != "None" else ""
@@ -261,6 +264,16 @@ class SlurmScheduler(Scheduler):
             log.info("requeued job %s made eligible again (Slurm's hold released)", job_id)
         else:
             log.warning("could not release requeued job %s: %s", job_id, error)
+
+    def _release_held(self, job_id: str) -> None:
+        """A job Slurm held after its launch failed (its node went down as it started, say:
+        ``launch failed requeued held``, priority 0) would pend for good: release it, once per
+        hold, so it starts again wherever it fits (the trial rejoins it as after a requeue)."""
+        error = slurm_release(job_id, self.scancel_timeout)
+        if error is None:
+            log.warning("job %s was held by Slurm after its launch failed: released", job_id)
+        else:
+            log.warning("could not release held job %s: %s", job_id, error)
 
     def stop_all(self, grace: float) -> None:
         """Cancel every job of the trial; return once none is left in the queue.

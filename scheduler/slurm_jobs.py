@@ -113,6 +113,15 @@ def cancel_until_gone(ids: list[str], deadline: float, timeout: float) -> list[s
         wait = min(wait * 2, 16.0)
 
 
+def slurm_release(job_id: str, timeout: float) -> str | None:
+    """``scontrol release <job>`` (a held job becomes eligible); the error, or None."""
+    try:
+        r = _run(["scontrol", "release", het_leader(job_id)], timeout=timeout)
+    except SchedulerError as e:
+        return str(e)
+    return None if r.returncode == 0 else r.stderr.strip()
+
+
 def scontrol_update(job_id: str, setting: str, timeout: float) -> str | None:
     """``scontrol update JobId=<job> <setting>``; the error it gave (for the caller to log),
     or None."""

@@ -69,6 +69,13 @@ def hopeless(reason: str, unknown_nodes: bool = False) -> tuple[str, tuple[str, 
     return None
 
 
+def held_after_launch_failure(reason: str) -> bool:
+    """Whether Slurm held a pending job because its launch failed (``launch failed requeued
+    held``: its node failed as the job started; priority 0 until someone releases it). Not
+    an administrator's or the user's own hold (``JobHeldAdmin``, ``JobHeldUser``)."""
+    return reason.strip().lower().startswith("launch failed requeued held")
+
+
 def keys_text(kind: str, keys: tuple[str, ...]) -> str:
     """``scheduler.slurm.model.cpus_per_task or scheduler.slurm.model.qos``."""
     return " or ".join(f"scheduler.slurm.{kind}.{k}" for k in keys)

@@ -101,3 +101,12 @@ def test_a_group_alone_too_big_and_other_partitions():
 def test_queue_timeout_is_validated():
     with pytest.raises(ConfigError, match="queue_timeout"):
         SlurmConfig(queue_timeout=-1)
+
+
+def test_a_hold_after_a_launch_failure_is_told_from_deliberate_holds():
+    from scheduler.slurm_queue import held_after_launch_failure
+
+    assert held_after_launch_failure("launch failed requeued held")
+    assert held_after_launch_failure("Launch failed requeued held ")
+    for reason in ("JobHeldAdmin", "JobHeldUser", "BeginTime", "Priority", ""):
+        assert not held_after_launch_failure(reason)
