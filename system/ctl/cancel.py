@@ -134,8 +134,8 @@ def _final_record(paths: TrialPaths, t0: float) -> None:
     if not os.path.exists(paths.summary):
         write_json_atomic(paths.summary, lost_summary(view.record, now))
         wrote = " and summary.json"
-    _say(t0, f"the controller left no final record: status.json{wrote} now say{'' if wrote else 's'} "
-         "cancelled")
+    verb = "say" if wrote else "says"
+    _say(t0, f"the controller left no final record: status.json{wrote} now {verb} cancelled")
 
 
 def lost_summary(record: dict[str, Any], now: float) -> dict[str, Any]:

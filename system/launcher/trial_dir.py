@@ -69,7 +69,8 @@ def name_resolve_root(cfg: ExperimentConfig) -> str:
 def check_existing(cfg: ExperimentConfig, paths: TrialPaths, dry_run: bool = False) -> None:
     """An existing trial with checkpoints continues (``recover=auto|resume``); ``recover=off``
     starts it over only when asked to (``recover.overwrite=true``: its checkpoints and their
-    evaluations go, unless this is a dry run). An evaluation (``mode=eval``) leaves the trial as it is."""
+    evaluations go, unless this is a dry run). An evaluation (``mode=eval``) leaves the trial
+    as it is."""
     recover = cfg.recovery()
     if cfg.mode == RunMode.EVAL:
         return

@@ -31,7 +31,8 @@ def error_lines(stderr: str) -> list[str]:
 
 def refused(cluster, root: str, trial: str, *extra: str) -> tuple[str, float]:
     t0 = time.monotonic()
-    r = run_launch("exp=smoke", f"trial={trial}", f"cluster.fileroot={root}", *overridden(SLURM, *extra),
+    r = run_launch("exp=smoke", f"trial={trial}", f"cluster.fileroot={root}",
+                   *overridden(SLURM, *extra),
                    env=cluster.env, timeout=120)
     took = time.monotonic() - t0
     assert r.returncode == 1, r.stderr
@@ -78,7 +79,8 @@ def test_a_busy_partition_is_waited_for(slurm_cluster, tmp_path):
                              text=True, env=env, check=True).stdout.strip()
     try:
         root = str(tmp_path / "runs")
-        r = run_launch("exp=smoke", "trial=busy", f"cluster.fileroot={root}", *overridden(SLURM, *SLOW_OK),
+        r = run_launch("exp=smoke", "trial=busy", f"cluster.fileroot={root}",
+                       *overridden(SLURM, *SLOW_OK),
                        "controller.register_timeout=20", env=slurm_cluster.env,
                        timeout=240)
         assert r.returncode == 0, r.stderr
