@@ -67,21 +67,26 @@ class MetricsLog:
             if os.path.exists(self.path):
                 os.unlink(self.path)
             shutil.rmtree(self.tb_dir, ignore_errors=True)
-        self.tb = self._writer()
+        self.tb: Any = None  # the TensorBoard writer, opened at the first row
+        self._purge_step: int | None = None
         cfg = cfg or MetricsConfig()
         self.wandb = (WandbRun(cfg, trial_dir, name or os.path.basename(trial_dir))
                       if cfg.wandb != "off" else None)
 
-    def _writer(self, purge_step: int | None = None) -> Any:
-        from torch.utils.tensorboard import SummaryWriter
+    def _writer(self) -> Any:
+        if self.tb is None:
+            from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(self.tb_dir, purge_step=purge_step)
+            self.tb = SummaryWriter(self.tb_dir, purge_step=self._purge_step)
+        return self.tb
 
     def truncate(self, step: int) -> None:
         """Forget rows after ``step`` (a resumed run redoes them), in TensorBoard too (events
         of later steps are hidden, as ``purge_step`` does)."""
-        self.tb.close()
-        self.tb = self._writer(purge_step=step + 1)
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        self._purge_step = step + 1
         self.rows = [r for r in self.rows if r.get("step", 0) <= step]
         tmp = self.path + ".tmp"  # replaced in one step: a crash here keeps the old log
         with open(tmp, "w") as f:
@@ -97,8 +102,8 @@ class MetricsLog:
         scalars = {k: v for k, v in values.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
         for k, v in scalars.items():
-            self.tb.add_scalar(k.replace(".", "/"), v, step)
-        self.tb.flush()
+            self._writer().add_scalar(k.replace(".", "/"), v, step)
+        self._writer().flush()
         if self.wandb is not None:
             self.wandb.log(step, scalars)
 
@@ -129,7 +134,9 @@ class MetricsLog:
         return path
 
     def close(self) -> None:
-        self.tb.close()
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
         if self.wandb is not None:
             self.wandb.close()
             self.wandb = None

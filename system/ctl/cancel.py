@@ -25,7 +25,7 @@ from system.ctl import procs, slurm_query
 from system.ctl.live import request_cancel
 from system.ctl.trial_state import TrialView, read_trial
 from system.launcher.status_file import FINAL_STATES
-from system.launcher.trial_dir import write_json_atomic
+from system.launcher.trial_dir import now_iso, write_json_atomic
 from system.paths import TrialPaths
 
 GRACE = 20.0
@@ -146,9 +146,7 @@ def lost_summary(record: dict[str, Any], now: float) -> dict[str, Any]:
     return {"exp": record.get("exp"), "trial": record.get("trial"), "status": "cancelled",
             "scheduler": record.get("scheduler"), "name_resolve": record.get("name_resolve"),
             "workers": record.get("workers"),
-            "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))
-            if started else None,
-            "end_time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
+            "start_time": now_iso(started) if started else None, "end_time": now_iso(now),
             "t0_epoch": started or None,
             "failure": {"message": "the controller stopped without a final record (killed, or "
                                    "its host lost); system.ctl cancel stopped what was left",

@@ -55,8 +55,9 @@ def write_json_atomic(path: str, obj: Any) -> None:
                   0o640 if group else 0o600)
 
 
-def now_iso() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+def now_iso(t: float | None = None) -> str:
+    """Local time ``t`` (epoch seconds; default now) as the trial's records write it."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
 
 
 def name_resolve_root(cfg: ExperimentConfig) -> str:

@@ -41,27 +41,8 @@ def test_no_trained_sample_exceeds_eta(eta):
     B = 6
     ctl = AdmissionController(AdmissionConfig(B, eta))
     buffer = TrajectoryBuffer(eta)
-    running, staleness = [], []
-    for _ in range(5000):
-        action = rng.random()
-        if action < 0.45:
-            t = ctl.try_admit()
-            if t is not None:
-                running.append(t)
-        elif action < 0.85 and running:
-            t = running.pop(rng.randrange(len(running)))
-            accepted = rng.random() > 0.2
-            ctl.finish(t, accepted)
-            if accepted:
-                buffer.put(t, t.version)
-        else:  # a training step on version v, then publish v + 1
-            ctl.discard(len(buffer.drop_stale(ctl.version)))
-            batch = buffer.take(B, ctl.version)
-            if batch is not None:
-                ctl.consumed(B)
-                staleness += [ctl.version - v for _, v in batch]
-                ctl.set_version(ctl.version + 1)
-        assert ctl.outstanding() <= (1 + eta) * B
+    # (_drive checks outstanding <= (1 + eta) * B after every action)
+    staleness, _ = _drive(ctl, buffer, B, eta, rng, 5000)
     assert len(staleness) > 100 and max(staleness) <= eta
     if eta:
         assert max(staleness) == eta  # the bound is used, not just respected
@@ -263,8 +244,8 @@ def test_leases_keep_the_bound_and_train_each_prompt_once(eta):
 
 def _drive(ctl: AdmissionController, buffer: TrajectoryBuffer, B: int, eta: int,
            rng: random.Random, actions: int) -> tuple[list[int], list[bool]]:
-    """A random interleaving of admissions, out-of-order finishes and training steps of ``B``
-    (as in :func:`test_no_trained_sample_exceeds_eta`). Returns the trained staleness and
+    """A random interleaving of admissions, out-of-order finishes (some rejected, some running
+    very long) and training steps of ``B``. Returns the trained staleness and
     whether each admission attempt succeeded; checks the bound after every action (a buffer
     restored from a larger batch size may start above it: then it must not grow)."""
     running, staleness, admitted = [], [], []
