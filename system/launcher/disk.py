@@ -5,17 +5,27 @@ being able to say so (its report and log need space too). A restart would fail t
 
 :func:`full_disk_cause` reads how much space is left (``statvfs``) and how much the largest
 checkpoint takes (space an unfinished checkpoint holds counts as free: a restart removes it);
-:func:`judge_space` is the pure rule. A quota (``EDQUOT``) is not seen: ``statvfs`` reports
-the file system's space, not the user's.
+:func:`judge_space` is the pure rule. A used-up quota (``EDQUOT``) is not in ``statvfs``, which
+reports the file system's space, not the user's: it is seen in the failure's own text (a
+worker's report or its log's last lines) or when a small write under the trial directory, as
+the workers' user, is refused (:func:`write_refused`).
 """
 from __future__ import annotations
 
+import errno
 import os
+import tempfile
 
 from system.errors import WorkerFailure
 
 MIN_FREE = 16 << 20
 """Below this many free bytes the file system counts as full even before any checkpoint."""
+
+PROBE = 1 << 20
+"""Bytes :func:`write_refused` writes (and removes) to see whether the user may still write."""
+
+QUOTA = os.strerror(errno.EDQUOT)
+"""How a used-up quota reads in an ``OSError`` (``[Errno 122] Disk quota exceeded``)."""
 
 
 class FullDisk(WorkerFailure):
@@ -56,26 +66,73 @@ def _tree_size(path: str) -> int:
 
 
 def full_disk_cause(failure: WorkerFailure, root: str, checkpoints: str) -> WorkerFailure:
-    """``failure`` named after a full file system under the trial directory ``root``, not to
-    be recovered (a restart would fail the same way), when too little space is left; else
-    ``failure`` itself."""
+    """``failure`` named after a full file system or a used-up quota under the trial directory
+    ``root`` (:func:`space_cause`), not to be recovered (a restart would fail the same way);
+    else ``failure`` itself."""
     if isinstance(failure, FullDisk) or failure.worker is None:  # (a timeout, say)
         return failure
+    places = {os.path.realpath(root), os.path.realpath(checkpoints)
+              if os.path.isdir(checkpoints) else os.path.realpath(root)}
     try:  # (checkpoints may be a link to another file system: the fuller one counts)
-        free = min(_free(root), _free(os.path.realpath(checkpoints)) if
-                   os.path.isdir(checkpoints) else _free(root))
+        free = min(_free(p) for p in places)
         need, staged = checkpoint_sizes(checkpoints)
     except OSError:
         return failure
-    if not judge_space(free + staged, need):
+    refused = None
+    if not judge_space(free + staged, need):  # (no need to write when statvfs says it all)
+        refused = next((e for e in map(write_refused, sorted(places)) if e is not None), None)
+    cause = space_cause(root, free, staged, need, refused, str(failure))
+    if cause is None:
         return failure
     first = str(failure).splitlines()[0]
-    return FullDisk(
-        f"the file system of the trial directory {root} is full ({_mib(free + staged)} free "
-        f"once the unfinished checkpoint is removed; the largest checkpoint takes "
-        f"{_mib(need)}): free space, then launch the trial again: it "
-        f"continues from its latest checkpoint\nthen {first}", failure.worker,
-        failure.log_path, also=failure.also, config=True)
+    return FullDisk(f"{cause}, then launch the trial again: it continues from its latest "
+                    f"checkpoint\nthen {first}", failure.worker, failure.log_path,
+                    also=failure.also, config=True)
+
+
+def space_cause(root: str, free: int, staged: int, need: int, refused: OSError | None,
+                text: str) -> str | None:
+    """Why the trial directory ``root`` cannot take the next checkpoint, or None: its file
+    system has too little space (``free`` bytes, ``staged`` more once the unfinished
+    checkpoint is removed, ``need`` for the largest checkpoint); a probe write there was
+    ``refused`` for want of space (a quota, which ``free`` does not show); or the failure's
+    ``text`` says a quota is used up (somewhere a worker writes)."""
+    if judge_space(free + staged, need):
+        return (f"the file system of the trial directory {root} is full ({_mib(free + staged)}"
+                f" free once the unfinished checkpoint is removed; the largest checkpoint "
+                f"takes {_mib(need)}): free space")
+    if refused is not None and refused.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"writing under the trial directory {root} fails: {refused.strerror} (the file "
+                f"system has {_mib(free)} free: a quota is used up): free space or raise the "
+                "quota")
+    if QUOTA in text:
+        return (f"a worker failed with {QUOTA!r}: a quota is used up (on the trial directory's "
+                f"file system or on another one that worker writes; its log names the file): "
+                f"free space or raise the quota")
+    return None
+
+
+def write_refused(directory: str) -> OSError | None:
+    """The error writing :data:`PROBE` bytes into a new file in ``directory`` (and syncing
+    them: a quota may be charged only then) raised, the file removed again; None when the
+    write succeeded or the directory is not there."""
+    if not os.path.isdir(directory):
+        return None
+    try:
+        fd, path = tempfile.mkstemp(prefix=".space-probe-", dir=directory)
+    except OSError as e:
+        return e
+    try:
+        data = memoryview(bytes(PROBE))
+        while data:  # (a write short of space writes what fits; the next one fails)
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+        return None
+    except OSError as e:
+        return e
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 def _free(path: str) -> int:

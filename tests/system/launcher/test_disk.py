@@ -2,11 +2,15 @@
 disk itself, a real tmpfs, is in tests/integration/test_full_disk.py)."""
 from __future__ import annotations
 
+import errno
 import os
+import subprocess
+
+import pytest
 
 from system.errors import WorkerFailure
 from system.launcher.disk import MIN_FREE, FullDisk, checkpoint_sizes, full_disk_cause, \
-    judge_space
+    judge_space, space_cause, write_refused
 
 
 def test_judge_space():
@@ -39,3 +43,57 @@ def test_a_failure_with_space_left_is_left_as_it_is(tmp_path):
     assert full_disk_cause(timeout, "/proc", "/proc/no-checkpoints") is timeout
     named = FullDisk("the file system ... is full", "master/0", "/log", config=True)
     assert full_disk_cause(named, str(tmp_path), str(tmp_path)) is named
+
+
+def test_space_cause_names_a_full_file_system_a_refused_write_or_a_quota_in_the_report():
+    plenty = 10 * MIN_FREE
+    assert space_cause("/r", plenty, 0, 0, None, "worker raised ValueError") is None
+    assert space_cause("/r", 0, 0, 0, None, "").startswith(
+        "the file system of the trial directory /r is full (0.0 MiB free")
+    assert space_cause("/r", MIN_FREE, MIN_FREE, MIN_FREE, None, "") is None  # staged counts
+    # space a quota withholds: statvfs shows plenty, a write is refused
+    quota = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+    assert space_cause("/r", plenty, 0, 0, quota, "") == (
+        "writing under the trial directory /r fails: Disk quota exceeded (the file system "
+        "has 160.0 MiB free: a quota is used up): free space or raise the quota")
+    other = OSError(errno.EACCES, os.strerror(errno.EACCES))  # not a matter of space
+    assert space_cause("/r", plenty, 0, 0, other, "") is None
+    reported = "worker model/0 raised OSError: [Errno 122] Disk quota exceeded: '/h/x'"
+    assert space_cause("/r", plenty, 0, 0, None, reported).startswith(
+        "a worker failed with 'Disk quota exceeded': a quota is used up")
+    # "No space left" from elsewhere (/dev/shm, say) with the trial's disk roomy: not named
+    assert space_cause("/r", plenty, 0, 0, None, "[Errno 28] No space left on device") is None
+
+
+def test_a_reported_quota_is_named_and_not_recovered(tmp_path):
+    failure = WorkerFailure("worker model/0 raised OSError: [Errno 122] Disk quota exceeded\n"
+                            "Traceback ...", "model/0", "/log")
+    named = full_disk_cause(failure, str(tmp_path), str(tmp_path / "checkpoints"))
+    assert isinstance(named, FullDisk) and named.config and named.worker == "model/0"
+    assert str(named).endswith("then worker model/0 raised OSError: [Errno 122] Disk quota "
+                               "exceeded")
+    assert os.listdir(tmp_path) == []  # the probe write left nothing
+
+
+@pytest.fixture
+def half_full_fs(tmp_path):
+    root = str(tmp_path / "fs")
+    os.makedirs(root)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", root],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        with open(os.path.join(root, "data"), "wb") as f:
+            f.write(bytes(512 << 10))  # half of it
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", root], check=False)
+
+
+def test_write_refused_is_the_error_of_a_real_write(half_full_fs, tmp_path):
+    assert write_refused(str(tmp_path)) is None and os.listdir(tmp_path) == ["fs"]
+    assert write_refused(str(tmp_path / "absent")) is None
+    refused = write_refused(half_full_fs)  # 1 MiB does not fit in the half left
+    assert refused is not None and refused.errno == errno.ENOSPC
+    assert os.listdir(half_full_fs) == ["data"]  # the probe file is removed either way
