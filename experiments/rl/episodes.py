@@ -1,7 +1,9 @@
 """Driving agent episodes against generation servers, and scoring what they produce."""
 from __future__ import annotations
 
+import logging
 import math
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -11,6 +13,8 @@ from system.errors import ConfigError, RemoteError
 from workers.client import Pending
 from workers.generation import GenerationClient
 from workers.schema import Sample, Trajectory
+
+log = logging.getLogger("rl-episodes")
 
 ALIVE_EVERY = 0.5
 """Seconds between checks that a generation server a request waits on is still the one serving
@@ -43,6 +47,24 @@ def run_episodes(episodes: Sequence[tuple[Episode, int]], clients: dict[int, Gen
     return results  # type: ignore[return-value]
 
 
+REWARD_RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+"""Seconds waited before each retry of a reward function that failed transiently
+(:func:`transient`): a verifier or sandbox service it calls, briefly down."""
+
+
+class RewardUnavailable(RuntimeError):
+    """A reward function failed transiently on every try: the rollout worker fails (and is
+    restarted, the prompt handed out again), as for any failure that may pass."""
+
+
+def transient(e: BaseException) -> bool:
+    """Whether a reward function's exception may pass if asked again: a connection or time-out
+    error (``OSError``, which the HTTP clients' connection errors are, and ``TimeoutError``),
+    but not a file that is missing or unreadable, which will be so again."""
+    return isinstance(e, OSError) and not isinstance(
+        e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError))
+
+
 def unservable(e: BaseException) -> bool:
     """Whether a generation server refused a request for good: it raised a ConfigError (the
     prompt and ``max_tokens`` do not fit ``rl.vllm.max_model_len``, say), which asking again
@@ -51,29 +73,45 @@ def unservable(e: BaseException) -> bool:
 
 
 def score(trajs: list[Trajectory], tok: Any, answer: Any,
-          reward_fn: Callable[[str, Any], float]) -> None:
+          reward_fn: Callable[[str, Any], float],
+          delays: Sequence[float] = REWARD_RETRY_DELAYS) -> None:
     """Reward each trajectory on its final answer: the policy's last turn (after the last tool
     output; for a single-turn agent, the whole completion). A reward function that raises, or
-    returns anything but a finite number, is a ConfigError naming it (the same completion
-    would fail it again: the trial stops in one line, not retried or recovered)."""
+    returns anything but a finite number (``True``/``False`` count as 1/0), is a ConfigError
+    naming it (the same completion would fail it again: the trial stops in one line, not
+    retried or recovered); one that fails transiently (:func:`transient`) is asked again after
+    each of ``delays``, then :class:`RewardUnavailable`."""
     for t in trajs:
         comp = t["tokens"][t["prompt_len"]:]
         tool = np.nonzero(t["mask"] == 0)[0]
         final = comp[tool[-1] + 1:] if len(tool) else comp
         text = tok.decode([int(x) for x in final], skip_special_tokens=True)
-        try:
-            reward = reward_fn(text, answer)
-        except Exception as e:
-            raise ConfigError(f"the reward function {_name(reward_fn)} (rl.task.reward, or the "
-                              f"task's own) raised {type(e).__name__}: {e} on the completion "
-                              f"{text[:60]!r} (answer {str(answer)[:40]!r})") from e
-        if isinstance(reward, bool) or not isinstance(reward, (int, float, np.number)) \
-                or not math.isfinite(reward):
+        reward = _reward(reward_fn, text, answer, delays)
+        if not isinstance(reward, (int, float, np.number)) or not math.isfinite(reward):
             raise ConfigError(f"the reward function {_name(reward_fn)} (rl.task.reward, or the "
                               f"task's own) returned {str(reward)[:40]!r} on the completion "
                               f"{text[:60]!r} (answer {str(answer)[:40]!r}); valid: a finite "
                               "number")
         t["reward"] = float(reward)
+
+
+def _reward(reward_fn: Callable[[str, Any], float], text: str, answer: Any,
+            delays: Sequence[float]) -> Any:
+    for attempt in range(len(delays) + 1):
+        try:
+            return reward_fn(text, answer)
+        except Exception as e:
+            what = (f"the reward function {_name(reward_fn)} (rl.task.reward, or the task's "
+                    f"own) raised {type(e).__name__}: {e} on the completion {text[:60]!r} "
+                    f"(answer {str(answer)[:40]!r})")
+            if not transient(e):
+                raise ConfigError(what) from e
+            if attempt == len(delays):
+                raise RewardUnavailable(f"{what}, {attempt + 1} times in "
+                                        f"{sum(delays):.0f}s") from e
+            log.warning("%s; asking again in %.0fs", what, delays[attempt])
+            time.sleep(delays[attempt])
+    raise AssertionError("unreachable")
 
 
 def _name(fn: Callable[..., Any]) -> str:

@@ -123,8 +123,7 @@ class OpenAIAgent:
         except Exception as e:  # the user's code: its error fails the group, named
             s.error = f"rl.agent.function={self.name!r} raised {type(e).__name__}: {e}"
             return
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) \
-                or not math.isfinite(reward):
+        if not isinstance(reward, (int, float)) or not math.isfinite(reward):  # (bool: 1/0)
             s.error = (f"rl.agent.function={self.name!r} returned {str(reward)[:80]!r}, not "
                        "a finite number")
             return

@@ -37,7 +37,7 @@ def test_a_reward_that_raises_or_returns_no_finite_number_is_a_config_error():
                 "prompt_len": len(prompt), "mask": np.ones(1, np.int8)}
 
     for value, shown in ((float("nan"), "'nan'"), (float("inf"), "'inf'"), ("1", "'1'"),
-                         (None, "'None'"), (True, "'True'")):
+                         (None, "'None'")):
         with pytest.raises(ConfigError) as e:
             score([traj()], tok, 2, lambda c, a, v=value: v)
         assert f"returned {shown} on the completion '2' (answer '2'); valid: a finite" \
@@ -52,3 +52,40 @@ def test_a_reward_that_raises_or_returns_no_finite_number_is_a_config_error():
     t = traj()
     score([t], tok, 2, lambda c, a: np.float32(0.5))  # numpy numbers are numbers
     assert t["reward"] == 0.5 and isinstance(t["reward"], float)
+    t = traj()
+    score([t], tok, 2, lambda c, a: c == str(a))  # a comparison's bool is 1 or 0
+    assert t["reward"] == 1.0 and isinstance(t["reward"], float)
+
+
+def test_a_reward_that_fails_transiently_is_asked_again_then_fails_the_worker():
+    import pytest
+
+    from experiments.rl.episodes import RewardUnavailable, score
+    from system.errors import ConfigError
+
+    tok = CharTok()
+    prompt = [1] + tok.encode("1+1=")
+    traj = {"tokens": np.array(prompt + tok.encode("2"), np.int32),
+            "prompt_len": len(prompt), "mask": np.ones(1, np.int8)}
+    calls = []
+
+    def flaky(c, a, failures=2, error=ConnectionRefusedError):
+        calls.append(c)
+        if len(calls) <= failures:
+            raise error(111, "Connection refused")
+        return 1.0
+
+    score([traj], tok, 2, flaky, delays=(0.0, 0.0, 0.0))
+    assert traj["reward"] == 1.0 and len(calls) == 3
+    calls.clear()
+    with pytest.raises(RewardUnavailable, match=r"lambda> .* raised ConnectionRefusedError: "
+                                                r".*Connection refused.*, 3 times in 0s"):
+        score([traj], tok, 2, lambda c, a: flaky(c, a, failures=9), delays=(0.0, 0.0))
+    assert len(calls) == 3
+    calls.clear()
+    with pytest.raises(RewardUnavailable):  # a time-out is transient too
+        score([traj], tok, 2, lambda c, a: flaky(c, a, 9, TimeoutError), delays=(0.0,))
+    calls.clear()
+    with pytest.raises(ConfigError, match="raised FileNotFoundError"):  # will be so again
+        score([traj], tok, 2, lambda c, a: flaky(c, a, 9, FileNotFoundError), delays=(0.0,))
+    assert len(calls) == 1
