@@ -184,6 +184,10 @@ class GroupMessage(TypedDict):
     """The group failed because a generation server refused its request for good (a
     ``ConfigError``: the prompt does not fit the context, ``rl.vllm.max_model_len``): the master
     skips its prompt instead of handing it out again."""
+    agent_error: bool
+    """The group failed in the agent function (``rl.agent.kind=openai``): it raised, returned
+    no finite number, made no request or ran past ``rl.call_timeout``; the master counts these
+    (:mod:`experiments.rl.agent_failures`)."""
 
 
 # --- RL plane: master <-> model workers ---------------------------------------------------------

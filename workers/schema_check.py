@@ -14,7 +14,7 @@ import numpy as np
 
 _GROUP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "seq": int, "prompt_id": int, "worker": int, "server": int, "trajs": list, "failed": bool,
-    "error": str, "unservable": bool}
+    "error": str, "unservable": bool, "agent_error": bool}
 _TRAJ_ARRAYS = {"mask": "iub", "logprobs": "f", "versions": "iu"}
 
 

@@ -161,6 +161,12 @@ class TaskSource:
                 tasks.append(task)
         return {"tasks": tasks} if tasks else {"wait": 0.05}
 
+    def leased(self, seq: int) -> bool:
+        """Whether ``seq`` is a task out on lease (not a duplicate, a leftover from before a
+        restart, or one whose lease was already released)."""
+        with self._lock:
+            return seq in self.in_flight
+
     def finish(self, seq: int, accepted: bool) -> Task | None:
         """A group came back (or failed). Returns its task, or None for an unknown seq (a
         duplicate, from before a restart, or one whose lease was already released)."""

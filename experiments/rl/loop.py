@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from experiments.rl.admission import AdmissionConfig, AdmissionController, TrajectoryBuffer
+from experiments.rl.agent_failures import PROMPT_TRIES, AgentFailures
 from experiments.rl.checkpoint import CheckpointDir
 from experiments.rl.checkpoint_layout import check_resume_layout, layout_of
 from experiments.rl.cluster import Cluster
@@ -76,6 +77,7 @@ class RLLoop:
         self.router = Router(self.cluster.n_gen)
         self.source = TaskSource(self.admission, cursor, self.router, rl.group_size,
                                  rl.lease_timeout)
+        self.agent_failures = AgentFailures(rl.batch_size)
         self.puller = StreamPuller(master.codec, master.host, master.rpc_cfg.stream_hwm,
                                    validate=functools.partial(group_message_problem,
                                                             group_size=rl.group_size))
@@ -230,33 +232,46 @@ class RLLoop:
             msg = self.puller.recv(0.5)
             if msg is None:
                 continue
+            pid = int(msg["prompt_id"])
             if msg["unservable"]:  # a server refused its request for good: skip the prompt
-                pid = int(msg["prompt_id"])
-                new = pid not in self.source.cursor.skipped  # (two leases may hold it)
-                if self.source.skip(int(msg["seq"])) is not None and new:
-                    self.skip_prompt(pid, msg["error"])
+                self.skip_prompt(int(msg["seq"]), pid, "a generation server refused its "
+                                 f"request ({msg['error']})")
                 continue
+            if msg["agent_error"] and self.source.leased(int(msg["seq"])):
+                verdict = self.agent_failures.failed(pid)
+                if verdict == "stop":
+                    raise ConfigError(
+                        f"rl.agent.function={self.rl.agent.function!r} failed on the last "
+                        f"{self.agent_failures.limit} groups in a row (none succeeded in "
+                        f"between); the last: {msg['error']}")
+                if verdict == "skip":
+                    self.skip_prompt(int(msg["seq"]), pid, f"its group failed {PROMPT_TRIES} "
+                                     f"times in the agent function (the last: {msg['error']})")
+                    continue
             task = self.source.finish(int(msg["seq"]), accepted=not msg["failed"])
             if task is None:
                 continue  # a duplicate or a leftover from before a restart
             if msg["failed"]:
                 log.warning("rollout of prompt %s failed: %s", msg["prompt_id"], msg["error"])
                 continue
+            self.agent_failures.accepted(pid)
             # before it is buffered: a checkpoint (which saves the buffer) never holds it
             check_behaviour_logprobs(msg["trajs"], self.state.step + 1)
             self.buffer.put(Admitted(msg, task["epoch"]),
                             group_version(msg["trajs"], task["version"]))
 
-    def skip_prompt(self, prompt_id: int, error: str) -> None:
-        """Prompt ``prompt_id`` can never be served (its request was refused: it does not fit
-        ``rl.vllm.max_model_len``, say): it is not handed out again in this run (a resumed run
-        finds it again). ConfigError once no training prompt is left."""
-        log.warning("prompt %d of the training set is skipped: a generation server refused "
-                    "its request (%s)", prompt_id, error)
+    def skip_prompt(self, seq: int, prompt_id: int, why: str) -> None:
+        """Task ``seq``'s prompt ``prompt_id`` cannot be served (its request was refused: it
+        does not fit ``rl.vllm.max_model_len``, say; or the agent function keeps failing on
+        it): it is not handed out again in this run (a resumed run finds it again).
+        ConfigError once no training prompt is left."""
+        new = prompt_id not in self.source.cursor.skipped  # (two leases may hold it)
+        if self.source.skip(seq) is None or not new:
+            return
+        log.warning("prompt %d of the training set is skipped: %s", prompt_id, why)
         skipped = len(self.source.cursor.skipped)
         if self.source.cursor.exhausted:
-            raise ConfigError(f"every training prompt ({skipped}) was refused by the generation "
-                              f"servers; the last: {error}")
+            raise ConfigError(f"every training prompt ({skipped}) is skipped; the last: {why}")
 
     def reclaim_leases(self) -> None:
         """Release the leases that ran out, and those of rollout workers whose heartbeat expired,

@@ -3,7 +3,8 @@ generation servers' context (``rl.vllm.max_model_len``) is skipped, counted in
 ``prompts_skipped``, and training goes on (it was handed out again for ever, every failure a
 traceback in the logs). A reward function that returns NaN stops the trial in one line naming
 it (its groups were dropped by the master's stream check, silently, and their prompts held until
-their leases ran out: the trial hung at its first step)."""
+their leases ran out: the trial hung at its first step). So does an agent function that always
+fails."""
 from __future__ import annotations
 
 import json
@@ -46,17 +47,17 @@ def test_a_prompt_too_long_for_the_servers_is_skipped_and_training_goes_on(filer
     assert "exceeds vllm.max_model_len=128" in skipped[0]
 
 
-def _nan_reward_plugin(tmp: str) -> str:
-    """A package declaring a reward (``slurm_rl.rewards: nan``) that returns NaN, installed
-    with pip into a directory of its own (as tests/experiments/rl/plugin_site.py does)."""
+def _plugin(tmp: str, module: str, code: str, entry_points: str) -> str:
+    """A package of one module ``module`` (``code``) declaring ``entry_points`` (setup.cfg
+    lines), installed with pip into a directory of its own (as
+    tests/experiments/rl/plugin_site.py does)."""
     src, site = os.path.join(tmp, "src"), os.path.join(tmp, "site")
     os.makedirs(src)
-    with open(os.path.join(src, "nan_reward.py"), "w") as f:
-        f.write("def reward(completion, answer):\n    return float('nan')\n")
+    with open(os.path.join(src, f"{module}.py"), "w") as f:
+        f.write(code)
     with open(os.path.join(src, "setup.cfg"), "w") as f:
-        f.write("[metadata]\nname = nan-reward\nversion = 0.1\n[options]\n"
-                "py_modules = nan_reward\n[options.entry_points]\n"
-                "slurm_rl.rewards =\n    nan = nan_reward:reward\n")
+        f.write(f"[metadata]\nname = {module.replace('_', '-')}\nversion = 0.1\n[options]\n"
+                f"py_modules = {module}\n[options.entry_points]\n{entry_points}")
     with open(os.path.join(src, "pyproject.toml"), "w") as f:
         f.write('[build-system]\nrequires = ["setuptools>=68", "wheel"]\n'
                 'build-backend = "setuptools.build_meta"\n')
@@ -67,7 +68,9 @@ def _nan_reward_plugin(tmp: str) -> str:
 
 
 def test_a_reward_that_returns_nan_stops_the_trial_in_one_line(fileroot, tmp_path):
-    site = _nan_reward_plugin(str(tmp_path / "plugin"))
+    site = _plugin(str(tmp_path / "plugin"), "nan_reward",
+                   "def reward(completion, answer):\n    return float('nan')\n",
+                   "slurm_rl.rewards =\n    nan = nan_reward:reward\n")
     r = run_launch("exp=arith-tiny", "trial=nan", f"cluster.fileroot={fileroot}",
                    "rl.task.reward=nan", *SMALL, timeout=300, env={"PYTHONPATH": site})
     assert r.returncode == 1, r.stderr[-3000:]
@@ -76,3 +79,25 @@ def test_a_reward_that_returns_nan_stops_the_trial_in_one_line(fileroot, tmp_pat
         "(rl.task.reward, or the task's own) returned 'nan'" in errors[0], r.stderr[-3000:]
     assert "recovering" not in r.stderr
     assert trial_processes(os.path.join(fileroot, "arith-tiny", "nan")) == []
+
+
+def test_an_agent_function_that_always_fails_stops_the_trial_in_one_line(fileroot, tmp_path):
+    """Its groups failed and their prompts were handed out again for ever (a warning each)."""
+    site = _plugin(str(tmp_path / "plugin"), "broken_agent",
+                   "async def run(client, task):\n    raise TypeError('a bug')\n",
+                   "slurm_rl.agents =\n    broken = broken_agent:run\n")
+    r = run_launch("exp=arith-tiny", "trial=agent", f"cluster.fileroot={fileroot}",
+                   "rl.agent.kind=openai", "rl.agent.function=broken", *SMALL, timeout=300,
+                   env={"PYTHONPATH": site})
+    assert r.returncode == 1, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].endswith(
+        "raised ConfigError: rl.agent.function='broken' failed on the last 24 groups in a row "
+        "(none succeeded in between); the last: rl.agent.function='broken' raised TypeError: "
+        "a bug"), r.stderr[-3000:]
+    assert "recovering" not in r.stderr
+    root = os.path.join(fileroot, "arith-tiny", "agent")
+    with open(os.path.join(root, "logs", "master-0.log")) as f:
+        log = f.read()
+    assert log.count("is skipped: its group failed 3 times in the agent function") <= 8
+    assert trial_processes(root) == []

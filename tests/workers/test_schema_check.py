@@ -17,7 +17,8 @@ def _traj(prompt: int = 3, completion: int = 4) -> dict:
 
 def _group(**change) -> dict:
     return {"seq": 1, "prompt_id": 2, "worker": 0, "server": 0, "trajs": [_traj(), _traj(2, 0)],
-            "failed": False, "error": "", "unservable": False, **change}
+            "failed": False, "error": "", "unservable": False, "agent_error": False,
+            **change}
 
 
 def test_a_good_group_passes():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 from experiments.rl.agents import Episode, make_agent
 from experiments.rl.common import encode_prompt, load_tokenizer, model_path, rl_config
@@ -23,6 +23,17 @@ from workers.rollout import RolloutWorker
 from workers.schema import GroupMessage, Task, Trajectory
 
 log = logging.getLogger("rl-rollout")
+
+
+class Outcome(NamedTuple):
+    """One task's rollout: its scored trajectories, or why its group failed."""
+
+    trajs: list[Trajectory]
+    error: str
+    refused: bool
+    """A server refused the request for good (see :func:`unservable`)."""
+    agent_error: bool
+    """It failed in the agent function (see :mod:`experiments.rl.agent_failures`)."""
 
 
 class _Rollouts:
@@ -115,11 +126,10 @@ class _Rollouts:
                                                 f"generation/{index}")
         return self.gens[index]
 
-    def run_tasks(self, tasks: list[Task]) -> list[tuple[list[Trajectory], str, bool]]:
-        """Each task's scored trajectories, or why its group failed and whether for good (a
-        server refused the request: see :func:`unservable`)."""
+    def run_tasks(self, tasks: list[Task]) -> list[Outcome]:
+        """Each task's scored trajectories, or why its group failed."""
         if self.openai is not None:
-            return [(trajs, error, False) for trajs, error in self.run_openai(tasks)]
+            return self.run_openai(tasks)
         results, owner, error, refused = self.run(tasks)
         if refused and len(tasks) > 1:  # the refused request must not fail the others with it
             return [r for t in tasks for r in self.run_tasks([t])]
@@ -128,12 +138,13 @@ class _Rollouts:
             trajs = [tr for i, r in enumerate(results) if owner[i] == k for tr in r]
             if not error:
                 score(trajs, self.tok, self.prompts[t["prompt_id"]]["answer"], self.task.reward)
-            out.append((trajs, error, refused))
+            out.append(Outcome(trajs, error, refused, False))
         return out
 
-    def run_openai(self, tasks: list[Task]) -> list[tuple[list[Trajectory], str]]:
+    def run_openai(self, tasks: list[Task]) -> list[Outcome]:
         """``group_size`` agent calls per task, all at once; then every session's recorded
-        turns, fetched and dropped, as trajectories."""
+        turns, fetched and dropped, as trajectories (a group that failed in the function:
+        ``agent_error``)."""
         assert self.openai is not None
         groups = [[Session(t["server"], dict(self.prompts[t["prompt_id"]]))
                    for _ in range(self.rl.group_size)] for t in tasks]
@@ -162,8 +173,9 @@ class _Rollouts:
                 log.warning("take_sessions on generation server %d failed: %s", i, e)
         if error:
             self._forget(servers)
-            return [([], error)] * len(tasks)
-        return [group_trajectories(g, records) for g in groups]
+            return [Outcome([], error, False, False)] * len(tasks)
+        return [Outcome(trajs, error, False, bool(error))
+                for trajs, error in (group_trajectories(g, records) for g in groups)]
 
     def _forget(self, servers: list[int]) -> None:
         """Look these servers up again next time: one requeued by Slurm registers anew."""
@@ -197,11 +209,10 @@ class _Rollouts:
                 self._forget(sorted({t["server"] for t in tasks}))
             return [], owner, f"{type(e).__name__}: {e}", refused
 
-    def group(self, t: Task, trajs: list[Trajectory], error: str,
-              refused: bool = False) -> GroupMessage:
+    def group(self, t: Task, out: Outcome) -> GroupMessage:
         return {"seq": t["seq"], "prompt_id": t["prompt_id"], "worker": self.worker.index,
-                "server": t["server"], "trajs": trajs, "failed": bool(error), "error": error,
-                "unservable": refused}
+                "server": t["server"], "trajs": out.trajs, "failed": bool(out.error),
+                "error": out.error, "unservable": out.refused, "agent_error": out.agent_error}
 
     def push(self, msg: GroupMessage) -> bool:
         """Push, retrying while the master's queue is full; gives up once stopping or once the
@@ -243,13 +254,13 @@ def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
                 time.sleep(float(reply["wait"]))
                 continue
             tasks = reply["tasks"]
-            for t, (trajs, error, refused) in zip(tasks, r.run_tasks(tasks)):
-                if not r.push(r.group(t, trajs, error, refused)):
+            for t, out in zip(tasks, r.run_tasks(tasks)):
+                if not r.push(r.group(t, out)):
                     if not worker.stopping:
                         r.reconnect()
                     break
                 groups += 1
-                failed += bool(error)
+                failed += bool(out.error)
     finally:
         r.close()
     return {"groups": groups, "failed": failed, "finished": bool(done)}

@@ -67,7 +67,7 @@ def test_a_group_is_its_sessions_in_order_with_their_rewards():
     assert error == "" and [t["session"] for t in trajs] == [0, 1, 1]
     assert [t["reward"] for t in trajs] == [1.0, 0.0, 0.0]
     msg = {"seq": 1, "prompt_id": 7, "worker": 0, "server": 0, "trajs": trajs,
-           "failed": False, "error": "", "unservable": False}
+           "failed": False, "error": "", "unservable": False, "agent_error": False}
     assert group_message_problem(msg, group_size=2) is None
     assert "not 0..2" in group_message_problem(msg, group_size=3)
     trajs[2]["reward"] = 1.0

@@ -21,7 +21,7 @@ def _group(seq: int) -> dict:
               "versions": np.full(5, seq, dtype=np.int32), "finish": "stop",
               "reward": np.float64(0.5)} for _ in range(2)]
     return {"seq": seq, "prompt_id": 10 + seq, "worker": 0, "server": 1, "trajs": trajs,
-            "failed": False, "error": "", "unservable": False}
+            "failed": False, "error": "", "unservable": False, "agent_error": False}
 
 
 def _state() -> LoopState:
