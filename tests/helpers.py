@@ -10,7 +10,8 @@ import socket
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
 
 import pytest
 
@@ -52,6 +53,21 @@ def start_redis(port: int) -> subprocess.Popen:
         client.close()
     proc.kill()
     pytest.fail(f"redis-server did not start on port {port}")
+
+
+@contextmanager
+def tmpfs(root: str, size: str) -> Iterator[str]:
+    """A real tmpfs of ``size`` (``6m``) mounted at the new directory ``root`` (skips the test
+    where mounting is not allowed), unmounted after."""
+    os.makedirs(root)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", root],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", root], check=False)
 
 
 def trial_processes(marker: str) -> list[int]:

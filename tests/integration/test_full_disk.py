@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from system.paths import PROJECT_ROOT
-from tests.helpers import run_launch, trial_processes
+from tests.helpers import run_launch, tmpfs, trial_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")),
@@ -33,16 +33,8 @@ def strict_json(text: str) -> object:
 
 @pytest.fixture
 def small_fs(tmp_path):
-    root = str(tmp_path / "fs")
-    os.makedirs(root)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", root],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with tmpfs(str(tmp_path / "fs"), "6m") as root:
         yield root
-    finally:
-        subprocess.run(["umount", "-l", root], check=False)
 
 
 def test_a_full_disk_is_named_not_recovered_and_the_trial_continues_once_there_is_space(

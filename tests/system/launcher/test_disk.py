@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 
 import pytest
 
 from system.errors import WorkerFailure
 from system.launcher.disk import MIN_FREE, FullDisk, checkpoint_sizes, full_disk_cause, \
     judge_space, space_cause, write_refused
+from tests.helpers import tmpfs
 
 
 def test_judge_space():
@@ -77,18 +77,10 @@ def test_a_reported_quota_is_named_and_not_recovered(tmp_path):
 
 @pytest.fixture
 def half_full_fs(tmp_path):
-    root = str(tmp_path / "fs")
-    os.makedirs(root)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", root],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with tmpfs(str(tmp_path / "fs"), "1m") as root:
         with open(os.path.join(root, "data"), "wb") as f:
             f.write(bytes(512 << 10))  # half of it
         yield root
-    finally:
-        subprocess.run(["umount", "-l", root], check=False)
 
 
 def test_write_refused_is_the_error_of_a_real_write(half_full_fs, tmp_path):
