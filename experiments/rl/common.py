@@ -1,10 +1,12 @@
 """What every RL role needs: its validated ``rl`` section, the model, tokenizer and prompts."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from experiments.rl.config import RLConfig, resolve_model_path
 from experiments.rl.tasks import Prompt, dataset, get_task
+from system.files import fsync_path
 from workers.base import Worker
 from workers.schema import Trajectory
 
@@ -33,6 +35,15 @@ def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def save_tokenizer(tok: Any, directory: str) -> None:
+    """Write ``tok``'s files (and chat template) into the model directory ``directory``, each
+    fsynced: a checkpoint's actor then loads with ``AutoTokenizer`` and serves as
+    ``rl.model_path`` of a new trial."""
+    for path in tok.save_pretrained(directory):
+        if os.path.isfile(path):
+            fsync_path(path)
 
 
 def encode_prompt(tok: Any, text: str, chat: bool) -> list[int]:

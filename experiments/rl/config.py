@@ -213,4 +213,12 @@ def resolve_model_path(rl: RLConfig, experiment: str) -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"rl.model_path={path!r} is not a model directory (run `make setup`, "
                           f"which creates the experiment models under .models/)")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ConfigError(f"rl.model_path={path!r} has no tokenizer (none of "
+                          f"{', '.join(TOKENIZER_FILES)}): copy the base model's tokenizer "
+                          "files into it (checkpoints written by older versions have none)")
     return os.path.abspath(path)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A Hugging Face tokenizer's files: a model directory holds at least one of them."""

@@ -24,7 +24,8 @@ from experiments.rl.agent_failures import PROMPT_TRIES, AgentFailures
 from experiments.rl.checkpoint import CheckpointDir
 from experiments.rl.checkpoint_layout import check_resume_layout, layout_of
 from experiments.rl.cluster import Cluster
-from experiments.rl.common import eval_prompts, group_version, load_tokenizer, model_path
+from experiments.rl.common import eval_prompts, group_version, load_tokenizer, model_path, \
+    save_tokenizer
 from experiments.rl.config import RLConfig
 from experiments.rl.data import PromptCursor, Router, TaskSource
 from experiments.rl.episodes import unservable
@@ -354,6 +355,7 @@ class RLLoop:
         state = self.state
         staging = self.ckpt.staging(state.step)
         self.cluster.on_models(lambda c: c.save(staging))
+        save_tokenizer(self.tok, os.path.join(staging, "actor"))  # (loads as a model)
         state.cursor = self.source.snapshot()
         state.buffer = self.buffer.items()  # type: ignore[assignment]
         save_state(staging, state)

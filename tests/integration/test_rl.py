@@ -41,6 +41,8 @@ def test_async_grpo_crash_then_resume_continues_without_reusing_prompts(fileroot
     # the model checkpoint is a normal HF one (safetensors) next to the optimizer shard
     assert os.path.isfile(os.path.join(ck, "actor", "model.safetensors"))
     assert os.path.isfile(os.path.join(ck, "actor", "optimizer.rank0.pt"))
+    # with the tokenizer: the actor loads as a model (AutoTokenizer, rl.model_path)
+    assert os.path.isfile(os.path.join(ck, "actor", "tokenizer_config.json"))
 
     second = run_launch(*args, "recover=resume", "rl.crash_at_step=3", timeout=400)
     assert second.returncode == 0, second.stderr[-3000:]
