@@ -87,6 +87,7 @@ class RLLoop:
         self.agent = trial_agent(rl.agent, self.tok, master.boot.trial_dir, rl.call_timeout)
         self.held_out = eval_prompts(rl, self.tok)
         self.samples_at_start = self.state.consumed * rl.group_size
+        self.seconds_at_start = self.state.loop_seconds  # (the earlier masters' loop time)
         self.t_loop = time.monotonic()
         self._heartbeats_read_at = 0.0  # rollout heartbeats are read at most once a second
         self._replicas_read_at = 0.0    # and generation servers' too
@@ -357,6 +358,7 @@ class RLLoop:
         self.cluster.on_models(lambda c: c.save(staging))
         save_tokenizer(self.tok, os.path.join(staging, "actor"))  # (loads as a model)
         state.cursor = self.source.snapshot()
+        state.loop_seconds = self.loop_seconds()
         state.buffer = self.buffer.items()  # type: ignore[assignment]
         save_state(staging, state)
         self.ckpt.commit(state.step, {"layout": self.layout,
@@ -375,8 +377,15 @@ class RLLoop:
         self.puller.close()
         self.cluster.close()
 
+    def loop_seconds(self) -> float:
+        """Seconds the loop ran, over every master that trained this trial (see
+        :attr:`LoopState.loop_seconds`)."""
+        return self.seconds_at_start + time.monotonic() - self.t_loop
+
     def summary(self, t_start: float, loop_seconds: float) -> dict[str, Any]:
-        """The run's headline figures (the controller copies them into ``summary.json``)."""
+        """The run's headline figures (the controller copies them into ``summary.json``):
+        ``loop_seconds`` and ``samples_per_s`` over every master that trained the trial (a
+        resumed one's alone said 0 samples/s when it had no step left to train)."""
         rl, state = self.rl, self.state
         rewards = [r for _, r in self.metrics.series("reward")]
         plot = self.metrics.plot(os.path.join(self.trial_dir, "reward.png"),
@@ -392,8 +401,7 @@ class RLLoop:
                 "mode": rl.mode, "algorithm": rl.algorithm,
                 "max_staleness_used": state.max_staleness, "max_head_offpolicyness": rl.eta,
                 "steps": state.step, "resumed_from_step": self.resumed_from,
-                "samples_per_s": (state.consumed * rl.group_size - self.samples_at_start)
-                / max(loop_seconds, 1e-9),
+                "samples_per_s": state.consumed * rl.group_size / max(loop_seconds, 1e-9),
                 "loop_seconds": loop_seconds, "total_seconds": time.monotonic() - t_start,
                 "plot": plot, "tensorboard": os.path.join(self.trial_dir, "tensorboard")}
 

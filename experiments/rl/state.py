@@ -47,6 +47,9 @@ class LoopState:
     """[prompt id, epoch] of every group trained on, per step."""
     max_staleness: int = 0
     eval_before: float | None = None
+    loop_seconds: float = 0.0
+    """Seconds the loop ran (start-up and the first evaluation excluded) up to this state, over
+    every master that trained it (a restart's redone steps count once)."""
     rng: dict[str, Any] | None = None
     """``{"python": [version, [ints], gauss], "numpy": [name, keys, pos, has_gauss, gauss]}``:
     plain values (see :func:`capture_rng`)."""

@@ -49,6 +49,8 @@ def test_async_grpo_crash_then_resume_continues_without_reusing_prompts(fileroot
     s = read_summary(fileroot, "arith-tiny", "resume")
     assert s["status"] == "completed" and s["steps"] == 6 and s["resumed_from_step"] == 2
     assert s["mode"] == "async" and 0 <= s["max_staleness_used"] <= 1
+    # throughput over both masters: all 6 steps' samples (4 groups of 4 each)
+    assert s["samples_per_s"] * s["loop_seconds"] == pytest.approx(6 * 4 * 4)
     history = s["results"]["prompts_per_step"]
     assert len(history) == 6 and all(len(step) == 4 for step in history)
     per_epoch = collections.defaultdict(list)

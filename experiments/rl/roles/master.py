@@ -18,7 +18,7 @@ def master_role(master: MasterWorker) -> dict[str, Any]:
         loop.start()
         while loop.state.step < rl.total_steps:
             loop.step()
-        loop_seconds = time.monotonic() - loop.t_loop
+        loop_seconds = loop.loop_seconds()
     finally:
         loop.close()
     return {"summary": loop.summary(t_start, loop_seconds),

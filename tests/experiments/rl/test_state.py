@@ -28,7 +28,7 @@ def _state() -> LoopState:
     return LoopState(step=7, consumed=28, cursor={"epoch": 1, "pos": 3, "redo": [[5, 0], [2, 1]]},
                      buffer=[(Admitted(_group(1), 0), 6), (Admitted(_group(2), 1), 7)],
                      history=[[[1, 0], [2, 0]], [[3, 0], [4, 1]]], max_staleness=1,
-                     eval_before=0.25)
+                     eval_before=0.25, loop_seconds=12.5)
 
 
 def _assert_groups_equal(got: dict, want: dict) -> None:
@@ -57,7 +57,8 @@ def test_loop_state_round_trips_with_arrays_and_rng_states(tmp_path):
     got = load_state(str(tmp_path))
     assert [random.random() for _ in range(3)] == want_py
     np.testing.assert_array_equal(np.random.normal(size=3), want_np)
-    for field in ("step", "consumed", "cursor", "history", "max_staleness", "eval_before"):
+    for field in ("step", "consumed", "cursor", "history", "max_staleness", "eval_before",
+                  "loop_seconds"):
         assert getattr(got, field) == getattr(state, field), field
     assert [(a.epoch, v) for a, v in got.buffer] == [(0, 6), (1, 7)]
     for (a, _), (b, _) in zip(got.buffer, state.buffer, strict=True):
