@@ -30,7 +30,7 @@ from system.launcher.failures import (call_failure_cause, job_failure, reported_
 from system.launcher.groups import group_specs, worker_configs
 from system.launcher.progress import Progress
 from system.launcher.queue_wait import StartClock, blocked_failure
-from system.launcher.recovery import MasterProgress, Recovery
+from system.launcher.recovery import MasterProgress, Recovery, Requeued
 from system.launcher.restarts import RecoveringController
 from system.launcher.status_file import StatusWriter, TrialCancelled
 from system.launcher.summary import TrialSummary
@@ -205,8 +205,8 @@ class Controller(RecoveringController):
             return
         for w in sorted(self.requeue.rejoining):
             if w.split("/")[0] in self.experiment.stateful:
-                raise WorkerFailure(f"the job of {w} was requeued (preempted or at its time "
-                                    f"limit); log: {self.logs[w]}", w, self.logs[w])
+                raise Requeued(f"the job of {w} was requeued (preempted or at its time "
+                               f"limit); log: {self.logs[w]}", w, self.logs[w])
 
     def _check_reported_errors(self) -> None:
         """Raise a worker's report of its exception; named after another worker whose job had

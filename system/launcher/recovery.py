@@ -18,6 +18,13 @@ from system.errors import WorkerFailure
 from system.launcher.config import RecoverConfig, RecoverMode
 
 
+class Requeued(WorkerFailure):
+    """The scheduler requeued the job of a worker that holds training state (preempted, or at
+    its time limit): it is recovered like a failure (the stateful workers restart from the
+    checkpoint the preempted ones asked for), but it is not one: it draws on no
+    ``recover.retries``, however often it happens."""
+
+
 CRASH_LOOP_S = 60.0
 """A failure this soon after the previous recovery counts as the same crash loop."""
 
@@ -46,6 +53,8 @@ class Attempt:
     the failed stateless worker restarted, and training went on)."""
     also: list[str] = dataclasses.field(default_factory=list)
     """Workers that failed as the failure's consequence (a peer of the dead one raised)."""
+    requeued: bool = False
+    """It followed a requeue (:class:`Requeued`), not a failure: no retry was drawn on."""
 
     @property
     def steps_lost(self) -> int | None:
@@ -83,10 +92,25 @@ class Recovery:
         such as ``controller.timeout``, or a worker's configuration error is not recovered)."""
         if not self.enabled or failure.worker is None or failure.config:
             return False
+        return isinstance(failure, Requeued) or self._retries_left(failure)
+
+    def _retries_left(self, failure: WorkerFailure) -> bool:
         assert self.cfg is not None
         if self.restarts_stateful(failure):
-            return sum(a.stateful for a in self.attempts) < self.cfg.retries
+            return sum(a.stateful and not a.requeued for a in self.attempts) < self.cfg.retries
         return sum(failure.worker in a.restarted for a in self.attempts) < self.cfg.retries
+
+    def unrecovered(self, failure: WorkerFailure) -> WorkerFailure:
+        """``failure``, which :meth:`should_recover` refused, saying so when that was for want
+        of retries (else as it is)."""
+        if not self.enabled or failure.worker is None or failure.config:
+            return failure
+        assert self.cfg is not None
+        what = ", ".join(self.stateful) if self.restarts_stateful(failure) else failure.worker
+        what = f"restarts of {what}"
+        return WorkerFailure(f"{failure}\nnot recovered: recover.retries={self.cfg.retries} "
+                             f"{what} are used up", failure.worker, failure.log_path,
+                             also=failure.also)
 
     def restarts_stateful(self, failure: WorkerFailure) -> bool:
         """Whether ``failure`` restarts the stateful workers: one of them failed (or failed as
@@ -111,14 +135,16 @@ class Recovery:
         a = Attempt(attempt=len(self.attempts) + 1, cause=str(failure).splitlines()[0],
                     worker=failure.worker, failed_at_s=round(self._clock() - self.t0, 3),
                     failed_step=failed_step, restarted=list(restarted or []),
-                    stateful=restarted is None, also=list(failure.also))
+                    stateful=restarted is None, also=list(failure.also),
+                    requeued=isinstance(failure, Requeued))
         self.attempts.append(a)
         return a
 
     def count(self, attempt: Attempt) -> int:
         """``attempt``'s number among those that draw on the same ``recover.retries``: the
-        restarts of the stateful workers, or of that one stateless worker."""
-        same = [a for a in self.attempts if (a.stateful if attempt.stateful
+        restarts of the stateful workers after a failure, or of that one stateless worker (not
+        for a requeue, which draws on none)."""
+        same = [a for a in self.attempts if (a.stateful and not a.requeued if attempt.stateful
                                              else a.restarted == attempt.restarted)]
         return same.index(attempt) + 1
 
@@ -129,8 +155,10 @@ class Recovery:
         before (a crash loop), doubled for each such attempt before it. (A failure after the
         trial went on past the last one is a new fault, not the same one again.)"""
         assert self.cfg is not None
+        if self.attempts and self.attempts[-1].requeued:
+            return 0.0  # a preemption: no crash loop, and the new jobs queue anyway
         loops = 0
-        restarts = [a for a in self.attempts if a.stateful]
+        restarts = [a for a in self.attempts if a.stateful and not a.requeued]
         for prev, cur in zip(reversed(restarts[:-1]), reversed(restarts)):
             if prev.recovered_at_s is None or cur.failed_at_s - prev.recovered_at_s > CRASH_LOOP_S:
                 break

@@ -64,7 +64,7 @@ class RecoveringController:
             while True:  # a failure during a recovery is recovered too
                 failure = full_disk_cause(failure, self.paths.root, self.paths.checkpoints)
                 if not self.recovery.should_recover(failure):
-                    raise failure
+                    raise self.recovery.unrecovered(failure)
                 try:
                     self._recover(failure, summary)
                     break
@@ -82,10 +82,12 @@ class RecoveringController:
         kinds = self.recovery.kinds_to_restart(failure, tuple(KINDS))
         self.recovery.incomplete = set(kinds)
         workers = [w for k in kinds for w in self.groups[k].worker_names()]
-        print(f"\n{attempt.cause}\nrecovering (attempt {self.recovery.count(attempt)} of "
-              f"{self.recovery.cfg.retries if self.recovery.cfg else 0}): restarting "
-              f"{', '.join(kinds)}" + (" from the latest checkpoint" if set(kinds) & set(
-                  self.experiment.stateful) else ""), file=sys.stderr)
+        how = ("not a failure: no recover.retries drawn on" if attempt.requeued else
+               f"attempt {self.recovery.count(attempt)} of "
+               f"{self.recovery.cfg.retries if self.recovery.cfg else 0}")
+        print(f"\n{attempt.cause}\nrecovering ({how}): restarting {', '.join(kinds)}"
+              + (" from the latest checkpoint" if set(kinds) & set(self.experiment.stateful)
+                 else ""), file=sys.stderr)
         # their state is abandoned (the checkpoint is on disk) and a survivor may be stuck in
         # a call to the dead worker: no graceful stop is waited for
         # (the failed one is not asked: it is dead, or past helping)

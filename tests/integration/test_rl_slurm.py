@@ -75,7 +75,8 @@ def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_
     - model: the model worker asks for a checkpoint and stops once it is written; its job
       requeues, and the controller restarts the master and model worker from that checkpoint;
     - master: the master checkpoints and stops; the same recovery follows.
-    No step is lost, the trial completes its steps and leaves no job behind."""
+    A requeue is no failure: with ``recover.retries=1`` both are recovered. No step is lost,
+    the trial completes its steps and leaves no job behind."""
     root = str(tmp_path / "runs")
     trial_root = os.path.join(root, "arith-tiny", "preempt")
     # steps run at up to ~5/s between preemptions, and each preemption waits for the previous
@@ -84,7 +85,8 @@ def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_
     env = {**os.environ, **slurm_cluster.env}
     proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=preempt",
                                         f"cluster.fileroot={root}", f"rl.total_steps={STEPS}",
-                                        *overridden(SLURM, *SMALL, *SLOW_OK)),
+                                        *overridden(SLURM, *SMALL, *SLOW_OK),
+                                        "recover.retries=1"),
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=env)
     err = _Stderr(proc)
@@ -115,6 +117,7 @@ def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_
     model, master = s["recoveries"]
     for rec, worker in ((model, "model/0"), (master, "master/0")):
         assert rec["worker"] == worker and rec["stateful"] and "requeued" in rec["cause"], rec
+        assert rec["requeued"], rec  # no retry drawn on: recover.retries=1 held both
         assert rec["steps_lost"] == 0 and rec["resumed_from"] == rec["failed_step"], rec
     with open(os.path.join(trial_root, "logs", "model-0.log")) as f:
         assert "checkpoint committed after SIGUSR2" in f.read()

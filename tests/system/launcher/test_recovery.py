@@ -68,6 +68,7 @@ def test_retries_backoff_and_attempts():
     assert r.summary() == [{"attempt": 1, "cause": a.cause, "worker": "master/0",
                             "failed_at_s": 10.0, "failed_step": 7, "resumed_from": 6,
                             "recovered_at_s": 30.0, "restarted": [], "stateful": True, "also": [],
+                            "requeued": False,
                             "steps_lost": 1}]
     clock.t += 30  # fails again 30 s after running: a crash loop
     r.begin(failure, failed_step=None)
@@ -148,3 +149,38 @@ def test_attempts_are_numbered_against_the_retries_they_draw_on():
     a2 = r.begin(WorkerFailure("x", "model/1"), failed_step=4)
     assert [r.count(a) for a in (a1, g1, g2, g3, a2)] == [1, 1, 1, 2, 2]
     assert [a.attempt for a in (a1, g1, g2, g3, a2)] == [1, 2, 3, 4, 5]
+
+
+def test_a_requeue_draws_on_no_retry_however_often_and_used_up_retries_are_named():
+    from system.launcher.recovery import Requeued
+
+    clock = Clock()
+    r = Recovery(RecoverConfig(retries=1, backoff=3.0), ("model", "master"), t0=990.0,
+                 clock=clock)
+    for k in range(5):  # preempted again and again (a busy partition, time limits)
+        requeued = Requeued("the job of master/0 was requeued (preempted or at its time "
+                            "limit); log: x", "master/0")
+        assert r.should_recover(requeued)
+        a = r.begin(requeued, failed_step=10 * k)
+        assert a.requeued and r.backoff() == 0.0
+        clock.t += 1
+        r.running()
+    failure = WorkerFailure("worker model/0 exited", "model/0")
+    assert r.should_recover(failure)  # the one retry is still there
+    a = r.begin(failure, failed_step=50)
+    assert r.count(a) == 1 and not a.requeued
+    r.running()
+    again = WorkerFailure("worker model/0 exited again", "model/0")
+    assert not r.should_recover(again)
+    named = r.unrecovered(again)
+    assert str(named) == ("worker model/0 exited again\nnot recovered: recover.retries=1 "
+                          "restarts of model, master are used up")
+    assert named.worker == "model/0"
+    assert r.should_recover(Requeued("requeued", "model/0"))  # still: not a failure
+    assert [a["requeued"] for a in r.summary()] == [True] * 5 + [False]
+    config = WorkerFailure("bad prompt file", "master/0", config=True)
+    assert r.unrecovered(config) is config  # never recovered: nothing to add
+    gen = WorkerFailure("worker generation/0 died", "generation/0")
+    r.begin(gen, failed_step=51, restarted=["generation/0"])
+    assert str(r.unrecovered(gen)).endswith("recover.retries=1 restarts of generation/0 are "
+                                            "used up")
