@@ -87,7 +87,11 @@ def redis_password(cfg: NameResolveConfig) -> str:
     except FileNotFoundError:
         raise ConfigError(f"name_resolve.redis_password_file={cfg.redis_password_file}: "
                           "no such file") from None
-    return data.decode().rstrip("\r\n")
+    password = data.decode().rstrip("\r\n")
+    if not password:  # (it would mean no password at all)
+        raise ConfigError(f"name_resolve.redis_password_file={cfg.redis_password_file} is "
+                          "empty; valid: a file holding the password")
+    return password
 
 
 def _check_key(key: str) -> str:

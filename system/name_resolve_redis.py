@@ -56,6 +56,17 @@ class RedisNameResolve(NameResolve):
                               retry=Retry(NoBackoff(), 0), redis_connect_func=self._on_connect)
         try:
             self._run_id = self._server_run_id()
+        except (redis.AuthenticationError, redis.ResponseError) as e:
+            # (a missing password: AuthenticationError or NOAUTH, by protocol version)
+            if password and isinstance(e, redis.AuthenticationError):
+                raise NameResolveError(
+                    f"redis at {host}:{port} refused the password given "
+                    f"(name_resolve.redis_password_file, or RLSYS_REDIS_PASSWORD): {e}") from e
+            if not password and ("auth" in str(e).lower() or "NOAUTH" in str(e)):
+                raise NameResolveError(
+                    f"redis at {host}:{port} needs a password: set "
+                    f"name_resolve.redis_password_file (or RLSYS_REDIS_PASSWORD): {e}") from e
+            raise NameResolveError(f"redis at {host}:{port} refused the client: {e}") from e
         except redis.RedisError as e:
             raise NameResolveError(f"cannot reach redis at {host}:{port}: {e}") from e
         self._connected = False

@@ -18,7 +18,7 @@ from system.launch import build_config
 from system.launcher.submit import controller_request
 from system.name_resolve import (PASSWORD_ENV, NameResolveConfig, make_name_resolve,
                                  redis_password)
-from system.errors import NameResolveError, UnsafeFileError
+from system.errors import ConfigError, NameResolveError, UnsafeFileError
 from system.paths import TrialPaths
 from system.private_files import write_private
 from scheduler.registry import make_scheduler
@@ -158,8 +158,14 @@ def test_redis_password_from_the_environment_stays_out_of_every_script(
     assert nr.get("smoke/env/k") == "v"
     nr.clear_subtree("smoke/env")
     nr.close()
-    monkeypatch.setenv(PASSWORD_ENV, "wrong")
-    with pytest.raises(NameResolveError, match="cannot reach redis"):
+    monkeypatch.setenv(PASSWORD_ENV, "wrong")  # the keys to set, not "cannot reach"
+    with pytest.raises(NameResolveError, match=rf"^redis at 127.0.0.1:{port} refused the "
+                       r"password given \(name_resolve.redis_password_file, or "
+                       rf"{PASSWORD_ENV}\)"):
+        make_name_resolve(cfg.name_resolve, "", read_secret(paths.secret))
+    monkeypatch.delenv(PASSWORD_ENV)
+    with pytest.raises(NameResolveError, match=rf"^redis at 127.0.0.1:{port} needs a password: "
+                       r"set name_resolve.redis_password_file"):
         make_name_resolve(cfg.name_resolve, "", read_secret(paths.secret))
 
 
@@ -172,6 +178,9 @@ def test_a_readable_password_file_or_a_password_on_the_command_line_is_refused(f
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "mode 0644; it must be 0600 or 0400" in r.stderr and "hunter2" not in r.stderr
     with pytest.raises(UnsafeFileError):
+        redis_password(NameResolveConfig(type="redis", redis_password_file=pw_file))
+    write_private(pw_file, b"\n", 0o600)  # empty: it would mean no password at all
+    with pytest.raises(ConfigError, match=r"redis_password_file=.* is empty"):
         redis_password(NameResolveConfig(type="redis", redis_password_file=pw_file))
     r = run_launch("exp=smoke", "trial=argv", f"cluster.fileroot={fileroot}",
                    "name_resolve=redis", "name_resolve.redis_password=hunter2")
