@@ -89,9 +89,7 @@ class Controller(RecoveringController):
             for kind, ids in self.scheduler.submit_all(groups).items():
                 summary.submitted(kind, ids)
             self.timeline["submitted"] = time.time()
-            self._wait_registered()
-            self._configure()
-            self._start()
+            self._start_recovering(summary)
             summary.completed(self._watch_recovering(summary))
         except (WorkerFailure, SchedulerError) as e:
             failure = e if isinstance(e, WorkerFailure) else WorkerFailure(str(e))

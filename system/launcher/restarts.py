@@ -37,8 +37,8 @@ mid-step would only delay the restart (up to its whole grace)."""
 
 class RecoveringController:
     """The recovery half of the controller (see the module's docstring). It uses the
-    controller's state below and its phases ``_watch``, ``_wait_registered``,
-    ``_configure_all``, ``_start_all``, ``_drop_clients`` and ``_running``."""
+    controller's state below and its phases ``_watch``, ``_wait_registered``, ``_configure``,
+    ``_start``, ``_configure_all``, ``_start_all``, ``_drop_clients`` and ``_running``."""
 
     cfg: ExperimentConfig
     experiment: Experiment
@@ -52,6 +52,21 @@ class RecoveringController:
     requeue: RequeuePolicy
     recovery: Recovery
     watch: MasterProgress
+    timeline: dict[str, float]
+
+    def _start_recovering(self, summary: TrialSummary) -> None:
+        """Register, configure and start every worker. A worker that fails meanwhile (killed,
+        its node lost) restarts every worker afresh (nothing has trained yet, and the others
+        may be waiting on it in a collective), up to ``recover.retries`` times."""
+        try:
+            self._wait_registered()
+            self._configure()
+            self._start()
+        except WorkerFailure as e:
+            self._recover_until_running(e, summary, every_kind=True)
+            self.timeline["started"] = time.time()
+            if self.recovery.enabled:
+                self.scheduler.warm_spares()
 
     def _watch_recovering(self, summary: TrialSummary) -> dict[str, Any]:
         """Watch until the master completes; a failure of a stateful worker restarts the
@@ -60,26 +75,34 @@ class RecoveringController:
             try:
                 return self._watch()
             except WorkerFailure as e:
-                failure = e
-            while True:  # a failure during a recovery is recovered too
-                failure = full_disk_cause(failure, self.paths.root, self.paths.checkpoints)
-                if not self.recovery.should_recover(failure):
-                    raise self.recovery.unrecovered(failure)
-                try:
-                    self._recover(failure, summary)
-                    break
-                except WorkerFailure as e:
-                    failure = e
+                self._recover_until_running(e, summary)
 
-    def _recover(self, failure: WorkerFailure, summary: TrialSummary) -> None:
+    def _recover_until_running(self, failure: WorkerFailure, summary: TrialSummary,
+                               every_kind: bool = False) -> None:
+        """Recover from ``failure``, and from each failure during that recovery, until the
+        restarted workers run (or raise the one that is not recovered)."""
+        while True:
+            failure = full_disk_cause(failure, self.paths.root, self.paths.checkpoints)
+            if not self.recovery.should_recover(failure):
+                raise self.recovery.unrecovered(failure)
+            try:
+                self._recover(failure, summary, every_kind)
+                return
+            except WorkerFailure as e:
+                failure = e
+
+    def _recover(self, failure: WorkerFailure, summary: TrialSummary,
+                 every_kind: bool = False) -> None:
         """A stateless worker that failed restarts alone (:meth:`_respawn`). When a stateful
         worker failed: stop every stateful group, wait the back-off, start them again (their
-        own logs); they restore the latest checkpoint. The other groups stay up."""
-        if not self.recovery.restarts_stateful(failure):
+        own logs); they restore the latest checkpoint. The other groups stay up.
+        ``every_kind`` (a failure while the trial starts): every group restarts."""
+        if not every_kind and not self.recovery.restarts_stateful(failure):
             self._respawn(failure, summary)
             return
         attempt = self.recovery.begin(failure, self._last_step())
-        kinds = self.recovery.kinds_to_restart(failure, tuple(KINDS))
+        kinds = (tuple(k for k in KINDS if self.groups[k].count) if every_kind
+                 else self.recovery.kinds_to_restart(failure, tuple(KINDS)))
         self.recovery.incomplete = set(kinds)
         workers = [w for k in kinds for w in self.groups[k].worker_names()]
         how = ("not a failure: no recover.retries drawn on" if attempt.requeued else

@@ -116,7 +116,8 @@ def _launch_signalling(fileroot: str, trial: str, args: list[str],
     ``schedule``, in order, once that step was trained, two steps were trained since the
     previous signal (steps can be faster than this poll: two signals must not land together)
     and the worker (``index`` None: any of its kind) runs (``spares``: and a warm spare of its
-    kind is ready). Returns the launcher's exit code and stderr."""
+    kind is ready); step -1: as soon as the worker's process runs (before it registers).
+    Returns the launcher's exit code and stderr."""
     import subprocess
     import time
 
@@ -137,10 +138,10 @@ def _launch_signalling(fileroot: str, trial: str, args: list[str],
             pid = _pid_of(root, kind, index)
             if spares and not _pids(root, f"spare/{kind}"[:15]):
                 pid = None
-            if steps and max(steps) >= max(step, sent_at + 2) and pid:
+            if (step < 0 or steps and max(steps) >= max(step, sent_at + 2)) and pid:
                 os.kill(pid, sig)
                 todo.pop(0)
-                sent_at = max(steps)
+                sent_at = max(steps, default=-2)
             time.sleep(0.2)
         _, err = proc.communicate(timeout=timeout)
     finally:
@@ -191,14 +192,22 @@ def test_automatic_recovery_after_master_failure_and_model_worker_kill(fileroot)
 
 
 def test_sync_ppo_multi_turn_calculator_two_trainers_with_reference(fileroot):
-    r = run_launch("exp=arith-tiny", "trial=ppo", f"cluster.fileroot={fileroot}",
-                   "rl.mode=sync", "rl.algorithm=ppo", "rl.agent.kind=calculator",
-                   "rl.agent.max_new_tokens=8", "rl.group_size=2", "model.count=2",
-                   "rl.loss.kl_coef=0.01", "rl.total_steps=3", "rl.weight_sync.mode=disk",
-                   *[a for a in SMALL if not a.startswith("rl.group_size")], timeout=400)
-    assert r.returncode == 0, r.stderr[-3000:]
+    """Also: a model worker killed while the trial starts restarts every worker afresh (the
+    trial failed)."""
+    import signal
+
+    code, err = _launch_signalling(fileroot, "ppo", [
+        "rl.mode=sync", "rl.algorithm=ppo", "rl.agent.kind=calculator",
+        "rl.agent.max_new_tokens=8", "rl.group_size=2", "model.count=2",
+        "rl.loss.kl_coef=0.01", "rl.total_steps=3", "rl.weight_sync.mode=disk",
+        *[a for a in SMALL if not a.startswith("rl.group_size")]],
+        [(-1, "model", 1, signal.SIGKILL)], timeout=400)
+    assert code == 0, err[-3000:]
+    assert "recovering (attempt 1 of 3): restarting model, generation, rollout, master" in err
     s = read_summary(fileroot, "arith-tiny", "ppo")
     assert s["status"] == "completed" and s["steps"] == 3
+    (rec,) = s["recoveries"]
+    assert rec["worker"] == "model/1" and rec["failed_step"] is None, rec
     assert s["mode"] == "sync" and s["algorithm"] == "ppo" and s["max_staleness_used"] == 0
     rows = _metrics(os.path.join(fileroot, "arith-tiny", "ppo"))
     trained = [row for row in rows if row["step"] > 0]
