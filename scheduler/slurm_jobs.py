@@ -82,8 +82,16 @@ def scancel(ids: list[str], *flags: str, timeout: float) -> None:
     except SchedulerError as e:
         log.warning("%s", e)
         return
-    if r.returncode != 0:
+    if r.returncode != 0 and not _only_gone(r.stderr):
         log.warning("scancel %s failed: %s", " ".join([*flags, *ids]), r.stderr.strip())
+
+
+def _only_gone(stderr: str) -> bool:
+    """Whether ``scancel`` failed only for jobs that had already left (cancelled by the user,
+    ended): ``Kill job error on job id N: Invalid job id specified`` on every line; what is
+    to stop is stopped."""
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    return bool(lines) and all("Invalid job id specified" in ln for ln in lines)
 
 
 def terminate(ids: list[str], grace: float, timeout: float) -> None:
