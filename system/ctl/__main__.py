@@ -13,14 +13,15 @@ needs the process that launched it.
 ``status`` exit codes: 0 live (pending, starting, running, stopping), 1 failed, 2 usage error or
 no such trial, 3 completed, 4 interrupted, 5 cancelled, 6 lost (the controller died without
 recording an end), 7 unknown (never ran). ``cancel``: 0 once nothing of the trial is left, 1 if
-something is. ``ls`` and ``logs``: 0, or 2 for a usage error.
+something is. ``ls`` and ``logs``: 0, or 2 for a usage error. Output whose reader has gone
+(``| head -1``) is dropped without a message; the exit code stays the same.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from system.ctl import cancel, logs, ls, status
+from system.ctl import cancel, logs, ls, output, status
 from system.ctl.args import split_words, trial_paths
 from system.errors import ConfigError, RLSystemError
 from system.launcher.config import ExperimentConfig
@@ -82,15 +83,27 @@ def dispatch(args: argparse.Namespace) -> int:
     return logs.run(paths, logs.worker_name(rest[0]) if rest else None, args.follow, lines)
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed; ``--help`` prints and exits 0, also to a reader that has gone."""
+    try:
+        try:
+            return parser().parse_args(argv)
+        finally:
+            sys.stdout.flush()  # --help's text, before its SystemExit
+    except BrokenPipeError:
+        output.silence(sys.stdout)
+        raise SystemExit(0) from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return dispatch(args)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        output.say(f"error: {e}", sys.stderr)
         return 2
     except (RLSystemError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        output.say(f"error: {e}", sys.stderr)
         return 1
 
 

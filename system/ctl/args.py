@@ -1,22 +1,41 @@
 """Which trial a command means: ``exp=E trial=T [cluster.fileroot=DIR]``, parsed and validated
 exactly as the launcher does (:func:`~system.launcher.overrides.parse_cli` and the experiment's
-config), so the same words reach the same trial directory."""
+config), so the same words reach the same trial directory.
+
+Only the words are read, never the trial's saved ``config.yaml``: the launcher's ``mode=eval``
+rebuilds its config on that file, whose task, reward and agent plugins then have to be
+installed, while ctl needs only where the trial is (``cluster.fileroot``, ``exp``, ``trial``
+and ``mode``, which the command line alone decides)."""
 from __future__ import annotations
 
 import os
 
+from experiments.catalog import get_experiment
+from system.checks import check_name
 from system.errors import ConfigError
-from system.launch import build_config
+from system.launcher.config import ExperimentConfig, RunMode
 from system.launcher.eval_mode import run_paths
-from system.launcher.overrides import parse_cli
+from system.launcher.overrides import CliArgs, apply_overrides, parse_cli
 from system.paths import TrialPaths
+
+
+def words_config(args: CliArgs) -> ExperimentConfig:
+    """The experiment's config with the command line's words, as the launcher builds it before
+    it reads anything of the trial (ConfigError for a bad word)."""
+    check_name("trial", args.trial)  # before OmegaConf, which would resolve a '${...}' in it
+    experiment = get_experiment(args.exp)
+    base = experiment.make_config()
+    base.exp, base.trial = args.exp, args.trial
+    cfg = apply_overrides(base, args.overrides)
+    if cfg.mode == RunMode.EVAL:
+        experiment.roles_for(cfg.mode.value)  # refuses an experiment with nothing to evaluate
+    return cfg
 
 
 def trial_paths(words: list[str]) -> TrialPaths:
     """The trial directory ``words`` name (ConfigError for a bad word, or no such trial); with
     ``mode=eval``, the directory of the trial's evaluation run (``<trial>/eval/``)."""
-    args = parse_cli(words)
-    cfg = build_config(args.exp, args.trial, args.overrides)
+    cfg = words_config(parse_cli(words))
     paths = run_paths(cfg)
     if not os.path.isdir(paths.root):
         raise ConfigError(f"no trial {cfg.exp}/{cfg.trial} under cluster.fileroot="

@@ -21,7 +21,7 @@ import socket
 import time
 from typing import Any
 
-from system.ctl import procs, slurm_query
+from system.ctl import output, procs, slurm_query
 from system.ctl.live import request_cancel
 from system.ctl.trial_state import TrialView, read_trial
 from system.launcher.status_file import FINAL_STATES
@@ -35,7 +35,7 @@ DEADLINE = 30.0
 
 
 def _say(t0: float, text: str) -> None:
-    print(f"[{time.monotonic() - t0:5.1f}s] {text}", flush=True)
+    output.say(f"[{time.monotonic() - t0:5.1f}s] {text}")
 
 
 def _request(view: TrialView) -> str:

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+from system.ctl import output
 from system.ctl.status import controller_log
 from system.ctl.trial_state import read_trial
 from system.errors import ConfigError
@@ -78,13 +79,10 @@ def _copy(path: str, offset: int) -> int:
     return offset + len(data)
 
 
-def run(paths: TrialPaths, worker: str | None, follow: bool, lines: int | None) -> int:
-    path = log_path(paths, worker)
-    offset = _tail_offset(path, lines) if lines is not None else 0
-    offset = _copy(path, offset)
-    if not follow:
-        return 0
-    print(f"==> following {path} (until the trial ends, or Ctrl-C)", file=sys.stderr)
+def _follow(paths: TrialPaths, worker: str | None, path: str, offset: int) -> None:
+    """Copy what is added to ``path`` (or to the log of the worker's next attempt) until the
+    trial has ended, or Ctrl-C."""
+    output.say(f"==> following {path} (until the trial ends, or Ctrl-C)", sys.stderr)
     next_check = time.monotonic() + 2.0
     try:
         while True:
@@ -95,11 +93,23 @@ def run(paths: TrialPaths, worker: str | None, follow: bool, lines: int | None) 
             next_check = time.monotonic() + 2.0
             newer = log_path(paths, worker)
             if newer != path:  # a restarted worker logs to its attempt's file
-                print(f"==> {newer}", file=sys.stderr)
+                output.say(f"==> {newer}", sys.stderr)
                 path, offset = newer, _copy(newer, 0)
             if not read_trial(paths).live:
                 _copy(path, offset)
-                print(f"==> the trial has ended ({read_trial(paths).state})", file=sys.stderr)
-                return 0
+                output.say(f"==> the trial has ended ({read_trial(paths).state})", sys.stderr)
+                return
     except KeyboardInterrupt:
-        return 0
+        return
+
+
+def run(paths: TrialPaths, worker: str | None, follow: bool, lines: int | None) -> int:
+    path = log_path(paths, worker)
+    offset = _tail_offset(path, lines) if lines is not None else 0
+    try:
+        offset = _copy(path, offset)
+        if follow:
+            _follow(paths, worker, path, offset)
+    except BrokenPipeError:  # the reader has gone (``| head``): the rest is not wanted
+        output.silence(sys.stdout)
+    return 0

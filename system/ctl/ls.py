@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+from system.ctl import output
 from system.ctl.trial_state import TrialView, read_trial, since
 from system.paths import TrialPaths
 
@@ -33,10 +34,10 @@ def rows(views: list[TrialView]) -> list[tuple[str, ...]]:
 def run(fileroot: str) -> int:
     views = [read_trial(p) for p in find_trials(fileroot)]
     if not views:
-        print(f"no trials under {os.path.abspath(fileroot)}")
+        output.say(f"no trials under {os.path.abspath(fileroot)}")
         return 0
     table = [("TRIAL", "STATE", "STEP", "AGE", "SCHEDULER"), *rows(views)]
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     for r in table:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        output.say("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     return 0

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from typing import Any
 
-from system.ctl import procs, slurm_query
+from system.ctl import output, procs, slurm_query
 from system.ctl.live import LiveView, read_live
 from system.ctl.trial_state import TrialView, read_trial, since
 from system.paths import TrialPaths
@@ -29,16 +30,30 @@ def controller_log(paths: TrialPaths) -> str | None:
     return max(found, key=os.path.getmtime) if found else None
 
 
+ONGOING = ("RUNNING", "PENDING", "")
+"""Recorded job states that are no end: what the job is now is checked (:func:`jobs`)."""
+
+
+def _unchecked(recorded: str, live: bool) -> str:
+    """A job whose state cannot be checked from here (no answer from ``squeue``; a local pid on
+    another host): as recorded while the trial is live (``status.json`` is seconds old), and
+    UNKNOWN once the controller has gone if the record still has it running."""
+    return "UNKNOWN" if recorded in ONGOING and not live else recorded
+
+
 def _local_state(job: dict[str, Any], root: str) -> str:
+    """RUNNING while the job's pid runs a worker of the trial in ``root``, else the end the
+    controller recorded, or EXITED (gone without one: a lost trial's workers die with it)."""
     args = procs.cmdline(int(job["id"])) if str(job["id"]).isdigit() else None
     if args is not None and procs.is_worker(args, root):
         return "RUNNING"
-    return job.get("state") if job.get("state") not in ("RUNNING", "PENDING", "") else "EXITED"
+    return "EXITED" if job["state"] in ONGOING else job["state"]
 
 
 def jobs(view: TrialView) -> list[dict[str, Any]]:
     """The recorded jobs (the controller's own job first, with ``--detach``), their states
-    checked now while the trial is live: ``squeue`` for Slurm, ``/proc`` for local pids."""
+    checked now, live trial or not: ``squeue`` for Slurm (GONE: no longer listed),
+    ``/proc`` for local pids when ``status`` runs on the controller's host."""
     rows = [{"id": str(j["id"]), "workers": list(j["workers"]), "state": j.get("state", ""),
              "reason": "", "node": ""} for j in view.record.get("jobs") or []]
     controller = (view.record.get("controller") or {})
@@ -46,18 +61,22 @@ def jobs(view: TrialView) -> list[dict[str, Any]]:
         rows.insert(0, {"id": controller["slurm_job"], "workers": ["controller"],
                         "state": "", "reason": "", "node": ""})
     if view.scheduler == "slurm":
-        queued = slurm_query.queue([r["id"] for r in rows], all_states=True) or {}
+        queued = slurm_query.queue([r["id"] for r in rows], all_states=True)
         for r in rows:
-            q = queued.get(r["id"])
+            q = (queued or {}).get(r["id"])
             if q is not None:
                 r.update(state=q.state, reason=q.reason, node=q.node)
-            elif view.live and r["state"] in ("RUNNING", "PENDING", ""):
+            elif queued is None:
+                r["state"] = _unchecked(r["state"], view.live)
+            elif r["state"] in ONGOING:
                 r["state"] = "GONE"
     else:
+        host = str(controller.get("host") or "")
+        here = host in ("", socket.gethostname())
         for r in rows:
-            r["node"] = controller.get("host", "")
-            if view.live:
-                r["state"] = _local_state(r, view.paths.root)
+            r["node"] = host
+            r["state"] = (_local_state(r, view.paths.root) if here
+                          else _unchecked(r["state"], view.live))
     return rows
 
 
@@ -152,5 +171,5 @@ def render(s: dict[str, Any]) -> str:
 def run(paths: TrialPaths, as_json: bool) -> int:
     s = gather(read_trial(paths))
     s["time"] = time.time()
-    print(json.dumps(s, indent=1, default=str) if as_json else render(s))
+    output.say(json.dumps(s, indent=1, default=str) if as_json else render(s))
     return EXIT_CODES.get(s["state"], 7)

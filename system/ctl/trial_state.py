@@ -15,7 +15,9 @@ import os
 import time
 from typing import Any
 
+from system.bootstrap import Bootstrap
 from system.ctl import slurm_query
+from system.launcher.config import RunMode
 from system.launcher.status_file import FINAL_STATES, LIVE_STATES, JobRecord, StatusRecord
 from system.paths import TrialPaths
 
@@ -111,16 +113,31 @@ def _from_summary(summary: dict[str, Any]) -> StatusRecord:
             "failure": summary.get("failure"), "progress": {}, "logs": {}}
 
 
-def read_trial(paths: TrialPaths) -> TrialView:
-    """The trial in ``paths.root``, its state checked against its lock (and, for a detached
-    controller still queued, against ``squeue``)."""
+def run_of(paths: TrialPaths) -> tuple[str, str, str]:
+    """The exp and trial the run in ``paths.root`` runs as (the names of its keys in name
+    resolution) and the lock its controller holds, as its ``bootstrap.json`` says: an
+    evaluation (``mode=eval``, in ``<trial>/eval/``) runs as its trial, under the trial's own
+    lock. Without a readable bootstrap file: the names in the path, the directory's lock."""
     exp, trial = os.path.basename(os.path.dirname(paths.root)), os.path.basename(paths.root)
+    try:
+        boot = Bootstrap.read(paths.bootstrap)
+    except (OSError, ValueError, TypeError):
+        return exp, trial, paths.lock
+    if boot.mode == RunMode.EVAL.value:
+        return boot.exp, boot.trial, TrialPaths(os.path.dirname(paths.root)).lock
+    return boot.exp, boot.trial, paths.lock
+
+
+def read_trial(paths: TrialPaths) -> TrialView:
+    """The trial in ``paths.root`` (or the evaluation run there), its state checked against
+    its lock (and, for a detached controller still queued, against ``squeue``)."""
+    exp, trial, lock = run_of(paths)
     record: StatusRecord | None = read_json(paths.status)  # type: ignore[assignment]
     summary = read_json(paths.summary)
     if record is None or (summary and float(summary.get("t0_epoch") or 0)
                           > float(record.get("started") or 0) > 0):
         record = _from_summary(summary) if summary else {}
-    holder = lock_holder(paths.lock)
+    holder = lock_holder(lock)
     cancel = read_json(paths.cancel_request)
     if cancel and record.get("started") and float(cancel.get("time", 0)) < float(
             record.get("started") or 0):

@@ -1,0 +1,171 @@
+"""``python -m system.ctl`` on trial directories written here (no trial runs): an evaluation run
+of a trial trained with a plugin this process does not have, a running evaluation (under its
+trial's lock), the jobs of a lost trial, and output to a reader that has gone (``| head -1``)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from experiments.catalog import get_experiment
+from system.bootstrap import Bootstrap
+from system.ctl import procs, status
+from system.ctl.__main__ import main
+from system.ctl.trial_state import read_trial
+from system.errors import ConfigError
+from system.launch import build_config
+from system.launcher.eval_mode import EVAL_DIR
+from system.launcher.trial_lock import TrialLock
+from system.paths import TrialPaths
+from tests.helpers import REPO
+
+
+def _write(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+def _trial(fileroot: str, exp: str, trial: str) -> TrialPaths:
+    paths = TrialPaths(os.path.join(fileroot, exp, trial))
+    os.makedirs(paths.logs)
+    return paths
+
+
+def _evaluation(fileroot: str, state: str) -> tuple[TrialPaths, TrialPaths]:
+    """arith-tiny/t trained with ``rl.task.reward=absent`` (a plugin no package here declares),
+    and its evaluation run (``eval/``) in ``state``."""
+    trained = _trial(fileroot, "arith-tiny", "t")
+    saved = OmegaConf.structured(get_experiment("arith-tiny").make_config())
+    OmegaConf.update(saved, "rl.task.reward", "absent")
+    OmegaConf.save(saved, trained.config)
+    run = TrialPaths(os.path.join(trained.root, EVAL_DIR))
+    os.makedirs(run.logs)
+    Bootstrap(exp="arith-tiny", trial="t", experiment="arith-tiny", trial_dir=run.root,
+              interface="", scheduler="local", name_resolve={}, name_resolve_root="", rpc={},
+              heartbeat_ttl=5.0, mode="eval", evaluated_dir=trained.root).write(run.bootstrap)
+    _write(run.status, {"exp": "arith-tiny", "trial": "t", "state": state, "scheduler": "local",
+                        "started": time.time() - 5, "jobs": [], "progress": {}, "logs": {}})
+    with open(os.path.join(run.logs, "launcher.log"), "w") as f:
+        f.write("evaluating step 2\n")
+    return trained, run
+
+
+def test_an_evaluation_needs_none_of_its_trials_plugins(fileroot, capsys):
+    """ctl reads where the run is from its own words: the trial's saved config, which names a
+    plugin only the trial's environment has (the launcher refuses it here), is not loaded."""
+    _, run = _evaluation(fileroot, "completed")
+    words = ["exp=arith-tiny", "trial=t", f"cluster.fileroot={fileroot}", "mode=eval"]
+    with pytest.raises(ConfigError, match="reward='absent' is neither built in nor a plugin"):
+        build_config("arith-tiny", "t", words[2:])
+    capsys.readouterr()
+    assert main(["status", *words, "--json"]) == 3
+    s = json.loads(capsys.readouterr().out)
+    assert (s["trial"], s["dir"], s["state"]) == ("arith-tiny/t", run.root, "completed")
+    assert main(["logs", *words]) == 0
+    assert capsys.readouterr().out == "evaluating step 2\n"
+    assert main(["status", *words, "rl.task.reward=first_int"]) == 3  # other words: checked
+    assert main(["status", *words, "rl.task.rewrd=x"]) == 2
+    assert "unknown key 'rl.task.rewrd'" in capsys.readouterr().err
+
+
+def test_a_running_evaluation_is_live_under_its_trials_lock(fileroot):
+    """An evaluation holds its trial's lock (not one in ``eval/``) and runs as its trial in name
+    resolution: ctl showed a running one as lost, named ``t/eval``."""
+    trained, run = _evaluation(fileroot, "running")
+    lock = TrialLock.acquire(trained.lock, "arith-tiny/t")
+    try:
+        view = read_trial(run)
+        assert (view.exp, view.trial, view.state, view.live) == ("arith-tiny", "t", "running",
+                                                                 True)
+    finally:
+        lock.release()
+    assert read_trial(run).state == "lost"
+
+
+def _lost(fileroot: str, scheduler: str, host: str, jobs: list[tuple[str, str]]) -> TrialPaths:
+    """A smoke trial recorded running whose controller has gone (nobody holds its lock), with
+    ``jobs`` (id, recorded state)."""
+    paths = _trial(fileroot, "smoke", "lost")
+    _write(paths.status, {
+        "exp": "smoke", "trial": "lost", "state": "running", "scheduler": scheduler,
+        "started": time.time() - 60, "controller": {"pid": 1, "host": host, "slurm_job": ""},
+        "jobs": [{"id": i, "workers": [f"rollout/{n}"], "state": s, "detail": "",
+                  "restarts": 0, "logs": []} for n, (i, s) in enumerate(jobs)],
+        "progress": {}, "logs": {}})
+    return paths
+
+
+def _gone_pid() -> str:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return str(p.pid)
+
+
+def test_the_jobs_of_a_lost_trial_are_checked(fileroot, capsys, monkeypatch):
+    """A lost trial's recorded jobs are checked as a live trial's: a local pid that is gone is
+    EXITED (was RUNNING, its pid long dead), one still running a worker of the trial is
+    RUNNING; a recorded end stands. What cannot be checked here is UNKNOWN."""
+    gone = _gone_pid()
+    root = os.path.join(fileroot, "smoke", "lost")
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                               "--trial-dir", root])
+    deadline = time.time() + 10
+    while procs.cmdline(orphan.pid) is None:  # (empty until its exec is done)
+        assert time.time() < deadline
+        time.sleep(0.01)
+    try:
+        paths = _lost(fileroot, "local", socket.gethostname(),
+                      [(gone, "RUNNING"), (gone, ""), (gone, "FAILED"), ("0", "RUNNING"),
+                       (str(orphan.pid), "RUNNING")])
+        view = read_trial(paths)
+        assert view.state == "lost"
+        assert [j["state"] for j in status.jobs(view)] == ["EXITED", "EXITED", "FAILED",
+                                                           "EXITED", "RUNNING"]
+    finally:
+        orphan.kill()
+        orphan.wait()
+    assert main(["status", "exp=smoke", "trial=lost", f"cluster.fileroot={fileroot}"]) == 6
+    assert "RUNNING" not in capsys.readouterr().out
+
+    other = _lost(os.path.join(fileroot, "b"), "local", "elsewhere", [(gone, "RUNNING")])
+    assert [j["state"] for j in status.jobs(read_trial(other))] == ["UNKNOWN"]
+    slurm = _lost(os.path.join(fileroot, "c"), "slurm", "n1",
+                  [("7", "RUNNING"), ("8", "COMPLETED")])
+    monkeypatch.setattr(status.slurm_query, "queue", lambda ids, all_states=False: {})
+    assert [j["state"] for j in status.jobs(read_trial(slurm))] == ["GONE", "COMPLETED"]
+    monkeypatch.setattr(status.slurm_query, "queue", lambda ids, all_states=False: None)
+    assert [j["state"] for j in status.jobs(read_trial(slurm))] == ["UNKNOWN", "COMPLETED"]
+
+
+def _ctl_to_a_closed_pipe(buffered: bool, *args: str) -> subprocess.CompletedProcess:
+    """``python -m system.ctl ARGS | head -0``: stdout a pipe nobody reads any more."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([sys.executable, "-m", "system.ctl", *args], cwd=REPO, env=env,
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("buffered", [True, False])
+def test_a_reader_that_has_gone_is_no_error(fileroot, buffered):
+    """``status ... | head -1`` exits with the trial's state (was 1, 'error: [Errno 32] Broken
+    pipe'), without a message; so do ``logs`` (0) and ``--help`` (0)."""
+    paths = _lost(fileroot, "local", socket.gethostname(), [(_gone_pid(), "RUNNING")])
+    with open(os.path.join(paths.logs, "launcher.log"), "w") as f:
+        f.write("a line of the controller's log\n" * 20000)
+    words = ["exp=smoke", "trial=lost", f"cluster.fileroot={fileroot}"]
+    for args, code in ((["status", *words], 6), (["status", *words, "--json"], 6),
+                       (["logs", *words], 0), (["--help"], 0)):
+        r = _ctl_to_a_closed_pipe(buffered, *args)
+        assert (r.returncode, r.stderr) == (code, ""), args
