@@ -21,7 +21,8 @@ log = logging.getLogger("rl-eval")
 
 class Evaluation(NamedTuple):
     accuracy: float
-    """Mean reward of the greedy answers, in [0, 1] (NaN without prompts)."""
+    """Mean reward of the greedy answers: the fraction right for 1/0 rewards (NaN without
+    prompts)."""
     digest: str
     """Fingerprint of every greedy completion's tokens, in prompt order: two evaluations with
     the same digest generated the same answers (the same weights, to within what greedy
@@ -32,7 +33,7 @@ def evaluate(gens: dict[int, GenerationClient], rl: RLConfig, tok: Any,
              agent: SingleTurnAgent | OpenAIAgent, router: Router,
              prompts: list[tuple[Prompt, list[int]]],
              alive: Callable[[int], bool] | None = None) -> Evaluation:
-    """Greedy accuracy on the held-out prompts (rewards in [0, 1]), through the live servers
+    """Greedy accuracy (mean reward) on the held-out prompts, through the live servers
     (``gens``: by replica index; ``router`` picks among the live ones)."""
     if not prompts:
         return Evaluation(float("nan"), "")

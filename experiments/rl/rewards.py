@@ -1,4 +1,5 @@
-"""Verifiable rewards: ``reward(completion, answer) -> float`` in [0, 1].
+"""Verifiable rewards: ``reward(completion, answer) -> float``, 1 for right and 0 for wrong
+(a plugin may return any finite number: evaluation's accuracy is then the mean reward).
 
 - ``first_int``: the completion starts with the answer as an integer (arith-tiny).
 - ``last_int``: the last integer in the completion is the answer (word problems).
