@@ -30,7 +30,7 @@ from system.launcher.failures import (call_failure_cause, job_failure, reported_
 from system.launcher.groups import group_specs, worker_configs
 from system.launcher.progress import Progress
 from system.launcher.queue_wait import StartClock, blocked_failure
-from system.launcher.recovery import MasterProgress, Recovery, Requeued
+from system.launcher.recovery import MasterProgress, Paused, Recovery, Requeued
 from system.launcher.restarts import RecoveringController
 from system.launcher.status_file import StatusWriter, TrialCancelled
 from system.launcher.summary import TrialSummary
@@ -391,7 +391,14 @@ class Controller(RecoveringController):
             if cc.timeout and time.monotonic() - started > cc.timeout:
                 raise WorkerFailure(f"trial did not complete within controller.timeout="
                                     f"{cc.timeout:.0f}s")
+            slept = time.monotonic()
             time.sleep(cc.poll_interval)
+            slept = time.monotonic() - slept
+            if slept > cc.orphan_timeout:  # (its workers judge it gone: each exits, named
+                # one by one as failures, were they not all restarted at once)
+                raise Paused(f"the controller was stopped for {slept:.0f}s, longer than "
+                             f"controller.orphan_timeout={cc.orphan_timeout:.0f}s: every worker "
+                             "stopped itself", "master/0", self.logs["master/0"])
 
     def _note_progress(self, prog: dict[str, Any]) -> None:
         """Follow the master's progress: the step it reached, the step a restarted master

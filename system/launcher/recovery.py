@@ -25,6 +25,12 @@ class Requeued(WorkerFailure):
     ``recover.retries``, however often it happens."""
 
 
+class Paused(Requeued):
+    """The controller itself was stopped (SIGSTOP, a suspended machine) for longer than
+    ``controller.orphan_timeout``: every worker has stopped itself as an orphan, or is about to.
+    Every worker restarts from the latest checkpoint; not a failure of theirs either."""
+
+
 CRASH_LOOP_S = 60.0
 """A failure this soon after the previous recovery counts as the same crash loop."""
 

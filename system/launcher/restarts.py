@@ -22,7 +22,7 @@ from system.launcher.config import ExperimentConfig
 from system.launcher.disk import full_disk_cause
 from system.launcher.failures import clear_worker_keys
 from system.launcher.groups import GroupSpec, group_spec
-from system.launcher.recovery import MasterProgress, Recovery
+from system.launcher.recovery import MasterProgress, Paused, Recovery
 from system.launcher.summary import TrialSummary
 from system.name_resolve import NameResolve
 from system.paths import TrialPaths
@@ -74,8 +74,8 @@ class RecoveringController:
         while True:
             try:
                 return self._watch()
-            except WorkerFailure as e:
-                self._recover_until_running(e, summary)
+            except WorkerFailure as e:  # (after a pause every worker restarts)
+                self._recover_until_running(e, summary, every_kind=isinstance(e, Paused))
 
     def _recover_until_running(self, failure: WorkerFailure, summary: TrialSummary,
                                every_kind: bool = False) -> None:

@@ -122,6 +122,34 @@ def test_ctrl_c_stops_everything(fileroot):
     _assert_nothing_left(fileroot, "smoke", "ctrlc")
 
 
+def test_a_controller_stopped_past_the_orphan_timeout_says_so(fileroot):
+    """The launcher frozen (SIGSTOP: a suspended machine) longer than
+    ``controller.orphan_timeout``: every worker stops itself as an orphan. Back, the controller
+    names its own pause (before, each worker's exit was a failure of its own, one by one; an RL
+    trial restarts every worker at once from its checkpoint, drawing on no retry)."""
+    proc = subprocess.Popen(launch_argv("exp=smoke", "trial=paused", f"cluster.fileroot={fileroot}",
+                                        "smoke.min_duration=120", "controller.orphan_timeout=2",
+                                        *FAST),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    nr = trial_name_resolve(fileroot, "smoke", "paused")
+    deadline = time.time() + 60
+    while len(nr.find_subtree("smoke/paused/heartbeat")) < 9 and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGSTOP)
+    root = os.path.join(fileroot, "smoke", "paused")
+    deadline = time.time() + 30  # key gone after its TTL (2 s), workers gone 2 s later
+    while trial_processes(root) and time.time() < deadline:  # (the workers; not the launcher)
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGCONT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err[-3000:]
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and re.match(
+        r"error: the controller was stopped for \d+s, longer than controller.orphan_timeout=2s: "
+        r"every worker stopped itself$", errors[0]), err[-3000:]
+    _assert_nothing_left(fileroot, "smoke", "paused")
+
+
 def _controlling_terminal() -> None:  # runs in the launcher between fork and exec
     import fcntl
     import termios
