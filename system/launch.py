@@ -270,6 +270,7 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
     """Show, submit, or run the trial's controller (the launcher holds the trial's lock)."""
     paths = trial.paths
     try:
+        cfg.check_machine()  # (exit code 1: this machine, not the config, is the limit)
         scheduler = make_scheduler(cfg.scheduler, cfg.exp, cfg.trial, paths.root, umask,
                                    cfg.gpu_demands(), cfg.worker_counts())
         if args.dry_run or "--test-only" in args.flags:

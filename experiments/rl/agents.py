@@ -57,13 +57,14 @@ class AgentConfig:
     (built in), or a plugin an installed package declares under the ``slurm_rl.agents``
     entry-point group, by its name or its ``module:function`` value."""
     max_new_tokens: int = 4
-    """Completion budget per trajectory (tool output included)."""
+    """Completion budget per trajectory (tool output included), >= 1 and less than
+    ``rl.vllm.max_model_len`` (kind=openai: the agent function asks for its own)."""
     temperature: float = 1.0
-    """Sampling temperature of training rollouts (evaluation is greedy)."""
+    """Sampling temperature of training rollouts, > 0 (evaluation is greedy whatever it is)."""
     top_p: float = 1.0
-    """Nucleus sampling of training rollouts."""
+    """Nucleus sampling of training rollouts, in (0, 1]."""
     max_turns: int = 4
-    """Calculator agent: at most this many generation calls per trajectory."""
+    """Calculator agent: at most this many generation calls per trajectory (>= 1)."""
 
     def __post_init__(self) -> None:
         if self.kind not in AGENT_KINDS:
@@ -78,10 +79,16 @@ class AgentConfig:
         elif self.function:
             raise ConfigError(f"function={self.function!r} is only read with kind=openai "
                               f"(kind is {self.kind!r})")
-        if self.max_new_tokens < 1 or self.max_turns < 1:
-            raise ConfigError("max_new_tokens and max_turns must be >= 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError("temperature must be >= 0 and top_p in (0, 1]")
+        for key in ("max_new_tokens", "max_turns"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature={self.temperature} is not valid for training "
+                              "rollouts: a group's samples would all be the same (GRPO "
+                              "advantages all 0) and their log-probs not the policy's; valid: "
+                              "> 0 (evaluation samples greedily by itself)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} is not valid; valid: a number in (0, 1]")
 
 
 def _traj(prompt: Sequence[int], parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]],

@@ -4,16 +4,29 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Mapping, Sequence
 
 from experiments.rl.agents import AgentConfig
 from experiments.rl.algorithms.objectives import ActorLossConfig
 from experiments.rl.tasks import TaskConfig
+from scheduler.config import SchedulerKind
 from scheduler.gpu_plan import GpuDemand
 from system.paths import PROJECT_ROOT
 from system.launcher.config import ExperimentConfig, RecoverConfig, RunMode
 from system.errors import ConfigError
 from workers.engines.configs import TorchEngineConfig
+from workers.engines.vllm_config import cpu_tensor_parallel_problem, memory_nodes
 from workers.engines.vllm_server import VllmConfig
+
+
+MAX_WAIT_S = 1e9
+"""The longest timeout a key takes (about 31 years): Python's waits overflow past 9.2e9 s."""
+
+
+def check_seconds(key: str, value: float) -> None:
+    """A timeout: seconds > 0 (0 would fail every wait at once), at most :data:`MAX_WAIT_S`."""
+    if not 0 < value <= MAX_WAIT_S:
+        raise ConfigError(f"{key}={value} is not valid; valid: seconds > 0 and <= {MAX_WAIT_S:g}")
 
 
 @dataclasses.dataclass
@@ -27,14 +40,15 @@ class WeightSyncConfig:
     bucket_mb: int = 256
     """Flat bucket size of the resharding executor (MiB)."""
     timeout: float = 300.0
-    """Seconds a weight-update group waits for its members."""
+    """Seconds a weight-update group waits for its members (> 0)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("fast", "load_weights", "disk"):
             raise ConfigError(f"mode={self.mode!r} is not one of fast, load_weights, "
                               "disk")
-        if self.bucket_mb < 1 or self.timeout <= 0:
-            raise ConfigError("bucket_mb must be >= 1 and timeout > 0")
+        if self.bucket_mb < 1:
+            raise ConfigError(f"bucket_mb must be >= 1 (MiB), got {self.bucket_mb}")
+        check_seconds("timeout", self.timeout)
 
 
 @dataclasses.dataclass
@@ -79,19 +93,20 @@ class RLConfig:
     tasks_per_request: int = 4
     """Prompts a rollout worker takes from the master at once (its calls share the batch)."""
     gamma: float = 1.0
-    """PPO: discount."""
+    """PPO: discount, in [0, 1]."""
     lam: float = 1.0
-    """PPO: GAE lambda."""
+    """PPO: GAE lambda, in [0, 1]."""
     value_clip: float = 0.2
-    """PPO: value clipping of the critic loss."""
+    """PPO: value clipping of the critic loss, > 0 (a value moves at most this far from the
+    old one)."""
     critic_lr: float = 1e-4
-    """PPO: critic learning rate."""
+    """PPO: critic learning rate, > 0."""
     seed: int = 1
-    """Seed of the prompt order and of the master's sampling."""
+    """Seed of the prompt order and of the master's sampling, in [0, 2**32)."""
     startup_timeout: float = 600.0
-    """Seconds to wait for engines to load (vLLM starts in about a minute on 2 cores)."""
+    """Seconds to wait for engines to load, > 0 (vLLM starts in about a minute on 2 cores)."""
     call_timeout: float = 900.0
-    """Seconds a train / log-prob / weight-sync call may take."""
+    """Seconds a train / log-prob / weight-sync / generation call may take, > 0."""
     crash_at_step: int = 0
     """Fault injection: the master fails right after this step (0: never); for resume tests."""
     actor: TorchEngineConfig = dataclasses.field(
@@ -123,8 +138,12 @@ class RLConfig:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if not 0 <= self.save_overhead < 1:
             raise ConfigError(f"save_overhead must be in [0, 1), got {self.save_overhead}")
-        if self.lease_timeout <= 0:
-            raise ConfigError(f"lease_timeout must be > 0, got {self.lease_timeout}")
+        for key in ("lease_timeout", "startup_timeout", "call_timeout"):
+            check_seconds(key, getattr(self, key))
+        self._check_ppo()
+        if not 0 <= self.seed < 1 << 32:
+            raise ConfigError(f"seed must be in [0, 2**32) (numpy is seeded with it), got "
+                              f"{self.seed}")
         if self.algorithm == "ppo" and self.actor.backend == "megatron":
             raise ConfigError("rl.algorithm=ppo with rl.actor.backend=megatron: the megatron "
                               "engine trains a critic but does not checkpoint its value head "
@@ -137,6 +156,30 @@ class RLConfig:
                 f"{self.sync_interval - 1} (samples between syncs would all be too stale)"
                 + ("; sync mode trains on fresh samples only: use sync_interval=1"
                    if self.mode == "sync" else ""))
+        self._check_context()
+
+    def _check_ppo(self) -> None:
+        """The critic's and GAE's settings (read with ``algorithm=ppo`` only, checked always:
+        a config is valid whichever algorithm it is switched to)."""
+        for key in ("gamma", "lam"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ConfigError(f"{key}={getattr(self, key)} is not valid; valid: a number "
+                                  "in [0, 1]")
+        if self.value_clip <= 0:
+            raise ConfigError(f"value_clip={self.value_clip} is not valid; valid: > 0 (the "
+                              "critic's values move at most this far from the old ones)")
+        if self.critic_lr <= 0:
+            raise ConfigError(f"critic_lr={self.critic_lr} is not valid; valid: > 0")
+
+    def _check_context(self) -> None:
+        """A completion budget that leaves no room for a prompt in the servers' context would
+        have every request refused (and every prompt skipped). An agent function
+        (``agent.kind=openai``) asks for its own ``max_tokens``."""
+        budget, context = self.agent.max_new_tokens, self.vllm.max_model_len
+        if self.agent.kind != "openai" and budget >= context:
+            raise ConfigError(f"rl.agent.max_new_tokens={budget} leaves no room for a prompt in "
+                              f"rl.vllm.max_model_len={context} (prompt + completion tokens); "
+                              "valid: rl.agent.max_new_tokens < rl.vllm.max_model_len")
 
     @property
     def decoupled(self) -> bool:
@@ -176,6 +219,26 @@ class RLExperimentConfig(ExperimentConfig):
         """None for an evaluation (``mode=eval``): it is not recovered, and run again it skips
         the checkpoints it finished."""
         return self.recover if self.mode == RunMode.TRAIN else None
+
+    def check_machine(self, environ: Mapping[str, str] = os.environ,
+                      nodes: Sequence[int] | None = None) -> None:
+        """Checks against the machine the launcher runs on, for a trial whose workers run here
+        too (``scheduler=local``): a :class:`ConfigError` naming the key (a check against the
+        machine: the launcher exits with code 1).
+        On CPU (``scheduler.local.gpus`` finds none), vLLM's CPU backend binds each of
+        ``rl.vllm.tensor_parallel_size`` ranks to a NUMA node of its own (``nodes``: those this
+        process may use, :func:`~workers.engines.vllm_config.memory_nodes` by default)."""
+        if self.scheduler.type != SchedulerKind.LOCAL:
+            return  # (Slurm's nodes are not this one: the generation server checks there)
+        from scheduler.local import local_gpus
+
+        if local_gpus(self.scheduler.local.gpus, environ).ids:
+            return  # on GPUs tensor_parallel_size counts GPUs, which placement checks
+        found = memory_nodes(environ) if nodes is None else nodes
+        problem = cpu_tensor_parallel_problem(self.rl.vllm.tensor_parallel_size, found, environ,
+                                              key="rl.vllm.tensor_parallel_size")
+        if problem:
+            raise ConfigError(problem)
 
     def gpu_demands(self) -> list[GpuDemand]:
         """One GPU per model worker, ``tensor_parallel_size`` per generation server. Model

@@ -62,9 +62,9 @@ class TaskConfig:
         plugins.check(plugins.TASK_GROUP, "name", self.name, list(BUILTIN_TASKS))
         if self.reward:
             plugins.check(plugins.REWARD_GROUP, "reward", self.reward, sorted(REWARDS))
-        if self.train_size < 1 or self.eval_size < 0 or self.max_operand < 1:
-            raise ConfigError("train_size >= 1, eval_size >= 0 and "
-                              "rl.task.max_operand >= 1 are required")
+        for key, least in (("train_size", 1), ("eval_size", 0), ("max_operand", 1)):
+            if getattr(self, key) < least:
+                raise ConfigError(f"{key} must be >= {least}, got {getattr(self, key)}")
         if not self.ops or set(self.ops) - set("+-*"):
             raise ConfigError(f"ops={self.ops!r} must be made of + - *")
         for key in ("train_path", "eval_path"):

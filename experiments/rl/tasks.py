@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import socket
+from typing import Any, Callable, TypeVar
 
 from experiments.rl import plugins
 from experiments.rl.prompt_files import load_prompts
@@ -28,6 +29,7 @@ from system.errors import ConfigError
 from system.structs import plain
 
 SPLITS = ("train", "eval")
+T = TypeVar("T")
 
 TASKS: dict[str, TaskFactory] = {"arith": arith_task, "word": word_task}
 """The built-in tasks, by the name ``rl.task.name`` takes."""
@@ -41,7 +43,7 @@ def get_task(cfg: TaskConfig) -> Task:
     if key not in _BUILT:
         factory = TASKS.get(cfg.name) or plugins.load(plugins.TASK_GROUP, "rl.task.name",
                                                       cfg.name)
-        task = factory(cfg)
+        task = _call(cfg, f"the factory {_name(factory)}", factory, cfg)
         if not isinstance(task, Task):
             raise ConfigError(f"rl.task.name={cfg.name!r}: the factory returned "
                               f"{type(task).__name__}, not experiments.rl.tasks.Task")
@@ -51,6 +53,23 @@ def get_task(cfg: TaskConfig) -> Task:
             task = dataclasses.replace(task, reward=reward)
         _BUILT[key] = task
     return _BUILT[key]
+
+
+def _name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _call(cfg: TaskConfig, what: str, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``: a task's own code, deterministic in ``cfg`` (it runs in the master and in
+    every rollout worker), so what it raises would be raised again by a restart: a
+    :class:`ConfigError` naming ``rl.task.name``, not a failure to recover from."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        first = (str(e).splitlines() or [""])[0][:300]  # (one line, as every config error)
+        raise ConfigError(f"rl.task.name={cfg.name!r}: {what} raised {type(e).__name__}: "
+                          f"{first}; valid: a task that builds with these rl.task settings "
+                          "(rl.task.options included)") from e
 
 
 def dataset(cfg: TaskConfig, split: str) -> list[Prompt]:
@@ -78,7 +97,7 @@ def dataset(cfg: TaskConfig, split: str) -> list[Prompt]:
             return []
         raise ConfigError(f"rl.task.name={cfg.name!r} has no prompts of its own: set "
                           "rl.task.train_path")
-    out = task.prompts(split)
+    out = _call(cfg, f"its prompts({split!r})", task.prompts, split)
     ids = [p["id"] for p in out]
     if len(set(ids)) != len(ids):
         raise ConfigError(f"rl.task.name={cfg.name!r}: {split} prompt ids repeat")

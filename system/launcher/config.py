@@ -204,6 +204,11 @@ class ExperimentConfig:
         if problem:
             raise ConfigError(f"cluster.fileroot={self.cluster.fileroot}: {problem}")
 
+    def check_machine(self) -> None:
+        """Checks against the machine the launcher runs on, made before anything starts: a
+        :class:`ConfigError` naming the key (exit code 1). Experiments with such limits add them
+        (the RL experiments: ``rl.vllm.tensor_parallel_size`` on CPU)."""
+
     def recovery(self) -> RecoverConfig | None:
         """The trial's recovery settings; None for experiments without checkpoints (and for
         runs that are not recovered)."""

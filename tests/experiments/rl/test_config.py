@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from experiments.rl.agents import AgentConfig
 from experiments.rl.config import RLConfig
 from system.errors import ConfigError
 
@@ -50,3 +51,91 @@ def test_a_saved_tokenizer_loads_and_encodes_as_the_base_models(model, tmp_path)
     for chat in (False, True):
         assert encode_prompt(again, "12+30=", chat) == encode_prompt(tok, "12+30=", chat) != []
     assert again.eos_token_id == tok.eos_token_id
+
+
+BAD_OVERRIDES = [  # (override, the start of its one-line error)
+    ("rl.call_timeout=0", "rl.call_timeout=0.0 is not valid; valid: seconds > 0"),
+    ("rl.call_timeout=1e10", "rl.call_timeout=10000000000.0 is not valid; valid: seconds > 0 "
+                             "and <= 1e+09"),
+    ("rl.startup_timeout=-1", "rl.startup_timeout=-1.0 is not valid; valid: seconds > 0"),
+    ("rl.lease_timeout=0", "rl.lease_timeout=0.0 is not valid; valid: seconds > 0"),
+    ("rl.weight_sync.timeout=0", "rl.weight_sync.timeout=0.0 is not valid; valid: seconds > 0"),
+    ("rl.weight_sync.bucket_mb=0", "rl.weight_sync.bucket_mb must be >= 1"),
+    ("rl.critic_lr=-1", "rl.critic_lr=-1.0 is not valid; valid: > 0"),
+    ("rl.critic_lr=0", "rl.critic_lr=0.0 is not valid; valid: > 0"),
+    ("rl.gamma=2", "rl.gamma=2.0 is not valid; valid: a number in [0, 1]"),
+    ("rl.gamma=-1", "rl.gamma=-1.0 is not valid; valid: a number in [0, 1]"),
+    ("rl.lam=-1", "rl.lam=-1.0 is not valid; valid: a number in [0, 1]"),
+    ("rl.lam=1.5", "rl.lam=1.5 is not valid; valid: a number in [0, 1]"),
+    ("rl.value_clip=-1", "rl.value_clip=-1.0 is not valid; valid: > 0"),
+    ("rl.value_clip=0", "rl.value_clip=0.0 is not valid; valid: > 0"),
+    ("rl.seed=-1", "rl.seed must be in [0, 2**32)"),
+    ("rl.seed=4294967296", "rl.seed must be in [0, 2**32)"),
+    ("rl.vllm.seed=-1", "rl.vllm.seed must be in [0, 2**32)"),
+    ("rl.vllm.max_model_len=4", "rl.vllm.max_model_len must be >= 8"),
+    ("rl.vllm.tensor_parallel_size=0", "rl.vllm.tensor_parallel_size must be >= 1"),
+    ("rl.agent.temperature=0", "rl.agent.temperature=0.0 is not valid for training rollouts"),
+    ("rl.agent.temperature=-1", "rl.agent.temperature=-1.0 is not valid for training"),
+    ("rl.agent.top_p=0", "rl.agent.top_p=0.0 is not valid; valid: a number in (0, 1]"),
+    ("rl.agent.max_turns=0", "rl.agent.max_turns must be >= 1, got 0"),
+    ("rl.agent.max_new_tokens=0", "rl.agent.max_new_tokens must be >= 1, got 0"),
+    ("rl.agent.max_new_tokens=100000", "rl.agent.max_new_tokens=100000 leaves no room for a "
+                                       "prompt in rl.vllm.max_model_len=128"),
+    ("rl.agent.max_new_tokens=128", "rl.agent.max_new_tokens=128 leaves no room"),
+    ("rl.task.eval_size=-1", "rl.task.eval_size must be >= 0, got -1"),
+    ("rl.task.max_operand=0", "rl.task.max_operand must be >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("override, message", BAD_OVERRIDES)
+def test_an_out_of_range_setting_is_one_line_naming_its_key(override, message, tmp_path,
+                                                            capsys):
+    from system.launch import build_config, main
+
+    with pytest.raises(ConfigError) as e:
+        build_config("arith-tiny", "t", [override])
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    code = main(["exp=arith-tiny", "trial=t", f"cluster.fileroot={tmp_path}", override,
+                 "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"error: {e.value}\n"
+    assert not (tmp_path / "arith-tiny").exists()  # refused before anything is written
+
+
+def test_the_ranges_take_their_bounds_and_a_budget_that_leaves_room():
+    from system.launch import build_config
+
+    cfg = build_config("arith-tiny", "t", [
+        "rl.gamma=0", "rl.lam=1", "rl.agent.temperature=0.01", "rl.agent.max_new_tokens=127",
+        "rl.seed=0", "rl.vllm.seed=4294967295", "rl.call_timeout=1e9"])
+    assert (cfg.rl.gamma, cfg.rl.lam, cfg.rl.agent.max_new_tokens) == (0, 1, 127)
+    # an agent function asks for its own max_tokens: rl.agent.max_new_tokens is not read
+    build_config("arith-tiny", "t", ["rl.agent.kind=openai", "rl.agent.function=calculator",
+                                     "generation.http=true", "rl.agent.max_new_tokens=500"])
+    # (RLConfig on its own names the keys it compares in full: it is the rl section)
+    with pytest.raises(ConfigError, match=r"^rl\.agent\.max_new_tokens=512 .*valid: "
+                                          r"rl\.agent\.max_new_tokens < rl\.vllm\.max_model_len"):
+        RLConfig(agent=AgentConfig(max_new_tokens=512))
+
+
+def _trial(*overrides: str, gpus: str = "none"):
+    from system.launch import build_config
+
+    return build_config("arith-tiny", "t", [f"scheduler.local.gpus={gpus}", *overrides])
+
+
+def test_tensor_parallelism_on_cpu_needs_a_numa_node_per_rank():
+    """vLLM's CPU backend binds each tensor-parallel rank to a NUMA node of its own (with its
+    default VLLM_CPU_OMP_THREADS_BIND=auto): with fewer, every generation server failed an
+    assertion at start and was recovered three times. The launcher refuses it (exit 1)."""
+    tp2 = _trial("rl.vllm.tensor_parallel_size=2")
+    with pytest.raises(ConfigError, match=r"^rl\.vllm\.tensor_parallel_size=2 cannot run on this "
+                                          r"machine's CPUs: .*may use 1 NUMA node \(0\); valid: "
+                                          r"rl\.vllm\.tensor_parallel_size <= 1 on this machine"):
+        tp2.check_machine({}, nodes=[0])
+    tp2.check_machine({}, nodes=[0, 1])
+    tp2.check_machine({"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, nodes=[0])  # bound by hand
+    _trial().check_machine({}, nodes=[0])
+    # on GPUs it counts GPUs (placement checks those); Slurm's nodes are not this machine
+    _trial("rl.vllm.tensor_parallel_size=2", gpus="0,1").check_machine({}, nodes=[0])
+    _trial("rl.vllm.tensor_parallel_size=2", "scheduler=slurm").check_machine({}, nodes=[0])

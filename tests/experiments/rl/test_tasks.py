@@ -142,8 +142,52 @@ def test_a_plugin_task_and_reward_from_an_installed_package(tmp_path, monkeypatc
         assert task.reward(f"{held[0]['answer']} ", held[0]["answer"]) == 1.0
     strict = get_task(TaskConfig(name="paren", reward="exact"))
     assert strict.reward(" 6 ", 6) == 1.0 and strict.reward("6+", 6) == 0.0
-    with pytest.raises(ValueError, match="max_operand=12"):
+    with pytest.raises(ConfigError, match=r"^rl\.task\.name='paren': the factory "
+                                          r"paren_task\.make_task raised ValueError: .*"
+                                          r"max_operand=12"):
         get_task(TaskConfig(name="paren", options={"max_operand": "12"}))
+
+
+def _registered(name, factory):
+    """A TaskConfig naming ``factory``, registered as a task (as if a plugin declared it)."""
+    from experiments.rl import tasks
+
+    tasks.TASKS[name] = factory
+    cfg = TaskConfig()
+    object.__setattr__(cfg, "name", name)  # (TaskConfig checks names against entry points)
+    return cfg
+
+
+def test_a_task_factory_that_raises_is_a_config_error_naming_it():
+    """A factory runs in the master and in every rollout worker and must be deterministic:
+    what it raises a restart raises again (it was recovered 4 times, then a traceback)."""
+    from experiments.rl import tasks
+
+    def bad_factory(cfg):
+        raise ValueError("broken\nsecond line")
+
+    def bad_prompts(split):
+        raise KeyError(split)
+
+    try:
+        with pytest.raises(ConfigError, match=r"^rl\.task\.name='bad': the factory "
+                                              r".*test_tasks\.test_a_task_factory_that_raises_"
+                                              r"is_a_config_error_naming_it\.<locals>\."
+                                              r"bad_factory raised ValueError: broken; valid: "
+                                              r"a task that builds") as e:
+            get_task(_registered("bad", bad_factory))
+        assert "\n" not in str(e.value) and isinstance(e.value.__cause__, ValueError)
+        cfg = _registered("bad_split", lambda cfg: tasks.Task("b", bad_prompts,
+                                                              tasks.REWARDS["math"]))
+        with pytest.raises(ConfigError, match=r"^rl\.task\.name='bad_split': its "
+                                              r"prompts\('eval'\) raised KeyError: 'eval'"):
+            dataset(cfg, "eval")
+        with pytest.raises(ConfigError, match=r"^rl\.task\.name='wrong': the factory "
+                                              r"returned int, not"):
+            get_task(_registered("wrong", lambda cfg: 3))
+    finally:
+        for name in ("bad", "bad_split", "wrong"):
+            tasks.TASKS.pop(name, None)
 
 
 def _jsonl(tmp_path, name, lines, mode="w"):

@@ -88,11 +88,30 @@ def test_the_engine_names_its_workers_devices(engine):
     assert engine.devices == ("cpu",)
 
 
+def test_tensor_parallelism_the_cpus_cannot_bind_is_refused_before_vllm_starts(monkeypatch):
+    """vLLM's CPU backend binds each tensor-parallel rank to a NUMA node of its own: on fewer,
+    it failed an assertion in every start (each recovered). The engine refuses first, in one
+    line naming the key (a configuration error is not recovered); so on Slurm too, where the
+    launcher cannot see the node."""
+    from system.errors import ConfigError
+    from workers.engines import vllm_server
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(vllm_server, "memory_nodes", lambda environ: [0])
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_SIM_MULTI_NUMA", raising=False)
+    with pytest.raises(ConfigError, match=r"^rl\.vllm\.tensor_parallel_size=2 cannot run on "
+                                          r"this machine's CPUs"):
+        GenerationEngine("/nonexistent", VllmConfig(tensor_parallel_size=2))
+
+
 @pytest.mark.slow
 def test_bad_request_is_refused(engine):
     from system.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="max_model_len"):
+    with pytest.raises(ConfigError, match=r"^prompt \(5 tokens\) \+ max_tokens \(600\) "
+                                          r"exceeds rl\.vllm\.max_model_len=512; valid: "
+                                          r"max_tokens <= 507"):
         engine.submit(PROMPT, 1, Sampling(max_tokens=600))
     with pytest.raises(ConfigError, match="max_tokens"):
         Sampling(max_tokens=0)
