@@ -87,11 +87,15 @@ def scancel(ids: list[str], *flags: str, timeout: float) -> None:
 
 
 def _only_gone(stderr: str) -> bool:
-    """Whether ``scancel`` failed only for jobs that had already left (cancelled by the user,
-    ended): ``Kill job error on job id N: Invalid job id specified`` on every line; what is
-    to stop is stopped."""
+    """Whether ``scancel`` failed only for jobs that had already left or are leaving (cancelled
+    by the user, ended): ``Invalid job id specified`` (gone from slurmctld's memory) or ``Job/step
+    already completing or completed`` on every line; what is to stop is stopped."""
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
-    return bool(lines) and all("Invalid job id specified" in ln for ln in lines)
+    return bool(lines) and all(any(m in ln for m in GONE_MESSAGES) for ln in lines)
+
+
+GONE_MESSAGES = ("Invalid job id specified", "already completing or completed")
+"""What ``scancel`` says of a job that has already ended or is ending."""
 
 
 def terminate(ids: list[str], grace: float, timeout: float) -> None:

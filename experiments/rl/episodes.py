@@ -57,12 +57,31 @@ class RewardUnavailable(RuntimeError):
     restarted, the prompt handed out again), as for any failure that may pass."""
 
 
+TRANSIENT_TYPES = ("TransportError", "APIConnectionError")
+"""Exception classes (by name, anywhere in the type's bases) of HTTP clients whose errors are
+not ``OSError``s but are a connection or time-out failure: httpx's ``TransportError``, the
+``openai`` client's ``APIConnectionError`` (and its ``APITimeoutError``)."""
+
+_FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
 def transient(e: BaseException) -> bool:
     """Whether a reward function's exception may pass if asked again: a connection or time-out
-    error (``OSError``, which the HTTP clients' connection errors are, and ``TimeoutError``),
-    but not a file that is missing or unreadable, which will be so again."""
-    return isinstance(e, OSError) and not isinstance(
-        e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError))
+    error, it or what it was raised from (``OSError``, which ``requests``' errors are, and
+    ``TimeoutError``; httpx's and openai's, :data:`TRANSIENT_TYPES`), but not a file that is
+    missing or unreadable, nor an HTTP answer refusing the request (a 4xx status), which will be
+    so again."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if any(c.__name__ in TRANSIENT_TYPES for c in type(x).__mro__):
+            return True
+        if isinstance(x, OSError) and not isinstance(x, _FILE_ERRORS):
+            status = getattr(getattr(x, "response", None), "status_code", None)
+            return not (isinstance(status, int) and status < 500)
+        x = x.__cause__ or x.__context__
+    return False
 
 
 def unservable(e: BaseException) -> bool:
@@ -87,7 +106,8 @@ def score(trajs: list[Trajectory], tok: Any, answer: Any,
         final = comp[tool[-1] + 1:] if len(tool) else comp
         text = tok.decode([int(x) for x in final], skip_special_tokens=True)
         reward = _reward(reward_fn, text, answer, delays)
-        if not isinstance(reward, (int, float, np.number)) or not math.isfinite(reward):
+        if not isinstance(reward, (int, float, np.number, np.bool_)) \
+                or not math.isfinite(reward):
             raise ConfigError(f"the reward function {_name(reward_fn)} (rl.task.reward, or the "
                               f"task's own) returned {str(reward)[:40]!r} on the completion "
                               f"{text[:60]!r} (answer {str(answer)[:40]!r}); valid: a finite "

@@ -113,31 +113,34 @@ def _from_summary(summary: dict[str, Any]) -> StatusRecord:
             "failure": summary.get("failure"), "progress": {}, "logs": {}}
 
 
-def run_of(paths: TrialPaths) -> tuple[str, str, str]:
+def run_of(paths: TrialPaths) -> tuple[str, str, str, str]:
     """The exp and trial the run in ``paths.root`` runs as (the names of its keys in name
-    resolution) and the lock its controller holds, as its ``bootstrap.json`` says: an
+    resolution), the lock its controller holds and its mode, as its ``bootstrap.json`` says: an
     evaluation (``mode=eval``, in ``<trial>/eval/``) runs as its trial, under the trial's own
     lock. Without a readable bootstrap file: the names in the path, the directory's lock."""
     exp, trial = os.path.basename(os.path.dirname(paths.root)), os.path.basename(paths.root)
     try:
         boot = Bootstrap.read(paths.bootstrap)
     except (OSError, ValueError, TypeError):
-        return exp, trial, paths.lock
+        return exp, trial, paths.lock, RunMode.TRAIN.value
     if boot.mode == RunMode.EVAL.value:
-        return boot.exp, boot.trial, TrialPaths(os.path.dirname(paths.root)).lock
-    return boot.exp, boot.trial, paths.lock
+        return (boot.exp, boot.trial, TrialPaths(os.path.dirname(paths.root)).lock,
+                RunMode.EVAL.value)
+    return boot.exp, boot.trial, paths.lock, RunMode.TRAIN.value
 
 
 def read_trial(paths: TrialPaths) -> TrialView:
     """The trial in ``paths.root`` (or the evaluation run there), its state checked against
     its lock (and, for a detached controller still queued, against ``squeue``)."""
-    exp, trial, lock = run_of(paths)
+    exp, trial, lock, mode = run_of(paths)
     record: StatusRecord | None = read_json(paths.status)  # type: ignore[assignment]
     summary = read_json(paths.summary)
     if record is None or (summary and float(summary.get("t0_epoch") or 0)
                           > float(record.get("started") or 0) > 0):
         record = _from_summary(summary) if summary else {}
     holder = lock_holder(lock)
+    if holder is not None and holder.get("mode", RunMode.TRAIN.value) != mode:
+        holder = None  # the trial's other run holds it (training, or its evaluation)
     cancel = read_json(paths.cancel_request)
     if cancel and record.get("started") and float(cancel.get("time", 0)) < float(
             record.get("started") or 0):

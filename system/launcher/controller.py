@@ -30,6 +30,7 @@ from system.launcher.failures import (call_failure_cause, job_failure, reported_
 from system.launcher.groups import group_specs, worker_configs
 from system.launcher.progress import Progress
 from system.launcher.queue_wait import StartClock, blocked_failure
+from system.launcher.pause_watch import PauseWatch
 from system.launcher.recovery import MasterProgress, Paused, Recovery, Requeued
 from system.launcher.restarts import RecoveringController
 from system.launcher.status_file import StatusWriter, TrialCancelled
@@ -68,6 +69,7 @@ class Controller(RecoveringController):
         self.progress = Progress(f"{cfg.exp}/{cfg.trial}", cfg.controller.progress)
         self._t0 = time.time()
         self.recovery = Recovery(cfg.recovery(), experiment.stateful, self._t0)
+        self.pauses = PauseWatch()  # (see _paused)
         self.watch = MasterProgress()
         self._watch_t0: float | None = None  # the first watch's start: a recovery keeps it
         self._names_down = False  # the trial failed because name resolution stopped answering
@@ -117,6 +119,7 @@ class Controller(RecoveringController):
             except OSError as e:  # a full disk, say: the outcome is still printed and returned
                 print(f"could not write {self.paths.summary}: {e}", file=sys.stderr)
             self.status.final(summary.data, self._poll_fresh)
+            self.pauses.close()
         print(f"{summary.status}: {self.paths.summary}", file=sys.stderr)
         return 0 if summary.status == "completed" else 1
 
@@ -344,6 +347,9 @@ class Controller(RecoveringController):
             self._watch_t0 = last_master_answer
         started = self._watch_t0
         while True:
+            paused = self._paused()
+            if paused is not None:
+                raise paused
             self._check_reported_errors()
             statuses = self._poll()
             self._note_restarts(statuses)
@@ -391,14 +397,20 @@ class Controller(RecoveringController):
             if cc.timeout and time.monotonic() - started > cc.timeout:
                 raise WorkerFailure(f"trial did not complete within controller.timeout="
                                     f"{cc.timeout:.0f}s")
-            slept = time.monotonic()
             time.sleep(cc.poll_interval)
-            slept = time.monotonic() - slept
-            if slept > cc.orphan_timeout:  # (its workers judge it gone: each exits, named
-                # one by one as failures, were they not all restarted at once)
-                raise Paused(f"the controller was stopped for {slept:.0f}s, longer than "
-                             f"controller.orphan_timeout={cc.orphan_timeout:.0f}s: every worker "
-                             "stopped itself", "master/0", self.logs["master/0"])
+
+    def _paused(self, then: WorkerFailure | None = None) -> Paused | None:
+        """This process was stopped (SIGSTOP, a suspended machine) for longer than
+        ``controller.orphan_timeout`` since the last look: its workers judge it gone and stop
+        themselves, each exit a failure of its own were they not all restarted at once.
+        ``then``: a failure found meanwhile (one of those exits, most likely)."""
+        gap, limit = self.pauses.take(), self.cfg.controller.orphan_timeout
+        if gap <= limit:
+            return None
+        return Paused(f"the controller was stopped for {gap:.0f}s, longer than "
+                      f"controller.orphan_timeout={limit:.0f}s: every worker stopped itself"
+                      + (f"\nthen {str(then).splitlines()[0]}" if then is not None else ""),
+                      "master/0", self.logs["master/0"])
 
     def _note_progress(self, prog: dict[str, Any]) -> None:
         """Follow the master's progress: the step it reached, the step a restarted master

@@ -103,8 +103,8 @@ def space_cause(root: str, free: int, staged: int, need: int, refused: OSError |
                 f"takes {_mib(need)}): free space")
     if refused is not None and refused.errno in (errno.ENOSPC, errno.EDQUOT):
         return (f"writing under the trial directory {root} fails: {refused.strerror} (the file "
-                f"system has {_mib(free)} free: a quota is used up): free space or raise the "
-                "quota")
+                f"system shows {_mib(free)} free: a quota, or its inodes, are used up): free "
+                "space or raise the quota")
     if QUOTA in text:
         return (f"a worker failed with {QUOTA!r}: a quota is used up (on the trial directory's "
                 f"file system or on another one that worker writes; its log names the file): "
@@ -122,17 +122,23 @@ def write_refused(directory: str) -> OSError | None:
         fd, path = tempfile.mkstemp(prefix=".space-probe-", dir=directory)
     except OSError as e:
         return e
+    refused: OSError | None = None
     try:
         data = memoryview(bytes(PROBE))
         while data:  # (a write short of space writes what fits; the next one fails)
             data = data[os.write(fd, data):]
         os.fsync(fd)
-        return None
     except OSError as e:
-        return e
-    finally:
+        refused = e
+    try:  # (NFS may report a deferred failure at close)
         os.close(fd)
+    except OSError as e:
+        refused = refused or e
+    try:
         os.unlink(path)
+    except OSError:
+        pass
+    return refused
 
 
 def _free(path: str) -> int:

@@ -56,9 +56,12 @@ class StartClock:
 
 
 def blocked_failure(statuses: Iterable[JobStatus]) -> WorkerFailure | None:
-    """The first job the scheduler judged blocked, as a failure carrying its one line."""
+    """The first job the scheduler judged blocked, as a failure carrying its one line; not
+    recovered (``config``): a new job would be blocked the same way (a partition or QOS it can
+    never run in; past ``queue_timeout``: its clock would start again)."""
     for st in statuses:
         if st.blocked:
             worker = st.workers[0] if st.workers else None
-            return WorkerFailure(st.blocked, worker, st.log_paths[0] if st.log_paths else None)
+            return WorkerFailure(st.blocked, worker, st.log_paths[0] if st.log_paths else None,
+                                 config=True)
     return None

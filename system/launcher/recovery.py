@@ -60,7 +60,8 @@ class Attempt:
     also: list[str] = dataclasses.field(default_factory=list)
     """Workers that failed as the failure's consequence (a peer of the dead one raised)."""
     requeued: bool = False
-    """It followed a requeue (:class:`Requeued`), not a failure: no retry was drawn on."""
+    """It followed a requeue (:class:`Requeued`), or a pause of the controller
+    (:class:`Paused`), not a failure: no retry was drawn on."""
 
     @property
     def steps_lost(self) -> int | None:

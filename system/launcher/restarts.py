@@ -38,7 +38,8 @@ mid-step would only delay the restart (up to its whole grace)."""
 class RecoveringController:
     """The recovery half of the controller (see the module's docstring). It uses the
     controller's state below and its phases ``_watch``, ``_wait_registered``, ``_configure``,
-    ``_start``, ``_configure_all``, ``_start_all``, ``_drop_clients`` and ``_running``."""
+    ``_start``, ``_configure_all``, ``_start_all``, ``_drop_clients``, ``_running`` and
+    ``_paused``."""
 
     cfg: ExperimentConfig
     experiment: Experiment
@@ -62,8 +63,8 @@ class RecoveringController:
             self._wait_registered()
             self._configure()
             self._start()
-        except WorkerFailure as e:
-            self._recover_until_running(e, summary, every_kind=True)
+        except WorkerFailure as e:  # (or the controller paused: named after that)
+            self._recover_until_running(self._paused(e) or e, summary, every_kind=True)
             self.timeline["started"] = time.time()
             if self.recovery.enabled:
                 self.scheduler.warm_spares()
@@ -74,8 +75,10 @@ class RecoveringController:
         while True:
             try:
                 return self._watch()
-            except WorkerFailure as e:  # (after a pause every worker restarts)
-                self._recover_until_running(e, summary, every_kind=isinstance(e, Paused))
+            except WorkerFailure as e:  # (after a pause of the controller every worker restarts)
+                failure = e if isinstance(e, Paused) else self._paused(e) or e
+                self._recover_until_running(failure, summary,
+                                            every_kind=isinstance(failure, Paused))
 
     def _recover_until_running(self, failure: WorkerFailure, summary: TrialSummary,
                                every_kind: bool = False) -> None:

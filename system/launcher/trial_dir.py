@@ -135,7 +135,7 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
     if cfg.mode == RunMode.EVAL:
         check_evaluable(cfg)
     make_trial_dir(cfg, paths)
-    lock = TrialLock.acquire(trial_paths(cfg).lock, f"{cfg.exp}/{cfg.trial}")
+    lock = TrialLock.acquire(trial_paths(cfg).lock, f"{cfg.exp}/{cfg.trial}", cfg.mode.value)
     try:  # a second launch is refused above before it changes anything
         os.chmod(paths.root, dir_mode(cfg.cluster.group_readable))
         check_existing(cfg, paths, dry_run)

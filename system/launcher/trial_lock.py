@@ -22,11 +22,12 @@ LOCK_MODE = 0o600
 """Never group-readable: anyone who can open the file can hold a shared lock on it."""
 
 
-def holder_record() -> dict[str, str | int]:
-    """Who holds the lock: this process, its host, since when, and its Slurm job if any."""
+def holder_record(mode: str = "train") -> dict[str, str | int]:
+    """Who holds the lock: this process, its host, since when, its Slurm job if any, and the
+    run's ``mode`` (``train``, or ``eval``: an evaluation holds its trial's lock)."""
     return {"pid": os.getpid(), "host": socket.gethostname(),
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "slurm_job": os.environ.get("SLURM_JOB_ID", "")}
+            "slurm_job": os.environ.get("SLURM_JOB_ID", ""), "mode": mode}
 
 
 def describe_holder(text: str) -> str:
@@ -47,9 +48,9 @@ class TrialLock:
         self._file: IO[str] | None = file
 
     @staticmethod
-    def acquire(path: str, trial: str) -> "TrialLock":
-        """Take the lock of ``trial`` at ``path``, or raise :class:`TrialLocked` naming the
-        process that holds it."""
+    def acquire(path: str, trial: str, mode: str = "train") -> "TrialLock":
+        """Take the lock of ``trial`` at ``path`` for a run of ``mode``, or raise
+        :class:`TrialLocked` naming the process that holds it."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, LOCK_MODE)
         f = os.fdopen(fd, "r+")
         try:
@@ -66,7 +67,7 @@ class TrialLock:
                                 "not be told apart") from e
         f.seek(0)
         f.truncate()
-        f.write(json.dumps(holder_record()) + "\n")
+        f.write(json.dumps(holder_record(mode)) + "\n")
         f.flush()
         return TrialLock(path, f)
 

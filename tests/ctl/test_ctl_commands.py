@@ -78,14 +78,23 @@ def test_a_running_evaluation_is_live_under_its_trials_lock(fileroot):
     """An evaluation holds its trial's lock (not one in ``eval/``) and runs as its trial in name
     resolution: ctl showed a running one as lost, named ``t/eval``."""
     trained, run = _evaluation(fileroot, "running")
-    lock = TrialLock.acquire(trained.lock, "arith-tiny/t")
+    lock = TrialLock.acquire(trained.lock, "arith-tiny/t", "eval")
     try:
         view = read_trial(run)
         assert (view.exp, view.trial, view.state, view.live) == ("arith-tiny", "t", "running",
                                                                  True)
+        assert read_trial(trained).holder is None  # the trial's training is not running
     finally:
         lock.release()
     assert read_trial(run).state == "lost"
+    # the trial's training holds the lock: the evaluation is not the one running (was shown
+    # live, and cancelling it set the key the training controller watches)
+    lock = TrialLock.acquire(trained.lock, "arith-tiny/t", "train")
+    try:
+        assert read_trial(run).state == "lost" and not read_trial(run).live
+        assert read_trial(trained).holder is not None
+    finally:
+        lock.release()
 
 
 def _lost(fileroot: str, scheduler: str, host: str, jobs: list[tuple[str, str]]) -> TrialPaths:

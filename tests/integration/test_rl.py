@@ -43,14 +43,19 @@ def test_async_grpo_crash_then_resume_continues_without_reusing_prompts(fileroot
     assert os.path.isfile(os.path.join(ck, "actor", "optimizer.rank0.pt"))
     # with the tokenizer: the actor loads as a model (AutoTokenizer, rl.model_path)
     assert os.path.isfile(os.path.join(ck, "actor", "tokenizer_config.json"))
+    from experiments.rl.state import load_state
+
+    first_loop_s = load_state(ck).loop_seconds  # the first master's, up to step 2
 
     second = run_launch(*args, "recover=resume", "rl.crash_at_step=3", timeout=400)
     assert second.returncode == 0, second.stderr[-3000:]
     s = read_summary(fileroot, "arith-tiny", "resume")
     assert s["status"] == "completed" and s["steps"] == 6 and s["resumed_from_step"] == 2
     assert s["mode"] == "async" and 0 <= s["max_staleness_used"] <= 1
-    # throughput over both masters: all 6 steps' samples (4 groups of 4 each)
+    # throughput over both masters: all 6 steps' samples (4 groups of 4 each), in the loop time
+    # of both (the first's up to its checkpoint, which the second started from)
     assert s["samples_per_s"] * s["loop_seconds"] == pytest.approx(6 * 4 * 4)
+    assert 0 < first_loop_s < s["loop_seconds"]
     history = s["results"]["prompts_per_step"]
     assert len(history) == 6 and all(len(step) == 4 for step in history)
     per_epoch = collections.defaultdict(list)

@@ -162,6 +162,7 @@ class _Rollouts:
             error = f"{type(e).__name__}: {e}"
         # fetch and drop (after a failure too, from every server still serving: nothing there
         # waits for its expiry, holding the session store's room)
+        unfetched: dict[int, str] = {}  # servers whose sessions could not be fetched: why
         for i in servers:
             if error and not self.server_alive(i):
                 continue
@@ -171,11 +172,23 @@ class _Rollouts:
                 records.update({r["session"]: r for r in got})
             except (RpcError, KeyError) as e:
                 log.warning("take_sessions on generation server %d failed: %s", i, e)
+                unfetched[i] = f"take_sessions on generation server {i} failed: {e}"
         if error:
             self._forget(servers)
             return [Outcome([], error, False, False)] * len(tasks)
-        return [Outcome(trajs, error, False, bool(error))
-                for trajs, error in (group_trajectories(g, records) for g in groups)]
+        if unfetched:
+            self._forget(sorted(unfetched))
+        # a group fails in the agent function only where its server is fine: a call that
+        # raised because its server died (before the watch saw it) is not the function's
+        gone = {i for i in servers if i not in unfetched and not self.server_alive(i)}
+        out = []
+        for t, g in zip(tasks, groups):
+            if t["server"] in unfetched:
+                out.append(Outcome([], unfetched[t["server"]], False, False))
+                continue
+            trajs, why = group_trajectories(g, records)
+            out.append(Outcome(trajs, why, False, bool(why) and t["server"] not in gone))
+        return out
 
     def _forget(self, servers: list[int]) -> None:
         """Look these servers up again next time: one requeued by Slurm registers anew."""

@@ -55,6 +55,8 @@ def test_a_reward_that_raises_or_returns_no_finite_number_is_a_config_error():
     t = traj()
     score([t], tok, 2, lambda c, a: c == str(a))  # a comparison's bool is 1 or 0
     assert t["reward"] == 1.0 and isinstance(t["reward"], float)
+    score([t], tok, 2, lambda c, a: np.isclose(float(c), 3.0))  # numpy's bool too
+    assert t["reward"] == 0.0 and isinstance(t["reward"], float)
 
 
 def test_a_reward_that_fails_transiently_is_asked_again_then_fails_the_worker():
@@ -89,3 +91,30 @@ def test_a_reward_that_fails_transiently_is_asked_again_then_fails_the_worker():
     with pytest.raises(ConfigError, match="raised FileNotFoundError"):  # will be so again
         score([traj], tok, 2, lambda c, a: flaky(c, a, 9, FileNotFoundError), delays=(0.0,))
     assert len(calls) == 1
+
+
+def test_which_reward_errors_are_transient():
+    import httpx
+    import openai
+    import requests
+
+    from experiments.rl.episodes import transient
+
+    assert transient(ConnectionRefusedError(111, "refused")) and transient(TimeoutError())
+    assert transient(requests.ConnectionError("down"))  # an OSError
+    assert transient(httpx.ConnectError("down"))  # not an OSError: by its base's name
+    assert transient(openai.APIConnectionError(request=httpx.Request("POST", "http://v/")))
+    assert transient(openai.APITimeoutError(request=httpx.Request("POST", "http://v/")))
+    try:  # a library's own error raised from a connection error
+        try:
+            raise ConnectionResetError(104, "reset")
+        except OSError as inner:
+            raise RuntimeError("verifier call failed") from inner
+    except RuntimeError as outer:
+        assert transient(outer)
+    assert not transient(FileNotFoundError(2, "no such file"))
+    assert not transient(ValueError("bad answer")) and not transient(KeyError("x"))
+    refused, failed = requests.Response(), requests.Response()
+    refused.status_code, failed.status_code = 404, 503
+    assert not transient(requests.HTTPError("404", response=refused))  # asking again: 404
+    assert transient(requests.HTTPError("503", response=failed))

@@ -55,7 +55,8 @@ def test_space_cause_names_a_full_file_system_a_refused_write_or_a_quota_in_the_
     quota = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
     assert space_cause("/r", plenty, 0, 0, quota, "") == (
         "writing under the trial directory /r fails: Disk quota exceeded (the file system "
-        "has 160.0 MiB free: a quota is used up): free space or raise the quota")
+        "shows 160.0 MiB free: a quota, or its inodes, are used up): free space or raise the "
+        "quota")
     other = OSError(errno.EACCES, os.strerror(errno.EACCES))  # not a matter of space
     assert space_cause("/r", plenty, 0, 0, other, "") is None
     reported = "worker model/0 raised OSError: [Errno 122] Disk quota exceeded: '/h/x'"

@@ -44,4 +44,5 @@ def test_a_new_reason_is_said_again_and_blocked_jobs_fail():
     failure = blocked_failure([status("1", JobState.PENDING, ("rollout/0",), "InvalidQOS",
                                       line)])
     assert str(failure) == line and failure.worker == "rollout/0"
+    assert failure.config  # never recovered: a new job would be blocked the same way
     assert blocked_failure([status("1", JobState.PENDING, ("rollout/0",), "Resources")]) is None
