@@ -104,12 +104,15 @@ def launch(fileroot: str, trial: str, attack_seconds: float) -> LiveTrial:
     """Launch ``smoke`` so that the master completes ``attack_seconds`` (plus margins) after
     its rollouts are done; returns once they are."""
     duration = attack_seconds + MARGIN + 5  # the master starts its clock before the rollouts
+    # heartbeats: 15 s, not 5: what is tested is that attacks are dropped and counted; a CI run
+    # beside three RL trials saw a worker's heartbeat thread starved for 10 s mid-attack
     log = open(os.path.join(os.path.dirname(os.path.abspath(fileroot)), f"{trial}.out"), "w")
     proc = subprocess.Popen(launch_argv(
         f"exp={EXP}", f"trial={trial}", f"cluster.fileroot={fileroot}",
         "scheduler.stop_grace=3", f"smoke.trajectories_per_worker={TRAJECTORIES}",
         f"smoke.min_duration={duration:.1f}", f"rpc.max_message_bytes={LIMIT}",
-        "controller.progress=false"), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+        "controller.progress=false", "controller.heartbeat_ttl=15"),  # (see below)
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         return _connect(proc, fileroot, trial, duration)
     except BaseException:

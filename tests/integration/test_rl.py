@@ -114,6 +114,22 @@ def _pid_of(root: str, kind: str, index: int | None = None) -> int | None:
     return pids[0] if pids else None
 
 
+def _started(root: str, kind: str, index: int | None) -> int | None:
+    """A worker process of ``kind`` (and ``index``) as soon as it runs, by its command line (its
+    process name is set only once it has started up)."""
+    for p in trial_processes(root):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "--kind" in args and args[args.index("--kind") + 1] == kind and (
+                index is None or "--index" in args and args[args.index("--index") + 1]
+                == str(index)):
+            return p
+    return None
+
+
 def _launch_signalling(fileroot: str, trial: str, args: list[str],
                        schedule: list[tuple[int, str, int | None, int]], timeout: float = 500,
                        spares: bool = False) -> tuple[int, str]:
@@ -140,7 +156,7 @@ def _launch_signalling(fileroot: str, trial: str, args: list[str],
             step, kind, index, sig = todo[0]
             steps = [r["step"] for r in _metrics(root)] if os.path.exists(
                 os.path.join(root, "metrics.jsonl")) else []
-            pid = _pid_of(root, kind, index)
+            pid = _pid_of(root, kind, index) if step >= 0 else _started(root, kind, index)
             if spares and not _pids(root, f"spare/{kind}"[:15]):
                 pid = None
             if (step < 0 or steps and max(steps) >= max(step, sent_at + 2)) and pid:
