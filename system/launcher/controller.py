@@ -31,7 +31,7 @@ from system.launcher.groups import group_specs, worker_configs
 from system.launcher.progress import Progress
 from system.launcher.queue_wait import StartClock, blocked_failure
 from system.launcher.pause_watch import PauseWatch
-from system.launcher.recovery import MasterProgress, Paused, Recovery, Requeued
+from system.launcher.recovery import MasterProgress, Recovery, Requeued
 from system.launcher.restarts import RecoveringController
 from system.launcher.status_file import StatusWriter, TrialCancelled
 from system.launcher.summary import TrialSummary
@@ -398,19 +398,6 @@ class Controller(RecoveringController):
                 raise WorkerFailure(f"trial did not complete within controller.timeout="
                                     f"{cc.timeout:.0f}s")
             time.sleep(cc.poll_interval)
-
-    def _paused(self, then: WorkerFailure | None = None) -> Paused | None:
-        """This process was stopped (SIGSTOP, a suspended machine) for longer than
-        ``controller.orphan_timeout`` since the last look: its workers judge it gone and stop
-        themselves, each exit a failure of its own were they not all restarted at once.
-        ``then``: a failure found meanwhile (one of those exits, most likely)."""
-        gap, limit = self.pauses.take(), self.cfg.controller.orphan_timeout
-        if gap <= limit:
-            return None
-        return Paused(f"the controller was stopped for {gap:.0f}s, longer than "
-                      f"controller.orphan_timeout={limit:.0f}s: every worker stopped itself"
-                      + (f"\nthen {str(then).splitlines()[0]}" if then is not None else ""),
-                      "master/0", self.logs["master/0"])
 
     def _note_progress(self, prog: dict[str, Any]) -> None:
         """Follow the master's progress: the step it reached, the step a restarted master

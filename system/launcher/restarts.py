@@ -22,6 +22,7 @@ from system.launcher.config import ExperimentConfig
 from system.launcher.disk import full_disk_cause
 from system.launcher.failures import clear_worker_keys
 from system.launcher.groups import GroupSpec, group_spec
+from system.launcher.pause_watch import PauseWatch
 from system.launcher.recovery import MasterProgress, Paused, Recovery
 from system.launcher.summary import TrialSummary
 from system.name_resolve import NameResolve
@@ -38,8 +39,7 @@ mid-step would only delay the restart (up to its whole grace)."""
 class RecoveringController:
     """The recovery half of the controller (see the module's docstring). It uses the
     controller's state below and its phases ``_watch``, ``_wait_registered``, ``_configure``,
-    ``_start``, ``_configure_all``, ``_start_all``, ``_drop_clients``, ``_running`` and
-    ``_paused``."""
+    ``_start``, ``_configure_all``, ``_start_all``, ``_drop_clients`` and ``_running``."""
 
     cfg: ExperimentConfig
     experiment: Experiment
@@ -54,6 +54,20 @@ class RecoveringController:
     recovery: Recovery
     watch: MasterProgress
     timeline: dict[str, float]
+    pauses: PauseWatch
+
+    def _paused(self, then: WorkerFailure | None = None) -> Paused | None:
+        """This process was stopped (SIGSTOP, a suspended machine) for longer than
+        ``controller.orphan_timeout`` since the last look: its workers judge it gone and stop
+        themselves, each exit a failure of its own were they not all restarted at once.
+        ``then``: a failure found meanwhile (one of those exits, most likely)."""
+        gap, limit = self.pauses.take(), self.cfg.controller.orphan_timeout
+        if gap <= limit:
+            return None
+        return Paused(f"the controller was stopped for {gap:.0f}s, longer than "
+                      f"controller.orphan_timeout={limit:.0f}s: every worker stopped itself"
+                      + (f"\nthen {str(then).splitlines()[0]}" if then is not None else ""),
+                      "master/0", self.logs["master/0"])
 
     def _start_recovering(self, summary: TrialSummary) -> None:
         """Register, configure and start every worker. A worker that fails meanwhile (killed,

@@ -191,6 +191,26 @@ def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> No
                       "rollout: rl.agent.max_new_tokens, less what earlier turns used)")
 
 
+def prompt_ids(prompt: Any, vocab_size: int) -> list[int]:
+    """``prompt`` (a list, tuple or numpy array of token ids) as a checked list of ints."""
+    if hasattr(prompt, "tolist"):  # a numpy array
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise ConfigError(f"prompt must be a list of token ids, got {type(prompt).__name__}")
+    if not prompt:
+        raise ConfigError("empty prompt")
+    ids = [as_int("prompt token ids", t) for t in prompt]
+    check_vocab("prompt token ids", ids, vocab_size)
+    return ids
+
+
+def check_vocab(what: str, ids: "list[int] | tuple[int, ...]", vocab_size: int) -> None:
+    """vLLM checks token ids only with a tokenizer (we skip it); an id outside the vocabulary
+    would crash the engine core (an index error in the embedding) and kill the loop."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise ConfigError(f"{what} must be in [0, {vocab_size}), got {min(ids)}..{max(ids)}")
+
+
 def as_int(name: str, value: Any, lo: int | None = None) -> int:
     """``value`` as an int (Python or numpy integer; not a bool, float or string), ``>= lo``."""
     if isinstance(value, bool):

@@ -32,7 +32,8 @@ import numpy as np
 from system.errors import ConfigError
 from workers.engines.output_stream import OutputStream, SampleDelta
 from workers.engines.vllm_config import (Sampling, VllmConfig, as_int, check_context,
-                                         cpu_tensor_parallel_problem, memory_nodes)
+                                         check_vocab, cpu_tensor_parallel_problem, memory_nodes,
+                                         prompt_ids)
 from workers.engines.vllm_requests import _Group, _Seq, _top, segments_of
 
 __all__ = ["GenerationEngine", "GenerationLoopDied", "Sampling", "VllmConfig", "segments_of"]
@@ -131,9 +132,9 @@ class GenerationEngine:
         n = as_int("n", n, lo=1)
         if not isinstance(sampling, Sampling):
             raise ConfigError(f"sampling must be a Sampling, got {type(sampling).__name__}")
-        ids = self._token_ids(prompt)
+        ids = prompt_ids(prompt, self.vocab_size)
         check_context(len(ids), sampling.max_tokens, self.cfg.max_model_len)
-        self._check_vocab("stop_token_ids", sampling.stop_token_ids)
+        check_vocab("stop_token_ids", sampling.stop_token_ids, self.vocab_size)
         self.check()
         if stream is not None and stream.n != n:
             raise ConfigError(f"the output stream is for n={stream.n}, the request has n={n}")
@@ -163,24 +164,6 @@ class GenerationEngine:
                 return
             self._stops.append((group, chosen))
             self._cv.notify()
-
-    def _token_ids(self, prompt: Any) -> list[int]:
-        if hasattr(prompt, "tolist"):  # a numpy array
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)):
-            raise ConfigError(f"prompt must be a list of token ids, got {type(prompt).__name__}")
-        if not prompt:
-            raise ConfigError("empty prompt")
-        ids = [as_int("prompt token ids", t) for t in prompt]
-        self._check_vocab("prompt token ids", ids)
-        return ids
-
-    def _check_vocab(self, what: str, ids: "list[int] | tuple[int, ...]") -> None:
-        """vLLM checks token ids only with a tokenizer (we skip it); an id outside the vocabulary
-        would crash the engine core (an index error in the embedding) and kill the loop."""
-        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            raise ConfigError(f"{what} must be in [0, {self.vocab_size}), got "
-                              f"{min(ids)}..{max(ids)}")
 
     def control(self, fn: Callable[[Any], Any], version: int | None = None) -> Future:
         """Run ``fn(llm)`` on the loop thread at a safe point (the weight update); afterwards the

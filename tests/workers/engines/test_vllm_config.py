@@ -1,11 +1,12 @@
 """The generation engine's settings per device: GPU defaults where CUDA is, CPU ones elsewhere."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from system.errors import ConfigError
 from system.launch import build_config
-from workers.engines.vllm_config import VllmConfig, VllmEngineArgs
+from workers.engines.vllm_config import VllmConfig, VllmEngineArgs, check_vocab, prompt_ids
 
 
 def test_defaults_per_device():
@@ -107,3 +108,15 @@ def test_a_prompt_and_completion_past_the_context_names_the_keys():
         check_context(5, 124, 128)
     with pytest.raises(ConfigError, match=r"valid: a prompt under 128 tokens"):
         check_context(603, 4, 128)
+
+
+def test_prompts_are_checked_token_ids_in_the_vocabulary():
+    assert prompt_ids(np.array([1, 2, 3]), 10) == [1, 2, 3]
+    assert prompt_ids((np.int64(4),), 10) == [4]
+    for bad, match in [([], "empty prompt"), ("12", "must be a list"), ([1.5], "prompt token"),
+                       ([1, 10], r"must be in \[0, 10\), got 1..10"), ([-1], "got -1..-1")]:
+        with pytest.raises(ConfigError, match=match):
+            prompt_ids(bad, 10)
+    check_vocab("stop_token_ids", (), 10)
+    with pytest.raises(ConfigError, match="stop_token_ids must be in"):
+        check_vocab("stop_token_ids", (3, 10), 10)
