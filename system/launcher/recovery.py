@@ -60,8 +60,15 @@ class Attempt:
     also: list[str] = dataclasses.field(default_factory=list)
     """Workers that failed as the failure's consequence (a peer of the dead one raised)."""
     requeued: bool = False
-    """It followed a requeue (:class:`Requeued`), or a pause of the controller
-    (:class:`Paused`), not a failure: no retry was drawn on."""
+    """It followed a requeue (:class:`Requeued`), not a failure: no retry was drawn on."""
+    paused: bool = False
+    """It followed a pause of the controller (:class:`Paused`), not a failure: no retry was
+    drawn on."""
+
+    @property
+    def free(self) -> bool:
+        """It drew on no ``recover.retries`` (a requeue or a pause)."""
+        return self.requeued or self.paused
 
     @property
     def steps_lost(self) -> int | None:
@@ -104,7 +111,7 @@ class Recovery:
     def _retries_left(self, failure: WorkerFailure) -> bool:
         assert self.cfg is not None
         if self.restarts_stateful(failure):
-            return sum(a.stateful and not a.requeued for a in self.attempts) < self.cfg.retries
+            return sum(a.stateful and not a.free for a in self.attempts) < self.cfg.retries
         return sum(failure.worker in a.restarted for a in self.attempts) < self.cfg.retries
 
     def unrecovered(self, failure: WorkerFailure) -> WorkerFailure:
@@ -143,7 +150,8 @@ class Recovery:
                     worker=failure.worker, failed_at_s=round(self._clock() - self.t0, 3),
                     failed_step=failed_step, restarted=list(restarted or []),
                     stateful=restarted is None, also=list(failure.also),
-                    requeued=isinstance(failure, Requeued))
+                    requeued=isinstance(failure, Requeued) and not isinstance(failure, Paused),
+                    paused=isinstance(failure, Paused))
         self.attempts.append(a)
         return a
 
@@ -151,7 +159,7 @@ class Recovery:
         """``attempt``'s number among those that draw on the same ``recover.retries``: the
         restarts of the stateful workers after a failure, or of that one stateless worker (not
         for a requeue, which draws on none)."""
-        same = [a for a in self.attempts if (a.stateful and not a.requeued if attempt.stateful
+        same = [a for a in self.attempts if (a.stateful and not a.free if attempt.stateful
                                              else a.restarted == attempt.restarted)]
         return same.index(attempt) + 1
 
@@ -162,10 +170,10 @@ class Recovery:
         before (a crash loop), doubled for each such attempt before it. (A failure after the
         trial went on past the last one is a new fault, not the same one again.)"""
         assert self.cfg is not None
-        if self.attempts and self.attempts[-1].requeued:
+        if self.attempts and self.attempts[-1].free:
             return 0.0  # a preemption: no crash loop, and the new jobs queue anyway
         loops = 0
-        restarts = [a for a in self.attempts if a.stateful and not a.requeued]
+        restarts = [a for a in self.attempts if a.stateful and not a.free]
         for prev, cur in zip(reversed(restarts[:-1]), reversed(restarts)):
             if prev.recovered_at_s is None or cur.failed_at_s - prev.recovered_at_s > CRASH_LOOP_S:
                 break

@@ -68,7 +68,7 @@ def test_retries_backoff_and_attempts():
     assert r.summary() == [{"attempt": 1, "cause": a.cause, "worker": "master/0",
                             "failed_at_s": 10.0, "failed_step": 7, "resumed_from": 6,
                             "recovered_at_s": 30.0, "restarted": [], "stateful": True, "also": [],
-                            "requeued": False,
+                            "requeued": False, "paused": False,
                             "steps_lost": 1}]
     clock.t += 30  # fails again 30 s after running: a crash loop
     r.begin(failure, failed_step=None)
@@ -152,7 +152,7 @@ def test_attempts_are_numbered_against_the_retries_they_draw_on():
 
 
 def test_a_requeue_draws_on_no_retry_however_often_and_used_up_retries_are_named():
-    from system.launcher.recovery import Requeued
+    from system.launcher.recovery import Paused, Requeued
 
     clock = Clock()
     r = Recovery(RecoverConfig(retries=1, backoff=3.0), ("model", "master"), t0=990.0,
@@ -178,6 +178,11 @@ def test_a_requeue_draws_on_no_retry_however_often_and_used_up_retries_are_named
     assert named.worker == "model/0"
     assert r.should_recover(Requeued("requeued", "model/0"))  # still: not a failure
     assert [a["requeued"] for a in r.summary()] == [True] * 5 + [False]
+    paused = r.begin(Paused("the controller was stopped for 20s", "master/0"), failed_step=51)
+    assert (paused.paused, paused.requeued, paused.free) == (True, False, True)
+    assert r.should_recover(Paused("stopped again", "master/0"))  # not a failure either
+    assert [(a["requeued"], a["paused"]) for a in r.summary()][-2:] == [(False, False),
+                                                                       (False, True)]
     config = WorkerFailure("bad prompt file", "master/0", config=True)
     assert r.unrecovered(config) is config  # never recovered: nothing to add
     gen = WorkerFailure("worker generation/0 died", "generation/0")
