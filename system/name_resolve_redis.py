@@ -17,7 +17,7 @@ import time
 from typing import Callable, Iterator, TypeVar
 
 from system.errors import NameEntryExists, NameResolveError, NameServiceUnavailable
-from system.name_resolve_api import NameResolve
+from system.name_resolve_api import PASSWORD_ENV, NameResolve
 
 log = logging.getLogger("name_resolve")
 T = TypeVar("T")
@@ -61,11 +61,11 @@ class RedisNameResolve(NameResolve):
             if password and isinstance(e, redis.AuthenticationError):
                 raise NameResolveError(
                     f"redis at {host}:{port} refused the password given "
-                    f"(name_resolve.redis_password_file, or RLSYS_REDIS_PASSWORD): {e}") from e
+                    f"(name_resolve.redis_password_file, or {PASSWORD_ENV}): {e}") from e
             if not password and ("auth" in str(e).lower() or "NOAUTH" in str(e)):
                 raise NameResolveError(
                     f"redis at {host}:{port} needs a password: set "
-                    f"name_resolve.redis_password_file (or RLSYS_REDIS_PASSWORD): {e}") from e
+                    f"name_resolve.redis_password_file (or {PASSWORD_ENV}): {e}") from e
             raise NameResolveError(f"redis at {host}:{port} refused the client: {e}") from e
         except redis.RedisError as e:
             raise NameResolveError(f"cannot reach redis at {host}:{port}: {e}") from e
