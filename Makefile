@@ -12,10 +12,10 @@ run: setup
 
 # Two pytest-xdist workers (TEST_WORKERS=0 runs in one process): about half the suite waits on
 # processes, sockets and Slurm, so two share the 2 cores CI has. One file, and every Slurm
-# test, stays on one worker (tests/conftest.py).
+# test, stays on one worker (tests/conftest.py). The 15 slowest tests are listed at the end.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup) $(ARGS)
+	$(PY) -m pytest -q --durations=15 tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup) $(ARGS)
 
 bench: setup
 	$(PY) tests/benchmarks/control_plane.py
