@@ -38,15 +38,28 @@ def _child_setup() -> None:  # runs in the child between fork and exec
         pass
 
 
+STOPPED_BY = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGINT: "SIGINT"}
+"""Exit codes of a worker that a signal stopped gracefully (``128 + N``, the shell's way)."""
+
+
 def exit_code_state(code: int | None) -> JobState:
     """Map a ``Popen.returncode`` to a :class:`JobState` (negative = killed by that signal)."""
     if code is None:
         return JobState.RUNNING
     if code == 0:
         return JobState.COMPLETED
-    if code in (-signal.SIGTERM, -signal.SIGINT):
+    if code in (-signal.SIGTERM, -signal.SIGINT, *STOPPED_BY):
         return JobState.CANCELLED
     return JobState.FAILED
+
+
+def exit_detail(code: int) -> str:
+    """How an ended process ended, in words."""
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    if code in STOPPED_BY:
+        return f"stopped by {STOPPED_BY[code]} (exit code {code})"
+    return f"exit code {code}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +217,7 @@ class LocalScheduler(Scheduler):
         out = []
         for name, (proc, spec) in self._procs.items():
             code = proc.poll()
-            detail = "" if code is None else (
-                f"exit code {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}")
+            detail = "" if code is None else exit_detail(code)
             out.append(JobStatus(str(proc.pid), exit_code_state(code), (name,), (spec.log_path,),
                                  detail))
         return out

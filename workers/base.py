@@ -337,7 +337,7 @@ class Worker:
         try:
             while not self._start.wait(0.1):
                 if self._stop.is_set():
-                    return 0
+                    return self._exit_code(0)
             self.result = role(self) or {}
             if self.state == WorkerState.RUNNING:
                 self.state = WorkerState.COMPLETED
@@ -366,6 +366,15 @@ class Worker:
                     except Exception:
                         pass
             nr.close()
+        return self._exit_code(code)
+
+    def _exit_code(self, code: int) -> int:
+        """``code``, or ``128 + N`` (the shell's convention) when signal ``N`` (SIGTERM,
+        SIGINT: not the controller's stop, nor a preemption's SIGUSR2) stopped this worker:
+        its job then reads as stopped by that signal, not as completed."""
+        if code in (0, 1) and self.signalled in ("SIGTERM", "SIGINT"):  # (1: what stopping
+            # interrupted raised, e.g. the master's "stopped during training")
+            return 128 + signal.Signals[self.signalled].value
         return code
 
 

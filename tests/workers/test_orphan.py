@@ -3,6 +3,7 @@ processes, a real file name resolution; the test plays the controller (it writes
 TTL and stops refreshing it, as a controller killed with -9 would)."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -104,6 +105,28 @@ def test_worker_that_never_saw_the_key_keeps_running(trial):
         client.stop().result()
         assert proc.wait(timeout=20) == 0
         assert "liveness key" not in _log(tmp_path)
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_worker_stopped_by_sigterm_reads_as_stopped_by_it_not_completed(trial):
+    """An operator's ``kill`` (SIGTERM) stops the worker gracefully, but its exit says so:
+    128 + 15, which the local scheduler reads as CANCELLED, "stopped by SIGTERM" (a worker
+    the controller stopped exits 0: see the test above)."""
+    from scheduler.local import exit_code_state, exit_detail
+    from scheduler.base import JobState
+
+    tmp_path, nr, codec = trial
+    proc, client = _start(tmp_path, nr, codec)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=20)
+        assert code == 128 + signal.SIGTERM, _log(tmp_path)
+        assert exit_code_state(code) == JobState.CANCELLED
+        assert exit_detail(code) == "stopped by SIGTERM (exit code 143)"
+        assert "got SIGTERM: stopping" in _log(tmp_path)
     finally:
         client.close()
         if proc.poll() is None:
