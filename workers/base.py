@@ -203,13 +203,16 @@ class Worker:
             log.exception("could not report the failure")
 
     def _watch_controller(self, period: float) -> None:
-        """Stop this worker, as SIGTERM would, once the controller's liveness key (seen at least
-        once) has been gone for more than ``boot.orphan_timeout`` seconds: a controller that
-        died (kill -9, a lost login node, a cancelled ``--detach`` job) must not leave its
-        workers holding nodes and GPUs. Until the key is first seen nothing happens (a
-        controller that never writes it, or has not yet)."""
+        """Stop this worker, as SIGTERM would, once the controller's liveness key has been gone
+        for more than ``boot.orphan_timeout`` seconds: a controller that died (kill -9, a lost
+        login node, a cancelled ``--detach`` job) must not leave its workers holding nodes and
+        GPUs. The controller writes the key before it submits any job, so a worker that has
+        not seen it within ``orphan_timeout`` of its start stops too: its controller died
+        while the job was queued (a Slurm job that started after the launcher was killed, or
+        whose id a Ctrl-C during ``sbatch`` lost)."""
         key = names.controller(self.exp, self.trial)
         seen: float | None = None  # when the key was last seen (monotonic)
+        started = time.monotonic()
         while not self._serve_stop.wait(period):
             try:
                 self.name_resolve.get(key)
@@ -220,14 +223,17 @@ class Worker:
             except Exception as e:  # a backend hiccup is no news, not a dead controller
                 log.warning("cannot read the controller's liveness key: %s", e)
                 continue
-            if seen is not None and time.monotonic() - seen > self.boot.orphan_timeout:
-                self._stop_orphaned(time.monotonic() - seen)
+            gone = time.monotonic() - (started if seen is None else seen)
+            if gone > self.boot.orphan_timeout:
+                self._stop_orphaned(gone, ever_seen=seen is not None)
                 return
 
-    def _stop_orphaned(self, gone: float) -> None:
-        log.warning("%s: the controller's liveness key has been gone for %.0fs "
-                    "(orphan_timeout=%.0fs): the controller is dead, stopping",
-                    self.name, gone, self.boot.orphan_timeout)
+    def _stop_orphaned(self, gone: float, ever_seen: bool = True) -> None:
+        how = ("has been gone for" if ever_seen else
+               "has not appeared since this worker started,")
+        log.warning("%s: the controller's liveness key %s %.0fs (orphan_timeout=%.0fs): the "
+                    "controller is dead, stopping", self.name, how, gone,
+                    self.boot.orphan_timeout)
         self.orphaned = True
         self.stop()
         # A role stuck where it never looks at `stopping` (a collective whose peers are gone)

@@ -95,9 +95,28 @@ def test_worker_stops_when_the_controller_key_expires(trial):
             proc.kill()
 
 
-def test_worker_that_never_saw_the_key_keeps_running(trial):
-    """A controller that does not (or not yet) keep the key must not make workers stop."""
+def test_a_worker_that_never_sees_the_key_stops_after_the_orphan_timeout(trial):
+    """The controller writes its key before it submits a job: a worker that does not see it
+    within orphan_timeout of its start lost its controller while its job was queued (the
+    launcher killed meanwhile) and stops too, instead of holding its node for good."""
     tmp_path, nr, codec = trial
+    t0 = time.monotonic()
+    proc, client = _start(tmp_path, nr, codec)
+    try:
+        assert proc.wait(timeout=20) == 0
+        assert time.monotonic() - t0 >= ORPHAN_TIMEOUT
+        log = _log(tmp_path)
+        assert "liveness key has not appeared since this worker started" in log, log
+        assert "'orphaned': True" in log
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_worker_whose_controller_key_lives_keeps_running(trial):
+    tmp_path, nr, codec = trial
+    nr.add(names.controller("orph", "t"), "controller", keepalive_ttl=0.6)
     proc, client = _start(tmp_path, nr, codec)
     try:
         time.sleep(ORPHAN_TIMEOUT * 3)
