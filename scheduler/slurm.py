@@ -26,6 +26,7 @@ from scheduler.slurm_queue import (blocked_message, held_after_launch_failure, h
 from scheduler.slurm_render import (HETJOB, job_label, job_name, render_hetjob_script,
                                     render_worker_script, requeue_mark_prefix, script_name)
 from system.errors import SchedulerError
+from system.held_signals import held_signals
 
 log = logging.getLogger("slurm")
 
@@ -154,6 +155,10 @@ class SlurmScheduler(Scheduler):
     def schedule(self, request: JobRequest) -> list[str]:
         assert isinstance(request, SlurmRequest)
         path = request.write()
+        with held_signals():  # a Ctrl-C now is acted on once the job id is recorded
+            return self._submit(request, path)
+
+    def _submit(self, request: SlurmRequest, path: str) -> list[str]:
         r = _run(["sbatch", "--parsable", path])
         if r.returncode != 0:
             if unreachable(r):
