@@ -55,12 +55,18 @@ class EntrySealer:
         """The value of an authentic entry; None for an absent or refused one."""
         if stored is None or self._key is None:
             return stored
-        head, mac, value = VERSION + ":", stored[3:3 + _MAC_HEX], stored[4 + _MAC_HEX:]
-        if (stored.startswith(head) and stored[3 + _MAC_HEX:4 + _MAC_HEX] == ":"
-                and hmac.compare_digest(mac.encode(), self._mac(key, value).encode())):
-            return value
+        if self.authentic(key, stored):
+            return stored[4 + _MAC_HEX:]
         self._refuse(key)
         return None
+
+    def authentic(self, key: str, stored: str) -> bool:
+        """Whether ``stored`` under ``key`` was sealed with this secret (nothing counted)."""
+        if self._key is None:
+            return True
+        head, mac, value = VERSION + ":", stored[3:3 + _MAC_HEX], stored[4 + _MAC_HEX:]
+        return (stored.startswith(head) and stored[3 + _MAC_HEX:4 + _MAC_HEX] == ":"
+                and hmac.compare_digest(mac.encode(), self._mac(key, value).encode()))
 
     def _refuse(self, key: str) -> None:
         with self._lock:
@@ -72,3 +78,11 @@ class EntrySealer:
             log.warning("name-resolution entry %r failed authentication (not written with this "
                         "trial's secret: forged, altered, or left by an earlier run): treated "
                         "as absent", key)
+
+
+def unverified_value(stored: str) -> str:
+    """The value part of a sealed entry, its mac NOT checked: for a message about an entry
+    that is not this trial's (another trial's of the same name), never to act on."""
+    if stored.startswith(VERSION + ":") and stored[3 + _MAC_HEX:4 + _MAC_HEX] == ":":
+        return stored[4 + _MAC_HEX:]
+    return stored

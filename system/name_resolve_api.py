@@ -15,7 +15,7 @@ import time
 from typing import ClassVar, Iterator, NamedTuple
 
 from system.errors import ConfigError, NameEntryExists, NameEntryNotFound, NameResolveError
-from system.name_auth import EntrySealer
+from system.name_auth import EntrySealer, unverified_value
 from system.private_files import read_private_file
 
 PASSWORD_ENV = "RLSYS_REDIS_PASSWORD"
@@ -207,6 +207,16 @@ class NameResolve(abc.ABC):
         if value is None:
             raise NameEntryNotFound(key)
         return value
+
+    def foreign(self, key: str) -> str | None:
+        """The value of a live entry under ``key`` that this trial's secret does not
+        authenticate (another trial's of the same name, or a forgery: for a message only, its
+        mac unchecked), else None (absent, expired or this trial's). Nothing is counted."""
+        key = _check_key(key)
+        stored = self._get(key)
+        if stored is None or self._sealer.authentic(key, stored):
+            return None
+        return unverified_value(stored)
 
     def wait(self, key: str, timeout: float | None = None, poll: float = 0.05) -> str:
         """Block until ``key`` exists; :class:`NameEntryNotFound` after ``timeout`` seconds."""

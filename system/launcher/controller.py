@@ -11,7 +11,6 @@ before :meth:`Controller.run` returns.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import time
@@ -28,6 +27,7 @@ from system.launcher.disk import full_disk_cause
 from system.launcher.failures import (call_failure_cause, job_failure, reported_failure,
                                       root_cause)
 from system.launcher.groups import group_specs, worker_configs
+from system.launcher.name_claim import claim_problem, controller_record
 from system.launcher.progress import Progress
 from system.launcher.queue_wait import StartClock, blocked_failure
 from system.launcher.pause_watch import PauseWatch
@@ -73,6 +73,7 @@ class Controller(RecoveringController):
         self.watch = MasterProgress()
         self._watch_t0: float | None = None  # the first watch's start: a recovery keeps it
         self._names_down = False  # the trial failed because name resolution stopped answering
+        self._names_foreign = False  # another trial of this name holds the keys
         self.names = NameWatch(name_resolve, cfg.exp, cfg.trial, cfg.controller.heartbeat_ttl)
         self.status = StatusWriter(cfg, paths, self._t0, self.timeline, self.logs, name_resolve,
                                    self.recovery.summary)
@@ -83,9 +84,14 @@ class Controller(RecoveringController):
         self.timeline["start"] = self._t0
         self.status.write("starting")
         try:
+            taken = claim_problem(self.nr, self.cfg.exp, self.cfg.trial, self.paths.root)
+            if taken is not None:
+                self._names_foreign = True  # (its keys are not ours to clear)
+                raise WorkerFailure(taken)
             self.nr.clear_subtree(names.trial_root(self.cfg.exp, self.cfg.trial))
-            self.nr.add(names.controller(self.cfg.exp, self.cfg.trial), str(os.getpid()),
-                        replace=True, keepalive_ttl=self.cfg.controller.heartbeat_ttl)
+            self.nr.add(names.controller(self.cfg.exp, self.cfg.trial),
+                        controller_record(self.paths.root), replace=True,
+                        keepalive_ttl=self.cfg.controller.heartbeat_ttl)
             groups = [g for g in self.groups.values() if g.count]
             self.scheduler.preflight(groups)  # what can never run fails before submitting
             for kind, ids in self.scheduler.submit_all(groups).items():
@@ -429,7 +435,7 @@ class Controller(RecoveringController):
             c.close()
         if self._names_down:  # not waited for again: the next launch clears them
             log.warning("name-resolve keys left in place: the name service does not answer")
-        else:  # a name service down meanwhile (Ctrl-C during an outage) is not waited out
+        elif not self._names_foreign:  # (a name service down meanwhile is not waited out)
             self.nr.outage_timeout = min(self.nr.outage_timeout, NAMES_CLEANUP_WAIT)
             try:
                 self.nr.clear_subtree(names.trial_root(self.cfg.exp, self.cfg.trial))
