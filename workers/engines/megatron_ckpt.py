@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from workers.engines.optim_groups import configured, reapply
+
 
 def _parts(optimizer: Any) -> list[Any]:
     """The ``DistributedOptimizer`` instances (``get_megatron_optimizer`` chains them)."""
@@ -53,5 +55,7 @@ def load_optimizer_state(optimizer: Any, module: torch.nn.Module, state: dict[st
             tensors = {k: saved[k].to(v.device, v.dtype) if isinstance(v, torch.Tensor)
                        else saved[k] for k, v in current.items()}
             part._set_main_param_and_optimizer_states(p, tensors)
+        settings = configured(part.optimizer.param_groups)
         for group, saved_group in zip(part.optimizer.param_groups, saved_groups):
             group.update(saved_group)
+        reapply(part.optimizer.param_groups, settings)  # a changed rl.actor.lr applies

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from system.errors import ConfigError
 from system.files import fsync_path
 from workers.engines.configs import TorchEngineConfig
+from workers.engines.optim_groups import configured, reapply
 
 
 def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -305,7 +306,9 @@ class TorchEngine:
                         st[k] = DTensor.from_local(v, p.device_mesh, p.placements,
                                                    run_check=False, shape=p.shape,
                                                    stride=p.stride())
+        settings = configured(self.optimizer.param_groups)
         self.optimizer.load_state_dict(sd)
+        reapply(self.optimizer.param_groups, settings)  # a changed rl.actor.lr applies
         for group in self.optimizer.param_groups:
             if group.get("fused") or group.get("capturable"):
                 continue

@@ -26,6 +26,21 @@ def test_optimizer_shard_round_trips_with_weights_only(tiny_model_dir, tmp_path)
             assert got["state"][i][k].device == v.device, (i, k)  # AdamW's step: on the CPU
 
 
+def test_a_resumed_optimizer_takes_this_runs_learning_rate(tiny_model_dir, tmp_path, caplog):
+    """rl.actor.lr changed when a trial continues: the moments come from the checkpoint, the
+    learning rate (and betas, eps, weight decay) from the configuration, said once in the log."""
+    eng = TorchEngine(TorchEngineConfig(model_path=tiny_model_dir, lr=1e-3))
+    eng.train_step([torch.arange(2, 12)], lambda lps, idx: -sum(lp.sum() for lp in lps), 10)
+    eng.save(str(tmp_path), 0)
+    back = TorchEngine(TorchEngineConfig(model_path=str(tmp_path), lr=5e-2))
+    with caplog.at_level("INFO", logger="optimizer"):
+        back.load_optimizer(str(tmp_path), 0)
+    assert {g["lr"] for g in back.optimizer.param_groups} == {5e-2}
+    assert "lr 0.001 -> 0.05" in caplog.text
+    moments = [st["exp_avg"] for st in back.optimizer.state.values()]
+    assert moments and all(m.abs().sum() > 0 for m in moments)  # the state itself restored
+
+
 def test_checkpoint_keeps_master_weights_and_publishes_in_the_engine_dtype(tiny_model_dir,
                                                                            tmp_path):
     """As under mixed precision on CUDA (float32 masters, bfloat16 published), emulated on the
