@@ -150,12 +150,15 @@ class RLConfig:
                               "yet (use rl.actor.backend=fsdp)")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ConfigError("group_size must be >= 2 for grpo (advantages are relative)")
+        if self.sync_interval - 1 > self.eta and self.mode == "sync":
+            raise ConfigError(
+                f"sync_interval={self.sync_interval}: mode=sync trains on fresh samples only "
+                "(its max_head_offpolicyness is 0, whatever is set): use sync_interval=1, or "
+                f"mode=async with max_head_offpolicyness >= {self.sync_interval - 1}")
         if self.sync_interval - 1 > self.eta:
             raise ConfigError(
                 f"sync_interval={self.sync_interval} needs max_head_offpolicyness >= "
-                f"{self.sync_interval - 1} (samples between syncs would all be too stale)"
-                + ("; sync mode trains on fresh samples only: use sync_interval=1"
-                   if self.mode == "sync" else ""))
+                f"{self.sync_interval - 1} (samples between syncs would all be too stale)")
         self._check_context()
 
     def _check_ppo(self) -> None:

@@ -68,6 +68,12 @@ class RLLoop:
         self.metrics.truncate(self.state.step)
         self.admission = AdmissionController(AdmissionConfig(rl.batch_size, rl.eta))
         self.buffer = TrajectoryBuffer(rl.eta)
+        self.buffer.dropped = self.state.dropped_stale  # (the counters: over the whole trial)
+        if self.state.staleness_bound not in (None, rl.eta):  # the figure is per bound
+            log.info("rl.max_head_offpolicyness is %d now (%d before): staleness measured "
+                     "afresh", rl.eta, self.state.staleness_bound)
+            self.state.max_staleness = 0
+        self.state.staleness_bound = rl.eta
         for item, version in self.state.buffer:
             self.buffer.put(item, version)
         self.admission.restore(self.state.step, self.state.consumed, len(self.state.buffer))
@@ -78,6 +84,9 @@ class RLLoop:
         self.router = Router(self.cluster.n_gen)
         self.source = TaskSource(self.admission, cursor, self.router, rl.group_size,
                                  rl.lease_timeout)
+        self.source.expired = self.state.leases_expired
+        self.source.released = self.state.leases_released
+        self.published = 0  # the weight version the servers hold (the base model's: 0)
         self.agent_failures = AgentFailures(rl.batch_size)
         self.puller = StreamPuller(master.codec, master.host, master.rpc_cfg.stream_hwm,
                                    validate=functools.partial(group_message_problem,
@@ -138,6 +147,7 @@ class RLLoop:
     def publish(self) -> dict[str, float]:
         """The current weights to every live server (one that fails leaves routing)."""
         out = self.cluster.publish(self.state.step, alive=self.gen_alive)
+        self.published = self.state.step
         self.router.set_live(self.cluster.live)
         return out
 
@@ -198,7 +208,7 @@ class RLLoop:
         self.master.set_progress(
             step=f"{state.step}/{rl.total_steps}", reward=f"{row['reward']:.3f}",
             samples_s=f"{row['samples_per_s']:.1f}",
-            staleness=f"{row['staleness_max']}/{rl.eta}", version=state.step,
+            staleness=f"{row['staleness_max']}/{rl.eta}", version=self.published,
             eval=None if acc is None else f"{acc:.3f}", servers=self.servers(),
             resumed_from=self.resumed_from)  # also here: a poll can miss "starting"
         preempts = self.preempt_requests()
@@ -359,6 +369,8 @@ class RLLoop:
         save_tokenizer(self.tok, os.path.join(staging, "actor"))  # (loads as a model)
         state.cursor = self.source.snapshot()
         state.loop_seconds = self.loop_seconds()
+        state.dropped_stale = self.buffer.dropped
+        state.leases_expired, state.leases_released = self.source.expired, self.source.released
         state.buffer = self.buffer.items()  # type: ignore[assignment]
         save_state(staging, state)
         self.ckpt.commit(state.step, {"layout": self.layout,

@@ -46,6 +46,14 @@ class LoopState:
     history: list[list[list[int]]] = dataclasses.field(default_factory=list)
     """[prompt id, epoch] of every group trained on, per step."""
     max_staleness: int = 0
+    staleness_bound: int | None = None
+    """The bound (``rl.max_head_offpolicyness``) ``max_staleness`` was measured under: a run
+    that continues the trial with another one measures afresh (None: an older checkpoint)."""
+    dropped_stale: int = 0
+    """Groups dropped as too stale, over every master up to this state (so are the two below:
+    leases that ran out, and leases of rollout workers found dead)."""
+    leases_expired: int = 0
+    leases_released: int = 0
     eval_before: float | None = None
     loop_seconds: float = 0.0
     """Seconds the loop ran (start-up and the first evaluation excluded) up to this state, over

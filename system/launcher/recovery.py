@@ -53,7 +53,8 @@ class Attempt:
     recovered_at_s: float | None = None
     """Seconds since the trial began when the restarted workers were running again."""
     restarted: list[str] = dataclasses.field(default_factory=list)
-    """The workers started again."""
+    """The workers started again: every worker of the kinds a stateful recovery restarted, or
+    the one stateless worker restarted alone."""
     stateful: bool = True
     """Whether the workers that hold training state restarted from a checkpoint (else only
     the failed stateless worker restarted, and training went on)."""
@@ -112,7 +113,8 @@ class Recovery:
         assert self.cfg is not None
         if self.restarts_stateful(failure):
             return sum(a.stateful and not a.free for a in self.attempts) < self.cfg.retries
-        return sum(failure.worker in a.restarted for a in self.attempts) < self.cfg.retries
+        return sum(not a.stateful and failure.worker in a.restarted
+                   for a in self.attempts) < self.cfg.retries
 
     def unrecovered(self, failure: WorkerFailure) -> WorkerFailure:
         """``failure``, which :meth:`should_recover` refused, saying so when that was for want
@@ -160,7 +162,8 @@ class Recovery:
         restarts of the stateful workers after a failure, or of that one stateless worker (not
         for a requeue, which draws on none)."""
         same = [a for a in self.attempts if (a.stateful and not a.free if attempt.stateful
-                                             else a.restarted == attempt.restarted)]
+                                             else not a.stateful
+                                             and a.restarted == attempt.restarted)]
         return same.index(attempt) + 1
 
     def backoff(self) -> float:
@@ -187,7 +190,8 @@ class Recovery:
         """The restarted stateful workers (or the restarted ``workers``) run again."""
         for a in reversed(self.attempts):
             if a.recovered_at_s is None and (a.stateful if workers is None
-                                             else bool(set(a.restarted) & set(workers))):
+                                             else not a.stateful
+                                             and bool(set(a.restarted) & set(workers))):
                 a.recovered_at_s = round(self._clock() - self.t0, 3)
                 return
 

@@ -122,6 +122,7 @@ class RecoveringController:
                  else self.recovery.kinds_to_restart(failure, tuple(KINDS)))
         self.recovery.incomplete = set(kinds)
         workers = [w for k in kinds for w in self.groups[k].worker_names()]
+        attempt.restarted = list(workers)
         how = ("not a failure: no recover.retries drawn on" if attempt.free else
                f"attempt {self.recovery.count(attempt)} of "
                f"{self.recovery.cfg.retries if self.recovery.cfg else 0}")

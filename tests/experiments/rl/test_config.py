@@ -14,8 +14,8 @@ def test_rl_config_errors_name_the_field():
         RLConfig(mode="fast")
     with pytest.raises(ConfigError, match="sync_interval"):
         RLConfig(sync_interval=3, max_head_offpolicyness=1)
-    with pytest.raises(ConfigError, match="sync mode"):
-        RLConfig(mode="sync", sync_interval=2)
+    with pytest.raises(ConfigError, match="mode=sync trains on fresh samples only"):
+        RLConfig(mode="sync", sync_interval=2, max_head_offpolicyness=1)  # (not what is asked)
     with pytest.raises(ConfigError, match="group_size"):
         RLConfig(group_size=1)
     assert RLConfig(mode="sync", max_head_offpolicyness=3).eta == 0

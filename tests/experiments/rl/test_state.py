@@ -1,10 +1,12 @@
 """The master's checkpointed state: a pickle-free round trip of arrays, groups and RNG states."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -28,7 +30,8 @@ def _state() -> LoopState:
     return LoopState(step=7, consumed=28, cursor={"epoch": 1, "pos": 3, "redo": [[5, 0], [2, 1]]},
                      buffer=[(Admitted(_group(1), 0), 6), (Admitted(_group(2), 1), 7)],
                      history=[[[1, 0], [2, 0]], [[3, 0], [4, 1]]], max_staleness=1,
-                     eval_before=0.25, loop_seconds=12.5)
+                     eval_before=0.25, loop_seconds=12.5, staleness_bound=1, dropped_stale=3,
+                     leases_expired=2, leases_released=1)
 
 
 def _assert_groups_equal(got: dict, want: dict) -> None:
@@ -58,7 +61,8 @@ def test_loop_state_round_trips_with_arrays_and_rng_states(tmp_path):
     assert [random.random() for _ in range(3)] == want_py
     np.testing.assert_array_equal(np.random.normal(size=3), want_np)
     for field in ("step", "consumed", "cursor", "history", "max_staleness", "eval_before",
-                  "loop_seconds"):
+                  "loop_seconds", "staleness_bound", "dropped_stale", "leases_expired",
+                  "leases_released"):
         assert getattr(got, field) == getattr(state, field), field
     assert [(a.epoch, v) for a, v in got.buffer] == [(0, 6), (1, 7)]
     for (a, _), (b, _) in zip(got.buffer, state.buffer, strict=True):
@@ -92,3 +96,16 @@ def test_no_pickle_in_the_packages():
                     if bad.search(open(path).read()):
                         found.append(os.path.relpath(path, PROJECT_ROOT))
     assert found == []
+
+
+def test_a_state_saved_before_the_trial_wide_counters_loads_with_them_at_zero(tmp_path):
+    fields = {k: v for k, v in encode_and_strip(_state()).items()
+              if k not in ("staleness_bound", "dropped_stale", "leases_expired",
+                           "leases_released")}
+    got = decode_state(msgpack.packb(fields))
+    assert (got.staleness_bound, got.dropped_stale, got.leases_expired,
+            got.leases_released) == (None, 0, 0, 0)
+
+
+def encode_and_strip(state: LoopState) -> dict:
+    return msgpack.unpackb(encode_state(dataclasses.replace(state, buffer=[], rng=None)))

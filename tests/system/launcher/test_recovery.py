@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from system.errors import WorkerFailure
 from system.launcher.config import RecoverConfig
-from system.launcher.recovery import MasterProgress, Recovery
+from system.launcher.recovery import MasterProgress, Paused, Recovery
 
 ORDER = ("model", "generation", "rollout", "master")
 
@@ -152,7 +152,7 @@ def test_attempts_are_numbered_against_the_retries_they_draw_on():
 
 
 def test_a_requeue_draws_on_no_retry_however_often_and_used_up_retries_are_named():
-    from system.launcher.recovery import Paused, Requeued
+    from system.launcher.recovery import Requeued
 
     clock = Clock()
     r = Recovery(RecoverConfig(retries=1, backoff=3.0), ("model", "master"), t0=990.0,
@@ -189,3 +189,17 @@ def test_a_requeue_draws_on_no_retry_however_often_and_used_up_retries_are_named
     r.begin(gen, failed_step=51, restarted=["generation/0"])
     assert str(r.unrecovered(gen)).endswith("recover.retries=1 restarts of generation/0 are "
                                             "used up")
+
+
+def test_a_stateful_restart_lists_its_workers_and_leaves_the_stateless_retries_alone():
+    r = Recovery(RecoverConfig(retries=1, backoff=0.0), ("model", "master"), t0=0.0,
+                 clock=Clock())
+    a = r.begin(Paused("the controller was stopped for 20s", "master/0"), failed_step=3)
+    a.restarted = ["model/0", "master/0", "generation/0"]  # every kind restarted (a pause)
+    gen = WorkerFailure("worker generation/0 died", "generation/0")
+    assert r.should_recover(gen)  # its one retry: not used by the restart of every kind
+    b = r.begin(gen, failed_step=4, restarted=["generation/0"])
+    assert r.count(b) == 1
+    r.running(["generation/0"])
+    assert b.recovered_at_s is not None and a.recovered_at_s is None
+    assert r.summary()[0]["restarted"] == ["model/0", "master/0", "generation/0"]
