@@ -9,6 +9,8 @@ whole job (squeue, scancel, scontrol update).
 """
 from __future__ import annotations
 
+import dataclasses
+import getpass
 import logging
 import time
 
@@ -123,6 +125,50 @@ def cancel_until_gone(ids: list[str], deadline: float, timeout: float) -> list[s
         scancel(left, timeout=timeout)
         time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
         wait = min(wait * 2, 16.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedJob:
+    """One of this user's queued jobs, found by name (``squeue -O``, :data:`NAMED_FORMAT`)."""
+
+    job_id: str
+    """``12``, or ``12+1`` for a heterogeneous job's component (as ``squeue -o %i``)."""
+    state: str
+    """Slurm's own state word (``PENDING``, ``RUNNING``, ``COMPLETING``, ...)."""
+    name: str
+    stdout: str
+    """Its batch output (``StdOut``): the ``--output`` pattern as given (``%%`` for a ``%``)
+    on Slurm 22.05, expanded by later versions."""
+
+
+NAMED_FORMAT = "JobArrayID:0|,State:0|,Name:0|,StdOut:0"
+"""Each field as wide as it needs, ended by ``|``; ``StdOut`` last, as it may hold a ``|``."""
+
+
+def parse_named(out: str) -> list[NamedJob]:
+    """The lines ``squeue -h -O`` :data:`NAMED_FORMAT` prints (pure)."""
+    jobs = []
+    for line in out.splitlines():
+        parts = line.strip().split("|", 3)
+        if len(parts) == 4 and parts[0]:
+            jobs.append(NamedJob(parts[0], parts[1].split(" ")[0], parts[2], parts[3]))
+    return jobs
+
+
+def named_jobs(name: str, timeout: float) -> list[NamedJob] | None:
+    """This user's jobs named ``name`` that the queue still holds; None when squeue did not
+    answer (no news is not an empty queue), logged at debug level only: the caller's next
+    Slurm command (``sbatch``) names an unreachable Slurm in its own one line."""
+    try:
+        r = _run(["squeue", "-h", "-u", getpass.getuser(), "-n", name, "-O", NAMED_FORMAT],
+                 timeout=timeout)
+    except SchedulerError as e:
+        log.debug("%s", e)
+        return None
+    if r.returncode != 0:
+        log.debug("squeue failed: %s", r.stderr.strip())
+        return None
+    return parse_named(r.stdout)
 
 
 def slurm_release(job_id: str, timeout: float) -> str | None:

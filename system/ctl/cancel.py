@@ -7,10 +7,12 @@
 2. A controller that has not stopped within half of :data:`GRACE` gets SIGTERM (its pid on this
    host, checked through ``/proc``) or ``scancel`` (its ``--detach`` job).
 3. Whatever is left after :data:`GRACE` is stopped here: every queued job of the trial
-   (recorded ids, and this user's jobs named ``<exp>_<trial>:*``) with ``scancel`` until
-   ``squeue`` lists none; every local worker or spare (``--trial-dir <trial dir>`` on its
-   command line) and the launcher (if its command line is this trial's) with SIGTERM, then
-   SIGKILL. A controller that could not write its last record gets one written here.
+   (recorded ids, and this user's jobs named ``<exp>_<trial>:*`` whose output, squeue's
+   ``StdOut``, lies under the trial directory: a trial of the same name under another file
+   root is not this one) with ``scancel`` until ``squeue`` lists none; every local worker or
+   spare (``--trial-dir <trial dir>`` on its command line) and the launcher (if its command
+   line is this trial's) with SIGTERM, then SIGKILL. A controller that could not write its
+   last record gets one written here.
 """
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ import os
 import signal
 import socket
 import time
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 from system.ctl import output, procs, slurm_query
 from system.ctl.live import request_cancel
+from system.ctl.slurm_query import QueuedJob
 from system.ctl.trial_state import TrialView, read_trial
 from system.launcher.status_file import FINAL_STATES
 from system.launcher.trial_dir import now_iso, write_json_atomic
@@ -83,15 +86,24 @@ def _wait_controller(view: TrialView, t0: float, grace: float, signalled: bool) 
         time.sleep(0.25)
 
 
+def named_here(jobs: Mapping[str, QueuedJob], exp: str, trial: str,
+               roots: Iterable[str]) -> list[str]:
+    """Those of ``jobs`` (this user's queue) named ``<exp>_<trial>:*`` whose output lies under
+    one of ``roots`` (the trial directory, as written and resolved), pure: another trial of the
+    same name under another file root writes elsewhere, and is not this trial's."""
+    prefix = f"{exp}_{trial}:"
+    return sorted(job_id for job_id, q in jobs.items() if q.name.startswith(prefix)
+                  and any(slurm_query.stdout_under(q.stdout, r) for r in roots))
+
+
 def _trial_jobs(view: TrialView) -> list[str]:
-    """Queued jobs of the trial: its recorded ones and this user's named ``<exp>_<trial>:*``."""
+    """Queued jobs of the trial: its recorded ones, and this user's named ``<exp>_<trial>:*``
+    that write their output under the trial directory (:func:`named_here`)."""
     ids = {str(j["id"]) for j in view.record.get("jobs") or []}
     ids.add(view.controller_job())
-    queued = dict(slurm_query.queue(sorted(i for i in ids if i)) or {})
-    prefix = f"{view.exp}_{view.trial}:"
-    for job_id, q in (slurm_query.mine() or {}).items():
-        if q.name.startswith(prefix):
-            queued[job_id] = q
+    queued = set(slurm_query.queue(sorted(i for i in ids if i)) or {})
+    roots = {view.paths.root, os.path.realpath(view.paths.root)}
+    queued.update(named_here(slurm_query.mine() or {}, view.exp, view.trial, roots))
     return sorted(queued)
 
 

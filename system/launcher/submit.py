@@ -1,14 +1,17 @@
 """The launcher's other ways out: ``--dry-run`` / ``--test-only`` show every job and submit
-nothing; ``--detach`` submits the controller itself as a Slurm job and returns."""
+nothing; ``--detach`` submits the controller itself as a Slurm job and returns, unless a
+controller job of the trial is still in the queue."""
 from __future__ import annotations
 
 import os
 import shlex
 import sys
 import time
+from typing import Collection, Sequence
 
 from scheduler.base import Scheduler
 from scheduler.slurm import ControllerRequest, SlurmRequest, SlurmScheduler
+from scheduler.slurm_jobs import NamedJob, named_jobs
 from scheduler.slurm_render import job_name, render_controller_script
 from system.launcher.config import ExperimentConfig
 from system.launcher.groups import group_specs
@@ -66,9 +69,17 @@ def detach(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, argv:
            lock: TrialLock) -> int:
     """Submit the controller itself as a CPU job running ``system.launch argv`` and return;
     print how to follow, list and stop the trial. The trial's lock passes to that job: this
-    process lets it go just before submitting."""
+    process lets it go just before submitting. Refused (exit code 1, one line naming the job)
+    while an earlier ``--detach``'s controller job is still queued (:func:`queued_controller`:
+    it holds no lock yet, and only one of the two could ever run); its ``status.json`` record,
+    which this launch removed, is written again."""
     assert isinstance(scheduler, SlurmScheduler), "--detach needs scheduler=slurm"
     request = controller_request(cfg, paths, scheduler, argv)
+    queued = queued_controller(cfg, paths, scheduler.scancel_timeout)
+    if queued is not None:
+        write_pending(cfg, paths, queued.job_id, 0.0)  # the launch removed its record: again
+        print(f"error: {refusal(cfg, queued)}", file=sys.stderr)
+        return 1
     lock.release()
     since = time.time()
     job_id = scheduler.schedule(request)[0]
@@ -83,6 +94,44 @@ def detach(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, argv:
           f"  stop:    python -m system.ctl cancel {_trial_args(cfg)}   (or: scancel {job_id}; "
           "the controller then cancels every worker job)")
     return 0
+
+
+LIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
+               "REQUEUE_FED", "RESV_DEL_HOLD", "STOPPED")
+"""Slurm states of a controller job that runs, or will: not ``COMPLETING`` (its controller
+has exited and let the trial's lock go)."""
+
+
+def live_controller(jobs: Sequence[NamedJob], name: str,
+                    logs: Collection[str]) -> NamedJob | None:
+    """The first of ``jobs`` (this user's queue) that is a controller of this trial, pure: named
+    ``name`` (``<exp>_<trial>:controller``), in a :data:`LIVE_STATES` state, writing one of
+    ``logs`` (its ``controller.log``; a trial of the same name under another file root writes
+    another). Slurm 22.05 shows the ``--output`` pattern, ``%`` doubled; later ones the path."""
+    paths = {p for log in logs for p in (os.path.normpath(log),
+                                         os.path.normpath(log).replace("%", "%%"))}
+    return next((j for j in jobs if j.name == name and j.state in LIVE_STATES
+                 and os.path.isabs(j.stdout) and os.path.normpath(j.stdout) in paths), None)
+
+
+def queued_controller(cfg: ExperimentConfig, paths: TrialPaths,
+                      timeout: float) -> NamedJob | None:
+    """A controller job of this trial directory still queued or running (an earlier
+    ``--detach`` whose job has not started yet holds no lock); None also when squeue did not
+    answer (then this launch goes on, as it did before this check)."""
+    name = job_name(cfg.exp, cfg.trial, "controller")
+    jobs = named_jobs(name, timeout)
+    log = os.path.join(paths.logs, "controller.log")
+    return live_controller(jobs or [], name,
+                           {log, os.path.join(os.path.realpath(paths.logs), "controller.log")})
+
+
+def refusal(cfg: ExperimentConfig, job: NamedJob) -> str:
+    """One line: which controller job is still queued, and how to cancel it."""
+    return (f"{cfg.exp}/{cfg.trial} already has its controller in the Slurm queue (job "
+            f"{job.job_id}, {job.state}); nothing was submitted; wait for it to end, or cancel "
+            f"it first: python -m system.ctl cancel {_trial_args(cfg)} (or: scancel "
+            f"{job.job_id})")
 
 
 def _trial_args(cfg: ExperimentConfig) -> str:

@@ -37,6 +37,34 @@ def queued(env: dict, exp: str, trial: str) -> list[str]:
     return [line for line in r.stdout.split() if line.split("|")[1].startswith(f"{exp}_{trial}:")]
 
 
+def same_name_elsewhere(env: dict, fileroot: str, name: str) -> str:
+    """A held job named as one of a trial's, writing under another file root (another trial of
+    the same name): ``cancel`` must leave it queued. Its id."""
+    logs = os.path.join(fileroot, "smoke", "op", "logs")
+    os.makedirs(logs)
+    r = subprocess.run(["sbatch", "--parsable", "-J", name, "--begin=now+3600",
+                        f"--output={logs}/slurm-model-%j.log", "--wrap", "sleep 600"],
+                       capture_output=True, text=True, env={**os.environ, **env}, check=True)
+    return r.stdout.strip().split(";")[0]
+
+
+def test_second_detach_while_the_controller_is_queued(slurm_cluster, tmp_path):
+    words = ["exp=smoke", "trial=dd", f"cluster.fileroot={tmp_path / 'runs'}"]
+    held = "scheduler.slurm.controller.extra_sbatch=[--begin=now+3600]"  # pending for an hour
+    r = run_launch(*words, *SLURM, held, "--detach", env=slurm_cluster.env)
+    assert r.returncode == 0, r.stderr
+    controller = re.search(r"as job (\d+)", r.stdout).group(1)
+    r = run_launch(*words, *SLURM, "smoke.min_duration=5", "--detach", env=slurm_cluster.env)
+    assert r.returncode == 1 and not r.stdout, r.stdout + r.stderr
+    assert f"(job {controller}, PENDING)" in r.stderr and f"scancel {controller}" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert queued(slurm_cluster.env, "smoke", "dd") == [f"{controller}|smoke_dd:controller"]
+    st = ctl_env(slurm_cluster.env, "status", *words, "--json")  # its record is still there
+    assert json.loads(st.stdout)["controller"]["slurm_job"] == controller
+    r = ctl_env(slurm_cluster.env, "cancel", *words)
+    assert r.returncode == 0 and queued(slurm_cluster.env, "smoke", "dd") == [], r.stdout
+
+
 def test_detached_trial_status_and_cancel(slurm_cluster, tmp_path):
     root = str(tmp_path / "runs")
     words = ["exp=smoke", "trial=op", f"cluster.fileroot={root}"]
@@ -72,12 +100,14 @@ def test_detached_trial_status_and_cancel(slurm_cluster, tmp_path):
     assert r.returncode == 0 and "smoke/op" in r.stdout.split(), r.stdout
     assert r.stdout.split()[-1] == "slurm" and "starting" in r.stdout.split()
 
+    decoy = same_name_elsewhere(slurm_cluster.env, str(tmp_path / "other"), "smoke_op:model")
     t0 = time.time()
     r = ctl_env(slurm_cluster.env, "cancel", *words)
     assert r.returncode == 0, r.stdout + r.stderr
     print(r.stdout)
     assert time.time() - t0 < 30 and "squeue lists none of its jobs" in r.stdout
-    assert queued(slurm_cluster.env, "smoke", "op") == []
+    assert queued(slurm_cluster.env, "smoke", "op") == [f"{decoy}|smoke_op:model"]
+    subprocess.run(["scancel", decoy], env={**os.environ, **slurm_cluster.env}, check=True)
     st = ctl_env(slurm_cluster.env, "status", *words, "--json")
     assert st.returncode == 5 and json.loads(st.stdout)["state"] == "cancelled"
     assert "cancelled" in ctl_env(slurm_cluster.env, "ls", "--fileroot", root).stdout.split()
