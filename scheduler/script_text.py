@@ -147,7 +147,14 @@ _BY_SLURM_KEY = {"signal": "scheduler.slurm.signal_seconds",
 _FIXED = ("job-name", "output", "error", "input", "open-mode", "ntasks", "array")
 """Options the launcher fixes: the job names and log paths the controller watches, one task
 per worker, one job per group."""
-NOT_EXTRA = (*_BY_GROUP_KEY, *_BY_SLURM_KEY, *_FIXED)
+_NO_JOB_ID = {"wait": "sbatch would not return until the job ends",
+              "hold": "the job would wait, held, for ever",
+              "test-only": "sbatch would submit nothing"}
+"""Options that keep ``sbatch --parsable SCRIPT`` from submitting the job and printing its id
+at once, or the job from starting, with why (their short forms ``-W`` and ``-H`` are refused
+as every short option is). Seen on Slurm 22.05: on an ``#SBATCH`` line, ``--quiet``,
+``--parsable``, ``--help``, ``--usage`` and ``--version`` change nothing of this."""
+NOT_EXTRA = (*_BY_GROUP_KEY, *_BY_SLURM_KEY, *_FIXED, *_NO_JOB_ID)
 _EXACT = ("gpus",)
 """Real sbatch options that are prefixes of one in :data:`NOT_EXTRA` (sbatch, like getopt,
 takes any unambiguous prefix of an option: ``--out=x`` is ``--output=x``)."""
@@ -160,6 +167,8 @@ def _owner(option: str) -> str:
         return f"set it with scheduler.slurm.<group>.{option.replace('-', '_')}"
     if option in _BY_SLURM_KEY:
         return f"set it with {_BY_SLURM_KEY[option]}"
+    if option in _NO_JOB_ID:
+        return _NO_JOB_ID[option]
     return "the launcher sets it for the job names and log paths the controller watches"
 
 

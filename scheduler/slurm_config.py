@@ -42,7 +42,8 @@ class SlurmGroupConfig:
     qos: str = ""
     """Quality of service (empty: the global one)."""
     time: str = ""
-    """Time limit, e.g. ``04:00:00`` or ``2-00:00:00`` (empty: the global one)."""
+    """Time limit, e.g. ``04:00:00`` or ``2-00:00:00`` (empty: the global one); the formats
+    and the shortest one allowed are those of ``scheduler.slurm.time``."""
     exclusive: bool = False
     """Request whole nodes (``--exclusive``)."""
     constraint: str = ""
@@ -103,12 +104,54 @@ class SlurmGroupConfig:
             parse_sbatch_option(f"extra_sbatch[{i}]", line)
 
 
+_NO_LIMIT = ("UNLIMITED", "INFINITE")
+"""Slurm's words for no time limit (any case)."""
+
+
 def check_slurm_time(key: str, value: str) -> None:
-    """A Slurm time limit: minutes, ``[D-]HH[:MM[:SS]]`` (empty: inherited/the partition's)."""
+    """A Slurm time limit: minutes, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``,
+    ``D-HH:MM:SS``, or ``UNLIMITED``/``INFINITE`` (empty: inherited/the partition's)."""
     check_line(key, value)
-    if value and not _TIME_RE.fullmatch(value):
-        raise ConfigError(f"{key}={value!r} is not valid; valid: minutes, or "
-                          "[D-]HH:MM:SS such as 04:00:00 or 2-00:00:00")
+    if value and not (_TIME_RE.fullmatch(value) or value.upper() in _NO_LIMIT):
+        raise ConfigError(f"{key}={value!r} is not valid; valid: minutes, MM:SS, "
+                          "[D-]HH:MM:SS such as 04:00:00 or 2-00:00:00, D-HH, D-HH:MM, "
+                          "or UNLIMITED")
+
+
+def slurm_time_seconds(value: str) -> int | None:
+    """The time limit ``value`` (checked by :func:`check_slurm_time`) in seconds, as Slurm
+    counts it: a whole number of minutes, seconds rounded up. None for no limit of its own:
+    empty (inherited, or the partition's), ``0`` (Slurm: no limit), ``UNLIMITED``,
+    ``INFINITE``. Without a day, one field is minutes, two ``MM:SS``, three ``HH:MM:SS``;
+    after ``D-`` they are ``HH[:MM[:SS]]``."""
+    if not value or value.upper() in _NO_LIMIT:
+        return None
+    days, _, clock = value.rpartition("-")
+    fields = [int(f) for f in clock.split(":")]
+    if days or len(fields) == 3:  # [D-]HH[:MM[:SS]]
+        hours, minutes, seconds = (fields + [0, 0])[:3]
+    else:  # MM[:SS]
+        hours, minutes, seconds = 0, fields[0], (fields + [0])[1]
+    total = ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+    return None if total == 0 else -(-total // 60) * 60
+
+
+SIGNAL_EARLY_S = 60
+"""Slurm may send the ``--signal`` up to this many seconds earlier than asked (its event
+resolution, sbatch(1))."""
+
+
+def min_time_s(signal_seconds: int) -> int:
+    """The shortest time limit that lets a requeued job do work: SIGUSR2 comes
+    ``signal_seconds`` before the limit (up to :data:`SIGNAL_EARLY_S` earlier), so the limit
+    must be at least twice ``signal_seconds`` plus that: the workers then run at least as long
+    before the warning as they get after it. A shorter limit warns every job at once, and each
+    requeues over and over without ever working."""
+    return 2 * signal_seconds + SIGNAL_EARLY_S
+
+
+WORKER_GROUPS = ("master", "model", "generation", "rollout")
+"""The groups whose jobs get ``--signal`` and ``--requeue`` (not the ``controller``'s)."""
 
 
 def _group(**kw: object) -> SlurmGroupConfig:
@@ -126,7 +169,10 @@ class SlurmConfig:
     qos: str = ""
     """Default quality of service of every job."""
     time: str = ""
-    """Default time limit of every job (empty: the partition's)."""
+    """Default time limit of every job (empty: the partition's): minutes, ``MM:SS``,
+    ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS`` or ``UNLIMITED``. With ``requeue``, a
+    worker group's limit must be at least 2 x ``signal_seconds`` + 60 s (Slurm may send
+    SIGUSR2 up to 60 s early), or every job would stop and requeue at once, over and over."""
     signal_seconds: int = 120
     """Seconds before the time limit at which workers get SIGUSR2 to stop gracefully."""
     requeue: bool = True
@@ -194,6 +240,26 @@ class SlurmConfig:
             check_sbatch_text(key, getattr(self, key))
         for key in ("python", "workdir"):
             check_line(key, getattr(self, key))
+        self._check_time_limits()
+
+    def _check_time_limits(self) -> None:
+        """With ``requeue``, each worker group's time limit (its own, else the global one)
+        leaves room for work before the SIGUSR2 warning (:func:`min_time_s`); the controller's
+        own job (``--detach``) gets no warning and is never requeued."""
+        if not self.requeue:
+            return
+        need = min_time_s(self.signal_seconds)
+        for kind in WORKER_GROUPS:
+            own = self.group(kind).time
+            key = f"scheduler.slurm.{kind}.time" if own else "scheduler.slurm.time"
+            limit = slurm_time_seconds(own or self.time)
+            if limit is not None and limit < need:
+                raise ConfigError(
+                    f"{key}={own or self.time!r} ({limit} s) is too short for "
+                    f"scheduler.slurm.signal_seconds={self.signal_seconds}: SIGUSR2 would stop "
+                    "each job at once and requeue it over and over; valid: a time limit of at "
+                    f"least {need} s (2 x signal_seconds + {SIGNAL_EARLY_S} s), a smaller "
+                    "signal_seconds, or scheduler.slurm.requeue=false")
 
     def group(self, kind: str) -> SlurmGroupConfig:
         return getattr(self, kind)

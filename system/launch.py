@@ -26,7 +26,9 @@ from omegaconf import OmegaConf
 
 from experiments.catalog import all_experiments, get_experiment
 from experiments.registry import Experiment
+from scheduler.base import Scheduler
 from scheduler.registry import make_scheduler
+from scheduler.slurm import SlurmScheduler
 from system.checks import check_name
 from system.launcher.config import ExperimentConfig, RecoverMode, RunMode
 from system.launcher.eval_mode import run_paths, trained_base, trial_paths
@@ -34,9 +36,11 @@ from system.launcher.controller import Controller
 from system.launcher.launcher_log import tee_stderr
 from system.errors import ConfigError, RLSystemError
 from system.name_resolve import make_name_resolve
+from system.name_resolve_api import NameResolveBackend, redis_password
 from system.launcher.help import describe
 from system.launcher.overrides import CliArgs, apply_overrides, parse_cli
-from system.launcher.submit import detach, dry_run
+from system.launcher.groups import group_specs
+from system.launcher.submit import controller_request, detach, dry_run
 from system.launcher.trial_dir import PreparedTrial, name_resolve_root, prepare_trial
 from system.private_files import set_umask
 
@@ -222,6 +226,16 @@ def main(argv: list[str] | None = None) -> int:
         print(done, file=sys.stderr)
         return 0
     resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    try:  # before the trial's directory is touched: a refused launch changes none of its files
+        scheduler = machine_scheduler(cfg, umask)
+    except RLSystemError as e:  # (exit code 1: this machine, not the config, is the limit)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        check_jobs(cfg, scheduler, args, argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         continues = (cfg.mode == RunMode.TRAIN and cfg.recovery() is not None
                      and cfg.recovery().type != RecoverMode.OFF)
@@ -237,9 +251,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:  # the lock is held until the controller is done (with --detach: until submitted)
-        return run_trial(cfg, experiment, trial, args, argv, resolved, umask)
+        return run_trial(cfg, experiment, trial, scheduler, args, argv, resolved)
     finally:
         trial.lock.release()
+
+
+def machine_scheduler(cfg: ExperimentConfig, umask: int) -> Scheduler:
+    """The trial's scheduler, once the config's checks against this machine pass (the
+    experiment's own, :meth:`~ExperimentConfig.check_machine`; CPU and GPU placement; a Redis
+    password file). Writes nothing: run before the trial's directory is touched, so a launch
+    refused here leaves the last run's files (``summary.json``, ``status.json``,
+    ``config.yaml``, ``secret``) as they were."""
+    cfg.check_machine()
+    if cfg.name_resolve.type == NameResolveBackend.REDIS:
+        redis_password(cfg.name_resolve)  # (missing, empty, or not private)
+    return make_scheduler(cfg.scheduler, cfg.exp, cfg.trial, run_paths(cfg).root, umask,
+                          cfg.gpu_demands(), cfg.worker_counts())
+
+
+def check_jobs(cfg: ExperimentConfig, scheduler: Scheduler, args: CliArgs,
+               argv: list[str]) -> None:
+    """Plan every job the launch would submit or start (pure: nothing is written), so a
+    config the scheduler cannot turn into jobs (``scheduler.slurm.model.nodes=3`` for 2 model
+    workers, a log path Slurm cannot write...) is a :class:`ConfigError` before the trial's
+    directory is touched: each group's own job (the pre-flight's), the jobs as submitted
+    (``hetjob``: one for all), and with ``--detach`` the controller's."""
+    paths = run_paths(cfg)
+    groups = [g for g in group_specs(cfg, paths, scheduler.python).values() if g.count]
+    for group in groups:
+        scheduler.plan(group)
+    scheduler.plan_all(groups)
+    if "--detach" in args.flags and isinstance(scheduler, SlurmScheduler):
+        controller_request(cfg, paths, scheduler,
+                           absolute_argv([a for a in argv if a != "--detach"], cfg))
 
 
 def private_modes(group_readable: bool) -> int:
@@ -266,13 +310,11 @@ def evaluated_already(cfg: ExperimentConfig, experiment: Experiment) -> str | No
 
 
 def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTrial,
-              args: CliArgs, argv: list[str], resolved: str, umask: int) -> int:
-    """Show, submit, or run the trial's controller (the launcher holds the trial's lock)."""
+              scheduler: Scheduler, args: CliArgs, argv: list[str], resolved: str) -> int:
+    """Show, submit, or run the trial's controller (the launcher holds the trial's lock;
+    ``scheduler`` passed :func:`machine_scheduler` and :func:`check_jobs`)."""
     paths = trial.paths
     try:
-        cfg.check_machine()  # (exit code 1: this machine, not the config, is the limit)
-        scheduler = make_scheduler(cfg.scheduler, cfg.exp, cfg.trial, paths.root, umask,
-                                   cfg.gpu_demands(), cfg.worker_counts())
         if args.dry_run or "--test-only" in args.flags:
             return dry_run(cfg, paths, scheduler, resolved, "--test-only" in args.flags)
         if "--detach" in args.flags:

@@ -235,7 +235,9 @@ def test_log_paths_slurm_would_rewrite_are_refused(tmp_path, root, what):
     ("--gres-flags=enforce-binding", '--gres-flags="enforce-binding"'),
     ("--mail-type=END,FAIL", '--mail-type="END,FAIL"'),
     ("--gpus=8", '--gpus="8"'),
-    ("--hold", "--hold"),
+    ("--contiguous", "--contiguous"),
+    ("--wait-all-nodes=1", '--wait-all-nodes="1"'),
+    ("--parsable", "--parsable"),  # (a second one changes nothing: sbatch prints the id)
     ('--comment=a "b" #c $(touch x)', '--comment="a \\"b\\" #c $(touch x)"'),
 ])
 def test_extra_sbatch_lines_are_one_option_with_a_quoted_value(line, rendered):
@@ -266,9 +268,28 @@ def test_extra_sbatch_lines_are_one_option_with_a_quoted_value(line, rendered):
 ])
 def test_extra_sbatch_refuses_anything_but_one_option_of_its_own(line, words):
     with pytest.raises(ConfigError) as e:
-        SlurmGroupConfig(extra_sbatch=["--hold", line])
+        SlurmGroupConfig(extra_sbatch=["--contiguous", line])
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("line, why", [
+    ("--wait", "sbatch would not return until the job ends"),
+    ("--wai", "--wait is not valid"),
+    ("--hold", "held, for ever"),
+    ("--test-only", "sbatch would submit nothing"),
+    ("--test", "--test-only is not valid"),
+    ("-W", "not one sbatch option"),
+    ("-H", "not one sbatch option"),
+])
+def test_extra_sbatch_refuses_options_that_keep_sbatch_from_submitting_at_once(line, why):
+    """``sbatch --parsable`` must print a job id at once and the job must be able to start:
+    ``--wait`` would block the launcher until the job ends (and leave it running after the
+    submission times out), ``--hold`` would never start, ``--test-only`` submits nothing."""
+    with pytest.raises(ConfigError) as e:
+        SlurmGroupConfig(extra_sbatch=[line])
+    message = str(e.value)
+    assert "extra_sbatch[0]" in message and why in message and "\n" not in message, message
 
 
 def test_every_template_expression_ends_in_a_quoting_or_checking_filter():

@@ -9,7 +9,8 @@ import pytest
 from scheduler.base import GroupSpec, JobState
 from scheduler.slurm import (STATE_TABLE, SlurmScheduler, map_state, parse_sbatch_parsable,
                              parse_scontrol_job)
-from scheduler.slurm_config import SlurmConfig, SlurmGroupConfig
+from scheduler.slurm_config import (SlurmConfig, SlurmGroupConfig, check_slurm_time,
+                                    slurm_time_seconds)
 from scheduler.script_text import sbatch_quote
 from scheduler.slurm_render import render_controller_script, render_worker_script, task_log
 from system.errors import ConfigError, SchedulerError
@@ -103,6 +104,67 @@ def test_unknown_and_bad_settings_are_clear():
     assert cfg.scheduler.slurm.model.gpus_per_node == 4
     assert cfg.scheduler.slurm.model.extra_sbatch == ["--reservation=x"]
     assert cfg.scheduler.slurm.model.env == {"A": "1 2"}
+
+
+@pytest.mark.parametrize("option", ["--wait", "--hold", "--test-only", "-W", "-H"])
+def test_options_that_keep_sbatch_from_submitting_at_once_are_refused_by_key(option):
+    """``--wait`` kept ``sbatch --parsable`` from answering (60 s, then a job left running),
+    ``--hold`` would hold the job for ever, ``--test-only`` submits nothing: refused when the
+    config is built, one line naming the key."""
+    with pytest.raises(ConfigError) as e:
+        build_config("smoke", "t", ["scheduler=slurm",
+                                    f"scheduler.slurm.model.extra_sbatch=[{option}]"])
+    message = str(e.value)
+    assert message.startswith(f"scheduler.slurm.model.extra_sbatch[0]='{option}'"), message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("value, seconds", [
+    ("", None), ("0", None), ("UNLIMITED", None), ("infinite", None), ("0:00:00", None),
+    ("1", 60), ("90", 5400), ("0:30", 60), ("1:30", 120), ("5:00", 300),
+    ("1:00:00", 3600), ("01:02:03", 3780), ("1-0", 86400), ("2-12", 216000),
+    ("1-02:30", 95400), ("1-02:30:15", 95460)])
+def test_time_limits_read_as_slurm_reads_them(value, seconds):
+    """minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (seconds rounded up to the
+    minute); 0 and UNLIMITED/INFINITE are no limit."""
+    check_slurm_time("time", value)
+    assert slurm_time_seconds(value) == seconds
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["scheduler.slurm.time=1"], "scheduler.slurm.time='1'"),
+    (["scheduler.slurm.time=4"], "scheduler.slurm.time='4'"),
+    (["scheduler.slurm.time=00:03:59"], "scheduler.slurm.time='00:03:59'"),
+    (["scheduler.slurm.model.time=1"], "scheduler.slurm.model.time='1'"),
+    (["scheduler.slurm.time=60", "scheduler.slurm.rollout.time=2"],
+     "scheduler.slurm.rollout.time='2'"),
+    (["scheduler.slurm.time=1", "scheduler.slurm.model.time=60"], "scheduler.slurm.time='1'"),
+    (["scheduler.slurm.time=10", "scheduler.slurm.signal_seconds=600"],
+     "scheduler.slurm.time='10'"),
+])
+def test_a_time_limit_within_the_warning_is_refused(overrides, key):
+    """time=1 with signal_seconds=120 warned every job at once: each requeued every 15-20 s
+    for ever. The limit must be at least 2 x signal_seconds + 60 s (Slurm may signal 60 s
+    early), named with signal_seconds in one line."""
+    with pytest.raises(ConfigError) as e:
+        build_config("smoke", "t", ["scheduler=slurm", *overrides])
+    message = str(e.value)
+    assert message.startswith(key) and "scheduler.slurm.signal_seconds=" in message, message
+    assert "requeue=false" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("overrides", [
+    ["scheduler.slurm.time=5"], ["scheduler.slurm.time=00:05:00"],
+    ["scheduler.slurm.time=1", "scheduler.slurm.requeue=false"],
+    ["scheduler.slurm.time=1", "scheduler.slurm.signal_seconds=0"],
+    ["scheduler.slurm.time=2", "scheduler.slurm.signal_seconds=30"],
+    ["scheduler.slurm.time=UNLIMITED"], ["scheduler.slurm.time=0"],
+    ["scheduler.slurm.controller.time=1"],  # no --signal, no --requeue
+    ["scheduler.slurm.time=1", *(f"scheduler.slurm.{k}.time=1-00" for k in
+                                 ("master", "model", "generation", "rollout"))],
+])
+def test_a_time_limit_with_room_before_the_warning_is_taken(overrides):
+    build_config("smoke", "t", ["scheduler=slurm", *overrides])
 
 
 @pytest.mark.parametrize("raw, state", [

@@ -22,11 +22,19 @@ def test_field_docs_and_help():
     (["exp=smoke"], 2, ["trial"]),
     (["exp=nosuch", "trial=t"], 2, ["nosuch", "smoke"]),
     (["exp=smoke", "trial=t", "model.count=two"], 2, ["model.count", "two"]),
+    (["exp=smoke", "trial=t", "scheduler=slurm", "scheduler.slurm.model.extra_sbatch=[--wait]"],
+     2, ["scheduler.slurm.model.extra_sbatch[0]='--wait'", "not valid in extra_sbatch"]),
+    (["exp=smoke", "trial=t", "scheduler=slurm", "scheduler.slurm.time=1"], 2,
+     ["scheduler.slurm.time='1'", "scheduler.slurm.signal_seconds=120"]),
+    (["exp=smoke", "trial=t", "scheduler=slurm", "scheduler.slurm.model.nodes=3",
+      "model.count=2"], 2, ["scheduler.slurm.model: 3 nodes for 2 workers"]),
 ])
 def test_cli_errors_are_one_clear_line(args, code, words, fileroot):
     r = run_launch(*args, f"cluster.fileroot={fileroot}")
     assert r.returncode == code
     assert "Traceback" not in r.stderr and r.stderr.startswith("error: ")
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert not os.path.exists(os.path.join(fileroot, "smoke", "t")), "nothing is written"
     for w in words:
         assert w in r.stderr
 

@@ -89,6 +89,45 @@ def test_a_launch_forgets_the_previous_run_outcome_and_a_dry_run_keeps_it(filero
     assert not any(os.path.exists(os.path.join(trial_dir, n)) for n in outcome)
 
 
+def _tree(root: str) -> dict[str, bytes]:
+    """``{relative path: contents}`` of every file under ``root``."""
+    out = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = f.read()
+    return out
+
+
+def test_a_refused_relaunch_leaves_the_last_run_as_it_was(fileroot):
+    """A relaunch refused for this machine (a CPU outside the launcher's affinity: exit 1) or
+    for a config its scheduler cannot turn into jobs (3 nodes for 2 model workers: exit 2, with
+    or without --detach) changes nothing in the trial directory: the completed run's
+    ``summary.json`` and ``status.json`` stay (``system.ctl status`` still says completed), and
+    ``config.yaml`` (read by the next ``mode=eval``) and ``secret`` are the ones it ran with."""
+    trial = ("exp=smoke", "trial=done", f"cluster.fileroot={fileroot}")
+    r = run_launch(*trial, "smoke.trajectories_per_worker=5")
+    assert r.returncode == 0, r.stderr
+    trial_dir = os.path.join(fileroot, "smoke", "done")
+    before = _tree(trial_dir)
+    assert {"summary.json", "status.json", "config.yaml", "secret"} <= set(before)
+    slurm_nodes = ("scheduler=slurm", "scheduler.slurm.model.nodes=3", "model.count=2")
+    beyond = max(os.sched_getaffinity(0)) + 1
+    for refused, code, words in [
+            ((f"scheduler.local.cpus.model={beyond}",), 1, "are not allowed here"),
+            (slurm_nodes, 2, "scheduler.slurm.model: 3 nodes for 2 workers"),
+            ((*slurm_nodes, "--detach"), 2, "scheduler.slurm.model: 3 nodes for 2 workers")]:
+        r = run_launch(*trial, *refused)
+        assert r.returncode == code, (refused, r.stderr)
+        assert r.stderr.startswith("error: ") and words in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+        assert _tree(trial_dir) == before, refused
+    r = subprocess.run([sys.executable, "-m", "system.ctl", "status", *trial], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.startswith("smoke/done: completed"), r.stdout + r.stderr
+
+
 def test_an_existing_trial_directory_of_yours_is_tightened(fileroot):
     trial_dir = os.path.join(fileroot, "smoke", "loose")
     os.makedirs(trial_dir)
