@@ -40,7 +40,8 @@ from system.name_resolve_api import NameResolveBackend, redis_password
 from system.launcher.help import describe
 from system.launcher.overrides import CliArgs, apply_overrides, parse_cli
 from system.launcher.groups import group_specs
-from system.launcher.submit import controller_request, detach, dry_run
+from system.launcher.submit import (controller_request, detach, dry_run, queued_controller,
+                                    refusal)
 from system.launcher.trial_dir import PreparedTrial, name_resolve_root, prepare_trial
 from system.private_files import set_umask
 
@@ -236,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    queued = (queued_controller(cfg, run_paths(cfg), scheduler.scancel_timeout)
+              if "--detach" in args.flags and isinstance(scheduler, SlurmScheduler) else None)
+    if queued is not None:  # an earlier --detach's controller, not started yet: it holds no lock
+        print(f"error: {refusal(cfg, queued)}", file=sys.stderr)
+        return 1
     try:
         continues = (cfg.mode == RunMode.TRAIN and cfg.recovery() is not None
                      and cfg.recovery().type != RecoverMode.OFF)

@@ -69,17 +69,11 @@ def detach(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, argv:
            lock: TrialLock) -> int:
     """Submit the controller itself as a CPU job running ``system.launch argv`` and return;
     print how to follow, list and stop the trial. The trial's lock passes to that job: this
-    process lets it go just before submitting. Refused (exit code 1, one line naming the job)
-    while an earlier ``--detach``'s controller job is still queued (:func:`queued_controller`:
-    it holds no lock yet, and only one of the two could ever run); its ``status.json`` record,
-    which this launch removed, is written again."""
+    process lets it go just before submitting. (The launcher refuses it, before the trial's
+    directory is touched, while an earlier ``--detach``'s controller job is still queued:
+    :func:`queued_controller`; it holds no lock yet, and only one of the two could ever run.)"""
     assert isinstance(scheduler, SlurmScheduler), "--detach needs scheduler=slurm"
     request = controller_request(cfg, paths, scheduler, argv)
-    queued = queued_controller(cfg, paths, scheduler.scancel_timeout)
-    if queued is not None:
-        write_pending(cfg, paths, queued.job_id, 0.0)  # the launch removed its record: again
-        print(f"error: {refusal(cfg, queued)}", file=sys.stderr)
-        return 1
     lock.release()
     since = time.time()
     job_id = scheduler.schedule(request)[0]
