@@ -1,27 +1,46 @@
-"""Hold the stop signals (Ctrl-C, SIGTERM, SIGHUP) pending while a step that must not be cut in
-half runs: a ``sbatch`` whose job id would otherwise be lost (the job queued, nobody to cancel
-it). The signal is delivered, and acted on as usual, as soon as the step ends."""
+"""Hold the stop signals (Ctrl-C, SIGTERM, SIGHUP) while a step that must not be cut in half
+runs: a ``sbatch`` whose job id would otherwise be lost (the job queued, nobody to cancel it).
+A signal that came meanwhile is acted on, with the handler that was in place, as soon as the
+step ends."""
 from __future__ import annotations
 
 import contextlib
 import signal
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
 def held_signals(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> Iterator[None]:
-    """Block ``signals`` in this thread for the block's duration (only the main thread runs
-    Python's signal handlers; elsewhere nothing changes). A child started meanwhile inherits
-    the mask: a terminal's Ctrl-C does not kill it either, so it finishes what it was doing
-    (bound it with a timeout)."""
+    """For the block's duration, ``signals`` only get noted: their Python handlers (which run
+    in the main thread, whichever thread the kernel picked) are replaced, and the main thread
+    blocks them, so a child it starts meanwhile inherits the mask (a terminal's Ctrl-C does
+    not kill it either: bound it with a timeout). Afterwards each noted signal is raised again
+    under the restored handler. Nothing changes outside the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    noted: list[int] = []
+
+    def note(signum: int, _frame: Any) -> None:
+        noted.append(signum)
+
+    handlers = {s: signal.signal(s, note) for s in signals}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        pending = set(signals) & signal.sigpending()  # (sent to this thread, or to the process
+        while pending:                                #  while every other thread blocks them)
+            got = signal.sigtimedwait(pending, 0)
+            if got is None:
+                break
+            noted.append(got.si_signo)
+            pending.discard(signal.Signals(got.si_signo))
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        for s in dict.fromkeys(noted):  # once each, in the order they came
+            signal.raise_signal(s)

@@ -34,6 +34,7 @@ from system.launcher.config import ExperimentConfig, RecoverMode, RunMode
 from system.launcher.eval_mode import run_paths, trained_base, trial_paths
 from system.launcher.controller import Controller
 from system.launcher.launcher_log import tee_stderr
+from system.launcher.name_claim import name_taken
 from system.errors import ConfigError, RLSystemError
 from system.name_resolve import make_name_resolve
 from system.name_resolve_api import NameResolveBackend, redis_password
@@ -241,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
               if "--detach" in args.flags and isinstance(scheduler, SlurmScheduler) else None)
     if queued is not None:  # an earlier --detach's controller, not started yet: it holds no lock
         print(f"error: {refusal(cfg, queued)}", file=sys.stderr)
+        return 1
+    try:  # another directory's trial of this name, live on the same name service
+        taken = None if args.dry_run or "--test-only" in args.flags else name_taken(cfg)
+    except RLSystemError as e:  # (the name service does not answer, say)
+        taken = str(e)
+    if taken is not None:
+        print(f"error: {taken}", file=sys.stderr)
         return 1
     try:
         continues = (cfg.mode == RunMode.TRAIN and cfg.recovery() is not None

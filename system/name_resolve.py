@@ -21,7 +21,7 @@ __all__ = ["PASSWORD_ENV", "Entry", "FileNameResolve", "NameResolve", "NameResol
            "NameResolveConfig", "RedisNameResolve", "make_name_resolve", "redis_password"]
 
 
-def make_name_resolve(cfg: NameResolveConfig, default_file_root: str, secret: bytes
+def make_name_resolve(cfg: NameResolveConfig, default_file_root: str, secret: bytes | None
                       ) -> NameResolve:
     """Build the backend named by ``cfg`` for the trial whose secret is ``secret``."""
     if cfg.type == NameResolveBackend.FILE:

@@ -92,8 +92,13 @@ def named_here(jobs: Mapping[str, QueuedJob], exp: str, trial: str,
     one of ``roots`` (the trial directory, as written and resolved), pure: another trial of the
     same name under another file root writes elsewhere, and is not this trial's."""
     prefix = f"{exp}_{trial}:"
-    return sorted(job_id for job_id, q in jobs.items() if q.name.startswith(prefix)
-                  and any(slurm_query.stdout_under(q.stdout, r) for r in roots))
+    named = {job_id for job_id, q in jobs.items() if q.name.startswith(prefix)}
+    here = {job_id for job_id in named
+            if any(slurm_query.stdout_under(jobs[job_id].stdout, r) for r in roots)}
+    # a heterogeneous job's components go with the one that names its output (component 0
+    # alone has --output in the script: the others may show none)
+    leaders = {job_id.split("+")[0] for job_id in here if "+" in job_id}
+    return sorted(here | {j for j in named if "+" in j and j.split("+")[0] in leaders})
 
 
 def _trial_jobs(view: TrialView) -> list[str]:

@@ -69,14 +69,24 @@ def detach(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, argv:
            lock: TrialLock) -> int:
     """Submit the controller itself as a CPU job running ``system.launch argv`` and return;
     print how to follow, list and stop the trial. The trial's lock passes to that job: this
-    process lets it go just before submitting. (The launcher refuses it, before the trial's
-    directory is touched, while an earlier ``--detach``'s controller job is still queued:
-    :func:`queued_controller`; it holds no lock yet, and only one of the two could ever run.)"""
+    process lets it go just before submitting. Refused while an earlier ``--detach``'s
+    controller job is still queued (:func:`queued_controller`: it holds no lock yet, and only
+    one of the two could ever run): the launcher looks before the trial's directory is
+    touched, and this looks again under the lock. A Ctrl-C while submitting cancels the job."""
     assert isinstance(scheduler, SlurmScheduler), "--detach needs scheduler=slurm"
     request = controller_request(cfg, paths, scheduler, argv)
+    queued = queued_controller(cfg, paths, scheduler.scancel_timeout)  # again, under the lock:
+    if queued is not None:  # one submitted since the launcher's own look
+        print(f"error: {refusal(cfg, queued)}", file=sys.stderr)
+        return 1
     lock.release()
     since = time.time()
-    job_id = scheduler.schedule(request)[0]
+    try:
+        job_id = scheduler.schedule(request)[0]
+    except KeyboardInterrupt:  # (held during sbatch: the job id is recorded) nothing would
+        scheduler.stop_all(0.0)  # ever cancel the controller job: this Ctrl-C does
+        print("interrupted: the controller's job was cancelled", file=sys.stderr)
+        return 1
     write_pending(cfg, paths, job_id, since)
     groups = group_specs(cfg, paths, scheduler.python)
     kinds = ("controller", "master", *(k for k in groups if k != "master"))

@@ -36,6 +36,13 @@ def test_only_jobs_writing_under_this_trial_are_swept():
     assert named_here(jobs, "smoke", "t1", ["/elsewhere", FB + "/"]) == ["13", "14"]
 
 
+def test_a_heterogeneous_jobs_components_go_with_the_one_that_names_the_output():
+    queue = ("30+0|RUNNING|None|rlnode0|smoke_t1:workers|/tmp/x/fa/smoke/t1/logs/w-%%j.log\n"
+             "30+1|RUNNING|None|rlnode0|smoke_t1:workers|\n"
+             "31+1|RUNNING|None|rlnode0|smoke_t1:workers|\n")  # (another trial's, no output)
+    assert named_here(_parse(queue), "smoke", "t1", [FA]) == ["30+0", "30+1"]
+
+
 def test_stdout_under():
     assert stdout_under("/r/smoke/t1/logs/a.log", "/r/smoke/t1")
     assert stdout_under("/r/smoke/t1/eval/logs/a.log", "/r/smoke/t1")  # mode=eval's jobs

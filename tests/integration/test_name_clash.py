@@ -35,6 +35,7 @@ def test_a_second_trial_of_the_same_name_on_one_name_service_is_refused(tmp_path
         assert (f"error: trial smoke/same is live on this name service from another directory "
                 f"({first_dir}, controller pid ") in r.stderr, r.stderr
         assert "use another trial= name" in r.stderr
+        assert not os.path.exists(second_root)  # refused before anything was written
         _, err = first.communicate(timeout=120)
         assert first.returncode == 0, err[-3000:]
     finally:
@@ -54,3 +55,7 @@ def test_a_controller_key_is_another_trials_unless_it_names_this_directory(tmp_p
     assert other_trial(json.dumps(other), mine) == (
         f"{other['trial_dir']}, controller pid {other['pid']} on {other['host']}")
     assert other_trial("12345", mine) == "an unknown trial directory"  # (an older release)
+    assert other_trial(controller_record(os.path.join(mine, "eval")), mine) is None  # mode=eval
+    os.makedirs(mine)
+    os.symlink(tmp_path / "a", tmp_path / "link")
+    assert other_trial(controller_record(mine), str(tmp_path / "link" / "smoke" / "t")) is None

@@ -4,6 +4,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -23,3 +25,23 @@ def test_a_stop_signal_waits_for_the_held_step_then_acts():
             done.append(r.stdout.strip())
     assert done == ["finished"]  # the step ran to its end; the interrupt came after it
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before  # the mask restored
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_delivered_to_another_thread_is_held_too():
+    """The launcher has other threads (its pause watch, the name service's keep-alive): the
+    kernel may hand the signal to one of them, and Python runs the handler in the main thread
+    at once, in the middle of the held step."""
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    recorded = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with held_signals():
+                threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+                time.sleep(0.6)  # the step (a sbatch) is under way when the signal comes
+                recorded.append("job id")
+        assert recorded == ["job id"]
+    finally:
+        stop.set()
