@@ -222,6 +222,10 @@ class Worker:
                 pass
             except Exception as e:  # a backend hiccup is no news, not a dead controller
                 log.warning("cannot read the controller's liveness key: %s", e)
+                # the clock restarts: a name service back from an outage may have lost every
+                # key, and the controller's returns within its refresh
+                started = time.monotonic()
+                seen = None if seen is None else started
                 continue
             gone = time.monotonic() - (started if seen is None else seen)
             if gone > self.boot.orphan_timeout:
