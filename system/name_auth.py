@@ -64,9 +64,9 @@ class EntrySealer:
         """Whether ``stored`` under ``key`` was sealed with this secret (nothing counted)."""
         if self._key is None:
             return True
-        head, mac, value = VERSION + ":", stored[3:3 + _MAC_HEX], stored[4 + _MAC_HEX:]
-        return (stored.startswith(head) and stored[3 + _MAC_HEX:4 + _MAC_HEX] == ":"
-                and hmac.compare_digest(mac.encode(), self._mac(key, value).encode()))
+        parts = _sealed(stored)
+        return parts is not None and hmac.compare_digest(
+            parts[0].encode(), self._mac(key, parts[1]).encode())
 
     def _refuse(self, key: str) -> None:
         with self._lock:
@@ -80,9 +80,15 @@ class EntrySealer:
                         "as absent", key)
 
 
+def _sealed(stored: str) -> tuple[str, str] | None:
+    """``(mac, value)`` of a stored ``v1:<mac>:<value>`` entry; None if it is not one."""
+    if stored.startswith(VERSION + ":") and stored[3 + _MAC_HEX:4 + _MAC_HEX] == ":":
+        return stored[3:3 + _MAC_HEX], stored[4 + _MAC_HEX:]
+    return None
+
+
 def unverified_value(stored: str) -> str:
     """The value part of a sealed entry, its mac NOT checked: for a message about an entry
     that is not this trial's (another trial's of the same name), never to act on."""
-    if stored.startswith(VERSION + ":") and stored[3 + _MAC_HEX:4 + _MAC_HEX] == ":":
-        return stored[4 + _MAC_HEX:]
-    return stored
+    parts = _sealed(stored)
+    return stored if parts is None else parts[1]
