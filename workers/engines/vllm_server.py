@@ -35,6 +35,7 @@ from workers.engines.vllm_config import (Sampling, VllmConfig, as_int, check_con
                                          check_vocab, cpu_tensor_parallel_problem, memory_nodes,
                                          prompt_ids)
 from workers.engines.vllm_requests import _Group, _Seq, _top, segments_of
+from workers.engines.vllm_tmp import engine_temp_dir
 
 __all__ = ["GenerationEngine", "GenerationLoopDied", "Sampling", "VllmConfig", "segments_of"]
 
@@ -54,6 +55,7 @@ class GenerationEngine:
     def __init__(self, model_path: str, cfg: VllmConfig, eos_token_id: int | None = None) -> None:
         import torch
         from vllm import LLM
+        from vllm import envs as vllm_envs
 
         on_gpu = torch.cuda.is_available()
         problem = None if on_gpu else cpu_tensor_parallel_problem(
@@ -65,14 +67,18 @@ class GenerationEngine:
         inline = args.inline
         # read by vLLM when the engine is made: its engine core in this process, or in its own
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if inline else "1"
+        # an earlier engine in this process froze vLLM's reading of its variables (set above)
+        getattr(vllm_envs, "disable_envs_cache", lambda: None)()
         sized = {} if args.kv_cache_bytes is None else {"kv_cache_memory_bytes": args.kv_cache_bytes}
-        llm = LLM(model=model_path, skip_tokenizer_init=True, dtype=args.dtype,
-                  enforce_eager=args.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
-                  gpu_memory_utilization=args.gpu_memory_utilization,
-                  max_model_len=cfg.max_model_len, seed=cfg.seed,
-                  enable_prefix_caching=cfg.enable_prefix_caching,
-                  worker_extension_cls=WEIGHT_SYNC_EXTENSION,
-                  distributed_executor_backend="uni" if inline else None, **sized)
+        with engine_temp_dir():  # its files and sockets: not left in /tmp
+            llm = LLM(model=model_path, skip_tokenizer_init=True, dtype=args.dtype,
+                      enforce_eager=args.enforce_eager,
+                      tensor_parallel_size=cfg.tensor_parallel_size,
+                      gpu_memory_utilization=args.gpu_memory_utilization,
+                      max_model_len=cfg.max_model_len, seed=cfg.seed,
+                      enable_prefix_caching=cfg.enable_prefix_caching,
+                      worker_extension_cls=WEIGHT_SYNC_EXTENSION,
+                      distributed_executor_backend="uni" if inline else None, **sized)
         self._attach(llm, cfg, eos_token_id, owns=True)
         self.model_path = model_path
 

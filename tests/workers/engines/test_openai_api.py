@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import tempfile
 import time
 import urllib.request
 
@@ -49,6 +50,12 @@ def engine(tokenizer):
     # negative on a machine whose node 0 showed 14 GiB, and vLLM refused to start
     eng = separate_engine(SMOL, VllmConfig(max_model_len=512, kv_cache_gib=0.5,
                                            engine_process="separate"), tokenizer.eos_token_id)
+    # its core's sockets and its workers' rendezvous file: in this process's own directory,
+    # which goes when it exits, not left in /tmp
+    private = os.environ["VLLM_RPC_BASE_PATH"]
+    names = os.listdir(private)
+    assert os.path.dirname(private) == tempfile.gettempdir() and len(names) >= 2
+    assert any(n.startswith("vllm_dist_") for n in names), names
     yield eng
     eng.close()
 

@@ -1,0 +1,54 @@
+"""vLLM's temporary files and sockets go to a directory of the process's own, removed at its
+exit (a real engine's are checked where the OpenAI tests build one in processes of its own)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+from tests.helpers import REPO
+from workers.engines.vllm_tmp import RPC_VARIABLE, _remove, engine_temp_dir, private_dir
+
+
+def test_while_an_engine_is_built_temporary_files_go_to_the_private_directory():
+    env: dict[str, str] = {"TMPDIR": "/somewhere"}
+    outside = tempfile.gettempdir()
+    with engine_temp_dir(env) as path:
+        assert tempfile.gettempdir() == path == env["TMPDIR"] == env[RPC_VARIABLE]
+        assert os.path.dirname(path) == outside and os.path.isdir(path)
+        assert len(os.path.join(path, "0" * 36)) < 107  # vLLM's socket names: uuid4
+        with tempfile.NamedTemporaryFile() as f:
+            assert os.path.dirname(f.name) == path
+    assert tempfile.gettempdir() == outside and env["TMPDIR"] == "/somewhere"
+    assert env[RPC_VARIABLE] == path  # for good: vLLM may have frozen its reading of it
+    with engine_temp_dir(env) as again:
+        assert again == path == private_dir()
+
+
+def test_a_socket_directory_the_user_named_is_kept(tmp_path):
+    env = {RPC_VARIABLE: str(tmp_path)}
+    with engine_temp_dir(env) as path:
+        assert env[RPC_VARIABLE] == str(tmp_path) != path
+    assert "TMPDIR" not in env
+
+
+def test_only_the_process_that_made_it_removes_it(tmp_path):
+    path = tmp_path / "rpc"
+    path.mkdir()
+    _remove(str(path), os.getpid() + 1)  # a forked child exiting through atexit
+    assert path.is_dir()
+    _remove(str(path), os.getpid())
+    assert not path.exists()
+
+
+def test_the_directory_goes_when_the_process_exits():
+    code = ("import os, socket, tempfile; from workers.engines.vllm_tmp import engine_temp_dir\n"
+            "with engine_temp_dir() as d:\n"
+            "    s = socket.socket(socket.AF_UNIX); s.bind(os.path.join(d, 'engine'))\n"
+            "    tempfile.mkstemp(); print(d)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=REPO)
+    path = out.stdout.strip()
+    assert path.startswith(tempfile.gettempdir()) and os.path.basename(path).startswith("rlsys")
+    assert not os.path.exists(path)
