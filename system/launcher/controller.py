@@ -120,6 +120,7 @@ class Controller(RecoveringController):
             finally:
                 signal.signal(signal.SIGINT, old)
             summary.recoveries(self.recovery.summary())
+            summary.last_progress(self.status.progress)
             try:
                 summary.write(self.paths.summary, self.timeline, self.requeue.restarts)
             except OSError as e:  # a full disk, say: the outcome is still printed and returned

@@ -45,6 +45,12 @@ class TrialSummary:
         if attempts:
             self.data["recoveries"] = attempts
 
+    def last_progress(self, progress: Mapping[str, Any]) -> None:
+        """The master's last progress figures (``step``, ``reward``, ...) of a trial that did not
+        complete: how far it got before it failed or was stopped."""
+        if progress and self.status != "completed":
+            self.data["progress"] = dict(progress)
+
     def interrupted(self, cancelled: bool = False) -> None:
         """Ctrl-C or a stop signal; ``cancelled``: ``python -m system.ctl cancel`` asked."""
         self.data["status"] = "cancelled" if cancelled else "interrupted"

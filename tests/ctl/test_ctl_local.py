@@ -104,7 +104,9 @@ def test_ls_status_logs_cancel(fileroot):
     code, s = status(fileroot, "op")
     assert code == 5 and s["state"] == "cancelled"
     assert {j["state"] for j in s["jobs"]} <= {"CANCELLED", "COMPLETED", "FAILED"}
-    assert read_summary(fileroot, "smoke", "op")["status"] == "cancelled"
+    summary = read_summary(fileroot, "smoke", "op")
+    assert summary["status"] == "cancelled"
+    assert summary["progress"] == s["progress"] and summary["progress"]["trajectories"]
     with open(os.path.join(trial_dir, "logs", "launcher.log")) as f:
         assert "cancelled: stopping every worker" in f.read()
     r = ctl("ls", "--fileroot", fileroot)
