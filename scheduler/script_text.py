@@ -154,7 +154,10 @@ _NO_JOB_ID = {"wait": "sbatch would not return until the job ends",
 at once, or the job from starting, with why (their short forms ``-W`` and ``-H`` are refused
 as every short option is). Seen on Slurm 22.05: on an ``#SBATCH`` line, ``--quiet``,
 ``--parsable``, ``--help``, ``--usage`` and ``--version`` change nothing of this."""
-NOT_EXTRA = (*_BY_GROUP_KEY, *_BY_SLURM_KEY, *_FIXED, *_NO_JOB_ID)
+_ELSEWHERE = {"clusters": "the job would be queued on another cluster, where the controller's "
+                          "squeue and scancel do not look: it would be lost, and left running"}
+"""Options that put the job where the controller cannot follow it (short form ``-M``)."""
+NOT_EXTRA = (*_BY_GROUP_KEY, *_BY_SLURM_KEY, *_FIXED, *_NO_JOB_ID, *_ELSEWHERE)
 _EXACT = ("gpus",)
 """Real sbatch options that are prefixes of one in :data:`NOT_EXTRA` (sbatch, like getopt,
 takes any unambiguous prefix of an option: ``--out=x`` is ``--output=x``)."""
@@ -169,6 +172,8 @@ def _owner(option: str) -> str:
         return f"set it with {_BY_SLURM_KEY[option]}"
     if option in _NO_JOB_ID:
         return _NO_JOB_ID[option]
+    if option in _ELSEWHERE:
+        return _ELSEWHERE[option]
     return "the launcher sets it for the job names and log paths the controller watches"
 
 

@@ -281,11 +281,15 @@ def test_extra_sbatch_refuses_anything_but_one_option_of_its_own(line, words):
     ("--test", "--test-only is not valid"),
     ("-W", "not one sbatch option"),
     ("-H", "not one sbatch option"),
+    ("--clusters=other", "squeue and scancel do not look"),
+    ("--cluster=other", "--clusters is not valid"),
+    ("-M other", "not one sbatch option"),
 ])
 def test_extra_sbatch_refuses_options_that_keep_sbatch_from_submitting_at_once(line, why):
     """``sbatch --parsable`` must print a job id at once and the job must be able to start:
     ``--wait`` would block the launcher until the job ends (and leave it running after the
-    submission times out), ``--hold`` would never start, ``--test-only`` submits nothing."""
+    submission times out), ``--hold`` would never start, ``--test-only`` submits nothing.
+    ``--clusters`` would queue it where the controller never looks for it."""
     with pytest.raises(ConfigError) as e:
         SlurmGroupConfig(extra_sbatch=[line])
     message = str(e.value)
