@@ -10,6 +10,7 @@ rejoins (:meth:`Cluster.watch_replicas`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -212,7 +213,7 @@ class Cluster:
             for r, res in zip(targets, collect_settled(loading, self.rl.call_timeout)):
                 if isinstance(res, RpcError):
                     failed[r] = str(res)
-            shutil.rmtree(os.path.join(weights, f"v{version - 1}"), ignore_errors=True)
+            _prune(weights, keep=f"v{version}")  # (a resumed run's too)
         else:
             receiving = {r: self.gens[r].update_weights(version) for r in targets}
             for s in self.on_models(lambda c: c.send_weights(targets)):
@@ -277,6 +278,8 @@ class Cluster:
 
     def close(self) -> None:
         self.peers.close()
+        if self.rl.weight_sync.mode == "disk":  # a copy of the model no one loads any more
+            _prune(os.path.join(self.master.boot.trial_dir, "weights"), keep=None)
 
 
 def group_ranks(model_devices: Sequence[str], gen_devices: Sequence[str], replica: int,
@@ -325,3 +328,18 @@ def _answer(pending: Pending[T], timeout: float = 5.0) -> T | None:
 def _index(name: str) -> int:
     """``kind/index`` -> index."""
     return int(name.rsplit("/", 1)[1])
+
+
+def _prune(weights: str, keep: str | None) -> None:
+    """Remove the published weights under ``weights`` (``v<version>`` directories) but
+    ``keep``; the directory itself goes once none is kept."""
+    try:
+        names = os.listdir(weights)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name != keep and name.startswith("v") and name[1:].isdigit():
+            shutil.rmtree(os.path.join(weights, name), ignore_errors=True)
+    if keep is None:
+        with contextlib.suppress(OSError):
+            os.rmdir(weights)

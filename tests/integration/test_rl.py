@@ -244,6 +244,8 @@ def test_sync_ppo_multi_turn_calculator_two_trainers_with_reference(fileroot):
     assert [row["versions"] for row in trained] == [[0], [1], [2]]
     models = s["results"]["prompts_per_step"]
     assert len(models) == 3
+    # disk mode's published copies of the model: gone with the trial
+    assert not os.path.exists(os.path.join(fileroot, "arith-tiny", "ppo", "weights"))
 
 
 def test_dead_generation_servers_and_a_rollout_worker_restart_alone_training_goes_on(
