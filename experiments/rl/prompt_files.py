@@ -144,17 +144,33 @@ def _no_shards(path: str) -> bool:
         return False
 
 
+INT64 = (-(1 << 63), (1 << 63) - 1)
+"""The integers a prompt's id and answer may hold: what the wire (msgpack) carries as one."""
+
+
 def _prompt_id(value: Any) -> int | None:
-    """An id column's value as an int (``7``, ``7.0``, ``"7"``), or None if it is not one."""
+    """An id column's value as an int (``7``, ``7.0``, ``"7"``) of 64 bits, or None if it is
+    not one."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-        return int(value)
-    return None
+        pid = value
+    elif isinstance(value, float) and value.is_integer():
+        pid = int(value)
+    elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d{1,20}\s*", value):
+        pid = int(value)
+    else:
+        return None
+    return pid if INT64[0] <= pid <= INT64[1] else None
+
+
+def _oversized_int(value: Any) -> int | None:
+    """An integer in ``value`` (or its lists and mappings) beyond 64 bits, if any."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None if INT64[0] <= value <= INT64[1] else value
+    items = value.values() if isinstance(value, Mapping) else \
+        value if isinstance(value, (list, tuple)) else ()
+    return next((v for v in map(_oversized_int, items) if v is not None), None)
 
 
 def load_prompts(path: str, fields: str = "", split: str = "train",
@@ -178,11 +194,18 @@ def load_prompts(path: str, fields: str = "", split: str = "train",
         if answer is None:
             raise ConfigError(f"{src}: {where}: the answer (column {cols['answer']!r}) is null; "
                               "valid: a number or a string")
+        big = _oversized_int(answer)
+        if big is not None:
+            raise ConfigError(f"{src}: {where}: the answer (column {cols['answer']!r}) holds the "
+                              f"integer {_short(big)}, beyond 64 bits, which workers cannot send "
+                              "each other; valid: integers from -2**63 to 2**63-1, or write it "
+                              "as a string")
         raw = r.get(cols["id"])
         pid = i if raw is None else _prompt_id(raw)
         if pid is None:
             raise ConfigError(f"{src}: {where}: id {_short(raw)} (column {cols['id']!r}) is not "
-                              "an integer; valid: integer ids (or map another column with "
+                              "a 64-bit integer; valid: integer ids from -2**63 to 2**63-1 (or "
+                              "map another column with "
                               "rl.task.fields=id:COL, or drop the column to number the rows "
                               "from 0)")
         if pid in where_of:

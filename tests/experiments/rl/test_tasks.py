@@ -206,9 +206,18 @@ GOOD = '{"prompt": "1+1=", "answer": 2}\n'
     (GOOD + "\n" + "5\n",  # blank lines count: line 3
      ["line 3", "5 (int)", "not a JSON object"]),
     (GOOD + '{"prompt": "x", "answer": 1, "id": "x0"}\n',
-     ["line 2", "id 'x0'", "not an integer", "rl.task.fields=id:COL"]),
-    (GOOD + '{"prompt": "x", "answer": 1, "id": 1.5}\n', ["line 2", "id 1.5", "not an integer"]),
-    (GOOD + '{"prompt": "x", "answer": 1, "id": true}\n', ["line 2", "not an integer"]),
+     ["line 2", "id 'x0'", "not a 64-bit integer", "rl.task.fields=id:COL"]),
+    (GOOD + '{"prompt": "x", "answer": 1, "id": 1.5}\n', ["line 2", "id 1.5", "not a 64-bit integer"]),
+    (GOOD + '{"prompt": "x", "answer": 1, "id": true}\n', ["line 2", "not a 64-bit integer"]),
+    # beyond what msgpack carries: the rollout workers' leases failed for ever, the trial hung
+    (GOOD + '{"prompt": "x", "answer": 1, "id": 100000000000000000000}\n',
+     ["line 2", "id 100000000000000000000", "not a 64-bit integer", "2**63-1"]),
+    (GOOD + '{"prompt": "x", "answer": 1, "id": "-9223372036854775809"}\n',
+     ["line 2", "not a 64-bit integer"]),
+    (GOOD + '{"prompt": "x", "answer": 100000000000000000000}\n',
+     ["line 2", "'answer'", "100000000000000000000", "beyond 64 bits", "as a string"]),
+    (GOOD + '{"prompt": "x", "answer": [1, {"a": -100000000000000000000}]}\n',
+     ["line 2", "-100000000000000000000", "beyond 64 bits"]),
     (GOOD + '{"prompt": ["x"], "answer": 1}\n', ["line 2", "'prompt'", "list", "a string"]),
     (GOOD + '{"prompt": "x", "answer": null}\n', ["line 2", "'answer'", "null"]),
     ('{"prompt": "a", "answer": 1, "id": 3}\n{"prompt": "b", "answer": 1, "id": 3}\n',
@@ -241,8 +250,11 @@ def test_non_utf8_and_bom_jsonl(tmp_path):
 
 def test_integer_ids_of_any_spelling_are_kept(tmp_path):
     path = _jsonl(tmp_path, "t.jsonl", '{"prompt": "a", "answer": 1, "id": "7"}\n'
-                  '{"prompt": "b", "answer": 1, "id": 8.0}\n')
-    assert [p["id"] for p in dataset(TaskConfig(train_path=path), "train")] == [7, 8]
+                  '{"prompt": "b", "answer": 1, "id": 8.0}\n'
+                  '{"prompt": "c", "answer": 1, "id": "-9223372036854775808"}\n'
+                  '{"prompt": "d", "answer": 1, "id": 9223372036854775807}\n')
+    assert [p["id"] for p in dataset(TaskConfig(train_path=path), "train")] == [
+        7, 8, -(1 << 63), (1 << 63) - 1]
 
 
 def test_an_empty_training_set_names_its_file_or_task(tmp_path):
@@ -286,7 +298,7 @@ def test_bad_parquet_files(tmp_path):
     ids = str(tmp_path / "ids.parquet")
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"], "id": ["0", "x1"]}),
                    ids)
-    with pytest.raises(ConfigError, match=r"ids\.parquet.*row 1.*id 'x1'.*not an integer"):
+    with pytest.raises(ConfigError, match=r"ids\.parquet.*row 1.*id 'x1'.*not a 64-bit integer"):
         dataset(TaskConfig(train_path=ids), "train")
 
 
