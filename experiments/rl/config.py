@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from experiments.rl.agents import AgentConfig
 from experiments.rl.algorithms.objectives import ActorLossConfig
@@ -214,9 +214,10 @@ class RLExperimentConfig(ExperimentConfig):
                               "OpenAI endpoint: it needs generation.http=true")
         # the experiment's own model when rl.model_path is empty (the split is then checked
         # at launch, not after every worker started)
-        self.rl.actor.check_layout(self.model.count, model_config(model_dir(self.rl, self.exp)),
-                                   key="rl.actor.megatron")
-
+        hf = model_config(model_dir(self.rl, self.exp))
+        self.rl.actor.check_layout(self.model.count, hf, key="rl.actor.megatron")
+        if self.exp or self.rl.model_path:  # (not an experiment's defaults, set after)
+            check_model_len(self.rl.vllm.max_model_len, hf)
 
     def recovery(self) -> RecoverConfig | None:
         """None for an evaluation (``mode=eval``): it is not recovered, and run again it skips
@@ -268,6 +269,17 @@ def model_config(path: str) -> dict | None:
         return json.load(f)
 
 
+def check_model_len(max_model_len: int, hf: Mapping[str, Any] | None) -> None:
+    """The servers' context must fit the model's positions (vLLM refuses it at every start of
+    a generation server, in a long validation traceback); a model whose positions scale
+    (``rope_scaling``) is left to vLLM."""
+    limit = (hf or {}).get("max_position_embeddings")
+    if isinstance(limit, int) and not (hf or {}).get("rope_scaling") and max_model_len > limit:
+        raise ConfigError(f"rl.vllm.max_model_len={max_model_len} is longer than the model's "
+                          f"context (max_position_embeddings={limit} in its config.json); "
+                          f"valid: rl.vllm.max_model_len <= {limit}")
+
+
 def model_dir(rl: RLConfig, experiment: str) -> str:
     """``rl.model_path``, or the experiment's own model under ``.models/`` when it is empty."""
     return rl.model_path or os.path.join(PROJECT_ROOT, ".models",
@@ -277,8 +289,10 @@ def model_dir(rl: RLConfig, experiment: str) -> str:
 def resolve_model_path(rl: RLConfig, experiment: str) -> str:
     path = model_dir(rl, experiment)
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"rl.model_path={path!r} is not a model directory (run `make setup`, "
-                          f"which creates the experiment models under .models/)")
+        raise ConfigError(f"rl.model_path={path!r} is not a model directory (no config.json; "
+                          + ("valid: a Hugging Face model directory, or a checkpoint's actor/)"
+                             if rl.model_path else "run `make setup`, which creates the "
+                             "experiment models under .models/)"))
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         raise ConfigError(f"rl.model_path={path!r} has no tokenizer (none of "
                           f"{', '.join(TOKENIZER_FILES)}): copy the base model's tokenizer "

@@ -73,6 +73,10 @@ BAD_OVERRIDES = [  # (override, the start of its one-line error)
     ("rl.seed=4294967296", "rl.seed must be in [0, 2**32)"),
     ("rl.vllm.seed=-1", "rl.vllm.seed must be in [0, 2**32)"),
     ("rl.vllm.max_model_len=4", "rl.vllm.max_model_len must be >= 8"),
+    # past the model's positions: vLLM refused it at every (recovered) start of the servers
+    ("rl.vllm.max_model_len=300", "rl.vllm.max_model_len=300 is longer than the model's context "
+                                  "(max_position_embeddings=256 in its config.json); valid: "
+                                  "rl.vllm.max_model_len <= 256"),
     ("rl.vllm.tensor_parallel_size=0", "rl.vllm.tensor_parallel_size must be >= 1"),
     ("rl.agent.temperature=0", "rl.agent.temperature=0.0 is not valid for training rollouts"),
     ("rl.agent.temperature=-1", "rl.agent.temperature=-1.0 is not valid for training"),
