@@ -25,16 +25,39 @@ _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?"
 _FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 
 
+MAX_DIGITS = 400
+"""A number in a completion with more digits (or a larger exponent) than this is no answer:
+Python refuses to read an integer of over 4300 digits, and ``Fraction("1e10000000")`` takes
+seconds (a model can write either)."""
+
+
+def integer_answer(answer: Any) -> int:
+    """A prompt's answer as the integer ``first_int`` and ``last_int`` compare with: an int, a
+    whole float (``3.0``) or a string of an integer (``" 3"``); ValueError for anything else
+    (``2.5`` is not read as 2)."""
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        return answer
+    if isinstance(answer, float) and answer.is_integer():
+        return int(answer)
+    if isinstance(answer, str) and re.fullmatch(r"\s*[+-]?\d{1,%d}\s*" % MAX_DIGITS, answer):
+        return int(answer)
+    raise ValueError(f"the answer {answer!r} is not an integer")
+
+
+def _same_int(digits: str, answer: Any) -> bool:
+    return len(digits.lstrip("-")) <= MAX_DIGITS and int(digits) == integer_answer(answer)
+
+
 def first_int_reward(completion: str, answer: Any) -> float:
     """1 if the completion starts with the answer as an integer (``"7"``, ``"7 "``), else 0."""
     m = re.match(r"\s*(-?\d+)", completion)
-    return float(m is not None and int(m.group(1)) == int(answer))
+    return float(m is not None and _same_int(m.group(1), answer))
 
 
 def last_int_reward(completion: str, answer: Any) -> float:
     """1 if the last integer in the completion is the answer, else 0."""
     found = _INT.findall(completion.replace(",", ""))
-    return float(bool(found) and int(found[-1]) == int(answer))
+    return float(bool(found) and _same_int(found[-1], answer))
 
 
 def last_boxed(text: str) -> str | None:
@@ -65,6 +88,9 @@ def to_number(text: str) -> Fraction | None:
         value = None if num is None or not den else num / den
     elif re.fullmatch(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:[eE][-+]?\d+)?", s) and \
             re.search(r"\d", s):
+        mantissa, _, exponent = s.replace(",", "").lower().partition("e")
+        if len(mantissa) > MAX_DIGITS or (exponent and abs(int(exponent[:12])) > MAX_DIGITS):
+            return None  # (compared as text)
         value = Fraction(s.replace(",", ""))
     else:
         return None
@@ -103,3 +129,8 @@ REWARDS: dict[str, RewardFn] = {
     "math": math_reward,
 }
 """The built-in rewards, by the name ``rl.task.reward`` takes."""
+
+ANSWER_CHECKS: dict[RewardFn, Callable[[Any], Any]] = {
+    first_int_reward: integer_answer, last_int_reward: integer_answer}
+"""What a reward needs of every prompt's answer: checked when the prompts are loaded (raises
+ValueError saying why), not once a completion happens to start with a digit mid-run."""

@@ -22,7 +22,7 @@ from typing import Any, Callable, TypeVar
 
 from experiments.rl import plugins
 from experiments.rl.prompt_files import load_prompts
-from experiments.rl.rewards import REWARDS
+from experiments.rl.rewards import ANSWER_CHECKS, REWARDS
 from experiments.rl.synthetic import arith_task, word_task
 from experiments.rl.task_api import Prompt, Task, TaskConfig, TaskFactory
 from system.errors import ConfigError
@@ -90,6 +90,7 @@ def dataset(cfg: TaskConfig, split: str) -> list[Prompt]:
             raise ConfigError(f"{key}={path!r} holds no prompts; valid: a .jsonl file with one "
                               "JSON object per line, or a parquet file or saved dataset with "
                               "at least one row")
+        _check_answers(cfg, f"{key}={path!r}", out)
         return out  # type: ignore[return-value]
     task = get_task(cfg)
     if task.prompts is None:
@@ -105,7 +106,25 @@ def dataset(cfg: TaskConfig, split: str) -> list[Prompt]:
         raise ConfigError(f"rl.task.name={cfg.name!r} gave no training prompts (with its "
                           "rl.task settings); valid: settings that give at least one, or "
                           "rl.task.train_path=FILE")
+    _check_answers(cfg, f"rl.task.name={cfg.name!r}", out)
     return out
+
+
+def _check_answers(cfg: TaskConfig, source: str, prompts: list[Any]) -> None:
+    """Every answer is one the task's reward can compare with (``first_int`` and ``last_int``:
+    an integer): a bad one stopped the trial mid-run, once a completion began with a digit."""
+    reward = get_task(cfg).reward
+    check = ANSWER_CHECKS.get(reward)
+    if check is None:
+        return
+    for p in prompts:
+        try:
+            check(p["answer"])
+        except ValueError as e:
+            raise ConfigError(f"{source}: prompt id {p['id']}: {e}, which the reward "
+                              f"{reward.__name__.removesuffix('_reward')} compares completions "
+                              "with; valid: integer answers (whole numbers), or "
+                              "rl.task.reward=math") from None
 
 
 __all__ = ["Prompt", "SPLITS", "TASKS", "Task", "TaskConfig", "TaskFactory", "dataset",

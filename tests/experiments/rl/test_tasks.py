@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -20,6 +21,28 @@ def test_rewards():
     assert last_int_reward("so 3 + 4 = 7.", 7) == 1.0
     assert last_int_reward("1,200 apples", 1200) == 1.0
     assert last_int_reward("no number", 3) == 0.0
+    assert first_int_reward("7", "7") == 1.0 and first_int_reward("7", 7.0) == 1.0
+
+
+def test_int_rewards_refuse_answers_that_are_not_integers():
+    """``2.5`` was read as 2 (``int(2.5)``), and ``"3.0"`` failed mid-run."""
+    for reward in (first_int_reward, last_int_reward):
+        for answer in (2.5, "3.0", "two", True, None):
+            with pytest.raises(ValueError, match="is not an integer"):
+                reward("2", answer)
+
+
+@pytest.mark.parametrize("completion", ["0" * 5000, "1e10000000", "1e50000000", "9" * 4400])
+def test_rewards_of_numbers_no_one_would_answer_are_0_at_once(completion):
+    """A degenerate completion: Python refuses an integer of over 4300 digits (the reward
+    raised, which stops the trial) and ``Fraction("1e50000000")`` ran for minutes."""
+    t0 = time.perf_counter()
+    for reward in (first_int_reward, last_int_reward, math_reward):
+        assert reward(completion, 0) == 0.0 and reward(f"so {completion}", 1000) == 0.0
+    assert math_reward(completion, "1e3") == 0.0
+    assert time.perf_counter() - t0 < 10  # (not a timing: a hang's guard; it takes ms)
+    assert math_reward("\\boxed{1e400}", "1e400") == 1.0  # (the largest exponent read)
+    assert math_reward("\\boxed{1e401}", "1e401") == 1.0  # (beyond it: the same text)
 
 
 @pytest.mark.parametrize("completion, answer, want", [
@@ -216,6 +239,9 @@ GOOD = '{"prompt": "1+1=", "answer": 2}\n'
      ["line 2", "not a 64-bit integer"]),
     (GOOD + '{"prompt": "x", "answer": 100000000000000000000}\n',
      ["line 2", "'answer'", "100000000000000000000", "beyond 64 bits", "as a string"]),
+    (GOOD + '{"prompt": "x", "answer": 2.5}\n',  # arith's reward: first_int
+     ["prompt id 1", "the answer 2.5 is not an integer", "first_int", "rl.task.reward=math"]),
+    (GOOD + '{"prompt": "x", "answer": "3.0"}\n', ["prompt id 1", "'3.0' is not an integer"]),
     (GOOD + '{"prompt": "x", "answer": [1, {"a": -100000000000000000000}]}\n',
      ["line 2", "-100000000000000000000", "beyond 64 bits"]),
     (GOOD + '{"prompt": ["x"], "answer": 1}\n', ["line 2", "'prompt'", "list", "a string"]),
