@@ -56,6 +56,10 @@ class Experiment:
     evaluation's (``<trial>/eval``): one line saying the trial's checkpoints are all evaluated
     already (the launcher prints it and exits 0), or None to run; ConfigError (one line, exit 2)
     when this config cannot evaluate them."""
+    train_done: Callable[[Any, str], str | None] | None = None
+    """Before a training launch that would continue an existing trial, given the config and
+    the trial's directory: one line saying the trial is trained to its end already (the
+    launcher prints it and exits 0, writing and starting nothing), or None to run."""
     resume_check: Callable[[Any, str], None] | None = None
     """Before a training launch that would continue an existing trial (``recover=auto`` or
     ``resume``), given the config and the trial's directory: ConfigError (one line) when the

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 
 from experiments.registry import Experiment, Roles
-from experiments.rl.checkpoint_layout import check_resume_critic, check_resume_layout, layout_of
+from experiments.rl.checkpoint_layout import (check_resume_critic, check_resume_layout, layout_of,
+                                              nothing_to_train)
 from experiments.rl.config import RLExperimentConfig
 from experiments.rl.roles.evaluator import eval_master_role, nothing_to_evaluate
 from experiments.rl.roles.generation import generation_role
@@ -68,7 +69,9 @@ def same_layout(cfg: RLExperimentConfig, trial_dir: str) -> None:
 STATEFUL = ("model", "master")
 ARITH_TINY = Experiment("arith-tiny", arith_tiny, ROLES, section="rl", stateful=STATEFUL,
                         warm=WARM, prepare=PREPARE, eval_roles=EVAL_ROLES,
-                        eval_done=nothing_to_evaluate, resume_check=same_layout)
+                        eval_done=nothing_to_evaluate, resume_check=same_layout,
+                        train_done=nothing_to_train)
 SMOLLM2_ARITH = Experiment("smollm2-arith", smollm2_arith, ROLES, section="rl",
                            stateful=STATEFUL, warm=WARM, prepare=PREPARE, eval_roles=EVAL_ROLES,
-                           eval_done=nothing_to_evaluate, resume_check=same_layout)
+                           eval_done=nothing_to_evaluate, resume_check=same_layout,
+                           train_done=nothing_to_train)

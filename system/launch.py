@@ -220,11 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     experiment = get_experiment(args.exp)
     try:
         done = None if args.dry_run or "--test-only" in args.flags else \
-            evaluated_already(cfg, experiment)
+            done_already(cfg, experiment)
     except ConfigError as e:  # e.g. nothing to evaluate on
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if done is not None:  # every checkpoint is evaluated already: write and start nothing
+    if done is not None:  # trained or evaluated to the end already: write and start nothing
         print(done, file=sys.stderr)
         return 0
     resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
@@ -309,17 +309,26 @@ def private_modes(group_readable: bool) -> int:
     return umask
 
 
-def evaluated_already(cfg: ExperimentConfig, experiment: Experiment) -> str | None:
-    """With ``mode=eval``: the experiment's line saying there is nothing left to evaluate, or
-    None (also when its files do not read: the run itself then says why). Asked before the
-    trial's lock and files: such a run writes nothing, ``--detach`` included."""
-    if cfg.mode != RunMode.EVAL or experiment.eval_done is None:
+def done_already(cfg: ExperimentConfig, experiment: Experiment) -> str | None:
+    """The experiment's line saying there is nothing left to do: with ``mode=eval``, to
+    evaluate; for a training run that continues its trial, to train. None to run (also when
+    the trial's files do not read: the run itself then says why). Asked before the trial's
+    lock and files: such a run writes nothing, ``--detach`` included."""
+    recover = cfg.recovery()
+    if cfg.mode == RunMode.EVAL and experiment.eval_done is not None:
+        what, done = "evaluated", lambda: experiment.eval_done(  # type: ignore[misc]
+            cfg, trial_paths(cfg).root, run_paths(cfg).root)
+    elif (cfg.mode == RunMode.TRAIN and experiment.train_done is not None
+          and recover is not None and recover.type != RecoverMode.OFF):
+        what, done = "trained", lambda: experiment.train_done(  # type: ignore[misc]
+            cfg, trial_paths(cfg).root)
+    else:
         return None
     try:
-        return experiment.eval_done(cfg, trial_paths(cfg).root, run_paths(cfg).root)
+        return done()
     except (OSError, ValueError) as e:
-        logging.getLogger("launch").warning("mode=eval: could not tell what is evaluated "
-                                            "already (%s); running", e)
+        logging.getLogger("launch").warning("could not tell what is %s already (%s); "
+                                            "running", what, e)
         return None
 
 

@@ -72,3 +72,14 @@ def check_resume_critic(checkpoints: str, algorithm: str) -> None:
         "was trained without one, rl.algorithm=grpo). Continue it with rl.algorithm=grpo; or "
         "start over (recover=off recover.overwrite=true); or train a new trial from its "
         f"weights (rl.model_path={os.path.join(checkpoints, f'step_{step}', 'actor')})")
+
+
+def nothing_to_train(cfg: Any, trial_root: str) -> str | None:
+    """A continued training run whose newest checkpoint is at or past ``rl.total_steps``: the
+    line saying so (every worker would start, train nothing and stop), else None."""
+    found = saved_layout(os.path.join(trial_root, "checkpoints"))
+    if found is None or found[0] < cfg.rl.total_steps:
+        return None
+    return (f"{cfg.exp}/{cfg.trial} is trained to step {found[0]} already (its latest "
+            f"checkpoint), rl.total_steps={cfg.rl.total_steps}: nothing to train; raise "
+            "rl.total_steps to train on, or start over with recover=off recover.overwrite=true")

@@ -94,3 +94,28 @@ def test_a_ppo_launch_on_a_grpo_checkpoint_is_refused_before_it_starts(fileroot)
     assert r.returncode == 2, r.stderr
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert "has no critic to resume" in line and "rl.algorithm=grpo" in line
+
+
+def test_a_trial_trained_to_its_end_already_starts_nothing(fileroot):
+    """Relaunched with ``rl.total_steps`` at or below its latest checkpoint's step, a trial
+    started every worker, trained nothing, rewrote config.yaml and exited 0 without a word."""
+    from experiments.rl.checkpoint_layout import nothing_to_train
+    from system.launch import build_config
+
+    trial_dir = os.path.join(fileroot, "arith-tiny", "done")
+    assert nothing_to_train(build_config("arith-tiny", "done", []), trial_dir) is None
+    checkpoint(os.path.join(trial_dir, "checkpoints"), 20, layout_of(TorchEngineConfig(), 1))
+    with open(os.path.join(trial_dir, "config.yaml"), "w") as f:
+        f.write("# the trial's own\n")
+    cfg = build_config("arith-tiny", "done", ["rl.total_steps=21"])
+    assert nothing_to_train(cfg, trial_dir) is None  # a step is left: it runs
+    r = run_launch("exp=arith-tiny", "trial=done", f"cluster.fileroot={fileroot}",
+                   "rl.total_steps=10", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "arith-tiny/done is trained to step 20 already (its latest checkpoint), "
+        "rl.total_steps=10: nothing to train; raise rl.total_steps to train on, or start over "
+        "with recover=off recover.overwrite=true")
+    assert sorted(os.listdir(trial_dir)) == ["checkpoints", "config.yaml"]
+    with open(os.path.join(trial_dir, "config.yaml")) as f:
+        assert f.read() == "# the trial's own\n"
