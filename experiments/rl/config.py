@@ -153,11 +153,11 @@ class RLConfig:
         if self.sync_interval - 1 > self.eta and self.mode == "sync":
             raise ConfigError(
                 f"sync_interval={self.sync_interval}: mode=sync trains on fresh samples only "
-                "(its max_head_offpolicyness is 0, whatever is set): use sync_interval=1, or "
-                f"mode=async with max_head_offpolicyness >= {self.sync_interval - 1}")
+                "(its max_head_offpolicyness is 0, whatever is set): use rl.sync_interval=1, "
+                f"or rl.mode=async with rl.max_head_offpolicyness >= {self.sync_interval - 1}")
         if self.sync_interval - 1 > self.eta:
             raise ConfigError(
-                f"sync_interval={self.sync_interval} needs max_head_offpolicyness >= "
+                f"sync_interval={self.sync_interval} needs rl.max_head_offpolicyness >= "
                 f"{self.sync_interval - 1} (samples between syncs would all be too stale)")
         self._check_context()
 
