@@ -145,7 +145,8 @@ def _no_shards(path: str) -> bool:
 
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
-"""The integers a prompt's id and answer may hold: what the wire (msgpack) carries as one."""
+"""The integers a prompt's id may be: what the wire (msgpack) carries as one (a task names
+its prompt by id; the answer stays with the rollout worker that scores it)."""
 
 
 def _prompt_id(value: Any) -> int | None:
@@ -162,15 +163,6 @@ def _prompt_id(value: Any) -> int | None:
     else:
         return None
     return pid if INT64[0] <= pid <= INT64[1] else None
-
-
-def _oversized_int(value: Any) -> int | None:
-    """An integer in ``value`` (or its lists and mappings) beyond 64 bits, if any."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return None if INT64[0] <= value <= INT64[1] else value
-    items = value.values() if isinstance(value, Mapping) else \
-        value if isinstance(value, (list, tuple)) else ()
-    return next((v for v in map(_oversized_int, items) if v is not None), None)
 
 
 def load_prompts(path: str, fields: str = "", split: str = "train",
@@ -194,12 +186,6 @@ def load_prompts(path: str, fields: str = "", split: str = "train",
         if answer is None:
             raise ConfigError(f"{src}: {where}: the answer (column {cols['answer']!r}) is null; "
                               "valid: a number or a string")
-        big = _oversized_int(answer)
-        if big is not None:
-            raise ConfigError(f"{src}: {where}: the answer (column {cols['answer']!r}) holds the "
-                              f"integer {_short(big)}, beyond 64 bits, which workers cannot send "
-                              "each other; valid: integers from -2**63 to 2**63-1, or write it "
-                              "as a string")
         raw = r.get(cols["id"])
         pid = i if raw is None else _prompt_id(raw)
         if pid is None:

@@ -21,7 +21,7 @@ import socket
 from typing import Any, Callable, TypeVar
 
 from experiments.rl import plugins
-from experiments.rl.prompt_files import load_prompts
+from experiments.rl.prompt_files import INT64, load_prompts
 from experiments.rl.rewards import ANSWER_CHECKS, REWARDS
 from experiments.rl.synthetic import arith_task, word_task
 from experiments.rl.task_api import Prompt, Task, TaskConfig, TaskFactory
@@ -100,6 +100,11 @@ def dataset(cfg: TaskConfig, split: str) -> list[Prompt]:
                           "rl.task.train_path")
     out = _call(cfg, f"its prompts({split!r})", task.prompts, split)
     ids = [p["id"] for p in out]
+    bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, int)
+                or not INT64[0] <= i <= INT64[1]), None)
+    if bad is not None:  # (tasks name their prompt by id on the wire)
+        raise ConfigError(f"rl.task.name={cfg.name!r}: {split} prompt id {bad!r} is not a "
+                          "64-bit integer; valid: integer ids from -2**63 to 2**63-1")
     if len(set(ids)) != len(ids):
         raise ConfigError(f"rl.task.name={cfg.name!r}: {split} prompt ids repeat")
     if not out and split == "train":

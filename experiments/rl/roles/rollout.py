@@ -16,7 +16,7 @@ from experiments.rl.episodes import run_episodes, score, unservable
 from experiments.rl.openai_agent import OpenAIAgent, Session, group_trajectories
 from experiments.rl.tasks import dataset, get_task
 from system import names
-from system.errors import NameEntryNotFound, RpcError, RpcTimeout
+from system.errors import NameEntryNotFound, RemoteError, RpcError, RpcTimeout
 from workers.generation import GenerationClient
 from workers.master import MasterClient
 from workers.rollout import RolloutWorker
@@ -256,6 +256,14 @@ def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
                 reply = r.master.next_task(worker.index, rl.tasks_per_request,
                                            r.incarnation).result_while(
                     lambda: not r.master_moved(), 10.0, check_every=0.5)
+            except RemoteError as e:
+                if e.type_name != "NoSuchMethod":  # (a master whose loop has not started)
+                    # the live master's answer, which asking again would get again (a task
+                    # it cannot send, say): waiting for ever helps no one
+                    raise RuntimeError(f"the master failed to answer next_task: {e}") from e
+                log.warning("next_task failed (%s): waiting for the master", e)
+                r.reconnect()
+                continue
             except RpcError as e:  # a restarted master (recover=auto) comes back elsewhere
                 log.warning("next_task failed (%s): waiting for the master", e)
                 r.reconnect()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -213,6 +214,23 @@ def test_a_task_factory_that_raises_is_a_config_error_naming_it():
             tasks.TASKS.pop(name, None)
 
 
+@pytest.mark.parametrize("pid", [1 << 64, "7", 1.0, True])
+def test_a_task_whose_prompt_ids_the_wire_cannot_carry_is_refused(pid):
+    """Tasks name their prompts by id: an id beyond 64 bits could not be sent, and every lease
+    of it failed, for ever."""
+    from experiments.rl import tasks
+
+    prompts = [{"id": 0, "prompt": "1+1=", "answer": 2}, {"id": pid, "prompt": "x", "answer": 1}]
+    try:
+        cfg = _registered(f"wide{type(pid).__name__}", lambda cfg: tasks.Task("w", lambda split: prompts,
+                                                                 tasks.REWARDS["math"]))
+        with pytest.raises(ConfigError, match=rf"^rl\.task\.name='wide.*': train prompt id "
+                                              rf"{re.escape(repr(pid))} is not a 64-bit integer"):
+            dataset(cfg, "train")
+    finally:
+        tasks.TASKS.pop(f"wide{type(pid).__name__}", None)
+
+
 def _jsonl(tmp_path, name, lines, mode="w"):
     path = tmp_path / name
     with open(path, mode) as f:
@@ -237,13 +255,9 @@ GOOD = '{"prompt": "1+1=", "answer": 2}\n'
      ["line 2", "id 100000000000000000000", "not a 64-bit integer", "2**63-1"]),
     (GOOD + '{"prompt": "x", "answer": 1, "id": "-9223372036854775809"}\n',
      ["line 2", "not a 64-bit integer"]),
-    (GOOD + '{"prompt": "x", "answer": 100000000000000000000}\n',
-     ["line 2", "'answer'", "100000000000000000000", "beyond 64 bits", "as a string"]),
     (GOOD + '{"prompt": "x", "answer": 2.5}\n',  # arith's reward: first_int
      ["prompt id 1", "the answer 2.5 is not an integer", "first_int", "rl.task.reward=math"]),
     (GOOD + '{"prompt": "x", "answer": "3.0"}\n', ["prompt id 1", "'3.0' is not an integer"]),
-    (GOOD + '{"prompt": "x", "answer": [1, {"a": -100000000000000000000}]}\n',
-     ["line 2", "-100000000000000000000", "beyond 64 bits"]),
     (GOOD + '{"prompt": ["x"], "answer": 1}\n', ["line 2", "'prompt'", "list", "a string"]),
     (GOOD + '{"prompt": "x", "answer": null}\n', ["line 2", "'answer'", "null"]),
     ('{"prompt": "a", "answer": 1, "id": 3}\n{"prompt": "b", "answer": 1, "id": 3}\n',
