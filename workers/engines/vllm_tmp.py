@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Iterator, MutableMapping
 
 RPC_VARIABLE = "VLLM_RPC_BASE_PATH"
+PREFIX = "rlsys-vllm-"
 
 _made: dict[int, str] = {}  # by process id: a forked child makes its own
 
@@ -29,7 +30,7 @@ def private_dir() -> str:
     """This process's directory, made on the first call and removed at its exit."""
     path = _made.get(os.getpid())
     if path is None or not os.path.isdir(path):
-        path = tempfile.mkdtemp(prefix="rlsys-vllm-", dir=tempfile.gettempdir())
+        path = tempfile.mkdtemp(prefix=PREFIX, dir=tempfile.gettempdir())
         _made[os.getpid()] = path
         atexit.register(_remove, path, os.getpid())
     return path
@@ -41,7 +42,9 @@ def engine_temp_dir(environ: MutableMapping[str, str] = os.environ) -> Iterator[
     processes point at :func:`private_dir`; vLLM's sockets go there for good (vLLM may freeze
     its reading of the variable, so it is set once and never changed)."""
     path = private_dir()
-    environ.setdefault(RPC_VARIABLE, path)
+    named = environ.get(RPC_VARIABLE, "")
+    if not named or os.path.basename(named).startswith(PREFIX):  # (a forked parent's: ours)
+        environ[RPC_VARIABLE] = path
     saved_env, saved_tempdir = environ.get("TMPDIR"), tempfile.tempdir
     environ["TMPDIR"], tempfile.tempdir = path, path
     try:

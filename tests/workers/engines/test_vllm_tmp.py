@@ -33,6 +33,26 @@ def test_a_socket_directory_the_user_named_is_kept(tmp_path):
     assert "TMPDIR" not in env
 
 
+def test_a_forked_child_uses_a_directory_of_its_own():
+    """A warm spare's prepared child (forked) builds its own engine: the parent's directory,
+    inherited in the environment, goes when the parent exits."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (the child reports and leaves without running the test session's atexit)
+        try:
+            env = {RPC_VARIABLE: private_dir()}
+            with engine_temp_dir(env) as path:
+                os.write(w, f"{env[RPC_VARIABLE]} {path} {private_dir()}".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    named, path, again = os.read(r, 4096).decode().split()
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert named == path == again != private_dir()
+    _remove(path, os.getpid())
+
+
 def test_only_the_process_that_made_it_removes_it(tmp_path):
     path = tmp_path / "rpc"
     path.mkdir()
