@@ -33,6 +33,11 @@ class FileNameResolve(NameResolve):
                 f"cannot create your name-resolution directory in {shared} ({e.strerror}): its "
                 "owner can make it shared (chmod 1777), or set name_resolve.file_root to a "
                 "directory of yours") from e
+        except OSError as e:  # a read-only file system, a path under a file, /proc...
+            raise NameResolveError(
+                f"cannot create your name-resolution directory in {shared} "
+                f"({e.strerror or e}): set name_resolve.file_root (by default under "
+                "cluster.fileroot) to a writable directory") from e
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"), self.ENTRY)

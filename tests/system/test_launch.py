@@ -128,3 +128,17 @@ def test_a_fileroot_where_no_directory_can_be_made_is_named(tmp_path):
     assert r.stderr.startswith(f"error: cluster.fileroot={root}: cannot create the trial "
                                "directory "), r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_a_real_launch_where_the_name_service_directory_cannot_be_made_is_one_line(tmp_path):
+    """Not a dry run: the name-clash check reads the file name service first, under the
+    fileroot; a read-only or impossible place was a traceback (only ``PermissionError`` was
+    caught)."""
+    root = "/proc/rlsys-no-such-dir" if os.geteuid() == 0 else str(tmp_path / "ro" / "x")
+    if os.geteuid() != 0:
+        os.makedirs(tmp_path / "ro", mode=0o500)
+    r = run_launch("exp=smoke", "trial=t", f"cluster.fileroot={root}")
+    assert r.returncode in (1, 2), r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: ") and root in r.stderr and (
+        "name_resolve.file_root" in r.stderr or "cluster.fileroot" in r.stderr), r.stderr
