@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.kind}: GPU placement: {e}", file=sys.stderr)
         return 2
     bind_from_env()  # a spare: its group's CPUs, before it imports (and starts thread pools)
+    # a log is read for why a worker died: not for a progress bar per checkpoint shard (read by
+    # transformers and huggingface_hub when imported; a user's own setting wins)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from experiments.catalog import get_experiment
 
     bootstrap = os.path.join(args.trial_dir, "bootstrap.json")

@@ -35,6 +35,7 @@ from workers.engines.vllm_config import (Sampling, VllmConfig, as_int, check_con
                                          check_vocab, cpu_tensor_parallel_problem, memory_nodes,
                                          prompt_ids)
 from workers.engines.vllm_requests import _Group, _Seq, _top, segments_of
+from workers.engines.vllm_logs import quiet_skipped_tokenizer_warmup
 from workers.engines.vllm_tmp import engine_temp_dir
 
 __all__ = ["GenerationEngine", "GenerationLoopDied", "Sampling", "VllmConfig", "segments_of"]
@@ -70,6 +71,7 @@ class GenerationEngine:
         # an earlier engine in this process froze vLLM's reading of its variables (set above)
         getattr(vllm_envs, "disable_envs_cache", lambda: None)()
         sized = {} if args.kv_cache_bytes is None else {"kv_cache_memory_bytes": args.kv_cache_bytes}
+        quiet_skipped_tokenizer_warmup()  # (it has none on purpose)
         with engine_temp_dir():  # its files and sockets: not left in /tmp
             llm = LLM(model=model_path, skip_tokenizer_init=True, dtype=args.dtype,
                       enforce_eager=args.enforce_eager,
