@@ -292,14 +292,7 @@ class SlurmScheduler(Scheduler):
         if not self._jobs:
             return
         ids = list(self._jobs)
-        in_queue = queued(ids, self.scancel_timeout)
-        pending = [j for j in ids if in_queue is not None
-                   and in_queue.get(j) in (JobState.PENDING, JobState.REQUEUED)]
-        if pending:
-            scancel(pending, timeout=self.scancel_timeout)
-        running = [j for j in ids if j not in pending  # those that ended need no signal
-                   and (in_queue is None or j in in_queue)]
-        terminate(running, grace, self.scancel_timeout)  # polite: workers stop gracefully
+        self._terminate(ids, grace)  # polite: workers stop gracefully
         left = cancel_until_gone(ids, time.monotonic() + self.cancel_deadline,
                                  self.scancel_timeout)
         if left:
@@ -378,16 +371,31 @@ class SlurmScheduler(Scheduler):
         self._last_poll = 0.0
 
     def _cancel(self, ids: list[str], grace: float, what: str) -> None:
-        """SIGTERM to ``ids``, ``grace`` seconds for them to leave the queue, then plain
-        ``scancel`` until they are gone (SchedulerError naming ``what`` if they are not)."""
+        """:meth:`_terminate` ``ids`` (SIGTERM, or a pending job cancelled outright), then
+        plain ``scancel`` until they are gone (SchedulerError naming ``what`` if they are
+        not)."""
         if not ids:
             return
-        terminate(ids, grace, self.scancel_timeout)
+        self._terminate(ids, grace)
         left = cancel_until_gone(ids, time.monotonic() + self.cancel_deadline,
                                  self.scancel_timeout)
         if left:
             raise SchedulerError(f"{what} still in the queue {self.cancel_deadline:.0f}s after "
                                  f"scancel: {', '.join(left)}")
+
+    def _terminate(self, ids: list[str], grace: float) -> None:
+        """SIGTERM to those of ``ids`` that run, and ``grace`` seconds for them to leave; the
+        pending ones (requeued, suspended) are cancelled outright: they cannot take a signal,
+        and ``scancel --signal`` retried on them for a minute, leaving them queued (each
+        recovery after a requeue stalled 30 s on it)."""
+        in_queue = queued(ids, self.scancel_timeout)
+        pending = [j for j in ids if in_queue is not None
+                   and in_queue.get(j) in (JobState.PENDING, JobState.REQUEUED)]
+        if pending:
+            scancel(pending, timeout=self.scancel_timeout)
+        running = [j for j in ids if j not in pending  # those that ended need no signal
+                   and (in_queue is None or j in in_queue)]
+        terminate(running, grace, self.scancel_timeout)
 
     def _no_requeue(self, job_id: str) -> None:
         """Make job ``job_id`` never requeued (logged, never raised, if Slurm refuses)."""
