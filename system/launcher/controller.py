@@ -5,8 +5,7 @@ name resolution, and an RPC client. The trial completes only when the master rep
 A worker that dies, stops heart-beating or reports an exception fails the trial, unless it holds
 training state and ``recover=auto``: then the stateful workers restart from the latest checkpoint
 (:mod:`system.launcher.restarts`, policy in :mod:`system.launcher.recovery`) while the
-others stay up. In every case every job is stopped
-before :meth:`Controller.run` returns.
+others stay up. In every case every job is stopped before :meth:`Controller.run` returns.
 """
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ from system.errors import (NameServiceUnavailable, RLSystemError, RpcError, Sche
                            WorkerFailure)
 from system.launcher.config import ExperimentConfig
 from system.launcher.disk import full_disk_cause
-from system.launcher.failures import (call_failure_cause, job_failure, reported_failure,
-                                      root_cause)
+from system.launcher.failures import call_failure_cause, job_failure, reported_failure, root_cause
 from system.launcher.groups import group_specs, worker_configs
 from system.launcher.name_claim import claim_problem, controller_record
 from system.launcher.progress import Progress
@@ -243,7 +241,9 @@ class Controller(RecoveringController):
         """Until every worker (or every one of ``expected``) registered its address. Queue time
         does not count: a worker's ``register_timeout`` starts when its job starts running;
         pending jobs show in the progress line with their reason, and a job the scheduler
-        judged blocked (can never start, or past its queue timeout) fails the trial at once."""
+        judged blocked (can never start, or past its queue timeout) fails the trial at once.
+        Only an ended job of ``expected`` fails the wait: in a recovery, another one (lost with
+        the same node) is the watch's to find next, not a failure of this restart."""
         timeout = self.cfg.controller.register_timeout
         expected = set(self.logs) if expected is None else expected
         clock = StartClock()
@@ -261,7 +261,8 @@ class Controller(RecoveringController):
             failure = blocked_failure(statuses)
             if failure is not None:
                 raise failure
-            self._check_jobs("before registering", statuses)
+            self._check_jobs("before registering",
+                             [st for st in statuses if expected & set(st.workers)])
             missing = clock.overdue(expected - registered, timeout)
             if missing:
                 logs = "\n".join(f"  {w}: {self.logs[w]}" for w in missing)

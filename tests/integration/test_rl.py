@@ -354,3 +354,45 @@ def test_a_killed_megatron_rank_restarts_the_model_group_from_its_checkpoint(fil
     assert len(s["results"]["prompts_per_step"]) == 16
     assert "recovered: model/0, model/1, master/0 running again" in err
     assert trial_processes(root) == []
+
+
+def test_workers_lost_together_draw_one_stateful_recovery(fileroot):
+    """A node lost with a model worker and both rollout workers on it (SIGKILL to the three at
+    once): the stateful workers restart once and each rollout worker is respawned alone. The
+    rollout jobs that ended with the node failed the stateful restart as it waited for its
+    workers to register, each one more attempt, until ``recover.retries`` was used up."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import REPO, launch_argv
+
+    root = os.path.join(fileroot, "arith-tiny", "node")
+    proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=node", "rl.total_steps=8",
+                                        f"cluster.fileroot={fileroot}", *SMALL),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            steps = [r["step"] for r in _metrics(root)] if os.path.exists(
+                os.path.join(root, "metrics.jsonl")) else []
+            pids = [_pid_of(root, "model", 0), _pid_of(root, "rollout", 0),
+                    _pid_of(root, "rollout", 1)]
+            if steps and max(steps) >= 2 and all(pids):
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                break
+            time.sleep(0.2)
+        _, err = proc.communicate(timeout=500)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    s = read_summary(fileroot, "arith-tiny", "node")
+    assert s["status"] == "completed" and s["steps"] == 8
+    stateful = [r for r in s["recoveries"] if r["stateful"]]
+    alone = sorted(w for r in s["recoveries"] if not r["stateful"] for w in r["restarted"])
+    assert len(stateful) == 1, s["recoveries"]
+    assert set(alone) <= {"rollout/0", "rollout/1"}, s["recoveries"]
+    assert "attempt 2 of" not in err, err[-3000:]
+    assert trial_processes(root) == []
