@@ -111,7 +111,7 @@ def gather(view: TrialView) -> dict[str, Any]:
               for w, e in live.errors.items()}
     recoveries = list(view.record.get("recoveries") or [])
     last_error = (failure or {}).get("message", "") or (
-        f"{recoveries[-1].get('cause', '')} (recovered: attempt {len(recoveries)})"
+        f"{recoveries[-1].get('cause', '')} (recovered; recoveries so far: {len(recoveries)})"
         if recoveries else "")
     for worker, message in errors.items():  # a live report is newer than any recorded end
         last_error = f"{worker}: {message}"
