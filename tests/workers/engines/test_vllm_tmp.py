@@ -72,3 +72,25 @@ def test_the_directory_goes_when_the_process_exits():
     path = out.stdout.strip()
     assert path.startswith(tempfile.gettempdir()) and os.path.basename(path).startswith("rlsys")
     assert not os.path.exists(path)
+
+
+def test_directories_of_dead_processes_of_this_host_are_removed(tmp_path, monkeypatch):
+    """A warm spare's prepared engine is SIGKILLed: its directory stayed in /tmp."""
+    from workers.engines import vllm_tmp
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(vllm_tmp, "_made", {})
+    mine = f"{vllm_tmp.PREFIX}{vllm_tmp._host()}-"
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # (a pid that no longer runs)
+    dead = tmp_path / f"{mine}{child.pid}-abc"
+    alive = tmp_path / f"{mine}{os.getppid()}-def"
+    other_host = tmp_path / f"{vllm_tmp.PREFIX}00000000-{child.pid}-ghi"
+    for d in (dead, alive, other_host):
+        (d / "sub").mkdir(parents=True)
+    path = private_dir()
+    try:
+        assert os.path.basename(path).startswith(f"{mine}{os.getpid()}-")
+        assert not dead.exists() and alive.exists() and other_host.exists()
+    finally:
+        _remove(path, os.getpid())
