@@ -326,7 +326,7 @@ def done_already(cfg: ExperimentConfig, experiment: Experiment) -> str | None:
         return None
     try:
         return done()
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, AttributeError, TypeError) as e:  # (a malformed file)
         logging.getLogger("launch").warning("could not tell what is %s already (%s); "
                                             "running", what, e)
         return None

@@ -269,12 +269,19 @@ def model_config(path: str) -> dict | None:
         return json.load(f)
 
 
-def check_model_len(max_model_len: int, hf: Mapping[str, Any] | None) -> None:
+def check_model_len(max_model_len: int, hf: Mapping[str, Any] | None,
+                    environ: Mapping[str, str] = os.environ) -> None:
     """The servers' context must fit the model's positions (vLLM refuses it at every start of
-    a generation server, in a long validation traceback); a model whose positions scale
-    (``rope_scaling``) is left to vLLM."""
-    limit = (hf or {}).get("max_position_embeddings")
-    if isinstance(limit, int) and not (hf or {}).get("rope_scaling") and max_model_len > limit:
+    a generation server, in a long validation traceback). Left to vLLM: a model whose positions
+    scale (``rope_scaling``, or transformers 5's ``rope_parameters`` with a ``rope_type`` other
+    than ``default``), or ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` (vLLM's own override)."""
+    hf = hf or {}
+    limit = hf.get("max_position_embeddings")
+    rope = hf.get("rope_parameters")
+    scaled = bool(hf.get("rope_scaling")) or (isinstance(rope, Mapping) and rope.get(
+        "rope_type", "default") != "default")
+    allowed = environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "").lower() in ("1", "true")
+    if isinstance(limit, int) and not scaled and not allowed and max_model_len > limit:
         raise ConfigError(f"rl.vllm.max_model_len={max_model_len} is longer than the model's "
                           f"context (max_position_embeddings={limit} in its config.json); "
                           f"valid: rl.vllm.max_model_len <= {limit}")

@@ -41,7 +41,9 @@ def integer_answer(answer: Any) -> int:
         return int(answer)
     if isinstance(answer, str) and re.fullmatch(r"\s*[+-]?\d{1,%d}\s*" % MAX_DIGITS, answer):
         return int(answer)
-    raise ValueError(f"the answer {answer!r} is not an integer")
+    shown = repr(answer)
+    raise ValueError(f"the answer {shown if len(shown) <= 60 else shown[:57] + '...'} is not an "
+                     "integer")
 
 
 def _same_int(digits: str, answer: Any) -> bool:
@@ -89,7 +91,8 @@ def to_number(text: str) -> Fraction | None:
     elif re.fullmatch(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:[eE][-+]?\d+)?", s) and \
             re.search(r"\d", s):
         mantissa, _, exponent = s.replace(",", "").lower().partition("e")
-        if len(mantissa) > MAX_DIGITS or (exponent and abs(int(exponent[:12])) > MAX_DIGITS):
+        digits = exponent.lstrip("+-").lstrip("0") or "0"  # (1e0000000000020000000: large)
+        if len(mantissa) > MAX_DIGITS or len(digits) > 4 or int(digits) > MAX_DIGITS:
             return None  # (compared as text)
         value = Fraction(s.replace(",", ""))
     else:

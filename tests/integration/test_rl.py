@@ -393,6 +393,6 @@ def test_workers_lost_together_draw_one_stateful_recovery(fileroot):
     stateful = [r for r in s["recoveries"] if r["stateful"]]
     alone = sorted(w for r in s["recoveries"] if not r["stateful"] for w in r["restarted"])
     assert len(stateful) == 1, s["recoveries"]
-    assert set(alone) <= {"rollout/0", "rollout/1"}, s["recoveries"]
+    assert alone == ["rollout/0", "rollout/1"], s["recoveries"]
     assert "attempt 2 of" not in err, err[-3000:]
     assert trial_processes(root) == []

@@ -14,9 +14,10 @@ A socket directory the user named with ``VLLM_RPC_BASE_PATH`` is used as it is.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
+import fcntl
 import hashlib
+import multiprocessing.util
 import os
 import shutil
 import socket
@@ -27,21 +28,27 @@ from collections.abc import Iterator, MutableMapping
 RPC_VARIABLE = "VLLM_RPC_BASE_PATH"
 PREFIX = "rlsys-vllm-"
 
+LOCK = ".lock"
+
 _made: dict[int, str] = {}  # by process id: a forked child makes its own
+_locks: dict[int, int | None] = {}  # the lock each holds while it lives
 
 
 def private_dir() -> str:
-    """This process's directory, made on the first call and removed at its exit. Named after
-    this host and process (``rlsys-vllm-<host hash>-<pid>-<random>``), so that the directories
-    of this host's processes that died without removing theirs (a warm spare's prepared engine
-    is SIGKILLed) are removed when a new one is made."""
+    """This process's directory, made on the first call and removed at its exit (after
+    multiprocessing's own clean-up, which may have put its ``pymp-*`` directory there). The
+    process holds a lock on its ``.lock`` file while it lives, so that the directories of
+    processes that died without removing theirs (a warm spare's prepared engine is SIGKILLed)
+    are removed when a new one is made on the same host (named ``rlsys-vllm-<host
+    hash>-<pid>-...``; the lock, not the pid, tells: a pid may be another namespace's)."""
     path = _made.get(os.getpid())
     if path is None or not os.path.isdir(path):
         root, mine = tempfile.gettempdir(), f"{PREFIX}{_host()}-"
         _remove_orphans(root, mine)
         path = tempfile.mkdtemp(prefix=f"{mine}{os.getpid()}-", dir=root)
+        _locks[os.getpid()] = _lock(path)
         _made[os.getpid()] = path
-        atexit.register(_remove, path, os.getpid())
+        multiprocessing.util.Finalize(None, _remove, args=(path, os.getpid()), exitpriority=-200)
     return path
 
 
@@ -49,34 +56,38 @@ def _host() -> str:
     return hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
 
 
+def _lock(path: str) -> int | None:
+    """An exclusive lock on ``path``'s lock file, held by the returned descriptor (None: it is
+    held already, by a live process)."""
+    fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return None
+
+
 def _remove_orphans(root: str, mine: str) -> None:
-    """Remove this user's directories under ``root`` named ``<mine><pid>-...`` whose process
-    is gone (one that runs, or another user's, is left alone)."""
+    """Remove this user's directories under ``root`` named ``<mine>...`` whose owner is gone:
+    nobody holds their lock (a live owner's, or another user's, are left alone)."""
     try:
         names = os.listdir(root)
     except OSError:
         return
     for name in names:
-        pid = name[len(mine):].split("-", 1)[0] if name.startswith(mine) else ""
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
         path = os.path.join(root, name)
         try:
             st = os.lstat(path)
+            if not (name.startswith(mine) and stat.S_ISDIR(st.st_mode)
+                    and st.st_uid == os.getuid() and os.path.exists(os.path.join(path, LOCK))):
+                continue  # (no lock file yet: its owner is making it)
+            fd = _lock(path)
         except OSError:
             continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        if fd is not None:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # (another user's)
-        return True
-    return True
+            os.close(fd)
 
 
 @contextlib.contextmanager

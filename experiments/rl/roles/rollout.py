@@ -257,9 +257,9 @@ def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
                                            r.incarnation).result_while(
                     lambda: not r.master_moved(), 10.0, check_every=0.5)
             except RemoteError as e:
-                if e.type_name != "NoSuchMethod":  # (a master whose loop has not started)
-                    # the live master's answer, which asking again would get again (a task
-                    # it cannot send, say): waiting for ever helps no one
+                if e.type_name == "WireError":
+                    # the live master's answer could not be sent (a task it cannot encode):
+                    # asking again would get it again, for ever
                     raise RuntimeError(f"the master failed to answer next_task: {e}") from e
                 log.warning("next_task failed (%s): waiting for the master", e)
                 r.reconnect()

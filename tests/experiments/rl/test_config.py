@@ -143,3 +143,19 @@ def test_tensor_parallelism_on_cpu_needs_a_numa_node_per_rank():
     # on GPUs it counts GPUs (placement checks those); Slurm's nodes are not this machine
     _trial("rl.vllm.tensor_parallel_size=2", gpus="0,1").check_machine({}, nodes=[0])
     _trial("rl.vllm.tensor_parallel_size=2", "scheduler=slurm").check_machine({}, nodes=[0])
+
+
+def test_a_context_past_the_models_positions_is_left_to_vllm_where_it_may_be_valid():
+    from experiments.rl.config import check_model_len
+
+    plain = {"max_position_embeddings": 256}
+    with pytest.raises(ConfigError, match="rl.vllm.max_model_len=300 is longer"):
+        check_model_len(300, plain, {})
+    check_model_len(256, plain, {})
+    check_model_len(300, None, {})
+    check_model_len(300, {**plain, "rope_scaling": {"type": "yarn", "factor": 4}}, {})
+    # transformers 5 writes rope_parameters (its rope_type "default" does not scale)
+    check_model_len(300, {**plain, "rope_parameters": {"rope_type": "yarn", "factor": 4}}, {})
+    with pytest.raises(ConfigError):
+        check_model_len(300, {**plain, "rope_parameters": {"rope_type": "default"}}, {})
+    check_model_len(300, plain, {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})  # vLLM's own override

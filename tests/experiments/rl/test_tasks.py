@@ -33,7 +33,8 @@ def test_int_rewards_refuse_answers_that_are_not_integers():
                 reward("2", answer)
 
 
-@pytest.mark.parametrize("completion", ["0" * 5000, "1e10000000", "1e50000000", "9" * 4400])
+@pytest.mark.parametrize("completion", ["0" * 5000, "1e10000000", "1e50000000", "9" * 4400,
+                                        "1e000000000020000000", "1E+0000000000000050000000"])
 def test_rewards_of_numbers_no_one_would_answer_are_0_at_once(completion):
     """A degenerate completion: Python refuses an integer of over 4300 digits (the reward
     raised, which stops the trial) and ``Fraction("1e50000000")`` ran for minutes."""

@@ -66,31 +66,52 @@ def test_the_directory_goes_when_the_process_exits():
     code = ("import os, socket, tempfile; from workers.engines.vllm_tmp import engine_temp_dir\n"
             "with engine_temp_dir() as d:\n"
             "    s = socket.socket(socket.AF_UNIX); s.bind(os.path.join(d, 'engine'))\n"
-            "    tempfile.mkstemp(); print(d)\n")
+            "    tempfile.mkstemp(); print(d)\n"
+            "    import multiprocessing.util; multiprocessing.util.get_temp_dir()\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=REPO)
     path = out.stdout.strip()
+    assert "Traceback" not in out.stderr, out.stderr  # (multiprocessing's clean-up ran first)
     assert path.startswith(tempfile.gettempdir()) and os.path.basename(path).startswith("rlsys")
     assert not os.path.exists(path)
 
 
-def test_directories_of_dead_processes_of_this_host_are_removed(tmp_path, monkeypatch):
-    """A warm spare's prepared engine is SIGKILLed: its directory stayed in /tmp."""
+def test_directories_whose_owner_died_are_removed(tmp_path, monkeypatch):
+    """A warm spare's prepared engine is SIGKILLed: its directory stayed in /tmp. A directory
+    goes once nobody holds its lock (a pid says nothing across PID namespaces)."""
+    import fcntl
+
     from workers.engines import vllm_tmp
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(vllm_tmp, "_made", {})
     mine = f"{vllm_tmp.PREFIX}{vllm_tmp._host()}-"
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()  # (a pid that no longer runs)
-    dead = tmp_path / f"{mine}{child.pid}-abc"
-    alive = tmp_path / f"{mine}{os.getppid()}-def"
-    other_host = tmp_path / f"{vllm_tmp.PREFIX}00000000-{child.pid}-ghi"
+    dead, alive, making, other_host = (tmp_path / f"{mine}1-abc", tmp_path / f"{mine}2-def",
+                                       tmp_path / f"{mine}3-ghi",
+                                       tmp_path / f"{vllm_tmp.PREFIX}00000000-4-jkl")
+    for d in (dead, alive, making, other_host):
+        d.mkdir()
     for d in (dead, alive, other_host):
-        (d / "sub").mkdir(parents=True)
-    path = private_dir()
+        (d / vllm_tmp.LOCK).touch()
+    holder = subprocess.Popen(  # a live owner, in another process
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1]); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+         str(alive / vllm_tmp.LOCK)], stdout=subprocess.PIPE, text=True)
     try:
-        assert os.path.basename(path).startswith(f"{mine}{os.getpid()}-")
-        assert not dead.exists() and alive.exists() and other_host.exists()
+        assert holder.stdout.readline().strip() == "held"
+        path = private_dir()
+        try:
+            assert os.path.basename(path).startswith(f"{mine}{os.getpid()}-")
+            assert not dead.exists() and alive.exists() and making.exists()
+            assert other_host.exists()
+            with open(os.path.join(path, vllm_tmp.LOCK)) as f:  # this process holds its own
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    raise AssertionError("the lock was free")
+                except BlockingIOError:
+                    pass
+        finally:
+            _remove(path, os.getpid())
     finally:
-        _remove(path, os.getpid())
+        holder.kill()
+        holder.wait()
