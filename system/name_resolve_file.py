@@ -39,15 +39,24 @@ class FileNameResolve(NameResolve):
                 f"({e.strerror or e}): set name_resolve.file_root (by default under "
                 "cluster.fileroot) to a writable directory") from e
 
+    PUT_TRIES = 20
+    """Tries to make an entry's directory and its temporary file, against concurrent prunes."""
+
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"), self.ENTRY)
 
     def _put(self, key: str, value: str, ttl: float | None, replace: bool) -> None:
         path = self._path(key)
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
         body = json.dumps({"value": value, "expires": None if ttl is None else time.time() + ttl})
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        for attempt in range(self.PUT_TRIES):
+            try:
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                break
+            except FileNotFoundError:  # a delete of a sibling key pruned a directory of ours
+                if attempt == self.PUT_TRIES - 1:  # as it went empty; once tmp is in it, it stays
+                    raise
         with os.fdopen(fd, "w") as f:
             f.write(body)
         try:

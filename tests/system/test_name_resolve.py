@@ -148,3 +148,27 @@ def test_a_verified_value_is_checked_again_once_it_changes(nr):
     with pytest.raises(NameEntryNotFound):
         nr.get("e/t/k")
     assert nr.refused == refused + 2
+
+
+def test_sibling_keys_added_and_deleted_at_once_never_fail(nr):
+    """Two workers restarted together (a lost node): one's key is deleted as the other's is
+    written under the same parent. The file backend's delete prunes directories that went
+    empty, which removed the one the other was making (FileNotFoundError: the restarted
+    worker died as it registered its heartbeat)."""
+    errors: list[BaseException] = []
+
+    def churn(index: int) -> None:
+        key = f"t/heartbeat/rollout/{index}"
+        try:
+            for _ in range(300):
+                nr.add(key, "1", replace=True)
+                nr.delete(key)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=churn, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
