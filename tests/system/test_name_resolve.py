@@ -110,11 +110,7 @@ def test_file_backend_concurrent_exclusive_add(tmp_path):
         except NameEntryExists:
             losses.append(i)
 
-    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(attempt, 16)
     assert len(wins) == 1 and len(losses) == 15
     assert FileNameResolve(str(tmp_path), secret=SECRET).get("e/t/leader") == str(wins[0])
 
@@ -166,9 +162,14 @@ def test_sibling_keys_added_and_deleted_at_once_never_fail(nr):
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=churn, args=(i,)) for i in range(3)]
+    _in_threads(churn, 3)
+    assert errors == []
+
+
+def _in_threads(target, n: int) -> None:
+    """``target(i)`` for i in 0..n-1, each in a thread of its own, all at once; wait for all."""
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert errors == []
