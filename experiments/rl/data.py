@@ -101,9 +101,17 @@ class Router:
     def pick(self, weight: int = 1) -> int:
         """The live server with the fewest outstanding requests (raises when none is live:
         callers check :meth:`available` first)."""
+        i = self.try_pick(weight)
+        if i is None:
+            raise RuntimeError("no generation server is live")
+        return i
+
+    def try_pick(self, weight: int = 1) -> int | None:
+        """:meth:`pick`, or None when no server is live (one may have died since a look at
+        :meth:`available`: the caller then hands out nothing)."""
         with self._lock:
             if not self.live:
-                raise RuntimeError("no generation server is live")
+                return None
             i = min(self.live, key=lambda k: (self.outstanding[k], k))
             self.outstanding[i] += weight
             return i
@@ -146,16 +154,21 @@ class TaskSource:
             if incarnation:
                 self.incarnations[worker] = incarnation
             deadline = self.clock() + self.lease_timeout
-            for _ in range(max_tasks if self.router.available() else 0):
+            for _ in range(max_tasks):
                 if self.cursor.exhausted:  # (the loop stops the trial)
+                    break
+                # the server first: the last live one may die meanwhile (a prompt and an
+                # admission slot taken before would be lost, the slot for good)
+                server = self.router.try_pick(self.group_size)
+                if server is None:
                     break
                 ticket = self.admission.try_admit()
                 if ticket is None:
+                    self.router.done(server, self.group_size)
                     break
                 pid, epoch = self.cursor.next()
                 task: Task = {"seq": ticket.seq, "version": ticket.version, "prompt_id": pid,
-                              "epoch": epoch, "server": self.router.pick(self.group_size),
-                              "worker": worker}
+                              "epoch": epoch, "server": server, "worker": worker}
                 self.in_flight[ticket.seq] = task
                 self.deadlines[ticket.seq] = deadline
                 tasks.append(task)

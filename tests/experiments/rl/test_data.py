@@ -48,6 +48,28 @@ def test_router_skips_servers_out_of_routing_and_no_task_goes_out_while_none_is_
     assert [t["server"] for t in src.next_task(0, 2)["tasks"]] == [1, 1]
 
 
+def test_a_server_dying_while_tasks_are_handed_out_takes_no_prompt_or_slot():
+    """The last live server leaves routing (the master's replica watch, another thread) while
+    a rollout worker's request is served: before, the next task had already taken an
+    admission slot and a prompt when the pick raised, and both were lost (the slot for good:
+    with eta=0 the loop stalled)."""
+
+    class LastServerDiesAfterOnePick(Router):
+        def try_pick(self, weight: int = 1) -> int | None:
+            picked = super().try_pick(weight)
+            self.set_live(set())  # as the watch would, between two picks
+            return picked
+
+    adm = AdmissionController(AdmissionConfig(4, 0))
+    cursor = PromptCursor(list(range(8)), 1)
+    src = TaskSource(adm, cursor, LastServerDiesAfterOnePick(1), group_size=2)
+    (task,) = src.next_task(0, 3)["tasks"]
+    assert adm.outstanding() == 1 and src.router.outstanding == [2] and cursor.pos == 1
+    src.router.set_live({0})  # it rejoined: the next prompt in order, three slots left
+    (more,) = src.next_task(0, 3)["tasks"]
+    assert more["prompt_id"] == cursor._order[1] and adm.outstanding() == 2
+
+
 def test_task_source_gives_lost_prompts_back_and_snapshots_in_flight():
     adm = AdmissionController(AdmissionConfig(2, 1))
     src = TaskSource(adm, PromptCursor(list(range(6)), 1), Router(1), group_size=4)
