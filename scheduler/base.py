@@ -115,6 +115,13 @@ class Scheduler(abc.ABC):
         """Stop every worker of group ``kind`` and forget its jobs (the group may then be
         submitted again, as a recovery does); must leave none of them running or queued."""
 
+    def cancel_leftovers(self, logs_dirs: Sequence[str]) -> list[str]:
+        """Cancel the jobs of this trial, writing their logs in one of ``logs_dirs``, that an
+        earlier run's controller left behind when it died (the caller holds the trial's lock:
+        any such job is a leftover); their ids. Default: none (the local scheduler's workers
+        are this process's children, and stop as orphans)."""
+        return []
+
     def warm_spares(self) -> None:
         """The trial runs: from now on keep warm spare processes that a restart can take over,
         where this scheduler has any (default: none)."""

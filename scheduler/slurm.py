@@ -19,6 +19,7 @@ from scheduler.slurm_cli import (STATE_TABLE, last_error, map_state, parse_sbatc
                                  parse_scontrol_job, unreachable)
 from scheduler.slurm_cli import run as _run
 from scheduler.slurm_config import SlurmConfig
+from scheduler.slurm_leftovers import cancel_leftovers
 from scheduler.slurm_jobs import (cancel_until_gone, het_leader, queued, scancel, scontrol_job,
                                   scontrol_update, slurm_release, terminate)
 from scheduler.slurm_queue import (blocked_message, held_after_launch_failure, hopeless,
@@ -279,6 +280,11 @@ class SlurmScheduler(Scheduler):
             log.warning("job %s was held by Slurm after its launch failed: released", job_id)
         else:
             log.warning("could not release held job %s: %s", job_id, error)
+
+    def cancel_leftovers(self, logs_dirs: Sequence[str]) -> list[str]:
+        """See :func:`scheduler.slurm_leftovers.cancel_leftovers`."""
+        return cancel_leftovers(self.exp, self.trial, logs_dirs, self.cancel_deadline,
+                                self.scancel_timeout)
 
     def stop_all(self, grace: float) -> None:
         """Cancel every job of the trial; return once none is left in the queue.

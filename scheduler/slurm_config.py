@@ -151,7 +151,7 @@ def min_time_s(signal_seconds: int) -> int:
 
 
 WORKER_GROUPS = ("master", "model", "generation", "rollout")
-"""The groups whose jobs get ``--signal`` and ``--requeue`` (not the ``controller``'s)."""
+"""The groups of worker jobs (the ``controller``'s own job, with ``--detach``, is not one)."""
 
 
 def _group(**kw: object) -> SlurmGroupConfig:
@@ -171,13 +171,16 @@ class SlurmConfig:
     time: str = ""
     """Default time limit of every job (empty: the partition's): minutes, ``MM:SS``,
     ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS`` or ``UNLIMITED``. With ``requeue``, a
-    worker group's limit must be at least 2 x ``signal_seconds`` + 60 s (Slurm may send
-    SIGUSR2 up to 60 s early), or every job would stop and requeue at once, over and over."""
+    job's limit must be at least 2 x ``signal_seconds`` + 60 s (Slurm may send SIGUSR2 up to
+    60 s early), or every job would stop and requeue at once, over and over."""
     signal_seconds: int = 120
-    """Seconds before the time limit at which workers get SIGUSR2 to stop gracefully."""
+    """Seconds before the time limit at which workers, and a ``--detach`` controller, get
+    SIGUSR2 to stop gracefully."""
     requeue: bool = True
     """Jobs may be requeued (``--requeue``): after a worker got SIGUSR2, its job's batch script
-    requeues the job once srun has returned, and the workers rejoin the trial."""
+    requeues the job once srun has returned, and the workers rejoin the trial. A ``--detach``
+    controller of a training trial warned so checkpoints, stops the trial and requeues its own
+    job, which continues the trial from that checkpoint when it starts again."""
     poll_interval: float = 2.0
     """Seconds between ``squeue`` polls."""
     rejoin_timeout: float = 900.0
@@ -245,21 +248,28 @@ class SlurmConfig:
     def _check_time_limits(self) -> None:
         """With ``requeue``, each worker group's time limit (its own, else the global one)
         leaves room for work before the SIGUSR2 warning (:func:`min_time_s`); the controller's
-        own job (``--detach``) gets no warning and is never requeued."""
+        own job is checked with ``--detach`` only (:meth:`check_time_limit`)."""
+        for kind in WORKER_GROUPS:
+            self.check_time_limit(kind)
+
+    def check_time_limit(self, kind: str) -> None:
+        """With ``requeue``, group ``kind``'s time limit leaves room for work before the SIGUSR2
+        warning (:func:`min_time_s`), or every job would be warned at once and requeue over
+        and over; ConfigError naming the key."""
         if not self.requeue:
             return
         need = min_time_s(self.signal_seconds)
-        for kind in WORKER_GROUPS:
-            own = self.group(kind).time
-            key = f"scheduler.slurm.{kind}.time" if own else "scheduler.slurm.time"
-            limit = slurm_time_seconds(own or self.time)
-            if limit is not None and limit < need:
-                raise ConfigError(
-                    f"{key}={own or self.time!r} ({limit} s) is too short for "
-                    f"scheduler.slurm.signal_seconds={self.signal_seconds}: SIGUSR2 would stop "
-                    "each job at once and requeue it over and over; valid: a time limit of at "
-                    f"least {need} s (2 x signal_seconds + {SIGNAL_EARLY_S} s), a smaller "
-                    "signal_seconds, or scheduler.slurm.requeue=false")
+        own = self.group(kind).time
+        key = f"scheduler.slurm.{kind}.time" if own else "scheduler.slurm.time"
+        limit = slurm_time_seconds(own or self.time)
+        if limit is not None and limit < need:
+            raise ConfigError(
+                f"{key}={own or self.time!r} ({limit} s) is too short for "
+                f"scheduler.slurm.signal_seconds={self.signal_seconds}: SIGUSR2 would stop "
+                f"{'the controller' if kind == 'controller' else 'each job'} at once and "
+                "requeue it over and over; valid: a time limit of at "
+                f"least {need} s (2 x signal_seconds + {SIGNAL_EARLY_S} s), a smaller "
+                "signal_seconds, or scheduler.slurm.requeue=false")
 
     def group(self, kind: str) -> SlurmGroupConfig:
         return getattr(self, kind)

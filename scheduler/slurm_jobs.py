@@ -155,12 +155,13 @@ def parse_named(out: str) -> list[NamedJob]:
     return jobs
 
 
-def named_jobs(name: str, timeout: float) -> list[NamedJob] | None:
-    """This user's jobs named ``name`` that the queue still holds; None when squeue did not
-    answer (no news is not an empty queue), logged at debug level only: the caller's next
-    Slurm command (``sbatch``) names an unreachable Slurm in its own one line."""
+def named_jobs(name: str | None, timeout: float) -> list[NamedJob] | None:
+    """This user's jobs named ``name`` (None: all of them) that the queue still holds; None
+    when squeue did not answer (no news is not an empty queue), logged at debug level only:
+    the caller's next Slurm command (``sbatch``) names an unreachable Slurm in its own line."""
+    by_name = [] if name is None else ["-n", name]
     try:
-        r = _run(["squeue", "-h", "-u", getpass.getuser(), "-n", name, "-O", NAMED_FORMAT],
+        r = _run(["squeue", "-h", "-u", getpass.getuser(), *by_name, "-O", NAMED_FORMAT],
                  timeout=timeout)
     except SchedulerError as e:
         log.debug("%s", e)

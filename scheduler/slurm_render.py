@@ -200,12 +200,15 @@ def group_demand(kind: str, count: int, slurm: SlurmConfig, gpus_per_worker: int
 
 def render_controller_script(*, exp: str, trial: str, slurm: SlurmConfig, argv: Sequence[str],
                              env: Mapping[str, str], logs_dir: str, workdir: str,
-                             umask: int) -> str:
+                             umask: int, requeue: bool = False) -> str:
     """The sbatch script that runs the controller itself (``--detach``), creating files under
-    ``umask``; Slurm writes its output to exactly ``<logs_dir>/controller.log``."""
+    ``umask``; Slurm writes its output to exactly ``<logs_dir>/controller.log``. ``requeue``:
+    SIGUSR2 warns it ``signal_seconds`` before its time limit, and it requeues its own job
+    then (see :mod:`system.launcher.self_requeue`)."""
     group = slurm.controller
     return template_environment().get_template("controller.sbatch.j2").render(
         exp=exp, trial=trial, g=group, job_name=job_name(exp, trial, "controller"),
+        signal_seconds=slurm.signal_seconds, requeue=requeue,
         batch_log=os.path.join(slurm_literal(logs_dir), "controller.log"),
         env={**env, **group.env}, workdir=workdir, umask=umask_text(umask), argv=argv,
         **_inherit(group, slurm))

@@ -1,5 +1,6 @@
-"""Hold the stop signals (Ctrl-C, SIGTERM, SIGHUP) while a step that must not be cut in half
-runs: a ``sbatch`` whose job id would otherwise be lost (the job queued, nobody to cancel it).
+"""Hold the stop signals (Ctrl-C, SIGTERM, SIGHUP, and SIGUSR2: Slurm's time-limit warning)
+while a step that must not be cut in half runs: a ``sbatch`` whose job id would otherwise be
+lost (the job queued, nobody to cancel it).
 A signal that came meanwhile is acted on, with the handler that was in place, as soon as the
 step ends."""
 from __future__ import annotations
@@ -9,7 +10,7 @@ import signal
 import threading
 from typing import Any, Iterator
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
 
 
 @contextlib.contextmanager

@@ -40,10 +40,14 @@ from system.name_resolve import make_name_resolve
 from system.name_resolve_api import NameResolveBackend, redis_password
 from system.launcher.help import describe
 from system.launcher.overrides import CliArgs, apply_overrides, parse_cli
+from system.launcher.self_requeue import (REQUEUE_WAIT, ControllerRequeue, cancelled_since,
+                                          end_records, own_job, requeue, requeues, restart_count,
+                                          restart_overrides, stale_pending, wait_for_requeue)
 from system.launcher.groups import group_specs
 from system.launcher.submit import (controller_request, detach, dry_run, queued_controller,
                                     refusal)
 from system.launcher.trial_dir import PreparedTrial, name_resolve_root, prepare_trial
+from system.paths import TrialPaths
 from system.private_files import set_umask
 
 
@@ -142,19 +146,22 @@ def absolute_argv(argv: list[str], cfg: ExperimentConfig) -> list[str]:
 
 EXTRA_FLAGS = ("--detach", "--test-only")
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
 
 
 class StopOnSignal:
-    """SIGTERM (scancel of a detached controller, a shutdown) and SIGHUP (the terminal closed)
-    stop a trial like Ctrl-C: the first raises ``KeyboardInterrupt`` in the controller, which
-    stops every worker and cancels every job. Later ones are ignored, and so is any that comes
-    while the controller cleans up (it ignores SIGINT meanwhile): a signal must not cut that
-    cleanup short and leave workers or jobs behind."""
+    """SIGTERM (scancel of a detached controller, a shutdown), SIGHUP (the terminal closed) and
+    SIGUSR2 (Slurm's warning before a detached controller's time limit) stop a trial like
+    Ctrl-C: the first raises ``KeyboardInterrupt`` in the controller, which stops every worker
+    and cancels every job; SIGUSR2 to a controller that requeues its own job (``requeue_job``,
+    see :mod:`system.launcher.self_requeue`) raises :class:`ControllerRequeue`. Later ones are
+    ignored, and so is any that comes while the controller cleans up (it ignores SIGINT
+    meanwhile): a signal must not cut that cleanup short and leave workers or jobs behind."""
 
-    def __init__(self) -> None:
+    def __init__(self, requeue_job: str | None = None) -> None:
         self.first: str | None = None
         self.handled: list[signal.Signals] = []
+        self.requeue_job = requeue_job
 
     def install(self) -> None:
         """Handle each stop signal, except one this process was started ignoring (``nohup``
@@ -177,6 +184,8 @@ class StopOnSignal:
             logging.getLogger("launch").warning("%s while stopping: ignored", name)
             return
         self.first = name
+        if signum == signal.SIGUSR2 and self.requeue_job is not None:
+            raise ControllerRequeue(self.requeue_job)
         raise KeyboardInterrupt(name)
 
 
@@ -203,12 +212,31 @@ def _terminal(fd: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    restarted: list[str] = []  # a requeued controller's trial directory, once known
+    code = launch(argv, restarted)
+    if restarted and stale_pending(TrialPaths(restarted[0])):  # its controller never wrote
+        end_records(TrialPaths(restarted[0]), "completed" if code == 0 else "failed",
+                    f"the controller's job started again and ended (exit code {code}) before "
+                    "its controller ran: see logs/controller.log")
+    return code
+
+
+def launch(argv: list[str], restarted: list[str]) -> int:
+    """:func:`main`'s launch; appends the trial's directory to ``restarted`` when this is its
+    detached controller's job started again after a requeue."""
     try:
         args = parse_cli(argv, EXTRA_FLAGS)
         if args.help:
             print(help_text(args.exp))
             return 0
+        requeued = bool(restart_count() and own_job(args.exp, args.trial))
+        if requeued:  # this trial's controller job, started again: continue the trial
+            args = dataclasses.replace(args, overrides=restart_overrides(args.overrides))
+            print(f"the controller's job {own_job(args.exp, args.trial)} started again (restart "
+                  f"{restart_count()}): the trial continues from its checkpoint", file=sys.stderr)
         cfg = build_config(args.exp, args.trial, args.overrides)
+        if requeued:
+            restarted.append(trial_paths(cfg).root)
         if args.flags and cfg.scheduler.type.value != "slurm":
             raise ConfigError(f"{' and '.join(args.flags)} need"
                               f"{'s' if len(args.flags) == 1 else ''} scheduler=slurm")
@@ -351,8 +379,25 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
     except RLSystemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    StopOnSignal().install()
-    return controller.run()
+    job = own_job(cfg.exp, cfg.trial)
+    requeue_job = job if job is not None and requeues(cfg) else None
+    StopOnSignal(requeue_job).install()
+    code = controller.run()
+    if requeue_job is None or controller.outcome != "requeued":
+        return code
+    if cancelled_since(paths, controller.started):  # (ctl cancel while it stopped the trial)
+        end_records(paths, "cancelled", "cancelled (python -m system.ctl cancel): not requeued")
+        print(f"cancelled: job {requeue_job} is not requeued", file=sys.stderr)
+        return 1
+    trial.lock.release()  # (before Slurm ends this process: the next start takes it)
+    error = requeue(requeue_job)
+    if error is None:
+        wait_for_requeue(requeue_job)
+        error = f"Slurm did not end job {requeue_job} within {REQUEUE_WAIT:.0f}s of the request"
+    print(f"error: the controller's job {requeue_job} was not requeued: {error}; continue the "
+          f"trial by launching it again", file=sys.stderr)
+    end_records(paths, "interrupted", f"not requeued: {error}")
+    return 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -151,6 +151,9 @@ def _final_record(paths: TrialPaths, t0: float) -> None:
     if not os.path.exists(paths.summary):
         write_json_atomic(paths.summary, lost_summary(view.record, now))
         wrote = " and summary.json"
+    elif (view.summary or {}).get("status") == "requeued":  # its controller's job, cancelled
+        write_json_atomic(paths.summary, {**(view.summary or {}), "status": "cancelled"})
+        wrote = " and summary.json"
     verb = "say" if wrote else "says"
     _say(t0, f"the controller left no final record: status.json{wrote} now {verb} cancelled")
 

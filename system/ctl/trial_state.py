@@ -158,11 +158,11 @@ def _state(record: StatusRecord, holder: dict[str, Any] | None,
         return "stopping" if cancel else recorded
     if recorded in FINAL_STATES:
         return "cancelled" if cancel and recorded == "interrupted" else recorded
-    if recorded == "pending":  # a detached controller's job, not yet running
+    if recorded == "pending":  # a detached controller's job, not yet running (or requeued)
         job = str((record.get("controller") or {}).get("slurm_job") or "")
         queued = slurm_query.queue([job]) if job else {}
-        if queued and job in queued:
-            return "pending" if queued[job].state == "PENDING" else "starting"
+        if queued and job in queued:  # (a requeued one is COMPLETING, then REQUEUED, first)
+            return "starting" if queued[job].state in ("RUNNING", "CONFIGURING") else "pending"
         return "cancelled" if cancel else "lost"
     if recorded in LIVE_STATES:
         return "cancelled" if cancel else "lost"

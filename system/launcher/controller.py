@@ -23,6 +23,7 @@ from system.errors import (NameServiceUnavailable, RLSystemError, RpcError, Sche
                            WorkerFailure)
 from system.launcher.config import ExperimentConfig
 from system.launcher.disk import full_disk_cause
+from system.launcher.eval_mode import leftover_logs
 from system.launcher.failures import call_failure_cause, job_failure, reported_failure, root_cause
 from system.launcher.groups import group_specs, worker_configs
 from system.launcher.name_claim import claim_problem, controller_record
@@ -31,6 +32,7 @@ from system.launcher.queue_wait import StartClock, blocked_failure
 from system.launcher.pause_watch import PauseWatch
 from system.launcher.recovery import MasterProgress, Recovery, Requeued
 from system.launcher.restarts import RecoveringController
+from system.launcher.self_requeue import ControllerRequeue
 from system.launcher.status_file import StatusWriter, TrialCancelled
 from system.launcher.summary import TrialSummary
 from system.launcher.watch import NameWatch
@@ -73,6 +75,8 @@ class Controller(RecoveringController):
         self._names_down = False  # the trial failed because name resolution stopped answering
         self._names_foreign = False  # another trial of this name holds the keys
         self.names = NameWatch(name_resolve, cfg.exp, cfg.trial, cfg.controller.heartbeat_ttl)
+        self.outcome = ""  # the summary's status once run() returned
+        self.started = self._t0  # (epoch seconds)
         self.status = StatusWriter(cfg, paths, self._t0, self.timeline, self.logs, name_resolve,
                                    self.recovery.summary)
 
@@ -86,6 +90,10 @@ class Controller(RecoveringController):
             if taken is not None:
                 self._names_foreign = True  # (its keys are not ours to clear)
                 raise WorkerFailure(taken)
+            left = self.scheduler.cancel_leftovers(leftover_logs(self.cfg))  # before the keys
+            if left:
+                print(f"cancelled job(s) {', '.join(left)}, left by an earlier run of this trial "
+                      "whose controller died", file=sys.stderr)
             self.nr.clear_subtree(names.trial_root(self.cfg.exp, self.cfg.trial))
             self.nr.add(names.controller(self.cfg.exp, self.cfg.trial),
                         controller_record(self.paths.root), replace=True,
@@ -109,6 +117,8 @@ class Controller(RecoveringController):
             print(f"\nerror: {failure}", file=sys.stderr)
         except KeyboardInterrupt as e:
             summary.interrupted(cancelled=isinstance(e, TrialCancelled))
+            if isinstance(e, ControllerRequeue):  # its own job's time limit: requeued next
+                summary.requeued(str(e), self._checkpoint_first())
             print(f"\n{summary.status}: stopping every worker", file=sys.stderr)
         finally:
             old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup must finish
@@ -126,6 +136,7 @@ class Controller(RecoveringController):
             self.status.final(summary.data, self._poll_fresh)
             self.pauses.close()
         print(f"{summary.status}: {self.paths.summary}", file=sys.stderr)
+        self.outcome = summary.status
         return 0 if summary.status == "completed" else 1
 
     # --- phases ---
@@ -406,20 +417,6 @@ class Controller(RecoveringController):
                 raise WorkerFailure(f"trial did not complete within controller.timeout="
                                     f"{cc.timeout:.0f}s")
             time.sleep(cc.poll_interval)
-
-    def _note_progress(self, prog: dict[str, Any]) -> None:
-        """Follow the master's progress: the step it reached, the step a restarted master
-        resumed from, and whether it stalled (``controller.stall_timeout``)."""
-        self.watch.update(prog)
-        self.status.note_progress(prog)
-        if self.watch.resumed_from is not None:
-            self.recovery.resumed(self.watch.resumed_from)
-        stall = self.cfg.controller.stall_timeout
-        if stall and self.watch.unchanged_for() > stall:
-            log_path = self.logs["master/0"]
-            raise WorkerFailure(f"master made no progress for {stall:.0f}s "
-                                f"(controller.stall_timeout; last: {self.watch.progress}); "
-                                f"log: {log_path}", "master/0", log_path)
 
     def _stop_all(self) -> None:
         clients = list(self.clients.values())

@@ -41,6 +41,13 @@ def run_paths(cfg: ExperimentConfig) -> TrialPaths:
     return paths if cfg.mode == RunMode.TRAIN else TrialPaths(os.path.join(paths.root, EVAL_DIR))
 
 
+def leftover_logs(cfg: ExperimentConfig) -> list[str]:
+    """Where the jobs of the trial's runs write their batch logs: its training's and its
+    evaluation's (both run under the trial's lock and its name-resolution keys)."""
+    root = trial_paths(cfg).root
+    return [os.path.join(root, "logs"), os.path.join(root, EVAL_DIR, "logs")]
+
+
 def checkpoint_steps(checkpoints: str) -> list[int]:
     """Steps of the committed checkpoint directories (``step_<N>``) under ``checkpoints``."""
     if not os.path.isdir(checkpoints):

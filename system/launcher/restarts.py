@@ -24,6 +24,8 @@ from system.launcher.failures import clear_worker_keys
 from system.launcher.groups import GroupSpec, group_spec
 from system.launcher.pause_watch import PauseWatch
 from system.launcher.recovery import MasterProgress, Paused, Recovery
+from system.launcher.self_requeue import checkpoint_first, checkpoint_wait
+from system.launcher.status_file import StatusWriter
 from system.launcher.summary import TrialSummary
 from system.name_resolve import NameResolve
 from system.paths import TrialPaths
@@ -55,6 +57,7 @@ class RecoveringController:
     watch: MasterProgress
     timeline: dict[str, float]
     pauses: PauseWatch
+    status: StatusWriter
 
     def _paused(self, then: WorkerFailure | None = None) -> Paused | None:
         """This process was stopped (SIGSTOP, a suspended machine) for longer than
@@ -188,3 +191,26 @@ class RecoveringController:
         except (NameEntryNotFound, ValueError):
             pass
         return self.watch.last_step
+
+    def _note_progress(self, prog: dict[str, Any]) -> None:
+        """Follow the master's progress: the step it reached, the step a restarted master
+        resumed from, and whether it stalled (``controller.stall_timeout``)."""
+        self.watch.update(prog)
+        self.status.note_progress(prog)
+        if self.watch.resumed_from is not None:
+            self.recovery.resumed(self.watch.resumed_from)
+        stall = self.cfg.controller.stall_timeout
+        if stall and self.watch.unchanged_for() > stall:
+            log_path = self.logs["master/0"]
+            raise WorkerFailure(f"master made no progress for {stall:.0f}s "
+                                f"(controller.stall_timeout; last: {self.watch.progress}); "
+                                f"log: {log_path}", "master/0", log_path)
+
+    def _checkpoint_first(self) -> bool:
+        """The controller's job was warned of its time limit: a checkpoint before every worker
+        stops, if the master is running (see :func:`checkpoint_first`)."""
+        if "started" not in self.timeline or "master/0" not in self.clients:
+            return False
+        sched = self.cfg.scheduler
+        return checkpoint_first(self.nr, self.cfg.exp, self.cfg.trial, checkpoint_wait(
+            sched.slurm.signal_seconds, sched.stop_grace))

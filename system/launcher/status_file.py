@@ -172,12 +172,15 @@ class StatusWriter:
         self._next_write = time.monotonic() + self.interval
 
     def final(self, summary: Mapping[str, Any], poll: Callable[[], list[JobStatus]]) -> None:
-        """The last record: the summary's status and failure, and the jobs as they ended."""
+        """The last record: the summary's status (``pending`` for ``requeued``) and failure, and
+        the jobs as they ended."""
         try:
             self.jobs = [job_record(s) for s in poll()]
         except Exception as e:  # the scheduler may not answer any more: keep the last seen
             log.warning("could not poll the jobs for the final status: %s", e)
-        self.write(str(summary.get("status", "failed")), failure=summary.get("failure"))
+        status = str(summary.get("status", "failed"))
+        # a requeued controller's job is queued again: the trial is pending, as after --detach
+        self.write("pending" if status == "requeued" else status, failure=summary.get("failure"))
 
 
 def write_pending(cfg: ExperimentConfig, paths: TrialPaths, job_id: str, since: float) -> None:

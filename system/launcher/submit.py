@@ -15,6 +15,7 @@ from scheduler.slurm_jobs import NamedJob, named_jobs
 from scheduler.slurm_render import job_name, render_controller_script
 from system.launcher.config import ExperimentConfig
 from system.launcher.groups import group_specs
+from system.launcher.self_requeue import requeues
 from system.launcher.status_file import write_pending
 from system.launcher.trial_lock import TrialLock
 from system.errors import SchedulerError
@@ -52,14 +53,17 @@ def dry_run(cfg: ExperimentConfig, paths: TrialPaths, scheduler: Scheduler, reso
 
 def controller_request(cfg: ExperimentConfig, paths: TrialPaths, scheduler: SlurmScheduler,
                        argv: list[str]) -> ControllerRequest:
-    """The job that runs the controller itself (``system.launch argv``) on a CPU node (pure)."""
+    """The job that runs the controller itself (``system.launch argv``) on a CPU node (pure).
+    ConfigError for a controller that requeues itself with a time limit within its warning."""
+    if requeues(cfg):
+        scheduler.slurm.check_time_limit("controller")
     script = render_controller_script(
         exp=cfg.exp, trial=cfg.trial, slurm=scheduler.slurm,
         argv=[scheduler.python, "-m", "system.launch",  # (a key is given once)
               *[a for a in argv if not a.startswith("controller.progress=")],
               "controller.progress=false"],
         env={"PYTHONUNBUFFERED": "1"}, logs_dir=paths.logs, workdir=scheduler.workdir,
-        umask=scheduler.umask)
+        umask=scheduler.umask, requeue=requeues(cfg))
     groups = group_specs(cfg, paths, scheduler.python)
     return ControllerRequest(groups["master"],
                              os.path.join(paths.root, "jobs", "controller.sbatch"), script)

@@ -12,7 +12,7 @@ from system.launcher.trial_dir import now_iso, write_json_atomic
 
 class TrialSummary:
     """The summary of one trial, filled in as it runs; ``status`` stays ``failed`` unless the
-    trial completed, was interrupted or was cancelled."""
+    trial completed, was interrupted, was cancelled, or requeued its detached controller."""
 
     def __init__(self, cfg: ExperimentConfig, t0: float) -> None:
         self.t0 = t0
@@ -54,6 +54,13 @@ class TrialSummary:
     def interrupted(self, cancelled: bool = False) -> None:
         """Ctrl-C or a stop signal; ``cancelled``: ``python -m system.ctl cancel`` asked."""
         self.data["status"] = "cancelled" if cancelled else "interrupted"
+
+    def requeued(self, job_id: str, checkpointed: bool) -> None:
+        """The detached controller's own job (``job_id``) was warned of its time limit: the
+        trial stopped (after a checkpoint, if ``checkpointed``) and the job is requeued; the
+        trial continues when Slurm starts it again."""
+        self.data["status"] = "requeued"
+        self.data["requeued"] = {"job": job_id, "checkpointed": checkpointed}
 
     def write(self, path: str, timeline: Mapping[str, float], restarts: Mapping[str, int]
               ) -> None:

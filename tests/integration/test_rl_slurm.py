@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -30,6 +31,14 @@ def _steps(root: str) -> list[int]:
         return []
     with open(path) as f:
         return [json.loads(line)["step"] for line in f]
+
+
+def _status(root: str, trial: str) -> str | None:
+    """The trial's summary status; None while it has none."""
+    try:
+        return read_summary(root, "arith-tiny", trial)["status"]
+    except FileNotFoundError:
+        return None
 
 
 class _Stderr:
@@ -123,3 +132,62 @@ def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_
         assert "checkpoint committed after SIGUSR2" in f.read()
     assert "generation/0" in err.rejoined()
     assert squeue(slurm_cluster.env, "arith-tiny", "preempt") == []
+
+
+def test_a_detached_controller_at_its_time_limit_requeues_itself(slurm_cluster, tmp_path):
+    """The --detach controller's job gets Slurm's time-limit warning (SIGUSR2 to its batch
+    shell, as ``--signal=B:USR2`` sends it): it asks the master for a checkpoint, stops every
+    worker and job, and requeues its own job; meanwhile the trial is ``requeued`` in its
+    summary and ``pending`` to ``system.ctl``. When Slurm starts the job again, the trial
+    continues from the checkpoint (started with ``recover=off``: resumed all the same) and
+    completes, no step lost or trained twice, no job left."""
+    import json
+    import re
+
+    from tests.helpers import run_launch
+
+    root = str(tmp_path / "runs")
+    trial_root = os.path.join(root, "arith-tiny", "ctl")
+    env = {**os.environ, **slurm_cluster.env}
+    r = run_launch("exp=arith-tiny", "trial=ctl", f"cluster.fileroot={root}",
+                   f"rl.total_steps={STEPS}", *overridden(SLURM, *SMALL, *SLOW_OK),
+                   "recover=off", "--detach", env=slurm_cluster.env)
+    assert r.returncode == 0, r.stderr
+    job = re.search(r"as job (\d+)", r.stdout).group(1)
+    try:
+        wait_for(lambda: max(_steps(trial_root), default=0) >= 3, 300, "step 3")
+        subprocess.run(["scancel", "--signal=USR2", "--batch", job], check=True, env=env)
+        wait_for(lambda: _status(root, "ctl") == "requeued", 180, "the requeued summary")
+        s = read_summary(root, "arith-tiny", "ctl")
+        assert s["requeued"] == {"job": job, "checkpointed": True}, s
+        stopped_at = max(_steps(trial_root))
+
+        def requeued():
+            out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                                 text=True, env=env).stdout
+            return "Restarts=1" in out and "JobState=PENDING" in out
+        wait_for(requeued, 120, "the controller's job to requeue")
+        with open(os.path.join(trial_root, "status.json")) as f:
+            assert json.load(f)["state"] == "pending"
+        status = subprocess.run(
+            [sys.executable, "-m", "system.ctl", "status", "exp=arith-tiny", "trial=ctl",
+             f"cluster.fileroot={root}"], cwd=REPO, capture_output=True, text=True, env=env)
+        assert status.returncode == 0 and "pending" in status.stdout, status.stdout
+        # Slurm holds a requeued job about two minutes (BeginTime): let it go now
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True,
+                       env=env)
+        # (the continued run removes the summary when it starts, and writes its own at the end)
+        wait_for(lambda: _status(root, "ctl") not in (None, "requeued"), 500,
+                 "the continued trial's end")
+    finally:
+        subprocess.run(["scancel", job], env=env)
+    with open(os.path.join(trial_root, "logs", "controller.log")) as f:
+        log = f.read()
+    s = read_summary(root, "arith-tiny", "ctl")
+    assert s["status"] == "completed" and s["steps"] == STEPS, log[-4000:]
+    assert "started again (restart 1): the trial continues from its checkpoint" in log
+    trained = [step for step in _steps(trial_root) if step > 0]
+    assert trained == list(range(1, STEPS + 1)), (stopped_at, trained)
+    with open(os.path.join(trial_root, "config.yaml")) as f:
+        assert "recover:\n  type: RESUME\n" in f.read()  # (recover=off, continued)
+    wait_for(lambda: squeue(slurm_cluster.env, "arith-tiny", "ctl") == [], 60, "an empty queue")

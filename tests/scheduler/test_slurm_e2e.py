@@ -115,6 +115,28 @@ def test_ctrl_c_cancels_every_job(slurm_cluster, tmp_path):
     assert squeue(slurm_cluster.env, "smoke", "intr") == []
 
 
+def test_a_relaunch_cancels_the_jobs_a_killed_controller_left(slurm_cluster, tmp_path):
+    """The launcher is killed (-9: no clean-up) with its 4 jobs running, and the trial is
+    launched again at once, within the old workers' orphan timeout: the new controller cancels
+    those jobs before it submits its own (they would have shared its name-resolution keys),
+    says so in one line, and the trial completes."""
+    root = str(tmp_path / "runs")
+    with running_trial(slurm_cluster, root, "kill9", "smoke.min_duration=120") as proc:
+        old = {j for j, _, _ in squeue(slurm_cluster.env, "smoke", "kill9")}
+        assert len(old) == 4
+        proc.kill()
+        proc.wait()
+    r = run_launch("exp=smoke", "trial=kill9", f"cluster.fileroot={root}", *SLURM,
+                   env=slurm_cluster.env)
+    assert r.returncode == 0, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("cancelled job(s) ")]
+    listed = line[len("cancelled job(s) "):].split(", left by")[0]
+    assert set(listed.split(", ")) == old, line
+    assert "left by an earlier run of this trial whose controller died" in line
+    assert read_summary(root, "smoke", "kill9")["status"] == "completed"
+    assert squeue(slurm_cluster.env, "smoke", "kill9") == []
+
+
 @pytest.mark.parametrize("watch", ["default", "registration-only"])
 def test_preemption_signal_requeues_and_workers_rejoin(slurm_cluster, tmp_path, watch):
     """SIGUSR2 (as Slurm sends before a time limit) -> graceful stop -> the job requeues itself

@@ -159,7 +159,7 @@ def test_a_time_limit_within_the_warning_is_refused(overrides, key):
     ["scheduler.slurm.time=1", "scheduler.slurm.signal_seconds=0"],
     ["scheduler.slurm.time=2", "scheduler.slurm.signal_seconds=30"],
     ["scheduler.slurm.time=UNLIMITED"], ["scheduler.slurm.time=0"],
-    ["scheduler.slurm.controller.time=1"],  # no --signal, no --requeue
+    ["scheduler.slurm.controller.time=1"],  # checked with --detach only (below)
     ["scheduler.slurm.time=1", *(f"scheduler.slurm.{k}.time=1-00" for k in
                                  ("master", "model", "generation", "rollout"))],
 ])
@@ -263,3 +263,31 @@ def test_golden_hetjob():
     with pytest.raises(ConfigError, match="two or more whole groups"):
         render_hetjob_script(exp="gsm8k", trial="t1", groups=groups[:1], slurm=full_config(),
                              workdir="/w", umask=0o077, gpus_per_worker={})
+
+
+def test_a_controller_that_requeues_itself_may_be_requeued():
+    """Only a controller that checkpoints and requeues itself (a training trial with requeues
+    on) is warned before its time limit, and may be requeued."""
+    text = render_controller_script(
+        exp="e", trial="t", slurm=SlurmConfig(signal_seconds=90), argv=["python"], env={},
+        logs_dir="/r/e/t/logs", workdir="/w", umask=0o077, requeue=True)
+    assert "#SBATCH --signal=B:USR2@90\n#SBATCH --requeue\n" in text
+    assert "\nexec python\n" in text  # the batch shell is the controller: B: signals it
+
+
+def test_a_detached_controller_that_requeues_itself_needs_room_before_its_warning(tmp_path):
+    """A controller that requeues itself at the warning, with a limit within it, would requeue
+    over and over: refused at --detach, in one line naming its key; one that only stops at
+    the warning (nothing to resume from) is not."""
+    from tests.helpers import run_launch
+
+    root = f"cluster.fileroot={tmp_path}"
+    r = run_launch("exp=arith-tiny", "trial=t", root, "scheduler=slurm",
+                   "scheduler.slurm.controller.time=2", "--detach")
+    assert r.returncode == 2 and r.stderr.startswith(
+        "error: scheduler.slurm.controller.time='2' (120 s) is too short for "
+        "scheduler.slurm.signal_seconds=120: SIGUSR2 would stop the controller"), r.stderr
+    assert len(r.stderr.splitlines()) == 1 and not os.path.exists(tmp_path / "arith-tiny")
+    r = run_launch("exp=smoke", "trial=t", root, "scheduler=slurm",
+                   "scheduler.slurm.controller.time=2", "--detach", "--dry-run")
+    assert r.returncode == 0, r.stderr  # (--dry-run plans the controller's job too)
