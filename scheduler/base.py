@@ -119,7 +119,7 @@ class Scheduler(abc.ABC):
         """Cancel the jobs of this trial, writing their logs in one of ``logs_dirs``, that an
         earlier run's controller left behind when it died (the caller holds the trial's lock:
         any such job is a leftover); their ids. Default: none (the local scheduler's workers
-        are this process's children, and stop as orphans)."""
+        are this process's children, killed with it)."""
         return []
 
     def warm_spares(self) -> None:
