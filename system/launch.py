@@ -41,8 +41,9 @@ from system.name_resolve_api import NameResolveBackend, redis_password
 from system.launcher.help import describe
 from system.launcher.overrides import CliArgs, apply_overrides, parse_cli
 from system.launcher.self_requeue import (REQUEUE_WAIT, ControllerRequeue, cancelled_since,
-                                          end_records, own_job, requeue, requeues, restart_count,
-                                          restart_overrides, stale_pending, wait_for_requeue)
+                                          cancelled_while_requeued, end_records, own_job,
+                                          requeue, requeues, restart_count, restart_overrides,
+                                          stale_pending, wait_for_requeue)
 from system.launcher.groups import group_specs
 from system.launcher.submit import (controller_request, detach, dry_run, queued_controller,
                                     refusal)
@@ -237,6 +238,11 @@ def launch(argv: list[str], restarted: list[str]) -> int:
         cfg = build_config(args.exp, args.trial, args.overrides)
         if requeued:
             restarted.append(trial_paths(cfg).root)
+            if cancelled_while_requeued(trial_paths(cfg)):
+                end_records(trial_paths(cfg), "cancelled", "cancelled (python -m system.ctl "
+                            "cancel) while the controller's job was requeued: not continued")
+                print("cancelled while requeued: the trial is not continued", file=sys.stderr)
+                return 1
         if args.flags and cfg.scheduler.type.value != "slurm":
             raise ConfigError(f"{' and '.join(args.flags)} need"
                               f"{'s' if len(args.flags) == 1 else ''} scheduler=slurm")

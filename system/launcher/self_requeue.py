@@ -155,6 +155,19 @@ def cancelled_since(paths: TrialPaths, t0: float) -> bool:
         return False
 
 
+def cancelled_while_requeued(paths: TrialPaths) -> bool:
+    """Whether ``python -m system.ctl cancel`` asked to stop the trial after the run that
+    requeued its controller's job began (a cancel that raced the requeue: Slurm started the
+    job again all the same): the job, started again, must not continue the trial."""
+    try:
+        with open(paths.summary) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return (isinstance(summary, dict) and summary.get("status") == "requeued"
+            and cancelled_since(paths, float(summary.get("t0_epoch") or 0.0)))
+
+
 def stale_pending(paths: TrialPaths) -> bool:
     """Whether ``status.json`` still says ``pending``: written by the run that requeued this
     job, not by this one (whose controller never ran, or never got to write)."""

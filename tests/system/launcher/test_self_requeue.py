@@ -14,7 +14,8 @@ from experiments.catalog import get_experiment
 from system import names
 from system.errors import NameEntryNotFound
 from system.launcher.self_requeue import (ControllerRequeue, checkpoint_first, checkpoint_wait,
-                                          cancelled_since, end_records, own_job, requeues,
+                                          cancelled_since, cancelled_while_requeued,
+                                          end_records, own_job, requeues,
                                           restart_count, restart_overrides, stale_pending)
 from system.launcher.overrides import apply_overrides
 from system.name_resolve import FileNameResolve
@@ -113,6 +114,12 @@ def test_a_cancel_since_the_start_stops_the_requeue(tmp_path):
         json.dump({"time": 99.0, "user": "u"}, f)
     assert not cancelled_since(paths, 100.0)  # a request to an earlier run
     assert cancelled_since(paths, 98.5)
+    assert not cancelled_while_requeued(paths)  # (no summary)
+    for status, t0, cancelled in (("requeued", 98.5, True), ("requeued", 100.0, False),
+                                  ("completed", 98.5, False)):
+        with open(paths.summary, "w") as f:
+            json.dump({"status": status, "t0_epoch": t0}, f)
+        assert cancelled_while_requeued(paths) is cancelled
 
 
 def test_sigusr2_raises_controller_requeue_only_for_a_requeuing_controller():
