@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from tests.helpers import read_summary, run_launch
 
-FAST = ["controller.heartbeat_ttl=2", "scheduler.stop_grace=3", "controller.progress=false",
+# (a 2 s heartbeat expired under CI's load, beside an arith-tiny trial on the other xdist
+# worker; placement is what these test, and a 10 s one costs them nothing)
+FAST = ["controller.heartbeat_ttl=10", "scheduler.stop_grace=3", "controller.progress=false",
         "rollout.count=2", "smoke.trajectories_per_worker=20"]
 
 
