@@ -6,19 +6,20 @@ limit (``--signal=B:USR2@N``: the batch shell is the controller itself). With
 controller then asks the master for a checkpoint (the ``preempt`` key its own workers use on
 the same warning), stops every worker and job, and requeues its own job; once Slurm starts that
 job again, the launch continues the trial from the checkpoint. A training run started with
-``recover=off`` continues with ``recover=resume``: the checkpoints are this run's own. Without
-a requeue the warning stops the trial as Ctrl-C does, while there is still time to stop every
-job cleanly (a plain SIGTERM at the limit leaves only Slurm's ``KillWait``).
+``recover=off`` continues with ``recover=resume``: the checkpoints are this run's own. Other
+trials' controller jobs get no warning and no requeue: SIGTERM at the limit stops them, with
+Slurm's ``KillWait`` to stop their jobs.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 from scheduler.slurm_render import job_name
 from system import names
@@ -77,22 +78,20 @@ def restart_overrides(overrides: Sequence[str]) -> list[str]:
         f"recover={RecoverMode.RESUME.value}"]
 
 
-def checkpoint_first(nr: NameResolve, exp: str, trial: str, timeout: float,
-                     clock: Callable[[], float] = time.monotonic,
-                     sleep: Callable[[float], None] = time.sleep) -> bool:
+def checkpoint_first(nr: NameResolve, exp: str, trial: str, timeout: float) -> bool:
     """Ask the master for a checkpoint (the ``preempt`` key of ``controller/0``, which it
     deletes once one is committed) and wait up to ``timeout`` seconds for it. Returns whether
     it was committed; never raises (the trial stops either way)."""
     key = names.preempt(exp, trial, "controller", 0)
     try:
         nr.add(key, str(time.time()), replace=True)
-        deadline = clock() + timeout
-        while clock() < deadline:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             try:
                 nr.get(key)
             except NameEntryNotFound:
                 return True
-            sleep(0.5)
+            time.sleep(0.5)
     except Exception as e:  # the name service, say: stop without the checkpoint
         log.warning("could not ask the master for a checkpoint: %s", e)
     return False
@@ -106,13 +105,12 @@ def checkpoint_wait(signal_seconds: int, stop_grace: float) -> float:
     return max(min(signal_seconds / 2, signal_seconds - 2 * stop_grace - 15.0), 10.0)
 
 
-def requeue(job_id: str, timeout: float = 60.0,
-            run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> str | None:
+def requeue(job_id: str, timeout: float = 60.0) -> str | None:
     """``scontrol requeue <job_id>``: Slurm ends this job (and this process with it) and queues
     it again. Returns the error, or None once asked."""
     try:
-        r = run(["scontrol", "requeue", job_id], capture_output=True, text=True,
-                timeout=timeout)
+        r = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
+                           timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
         return str(e)
     return None if r.returncode == 0 else (r.stderr.strip() or f"exit code {r.returncode}")
@@ -121,8 +119,6 @@ def requeue(job_id: str, timeout: float = 60.0,
 def wait_for_requeue(job_id: str, seconds: float = REQUEUE_WAIT) -> None:
     """Sleep while Slurm ends this job for its requeue (SIGTERM, then SIGKILL): the stop
     signals are left to their defaults, the trial being stopped already."""
-    import signal
-
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
     print(f"job {job_id} requeued: the trial continues from its checkpoint when Slurm starts "
