@@ -134,6 +134,11 @@ def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_
     assert squeue(slurm_cluster.env, "arith-tiny", "preempt") == []
 
 
+DETACHED_STEPS = 60
+"""Enough for the warning at step 3 to stop the trial well before its end (the master reads
+the checkpoint request within a second, at about 5 steps a second here)."""
+
+
 def test_a_detached_controller_at_its_time_limit_requeues_itself(slurm_cluster, tmp_path):
     """The --detach controller's job gets Slurm's time-limit warning (SIGUSR2 to its batch
     shell, as ``--signal=B:USR2`` sends it): it asks the master for a checkpoint, stops every
@@ -150,7 +155,7 @@ def test_a_detached_controller_at_its_time_limit_requeues_itself(slurm_cluster, 
     trial_root = os.path.join(root, "arith-tiny", "ctl")
     env = {**os.environ, **slurm_cluster.env}
     r = run_launch("exp=arith-tiny", "trial=ctl", f"cluster.fileroot={root}",
-                   f"rl.total_steps={STEPS}", *overridden(SLURM, *SMALL, *SLOW_OK),
+                   f"rl.total_steps={DETACHED_STEPS}", *overridden(SLURM, *SMALL, *SLOW_OK),
                    "recover=off", "--detach", env=slurm_cluster.env)
     assert r.returncode == 0, r.stderr
     job = re.search(r"as job (\d+)", r.stdout).group(1)
@@ -184,10 +189,10 @@ def test_a_detached_controller_at_its_time_limit_requeues_itself(slurm_cluster, 
     with open(os.path.join(trial_root, "logs", "controller.log")) as f:
         log = f.read()
     s = read_summary(root, "arith-tiny", "ctl")
-    assert s["status"] == "completed" and s["steps"] == STEPS, log[-4000:]
+    assert s["status"] == "completed" and s["steps"] == DETACHED_STEPS, log[-4000:]
     assert "started again (restart 1): the trial continues from its checkpoint" in log
     trained = [step for step in _steps(trial_root) if step > 0]
-    assert trained == list(range(1, STEPS + 1)), (stopped_at, trained)
+    assert trained == list(range(1, DETACHED_STEPS + 1)), (stopped_at, trained)
     with open(os.path.join(trial_root, "config.yaml")) as f:
         assert "recover:\n  type: RESUME\n" in f.read()  # (recover=off, continued)
     wait_for(lambda: squeue(slurm_cluster.env, "arith-tiny", "ctl") == [], 60, "an empty queue")
