@@ -40,7 +40,7 @@ from system.name_resolve import make_name_resolve
 from system.name_resolve_api import NameResolveBackend, redis_password
 from system.launcher.help import describe
 from system.launcher.overrides import CliArgs, apply_overrides, parse_cli
-from system.launcher.self_requeue import (REQUEUE_WAIT, ControllerRequeue, cancelled_since,
+from system.launcher.self_requeue import (REQUEUE_WAIT, ControllerRequeue,
                                           cancelled_while_requeued, end_records, own_job,
                                           requeue, requeues, restart_count, restart_overrides,
                                           stale_pending, wait_for_requeue)
@@ -230,11 +230,12 @@ def launch(argv: list[str], restarted: list[str]) -> int:
         if args.help:
             print(help_text(args.exp))
             return 0
-        requeued = bool(restart_count() and own_job(args.exp, args.trial))
+        job = own_job(args.exp, args.trial) if restart_count() else None
+        requeued = job is not None
         if requeued:  # this trial's controller job, started again: continue the trial
             args = dataclasses.replace(args, overrides=restart_overrides(args.overrides))
-            print(f"the controller's job {own_job(args.exp, args.trial)} started again (restart "
-                  f"{restart_count()}): the trial continues from its checkpoint", file=sys.stderr)
+            print(f"the controller's job {job} started again (restart {restart_count()}): the "
+                  "trial continues from its checkpoint", file=sys.stderr)
         cfg = build_config(args.exp, args.trial, args.overrides)
         if requeued:
             restarted.append(trial_paths(cfg).root)
@@ -391,7 +392,7 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
     code = controller.run()
     if requeue_job is None or controller.outcome != "requeued":
         return code
-    if cancelled_since(paths, controller.started):  # (ctl cancel while it stopped the trial)
+    if cancelled_while_requeued(paths):  # (ctl cancel while it stopped the trial)
         end_records(paths, "cancelled", "cancelled (python -m system.ctl cancel): not requeued")
         print(f"cancelled: job {requeue_job} is not requeued", file=sys.stderr)
         return 1

@@ -76,7 +76,6 @@ class Controller(RecoveringController):
         self._names_foreign = False  # another trial of this name holds the keys
         self.names = NameWatch(name_resolve, cfg.exp, cfg.trial, cfg.controller.heartbeat_ttl)
         self.outcome = ""  # the summary's status once run() returned
-        self.started = self._t0  # (epoch seconds)
         self.status = StatusWriter(cfg, paths, self._t0, self.timeline, self.logs, name_resolve,
                                    self.recovery.summary)
 

@@ -153,8 +153,9 @@ def cancelled_since(paths: TrialPaths, t0: float) -> bool:
 
 def cancelled_while_requeued(paths: TrialPaths) -> bool:
     """Whether ``python -m system.ctl cancel`` asked to stop the trial after the run that
-    requeued its controller's job began (a cancel that raced the requeue: Slurm started the
-    job again all the same): the job, started again, must not continue the trial."""
+    requeued (or is about to requeue) its controller's job began (its ``summary.json`` says
+    ``requeued``): that run must not requeue the job, and a job Slurm started again all the
+    same must not continue the trial."""
     try:
         with open(paths.summary) as f:
             summary = json.load(f)
