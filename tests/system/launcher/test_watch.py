@@ -63,14 +63,16 @@ def test_silent_and_deleted_workers_stop_beating_within_the_ttl(backend):
         assert watch.beating(workers) == set(workers)
     assert watch.nr.ops["read"] == reads
     time.sleep(TTL * 2)  # they are refreshed meanwhile: still beating
-    assert watch.beating(workers) == set(workers)
+    # (a keep-alive thread starved for a TTL on a loaded machine is seen to stop beating until
+    # its next refresh: CI saw it once; wait that out, within a few TTLs)
+    _until(lambda: watch.beating(workers) == set(workers), 5 * TTL)
     clients[1].close()  # rollout/1 goes silent
     took = _until(lambda: "rollout/1" not in watch.beating(workers), 3 * TTL)
     assert took <= TTL + 0.3
     clients[2].delete(names.heartbeat("e", "t", "rollout", 2))
     took = _until(lambda: "rollout/2" not in watch.beating(workers), 3 * TTL)
     assert took <= TTL + 0.3
-    assert watch.beating(workers) == {"rollout/0"}
+    _until(lambda: watch.beating(workers) == {"rollout/0"}, 5 * TTL)
 
 
 def test_addresses_of_rejoining_workers_at_every_poll_of_all_now_and_then(backend):
