@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     reason="the arith-tiny model is created by scripts/setup.sh")]
 
 ARGS = ("exp=arith-tiny", "trial=disk", "rl.total_steps=8", "rl.save_interval=2",
+        "rl.batch_size=4", "rl.group_size=4", "rl.task.train_size=14",
         "rl.task.eval_size=0", "controller.progress=false")
 
 
