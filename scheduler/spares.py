@@ -18,11 +18,10 @@ own session (stopped as a group, like every local worker) and is killed with its
 (``PR_SET_PDEATHSIG``), which is killed with the launcher: ``kill -9`` of the launcher still
 leaves nothing behind. Killing a spare therefore kills the workers it forked (they restart).
 
-Spares start only when asked (:meth:`Spares.warm`: the controller asks once the master reports
-that it is past its start-up), so they never slow the trial's own start-up; one still importing
-is not used (a restart then starts a new process, as without spares), nor is a dead one (it is
-started again). Under Slurm every worker runs in its own job and a restart is a requeue: there
-are no spares there.
+Spares start only when asked (:meth:`Spares.warm`: the controller asks once the trial runs), so
+they never slow the trial's own start-up; one still importing is not used (a restart then starts
+a new process, as without spares), nor is a dead one (it is started again). Under Slurm every
+worker runs in its own job and a restart is a requeue: there are no spares there.
 """
 from __future__ import annotations
 

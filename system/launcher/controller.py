@@ -355,7 +355,8 @@ class Controller(RecoveringController):
         self._start_all(self._ordered(tuple(k for k in KINDS if k != "master")))
         self._start_all(self._ordered(("master",)))
         self.timeline["started"] = time.time()
-        self._want_spares()
+        if self.recovery.enabled:  # restarts will come: spares that are already imported
+            self.scheduler.warm_spares()
 
     def _watch(self) -> dict[str, Any]:
         cc = self.cfg.controller
@@ -404,7 +405,6 @@ class Controller(RecoveringController):
             state = ping.get("state")
             prog = ping.get("progress") or {}
             self._note_progress(prog)
-            self._warm_spares_when_running(prog)
             self.progress.update(running=len(beating), state=state,
                                  rejoining=len(self.requeue.rejoining) or None,
                                  **prog,

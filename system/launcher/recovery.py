@@ -212,12 +212,6 @@ def _kinds(failure: WorkerFailure) -> list[str]:
     return [w.split("/")[0] for w in (failure.worker or "", *failure.also) if w]
 
 
-def past_start_up(progress: dict[str, Any]) -> bool:
-    """Whether a master's progress (its ``ping``) says it is past its start-up: a trained step,
-    or figures with no ``phase`` (loading engines, evaluating before the first step)."""
-    return bool(progress) and ("step" in progress or "phase" not in progress)
-
-
 @dataclasses.dataclass
 class MasterProgress:
     """What the controller learned from the master's progress (its ``ping``)."""

@@ -23,7 +23,7 @@ from system.launcher.disk import full_disk_cause
 from system.launcher.failures import clear_worker_keys
 from system.launcher.groups import GroupSpec, group_spec
 from system.launcher.pause_watch import PauseWatch
-from system.launcher.recovery import MasterProgress, Paused, Recovery, past_start_up
+from system.launcher.recovery import MasterProgress, Paused, Recovery
 from system.launcher.self_requeue import checkpoint_first, checkpoint_wait
 from system.launcher.status_file import StatusWriter
 from system.launcher.summary import TrialSummary
@@ -58,8 +58,6 @@ class RecoveringController:
     timeline: dict[str, float]
     pauses: PauseWatch
     status: StatusWriter
-    spares_wanted: bool = False
-    """Recovery is on and the trial (re)started: warm spares once it is past its start-up."""
 
     def _paused(self, then: WorkerFailure | None = None) -> Paused | None:
         """This process was stopped (SIGSTOP, a suspended machine) for longer than
@@ -85,7 +83,8 @@ class RecoveringController:
         except WorkerFailure as e:  # (or the controller paused: named after that)
             self._recover_until_running(self._paused(e) or e, summary, every_kind=True)
             self.timeline["started"] = time.time()
-            self._want_spares()
+            if self.recovery.enabled:
+                self.scheduler.warm_spares()
 
     def _watch_recovering(self, summary: TrialSummary) -> dict[str, Any]:
         """Watch until the master completes; a failure of a stateful worker restarts the
@@ -206,23 +205,6 @@ class RecoveringController:
             raise WorkerFailure(f"master made no progress for {stall:.0f}s "
                                 f"(controller.stall_timeout; last: {self.watch.progress}); "
                                 f"log: {log_path}", "master/0", log_path)
-
-    def _want_spares(self) -> None:
-        """Restarts may come: have the scheduler keep warm spares (processes already past their
-        imports, that a restart takes over), once the master reports it is past its start-up
-        (:meth:`_warm_spares_when_running`)."""
-        if self.recovery.enabled:
-            self.spares_wanted = True
-
-    def _warm_spares_when_running(self, prog: dict[str, Any]) -> None:
-        """Start the spares once the master's progress is no start-up phase (a trained step, or
-        figures without a ``phase``): their imports, one process per worker group, used to
-        compete with the engines' loading and the first steps for the CPUs (on two cores a
-        4-step arith-tiny trial took 43 s with them, 30 s without). A master that reports no
-        progress gets none: its restarts start new processes, as without spares."""
-        if self.spares_wanted and past_start_up(prog):
-            self.spares_wanted = False
-            self.scheduler.warm_spares()
 
     def _checkpoint_first(self) -> bool:
         """The controller's job was warned of its time limit: a checkpoint before every worker

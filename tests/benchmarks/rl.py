@@ -208,11 +208,7 @@ def _loop_run(root: str, name: str, steps: int, *overrides: str) -> dict:
     r = subprocess.run([sys.executable, "-m", "system.launch", "exp=arith-tiny",
                         f"trial=bench-{name}", f"cluster.fileroot={root}",
                         f"rl.total_steps={steps}", "rl.eval_interval=0",
-                        "controller.progress=false",
-                        # the loop alone: no warm spares importing beside it (they start at the
-                        # first step and would compete with it for the CPUs on a small machine)
-                        "scheduler.local.spares=false", *overrides], cwd=REPO,
-                       capture_output=True,
+                        "controller.progress=false", *overrides], cwd=REPO, capture_output=True,
                        text=True, timeout=1200)
     if r.returncode:
         raise RuntimeError(f"{name} run failed:\n{r.stderr[-2000:]}")

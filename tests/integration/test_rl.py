@@ -342,7 +342,7 @@ def test_a_killed_megatron_rank_restarts_the_model_group_from_its_checkpoint(fil
         "rl.actor.backend=megatron", "rl.actor.megatron.tp=2", "model.count=2",
         "rl.total_steps=16", "rl.save_interval=2", "rl.save_interval_s=0",
         "rl.save_overhead=0", "recover.backoff=0.5", *SMALL],
-        [(6, "model", 1, signal.SIGKILL)], timeout=400)  # (forks from a warm spare: above)
+        [(6, "model", 1, signal.SIGKILL)], timeout=400, spares=True)
     assert code == 0, err[-4000:]
     s = read_summary(fileroot, "arith-tiny", "megatron-kill")
     assert s["status"] == "completed" and s["steps"] == 16

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from system.errors import WorkerFailure
 from system.launcher.config import RecoverConfig
-from system.launcher.recovery import MasterProgress, Paused, Recovery, past_start_up
+from system.launcher.recovery import MasterProgress, Paused, Recovery
 
 ORDER = ("model", "generation", "rollout", "master")
 
@@ -203,15 +203,3 @@ def test_a_stateful_restart_lists_its_workers_and_leaves_the_stateless_retries_a
     r.running(["generation/0"])
     assert b.recovered_at_s is not None and a.recovered_at_s is None
     assert r.summary()[0]["restarted"] == ["model/0", "master/0", "generation/0"]
-
-
-def test_spares_wait_until_the_master_is_past_its_start_up():
-    """Warm spares start once the master's progress is no start-up phase (their imports would
-    compete with the engines' loading and the first steps)."""
-    assert not past_start_up({})  # no answer yet, or a restarted master's first ping
-    assert not past_start_up({"phase": "loading engines"})
-    assert not past_start_up({"phase": "starting", "resumed_from": 4})
-    assert not past_start_up({"phase": "evaluating", "resumed_from": 0})
-    assert past_start_up({"step": "1/40", "reward": "0.125", "resumed_from": None})
-    assert past_start_up({"phase": "evaluating", "step": "1/3"})  # mode=eval: checkpoint 1 of 3
-    assert past_start_up({"trajectories": "3/24"})  # an experiment without phases (smoke)
