@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from workers.generation import GenerationServer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_SPARES = "scheduler.local.spares=false"
+"""For trials whose test is not about restarts: the local scheduler's warm spares (one process
+per worker group, started with the workers) import torch and vLLM beside the trial's start-up,
+which on two cores made a 4-step arith-tiny trial take 43 s instead of 30 s. The recovery tests
+and the chaos benchmark keep them (the default)."""
 
 
 def free_port() -> int:

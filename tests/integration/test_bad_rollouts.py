@@ -15,14 +15,14 @@ import sys
 import pytest
 
 from system.paths import PROJECT_ROOT
-from tests.helpers import read_summary, run_launch, trial_processes
+from tests.helpers import NO_SPARES, read_summary, run_launch, trial_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")),
     reason="the arith-tiny model is created by scripts/setup.sh")]
 
 SMALL = ("rl.total_steps=3", "rl.batch_size=4", "rl.group_size=4", "rl.eval_interval=0",
-         "rl.task.eval_size=4", "controller.progress=false")
+         "rl.task.eval_size=4", "controller.progress=false", NO_SPARES)
 
 
 def test_a_prompt_too_long_for_the_servers_is_skipped_and_training_goes_on(fileroot, tmp_path):

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from system.paths import PROJECT_ROOT
-from tests.helpers import run_launch, tmpfs, trial_processes
+from tests.helpers import NO_SPARES, run_launch, tmpfs, trial_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")),
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 
 ARGS = ("exp=arith-tiny", "trial=disk", "rl.total_steps=8", "rl.save_interval=2",
         "rl.batch_size=4", "rl.group_size=4", "rl.task.train_size=14",
-        "rl.task.eval_size=0", "controller.progress=false")
+        "rl.task.eval_size=0", "controller.progress=false", NO_SPARES)
 
 
 def strict_json(text: str) -> object:

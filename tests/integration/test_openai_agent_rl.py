@@ -9,7 +9,7 @@ import os
 import pytest
 
 from system.paths import PROJECT_ROOT
-from tests.helpers import read_summary, run_launch, trial_processes
+from tests.helpers import NO_SPARES, read_summary, run_launch, trial_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")),
@@ -21,7 +21,7 @@ def test_an_openai_calculator_agent_trains_end_to_end(tmp_path):
     r = run_launch("exp=arith-tiny", "trial=oa", f"cluster.fileroot={root}",
                    "rl.agent.kind=openai", "rl.agent.function=calculator", "rl.total_steps=3",
                    "rl.batch_size=4", "rl.group_size=4", "rl.task.eval_size=4",
-                   "rl.eval_interval=0", "controller.progress=false", timeout=400)
+                   "rl.eval_interval=0", "controller.progress=false", NO_SPARES, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     s = read_summary(root, "arith-tiny", "oa")
     assert s["status"] == "completed" and s["steps"] == 3

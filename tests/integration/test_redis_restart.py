@@ -13,15 +13,15 @@ import time
 import pytest
 
 from system.paths import PROJECT_ROOT
-from tests.helpers import (REPO, free_port, launch_argv, read_summary, start_redis,
-                           trial_processes)
+from tests.helpers import (NO_SPARES, REPO, free_port, launch_argv, read_summary,
+                           start_redis, trial_processes)
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.skipif(
     not os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")),
     reason="the arith-tiny model is created by scripts/setup.sh")]
 
 SMALL = ["rl.batch_size=4", "rl.group_size=4", "rl.task.train_size=14", "rl.task.eval_size=8",
-         "rl.eval_interval=0", "controller.progress=false"]
+         "rl.eval_interval=0", "controller.progress=false", NO_SPARES]
 
 
 def _steps(root: str) -> int:

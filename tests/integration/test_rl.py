@@ -13,7 +13,7 @@ import pytest
 
 from system.cpu_binding import parse_cpu_list
 from system.paths import PROJECT_ROOT
-from tests.helpers import read_summary, run_launch, trial_processes
+from tests.helpers import NO_SPARES, read_summary, run_launch, trial_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")),
@@ -30,7 +30,8 @@ def _metrics(root: str) -> list[dict]:
 
 def test_async_grpo_crash_then_resume_continues_without_reusing_prompts(fileroot):
     args = ["exp=arith-tiny", "trial=resume", f"cluster.fileroot={fileroot}",
-            "rl.total_steps=6", "rl.save_interval=2", "rl.save_interval_s=0", "rl.save_overhead=0", *SMALL]
+            "rl.total_steps=6", "rl.save_interval=2", "rl.save_interval_s=0",
+            "rl.save_overhead=0", *SMALL, NO_SPARES]
     first = run_launch(*args, "recover=off", "rl.crash_at_step=3", timeout=400)
     assert first.returncode == 1, first.stderr[-3000:]
     s1 = read_summary(fileroot, "arith-tiny", "resume")
@@ -318,7 +319,7 @@ def test_megatron_tp2_pp2_trains_and_publishes_into_vllm(fileroot):
     every publish reaches the generation server from the ranks' own shards."""
     r = run_launch("exp=arith-tiny", "trial=megatron", f"cluster.fileroot={fileroot}",
                    "rl.actor.backend=megatron", "rl.actor.megatron.tp=2",
-                   "rl.actor.megatron.pp=2", "model.count=4", "rl.total_steps=4", *SMALL,
+                   "rl.actor.megatron.pp=2", "model.count=4", "rl.total_steps=4", *SMALL, NO_SPARES,
                    timeout=500)
     assert r.returncode == 0, r.stderr[-3000:]
     s = read_summary(fileroot, "arith-tiny", "megatron")

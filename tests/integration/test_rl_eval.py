@@ -11,7 +11,7 @@ import os
 import pytest
 
 from system.paths import PROJECT_ROOT
-from tests.helpers import run_launch, trial_processes
+from tests.helpers import NO_SPARES, run_launch, trial_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")),
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 
 TRAIN = ["rl.total_steps=4", "rl.save_interval=2", "rl.save_interval_s=0", "rl.save_overhead=0",
          "rl.keep_checkpoints=0", "rl.eval_interval=2", "rl.batch_size=4", "rl.group_size=4",
-         "rl.task.train_size=14", "rl.task.eval_size=8", "controller.progress=false"]
+         "rl.task.train_size=14", "rl.task.eval_size=8", "controller.progress=false", NO_SPARES]
 
 
 def _rows(path: str) -> list[dict]:
@@ -53,7 +53,7 @@ def test_eval_mode_evaluates_every_checkpoint_as_training_did(fileroot):
     # the trial's own config is the base (eval_size=8 above); recover=off with overwrite
     # would delete a training trial's checkpoints: an evaluation leaves them
     ev = run_launch(*trial, "mode=eval", "recover=off", "recover.overwrite=true",
-                    "controller.progress=false", timeout=400)
+                    "controller.progress=false", NO_SPARES, timeout=400)
     assert ev.returncode == 0, ev.stderr[-3000:]
     out = os.path.join(root, "eval")
     rows = _rows(os.path.join(out, "results.jsonl"))
@@ -97,7 +97,8 @@ def test_eval_mode_evaluates_every_checkpoint_as_training_did(fileroot):
     # a checkpoint whose line is gone is evaluated again, and only it
     with open(os.path.join(out, "results.jsonl"), "w") as f:
         f.write(json.dumps(rows[0]) + "\n")
-    third = run_launch(*trial, "mode=eval", "controller.progress=false", timeout=400)
+    third = run_launch(*trial, "mode=eval", "controller.progress=false", NO_SPARES,
+                       timeout=400)
     assert third.returncode == 0, third.stderr[-3000:]
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)

@@ -12,7 +12,7 @@ import pytest
 from system.paths import PROJECT_ROOT
 from tests.experiments.rl.plugin_site import install_example_plugin
 from tests.experiments.rl.wandb_records import history, wait_closed
-from tests.helpers import read_summary, run_launch, trial_processes
+from tests.helpers import NO_SPARES, read_summary, run_launch, trial_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")),
@@ -28,7 +28,7 @@ def test_a_plugin_task_trains_and_logs_to_offline_wandb(fileroot, tmp_path, monk
                    "rl.task.name=paren_task:make_task", "rl.task.options={max_operand: 2}",
                    "rl.task.train_size=12", "rl.task.eval_size=4", "rl.total_steps=2",
                    "rl.batch_size=4", "rl.group_size=4", "rl.eval_interval=0",
-                   "metrics.wandb=offline", "controller.progress=false", timeout=400,
+                   "metrics.wandb=offline", "controller.progress=false", NO_SPARES, timeout=400,
                    env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     s = read_summary(fileroot, "arith-tiny", "plugin")
