@@ -26,6 +26,7 @@ from system.errors import ConfigError, FdExhausted, NameEntryNotFound
 from system.limits import FdWatch, raise_fd_limit
 from system.name_resolve import NameResolveConfig, make_name_resolve
 from system.rpc import RpcClient, RpcConfig, RpcServer
+from system.signal_relay import SignalRelay
 from workers.schema import ConfigureReply, PingReply, WorkerReport, WorkerSetup
 
 log = logging.getLogger("worker")
@@ -131,7 +132,7 @@ class Worker:
 
     def on_preempt(self) -> bool:
         """Called on SIGUSR2 (Slurm's warning before the time limit or preemption), in the
-        signal handler: return True to stop later (the worker then calls :meth:`stop` itself
+        thread that handles signals: return True to stop later (the worker then calls :meth:`stop` itself
         once its state is safe in a checkpoint), False to stop gracefully at once."""
         return False
 
@@ -159,8 +160,10 @@ class Worker:
         threading.Thread(target=wait, name="preempt", daemon=True).start()
         return True
 
-    def _on_signal(self, signum: int, _frame: Any) -> None:
-        self.signalled = signal.Signals(signum).name
+    def _on_signal(self, signum: signal.Signals) -> None:
+        """SIGTERM, SIGINT (stop gracefully) or SIGUSR2 (a preemption's or time limit's
+        warning), in the relay's thread (see :mod:`system.signal_relay`: this takes locks)."""
+        self.signalled = signum.name
         if signum == signal.SIGUSR2:
             self._requeue_if_preempted()  # now: the controller reads it as "stopping for a requeue"
             try:
@@ -328,8 +331,7 @@ class Worker:
     def run(self, role: Callable[[Any], dict[str, Any] | None]) -> int:
         """The process body: register, serve, run ``role(self)`` once started; returns the exit
         code."""
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
-            signal.signal(sig, self._on_signal)
+        SignalRelay((signal.SIGTERM, signal.SIGINT, signal.SIGUSR2), self._on_signal).install()
         nr = self.name_resolve
         nr.add(names.heartbeat(self.exp, self.trial, self.kind, self.index), str(os.getpid()),
                replace=True, keepalive_ttl=self.boot.heartbeat_ttl)
