@@ -53,6 +53,12 @@ class ControllerConfig:
     ``scheduler.slurm.queue_timeout``)."""
     heartbeat_ttl: float = 5.0
     """Seconds after which a worker whose heartbeat key was not refreshed counts as dead."""
+    hang_grace: float = 30.0
+    """Seconds more for a silent worker whose own process the scheduler sees running (a local
+    process, a Slurm job of that one worker) before it counts as hung: a busy machine can
+    starve a heartbeat thread for seconds (an import that holds the interpreter lock). A
+    worker whose process ended is judged at once; a master that does not answer gets the same
+    grace. 0: judge at the heartbeat's expiry."""
     poll_interval: float = 0.2
     """Seconds between checks of job states, heartbeats and master progress."""
     timeout: float = 0.0
@@ -70,7 +76,7 @@ class ControllerConfig:
         for key in ("register_timeout", "heartbeat_ttl", "poll_interval"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key} must be > 0, got {getattr(self, key)}")
-        for key in ("timeout", "stall_timeout"):
+        for key in ("timeout", "stall_timeout", "hang_grace"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.orphan_timeout <= 0:

@@ -30,12 +30,12 @@ from system.launcher.name_claim import claim_problem, controller_record
 from system.launcher.progress import Progress
 from system.launcher.queue_wait import StartClock, blocked_failure
 from system.launcher.pause_watch import PauseWatch
-from system.launcher.recovery import MasterProgress, Recovery, Requeued
+from system.launcher.recovery import MasterProgress, Recovery
 from system.launcher.restarts import RecoveringController
 from system.launcher.self_requeue import ControllerRequeue
 from system.launcher.status_file import StatusWriter, TrialCancelled
 from system.launcher.summary import TrialSummary
-from system.launcher.watch import NameWatch
+from system.launcher.watch import LateBeats, NameWatch, vouched
 from system.name_resolve import NameResolve
 from system.paths import TrialPaths
 from system.rpc import RpcClient
@@ -75,6 +75,7 @@ class Controller(RecoveringController):
         self._names_down = False  # the trial failed because name resolution stopped answering
         self._names_foreign = False  # another trial of this name holds the keys
         self.names = NameWatch(name_resolve, cfg.exp, cfg.trial, cfg.controller.heartbeat_ttl)
+        self.late = LateBeats(cfg.controller.hang_grace)
         self.outcome = ""  # the summary's status once run() returned
         self.status = StatusWriter(cfg, paths, self._t0, self.timeline, self.logs, name_resolve,
                                    self.recovery.summary)
@@ -212,17 +213,6 @@ class Controller(RecoveringController):
         self.requeue.rejoined(back)
         self.recovery.running(back)
         print(f"\nrejoined: {', '.join(back)}", file=sys.stderr)
-
-    def _recover_requeued_state(self) -> None:
-        """A requeued (preempted) worker that holds training state is not simply let back in:
-        with ``recover=auto`` every stateful worker restarts from the latest checkpoint (the
-        preempted ones asked the master for one on SIGUSR2), as after a failure."""
-        if not self.recovery.enabled:
-            return
-        for w in sorted(self.requeue.rejoining):
-            if w.split("/")[0] in self.experiment.stateful:
-                raise Requeued(f"the job of {w} was requeued (preempted or at its time "
-                               f"limit); log: {self.logs[w]}", w, self.logs[w])
 
     def _check_reported_errors(self) -> None:
         """Raise a worker's report of its exception; named after another worker whose job had
@@ -378,6 +368,9 @@ class Controller(RecoveringController):
             dead = sorted(set(self.logs) - beating - set(self.requeue.rejoining))
             if dead and self.nr.outage_within(cc.heartbeat_ttl):
                 dead = []  # name resolution was down: heartbeats refresh within one TTL
+            dead, late = self.late.judge(dead, vouched(statuses))  # a running one may be slow
+            for w in late:
+                print(f"\nworker {w}: {self.late.describe(cc.heartbeat_ttl)}", file=sys.stderr)
             if dead:  # a requeue may explain it: ask the scheduler afresh before judging
                 statuses = self._poll(fresh=True)
                 self._note_restarts(statuses)
@@ -386,9 +379,11 @@ class Controller(RecoveringController):
                         and not (self.scheduler.preempted(w) and self._requeued(w))]
             if dead:
                 self._await_report(REPORT_GRACE)  # a worker that says why is named with it
+                hung = f", nor {cc.hang_grace:.0f}s more while its process ran" if (
+                    cc.hang_grace and dead[0] in vouched(statuses)) else ""
                 raise WorkerFailure(
                     f"worker {', '.join(dead)} stopped heart-beating (no refresh within "
-                    f"{cc.heartbeat_ttl:.1f}s); log: {self.logs[dead[0]]}", dead[0],
+                    f"{cc.heartbeat_ttl:.1f}s{hung}); log: {self.logs[dead[0]]}", dead[0],
                     self.logs[dead[0]])
             if "master/0" in self.requeue.rejoining:
                 ping: dict[str, Any] = {}
@@ -397,8 +392,9 @@ class Controller(RecoveringController):
                 try:
                     ping = master.ping().result(max(cc.poll_interval * 5, 1.0))
                     last_master_answer = time.monotonic()
-                except RpcError:
-                    if time.monotonic() - last_master_answer > cc.heartbeat_ttl:
+                except RpcError:  # (a master whose process runs may be slow: see hang_grace)
+                    if time.monotonic() - last_master_answer > cc.heartbeat_ttl + (
+                            cc.hang_grace if "master/0" in vouched(statuses) else 0):
                         raise WorkerFailure(f"master does not answer; log: {self.logs['master/0']}",
                                             "master/0", self.logs["master/0"]) from None
                     ping = {}

@@ -23,7 +23,7 @@ from system.launcher.disk import full_disk_cause
 from system.launcher.failures import clear_worker_keys
 from system.launcher.groups import GroupSpec, group_spec
 from system.launcher.pause_watch import PauseWatch
-from system.launcher.recovery import MasterProgress, Paused, Recovery
+from system.launcher.recovery import MasterProgress, Paused, Recovery, Requeued
 from system.launcher.self_requeue import checkpoint_first, checkpoint_wait
 from system.launcher.status_file import StatusWriter
 from system.launcher.summary import TrialSummary
@@ -58,6 +58,17 @@ class RecoveringController:
     timeline: dict[str, float]
     pauses: PauseWatch
     status: StatusWriter
+
+    def _recover_requeued_state(self) -> None:
+        """A requeued (preempted) worker that holds training state is not simply let back in:
+        with ``recover=auto`` every stateful worker restarts from the latest checkpoint (the
+        preempted ones asked the master for one on SIGUSR2), as after a failure."""
+        if not self.recovery.enabled:
+            return
+        for w in sorted(self.requeue.rejoining):
+            if w.split("/")[0] in self.experiment.stateful:
+                raise Requeued(f"the job of {w} was requeued (preempted or at its time "
+                               f"limit); log: {self.logs[w]}", w, self.logs[w])
 
     def _paused(self, then: WorkerFailure | None = None) -> Paused | None:
         """This process was stopped (SIGSTOP, a suspended machine) for longer than

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Collection
+from typing import Callable, Collection, Iterable
 
+from scheduler.jobs import JobState, JobStatus
 from system import names
 from system.errors import ConfigError
 from system.name_resolve import NameResolve
@@ -118,3 +119,47 @@ class NameWatch:
     def _key(self, make: Callable[[str, str, str, int], str], worker: str) -> str:
         kind, index = worker.split("/")
         return make(self._exp, self._trial, kind, int(index))
+
+
+def vouched(statuses: Iterable[JobStatus]) -> frozenset[str]:
+    """The workers whose own process the scheduler sees running: each running job of one
+    worker (a local process; a Slurm job of one task). A job of several workers runs while any
+    of them does: it vouches for none."""
+    return frozenset(st.workers[0] for st in statuses
+                     if st.state == JobState.RUNNING and len(st.workers) == 1)
+
+
+class LateBeats:
+    """Judges silent workers (heartbeat expired): one whose process is not known to run is
+    dead at once; one whose process runs is *late* first, and dead once it has stayed silent
+    for ``grace`` seconds more (hung). Pure but for the clock (monotonic seconds)."""
+
+    def __init__(self, grace: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if grace < 0:
+            raise ConfigError(f"grace must be >= 0 seconds, got {grace}")
+        self.grace = grace
+        self._clock = clock
+        self._since: dict[str, float] = {}  # late worker -> when it was first seen silent
+
+    def judge(self, silent: Collection[str], running: Collection[str]
+              ) -> tuple[list[str], list[str]]:
+        """``(dead, newly_late)`` among ``silent``, given the workers whose process
+        ``running``; a worker no longer silent (it beats again, or was restarted) is
+        forgotten."""
+        now = self._clock()
+        self._since = {w: t for w, t in self._since.items() if w in silent and w in running}
+        dead, late = [], []
+        for w in sorted(silent):
+            if w not in running or not self.grace:
+                dead.append(w)
+            elif w not in self._since:
+                self._since[w] = now
+                late.append(w)
+            elif now - self._since[w] > self.grace:
+                dead.append(w)
+        return dead, late
+
+    def describe(self, ttl: float) -> str:
+        """What a newly late worker's line says."""
+        return (f"no heartbeat within {ttl:.1f}s, but its process runs (a busy machine, or "
+                f"hung): judged hung if still silent in {self.grace:.0f}s")

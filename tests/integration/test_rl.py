@@ -234,6 +234,7 @@ def test_sync_ppo_multi_turn_calculator_two_trainers_with_reference(fileroot):
     assert "recovering (attempt 1 of 3): restarting model, generation, rollout, master" in err
     s = read_summary(fileroot, "arith-tiny", "ppo")
     assert s["status"] == "completed" and s["steps"] == 3
+    assert len(s["recoveries"]) == 1, s["recoveries"]
     (rec,) = s["recoveries"]
     assert rec["worker"] == "model/1" and rec["failed_step"] is None, rec
     assert s["mode"] == "sync" and s["algorithm"] == "ppo" and s["max_staleness_used"] == 0

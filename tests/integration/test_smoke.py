@@ -79,16 +79,21 @@ def test_smoke_with_redis_and_other_counts(fileroot, redis_server):
 def test_crash_is_detected_named_and_cleaned_up(fileroot, mode, how):
     trial = f"crash-{mode}"
     t0 = time.time()
+    # a stopped (hung) process still runs: it is judged hung after controller.hang_grace
     r = run_launch("exp=smoke", f"trial={trial}", f"cluster.fileroot={fileroot}",
-                   f"smoke.crash=rollout:1:1.0:{mode}", "smoke.min_duration=60", *FAST)
+                   f"smoke.crash=rollout:1:1.0:{mode}", "smoke.min_duration=60", *FAST,
+                   "controller.hang_grace=3")
     elapsed = time.time() - t0
     assert r.returncode != 0
     assert "rollout/1" in r.stderr and how in r.stderr and "rollout-1.log" in r.stderr
+    if mode == "stop":
+        assert "worker rollout/1: no heartbeat within 2.0s, but its process runs" in r.stderr
+        assert "nor 3s more while its process ran" in r.stderr
     s = read_summary(fileroot, "smoke", trial)
     assert s["status"] == "failed" and s["failure"]["worker"] == "rollout/1"
-    # detection within 10 s of the crash (the crash is 1 s after start)
+    # detection within 10 s of the crash (the crash is 1 s after start), the grace included
     detected = s["timeline_s"]["stopped"] - s["timeline_s"]["started"]
-    assert detected < 1.0 + 10 + 3 + 2, s["timeline_s"]
+    assert detected < 1.0 + 10 + 3 + 2 + 3, s["timeline_s"]
     assert elapsed < 60
     _assert_nothing_left(fileroot, "smoke", trial)
 

@@ -110,3 +110,40 @@ def test_registration_listing_is_paced_by_its_own_cost(backend):
     assert watch.registration_interval(0.02) == pytest.approx(min(max(0.02, 9 * took), 1.0),
                                                               rel=0.1)
     assert watch.registration_interval(0.02, maximum=0.001) == 0.02
+
+
+def _job(state: str, *workers: str):
+    from scheduler.jobs import JobState, JobStatus
+    return JobStatus("1", JobState(state), workers, tuple(f"{w}.log" for w in workers))
+
+
+def test_only_a_running_job_of_one_worker_vouches_for_its_process():
+    from system.launcher.watch import vouched
+    assert vouched([_job("RUNNING", "model/0"), _job("RUNNING", "model/1", "model/2"),
+                    _job("PENDING", "master/0"), _job("FAILED", "rollout/0"),
+                    _job("UNKNOWN", "rollout/1")]) == {"model/0"}
+
+
+def test_a_silent_worker_whose_process_runs_is_late_first_and_hung_after_the_grace():
+    """The controller's judgement of expired heartbeats (what a starved heartbeat thread on a
+    busy machine looks like, against a hang or a death)."""
+    from system.launcher.watch import LateBeats
+    now = [100.0]
+    late = LateBeats(30.0, clock=lambda: now[0])
+    # rollout/0's process ended (or no scheduler vouches for it): dead at once
+    assert late.judge(["model/0", "rollout/0"], {"model/0"}) == (["rollout/0"], ["model/0"])
+    now[0] += 20
+    assert late.judge(["model/0"], {"model/0"}) == ([], [])  # still within the grace
+    now[0] += 11
+    assert late.judge(["model/0"], {"model/0"}) == (["model/0"], [])  # hung
+    # it beat again meanwhile: forgotten, its next silence is late anew
+    assert late.judge([], {"model/0"}) == ([], [])
+    assert late.judge(["model/0"], {"model/0"}) == ([], ["model/0"])
+    # its process ended while it was late: dead at once
+    now[0] += 1
+    assert late.judge(["model/0"], set()) == (["model/0"], [])
+    assert "judged hung if still silent in 30s" in late.describe(5.0)
+    # grace 0: the expiry is the judgement, as without a scheduler's word
+    assert LateBeats(0.0).judge(["model/0"], {"model/0"}) == (["model/0"], [])
+    with pytest.raises(ConfigError, match="grace must be >= 0"):
+        LateBeats(-1.0)
