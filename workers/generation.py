@@ -157,11 +157,12 @@ class GenerationServer(Worker):
                 self.engine.check()
 
     def close(self) -> None:
-        """Close the endpoint and the engine (the role's last step)."""
+        """Close the endpoint and the engine (the role's last step: the process exits next, so
+        an engine core in this process is left to the exit to free)."""
         if self.http is not None:
             self.http.close()
         if self.engine is not None:
-            self.engine.close()
+            self.engine.close(teardown=False)
 
     def _engine(self) -> GenerationEngine:
         if self.engine is None:

@@ -21,6 +21,7 @@ from scheduler.spares import STANDBY_FLAG
 from system.bootstrap import Bootstrap
 from system.cpu_binding import CPUS_ENV, bind_from_env
 from system.errors import ConfigError
+from system.fast_exit import exit_now
 from system.launcher.standby import fork_workers, set_process_name, warm
 from system.private_files import set_umask
 from workers.kinds import KINDS, worker_class
@@ -98,4 +99,4 @@ def task_identity(index: int | None) -> tuple[int, int]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # without the interpreter's tear-down of torch et al. (1 CPU-s)

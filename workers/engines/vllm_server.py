@@ -36,6 +36,7 @@ from workers.engines.vllm_config import (Sampling, VllmConfig, as_int, check_con
                                          prompt_ids)
 from workers.engines.vllm_requests import _Group, _Seq, _top, segments_of
 from workers.engines.vllm_logs import quiet_skipped_tokenizer_warmup
+from workers.engines.vllm_shutdown import shut_down
 from workers.engines.vllm_tmp import engine_temp_dir
 
 __all__ = ["GenerationEngine", "GenerationLoopDied", "Sampling", "VllmConfig", "segments_of"]
@@ -211,18 +212,16 @@ class GenerationEngine:
         with self._cv:
             return len(self._incoming) + len(self._active)
 
-    def close(self) -> None:
+    def close(self, teardown: bool = True) -> None:
+        """Stop the loop, and shut vLLM's engine down (``teardown=False``: the process exits
+        next; see :mod:`workers.engines.vllm_shutdown`)."""
         with self._cv:
             self._stop = True
             self._cv.notify()
         self._closed.set()
         self._thread.join(timeout=1 if self.error is not None else 30)  # a dead core: it hangs
-        if not self._owns:
-            return
-        try:
-            self.engine.engine_core.shutdown()
-        except Exception:
-            log.exception("vLLM shutdown failed")
+        if self._owns:
+            shut_down(self.engine.engine_core, teardown)
 
     def _watch(self, period: float = 0.5) -> None:
         """Fail the loop when vLLM's engine core dies under it without an exception (see
