@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from scheduler.cpu_plan import CpuBinding
+from scheduler.cpu_plan import KINDS, CpuBinding
 from scheduler.gpu_plan import parse_visible
 from scheduler.slurm_config import SlurmConfig
 from system.checks import check_line
@@ -36,6 +36,11 @@ class LocalConfig:
     imports, that a restart takes over (a restart then skips about 4-8 s of imports; each spare
     holds a few hundred MB). Not for workers given GPUs (CUDA fixes a process's devices when it
     first initialises). Slurm has none (a restart there is a requeue)."""
+    spare_kinds: str = ""
+    """The worker kinds that get a warm spare, comma-separated (e.g. ``model,master``: those
+    whose restart stops training); empty: every kind. Each spare's imports take CPU while the
+    trial starts, and a generation server's spare holds a whole engine (about 0.9 GB for
+    arith-tiny)."""
     share_gpus: bool = False
     """Fewer GPUs than workers need (a one-GPU machine): hand them out round-robin, so workers
     share devices, instead of refusing to start; then leave the trainer room on a shared GPU
@@ -43,6 +48,10 @@ class LocalConfig:
 
     def __post_init__(self) -> None:
         check_line("gpus", self.gpus)
+        wrong = sorted(set(self.kinds_with_spares()) - set(KINDS))
+        if wrong:
+            raise ConfigError(f"spare_kinds={self.spare_kinds!r}: no worker kind {wrong[0]!r}; "
+                              f"valid: empty (every kind) or some of {', '.join(KINDS)}")
         if self.gpus not in ("auto", "none"):
             try:
                 ids = parse_visible(str(self.gpus))
@@ -52,6 +61,11 @@ class LocalConfig:
             if not ids:
                 raise ConfigError(f"gpus={self.gpus!r} names no device; valid: auto, none or "
                                   "device ids such as 0,2,5")
+
+    def kinds_with_spares(self) -> tuple[str, ...]:
+        """The kinds :attr:`spare_kinds` names (every kind when it is empty)."""
+        named = tuple(k.strip() for k in str(self.spare_kinds).split(",") if k.strip())
+        return named or KINDS
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ import shutil
 import signal
 import subprocess
 import time
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
 from scheduler.cpu_plan import cpu_env, cpus_env
@@ -137,19 +137,22 @@ def _popen(argv: list[str], **kw: object) -> subprocess.Popen:
 class LocalScheduler(Scheduler):
     def __init__(self, gpus: LocalGpus = LocalGpus(), demands: Sequence[GpuDemand] = (),
                  share_gpus: bool = False, spares: bool = True,
-                 cpus: Mapping[str, tuple[int, ...]] | None = None) -> None:
+                 cpus: Mapping[str, tuple[int, ...]] | None = None,
+                 spare_kinds: Collection[str] | None = None) -> None:
         """``gpus``: what the workers share out; ``demands``: every GPU-using group of the
         trial. Too few GPUs for them is a :class:`~scheduler.gpu_plan.GpuPlanError` here,
         before anything starts, unless ``share_gpus`` (no GPUs at all: every worker on the
         CPU). ``spares``: keep warm spares for the groups that use no GPU, once asked
-        (:meth:`warm_spares`). ``cpus``: each bound worker's CPU set
-        (:func:`~scheduler.cpu_plan.plan_cpus`), given to it as ``RLSYS_CPUS``."""
+        (:meth:`warm_spares`), of the kinds ``spare_kinds`` (None: every kind). ``cpus``:
+        each bound worker's CPU set (:func:`~scheduler.cpu_plan.plan_cpus`), given to it as
+        ``RLSYS_CPUS``."""
         self._cpus = dict(cpus or {})
         self._procs: dict[str, tuple[Process, LocalProcess]] = {}
         self._logs: list = []
         self._gpus = gpus
         self._placement = plan_gpus(gpus.ids, demands, share_gpus) if gpus.ids else {}
         self._spares = Spares(_popen) if spares else None
+        self._spare_kinds = None if spare_kinds is None else frozenset(spare_kinds)
 
     def devices(self, name: str) -> tuple[str, ...]:
         """The GPU ids worker ``name`` sees (none: not a GPU worker, or no GPUs here)."""
@@ -177,7 +180,9 @@ class LocalScheduler(Scheduler):
     def schedule(self, request: JobRequest) -> list[str]:
         assert isinstance(request, LocalRequest)
         ids = []
-        if self._spares is not None and not any(self.devices(w.name) for w in request.processes):
+        if self._spares is not None and (self._spare_kinds is None or request.group.kind
+                                         in self._spare_kinds) and not any(
+                self.devices(w.name) for w in request.processes):
             # (a spare cannot take a worker's GPUs: CUDA fixes them when it first initialises)
             # (a spare runs on its group's CPUs; each worker it forks moves onto its own)
             group_cpus = {c for w in request.processes for c in self.cpus(w.name)}

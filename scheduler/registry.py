@@ -35,4 +35,4 @@ def make_scheduler(sched: SchedulerConfig, exp: str, trial: str, trial_dir: str,
                      [CpuDemand(k, n, weights.get(k, 1)) for k, n in demands.items()],
                      gpus=bool(gpus.ids), heavy={d.kind for d in gpu_demands})
     return LocalScheduler(gpus, gpu_demands, sched.local.share_gpus, spares=sched.local.spares,
-                          cpus=cpus)
+                          cpus=cpus, spare_kinds=sched.local.kinds_with_spares())

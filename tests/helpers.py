@@ -24,7 +24,13 @@ NO_SPARES = "scheduler.local.spares=false"
 """For trials whose test is not about restarts: the local scheduler's warm spares (one process
 per worker group, started with the workers) import torch and vLLM beside the trial's start-up,
 which on two cores made a 4-step arith-tiny trial take 43 s instead of 30 s. The recovery tests
-and the chaos benchmark keep them (the default)."""
+keep those of the kinds they restart (:func:`spare_kinds`), the chaos benchmark all (the
+default)."""
+
+
+def spare_kinds(*kinds: str) -> str:
+    """The override that keeps warm spares for ``kinds`` only (the kinds a test restarts)."""
+    return f"scheduler.local.spare_kinds={','.join(kinds)}"
 
 
 def free_port() -> int:

@@ -132,8 +132,9 @@ class Worker:
 
     def on_preempt(self) -> bool:
         """Called on SIGUSR2 (Slurm's warning before the time limit or preemption), in the
-        thread that handles signals: return True to stop later (the worker then calls :meth:`stop` itself
-        once its state is safe in a checkpoint), False to stop gracefully at once."""
+        thread that handles signals: return True to stop later (the worker then calls
+        :meth:`stop` itself once its state is safe in a checkpoint), False to stop gracefully
+        at once."""
         return False
 
     def stop_after_checkpoint(self, timeout: float = PREEMPT_WAIT) -> bool:

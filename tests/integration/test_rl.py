@@ -13,7 +13,7 @@ import pytest
 
 from system.cpu_binding import parse_cpu_list
 from system.paths import PROJECT_ROOT
-from tests.helpers import NO_SPARES, read_summary, run_launch, trial_processes
+from tests.helpers import NO_SPARES, read_summary, run_launch, spare_kinds, trial_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")),
@@ -190,7 +190,7 @@ def test_automatic_recovery_after_master_failure_and_model_worker_kill(fileroot)
     # the kill waits for the warm spare that takes the model worker's place (steps to spare)
     code, err = _launch_signalling(fileroot, "auto", [
         "rl.total_steps=40", "rl.save_interval=2", "rl.save_interval_s=0", "rl.save_overhead=0",
-        "rl.crash_at_step=3", "recover.backoff=0.5", *SMALL],
+        "rl.crash_at_step=3", "recover.backoff=0.5", *SMALL, spare_kinds("model", "master")],
         [(5, "model", None, signal.SIGKILL)], timeout=400, spares=True)
     assert code == 0, err[-4000:]
     s = read_summary(fileroot, "arith-tiny", "auto")
@@ -227,7 +227,7 @@ def test_sync_ppo_multi_turn_calculator_two_trainers_with_reference(fileroot):
     code, err = _launch_signalling(fileroot, "ppo", [
         "rl.mode=sync", "rl.algorithm=ppo", "rl.agent.kind=calculator",
         "rl.agent.max_new_tokens=8", "rl.group_size=2", "model.count=2",
-        "rl.loss.kl_coef=0.01", "rl.total_steps=3", "rl.weight_sync.mode=disk",
+        "rl.loss.kl_coef=0.01", "rl.total_steps=3", "rl.weight_sync.mode=disk", NO_SPARES,
         *[a for a in SMALL if not a.startswith("rl.group_size")]],
         [(-1, "model", 1, signal.SIGKILL)], timeout=400)
     assert code == 0, err[-3000:]
@@ -264,7 +264,8 @@ def test_dead_generation_servers_and_a_rollout_worker_restart_alone_training_goe
     # (the kills are seen as the jobs' exits; a 15 s heartbeat keeps a loaded CI machine from
     # adding a recovery of a live but starved worker, as one run saw)
     code, err = _launch_signalling(fileroot, "stateless", [
-        "rl.total_steps=24", "generation.count=2", *SMALL, "controller.heartbeat_ttl=15"],
+        "rl.total_steps=24", "generation.count=2", *SMALL, "controller.heartbeat_ttl=15",
+        spare_kinds("generation", "rollout")],
         [(2, "generation", 1, signal.SIGKILL), (4, "generation", 0, signal.SIGKILL),
          (6, "rollout", 0, signal.SIGKILL)])
     assert code == 0, err[-4000:]
@@ -300,7 +301,8 @@ def test_a_preemption_warning_checkpoints_before_the_stateful_restart(fileroot):
     root = os.path.join(fileroot, "arith-tiny", "usr2")
     code, err = _launch_signalling(fileroot, "usr2", [
         "rl.total_steps=16", "rl.save_interval=0", "rl.save_interval_s=0", "rl.save_overhead=0",
-        "recover.backoff=0.5", *SMALL], [(2, "model", None, signal.SIGUSR2)], timeout=400)
+        "recover.backoff=0.5", *SMALL, spare_kinds("model", "master")],
+        [(2, "model", None, signal.SIGUSR2)], timeout=400)
     assert code == 0, err[-4000:]
     s = read_summary(fileroot, "arith-tiny", "usr2")
     # (16 steps: the master reads preemption requests once a second, and a step can take less
@@ -343,7 +345,7 @@ def test_a_killed_megatron_rank_restarts_the_model_group_from_its_checkpoint(fil
     code, err = _launch_signalling(fileroot, "megatron-kill", [
         "rl.actor.backend=megatron", "rl.actor.megatron.tp=2", "model.count=2",
         "rl.total_steps=16", "rl.save_interval=2", "rl.save_interval_s=0",
-        "rl.save_overhead=0", "recover.backoff=0.5", *SMALL],
+        "rl.save_overhead=0", "recover.backoff=0.5", *SMALL, spare_kinds("model", "master")],
         [(6, "model", 1, signal.SIGKILL)], timeout=400, spares=True)
     assert code == 0, err[-4000:]
     s = read_summary(fileroot, "arith-tiny", "megatron-kill")
@@ -371,7 +373,8 @@ def test_workers_lost_together_draw_one_stateful_recovery(fileroot):
 
     root = os.path.join(fileroot, "arith-tiny", "node")
     proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=node", "rl.total_steps=8",
-                                        f"cluster.fileroot={fileroot}", *SMALL),
+                                        f"cluster.fileroot={fileroot}", *SMALL,
+                                        spare_kinds("model", "master", "rollout")),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300

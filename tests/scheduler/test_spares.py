@@ -147,6 +147,24 @@ def test_without_spares_or_a_dead_spare_a_restart_starts_a_process(tmp_path, mon
     assert off._spares is None
 
 
+def test_only_the_kinds_named_get_a_spare(tmp_path, monkeypatch):
+    """``scheduler.local.spare_kinds``: a group of another kind restarts as a new process."""
+    from scheduler.config import LocalConfig
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())
+    sched = LocalScheduler(spares=True, spare_kinds=LocalConfig(
+        spare_kinds="model,master").kinds_with_spares())
+    try:
+        sched.submit(_group(tmp_path, 0, 0))
+        sched.warm_spares()
+        assert sched._spares.processes() == []
+        assert not (tmp_path / "spare-rollout.log").exists()
+    finally:
+        sched.stop_all(grace=2)
+    with pytest.raises(ConfigError, match="spare_kinds='model,trainer': no worker kind "
+                                          "'trainer'; valid: empty"):
+        LocalConfig(spare_kinds="model,trainer")
+
+
 # the same, with something prepared ahead of each restart in a child of the spare (the pid of
 # the process that prepared it, or a failure when PREP_FAILS is set)
 PREPARING = (sys.executable, "-c", """
