@@ -16,8 +16,12 @@ from tests.helpers import (REPO, launch_argv, overridden, read_summary, run_laun
 pytestmark = pytest.mark.slurm
 
 SLURM = ["scheduler=slurm", "cluster.interface=127.0.0.1", "scheduler.slurm.poll_interval=0.5",
-         "scheduler.slurm.model.gpus_per_node=2", "controller.heartbeat_ttl=3",
+         "scheduler.slurm.model.gpus_per_node=2", "controller.heartbeat_ttl=15",
          "scheduler.stop_grace=3"]
+"""(A 15 s heartbeat: these trials' failures are seen through the jobs' states, polled every
+0.5 s. A CI run beside an RL trial saw a model worker's 3 s heartbeat expire while it ran: its
+job holds two workers, so the scheduler cannot vouch for either and ``hang_grace`` does not
+apply.)"""
 
 
 def squeue(env: dict, exp: str, trial: str) -> list[tuple[str, str, str]]:
