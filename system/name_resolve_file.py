@@ -39,8 +39,10 @@ class FileNameResolve(NameResolve):
                 f"({e.strerror or e}): set name_resolve.file_root (by default under "
                 "cluster.fileroot) to a writable directory") from e
 
-    PUT_TRIES = 20
-    """Tries to make an entry's directory and its temporary file, against concurrent prunes."""
+    PUT_TRIES = 200
+    """Tries to make an entry's directory and its temporary file, against concurrent prunes
+    (after the first few, each a millisecond apart: a CI run under load saw 20 back-to-back
+    tries lose to sibling keys' deletes)."""
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"), self.ENTRY)
@@ -57,6 +59,8 @@ class FileNameResolve(NameResolve):
             except FileNotFoundError:  # a delete of a sibling key pruned a directory of ours
                 if attempt == self.PUT_TRIES - 1:  # as it went empty; once tmp is in it, it stays
                     raise
+                if attempt >= 3:  # let the sibling's delete finish its pruning
+                    time.sleep(0.001)
         with os.fdopen(fd, "w") as f:
             f.write(body)
         try:
