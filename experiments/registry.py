@@ -69,9 +69,10 @@ class Experiment:
     """Worker kinds that hold training state: when one dies (and ``recover=auto``), all of
     these restart from the latest checkpoint; the others stay up. A worker of any other kind
     that dies is restarted alone."""
-    warm: Mapping[str, Callable[[], None]] = dataclasses.field(default_factory=dict)
-    """Per worker kind, what it imports before it is needed: a warm spare (local scheduler,
-    :mod:`scheduler.spares`) calls it ahead of the restart that takes it over."""
+    warm: Mapping[str, Callable[[Bootstrap], None]] = dataclasses.field(default_factory=dict)
+    """Per worker kind, what it imports (and reads) before it is needed, given the trial's
+    bootstrap: a warm spare (local scheduler, :mod:`scheduler.spares`) calls it ahead of the
+    restart that takes it over."""
     prepare: Mapping[str, Callable[[Bootstrap], Any]] = dataclasses.field(default_factory=dict)
     """Per worker kind, what a warm spare builds ahead of a restart from the trial's files (a
     generation server's engine, say), in a forked child that then becomes the restarted worker

@@ -6,6 +6,7 @@ from typing import Any
 
 from experiments.rl.config import RLConfig, resolve_model_path
 from experiments.rl.tasks import Prompt, dataset, get_task
+from experiments.rl.tokenizer import load_tokenizer
 from system.files import fsync_path
 from workers.base import Worker
 from workers.schema import Trajectory
@@ -29,12 +30,6 @@ def model_path(worker: Worker, rl: RLConfig) -> str:
 
 def experiment_model_path(experiment: str, rl: RLConfig) -> str:
     return resolve_model_path(rl, experiment)
-
-
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def save_tokenizer(tok: Any, directory: str) -> None:

@@ -1,7 +1,9 @@
-"""What a warm spare of each RL worker kind imports before a restart takes it over
+"""What a warm spare of each RL worker kind imports (and reads) before a restart takes it over
 (:mod:`scheduler.spares`). transformers resolves its Auto* classes lazily: importing
-``modeling_auto`` is what makes a later AutoConfig / AutoTokenizer / AutoModelForCausalLM call
-fast (about 4 s of a cold start on two cores); vLLM's engine modules are another 4-8 s.
+``modeling_auto`` is what makes a later AutoConfig / AutoModelForCausalLM call fast (about 4 s
+of a cold start on two cores); vLLM's engine modules are another 4-8 s. A master or rollout
+worker needs no torch: its spare loads the trial's tokenizer (:mod:`experiments.rl.tokenizer`),
+which imports what that tokenizer needs.
 
 A generation server's spare also builds the trial's vLLM engine ahead of need
 (:data:`PREPARE`): 1.7 s of a restart on two cores with arith-tiny, more with a larger model or
@@ -22,12 +24,28 @@ def _hf() -> None:
     import transformers.models.auto.tokenization_auto
 
 
-def master() -> None:
-    _hf()
+def _trial_model(boot: Bootstrap) -> str:
+    from omegaconf import OmegaConf
+
+    from experiments.rl.common import experiment_model_path, rl_section
+    from system.paths import TrialPaths
+
+    rl = rl_section(OmegaConf.load(TrialPaths(boot.trial_dir).config)["rl"])
+    return experiment_model_path(boot.experiment, rl)
+
+
+def _tokenizer(boot: Bootstrap) -> None:
+    from experiments.rl.tokenizer import load_tokenizer
+
+    load_tokenizer(_trial_model(boot))
+
+
+def master(boot: Bootstrap) -> None:
+    _tokenizer(boot)
     import experiments.rl.loop
 
 
-def model() -> None:
+def model(boot: Bootstrap) -> None:
     _hf()
     import experiments.rl.roles.model
     import transformers.models.llama.modeling_llama
@@ -35,7 +53,7 @@ def model() -> None:
     import workers.engines.torch_engine
 
 
-def generation() -> None:
+def generation(boot: Bootstrap) -> None:
     _hf()
     import experiments.rl.roles.generation
     import vllm.entrypoints.llm
@@ -47,8 +65,8 @@ def generation() -> None:
     import workers.engines.vllm_weight_sync
 
 
-def rollout() -> None:
-    _hf()
+def rollout(boot: Bootstrap) -> None:
+    _tokenizer(boot)
     import experiments.rl.roles.rollout
 
 
@@ -60,7 +78,8 @@ def prepare_generation(boot: Bootstrap) -> Any:
     :meth:`~workers.generation.GenerationServer.open_engine` takes over when it matches."""
     from omegaconf import OmegaConf
 
-    from experiments.rl.common import experiment_model_path, load_tokenizer, rl_section
+    from experiments.rl.common import experiment_model_path, rl_section
+    from experiments.rl.tokenizer import load_tokenizer
     from system.paths import TrialPaths
     from workers.engines.vllm_server import GenerationEngine
 

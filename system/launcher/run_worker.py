@@ -53,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         # (its stdout carries its answers to the scheduler: scheduler.spares.Forked)
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format=f"%(asctime)s spare/{args.kind} %(levelname)s %(message)s")
-        experiment = get_experiment(Bootstrap.read(bootstrap).experiment)
-        warm(experiment.warm.get(args.kind))
+        spare_boot = Bootstrap.read(bootstrap)
+        experiment = get_experiment(spare_boot.experiment)
+        warm(experiment.warm.get(args.kind), spare_boot)
         set_process_name(f"spare/{args.kind}")
         prep = experiment.prepare.get(args.kind)
         forked = fork_workers(args.kind, None if prep is None else (

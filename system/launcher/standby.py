@@ -17,6 +17,7 @@ import time
 from typing import Any, Callable
 
 from scheduler.spares import Activation, Forked
+from system.bootstrap import Bootstrap
 from system.errors import ConfigError
 
 log = logging.getLogger("standby")
@@ -33,7 +34,7 @@ def set_process_name(name: str) -> None:
         pass
 
 
-def warm(imports: Callable[[], None] | None) -> None:
+def warm(imports: Callable[[Bootstrap], None] | None, boot: Bootstrap) -> None:
     """Run the kind's warm-up imports now, on this (the worker's own) thread at its own
     priority: imports made on a lower-priority thread left torch's compute threads at that
     priority (training ran 10x slower). Best effort: an import that fails here fails for real,
@@ -41,7 +42,7 @@ def warm(imports: Callable[[], None] | None) -> None:
     t0 = time.monotonic()
     if imports is not None:
         try:
-            imports()
+            imports(boot)
         except Exception as e:  # noqa: BLE001 - a warm-up only
             log.warning("warm-up failed: %s: %s", type(e).__name__, e)
     log.info("warm in %.1fs; waiting", time.monotonic() - t0)
