@@ -160,7 +160,8 @@ class ModelWorker(Worker):
         FSDP2 shards (for the weight-sync spec; the master picks its backend)."""
         actor = self._engine("actor")
         return {"dtype": str(actor.dtype).replace("torch.", ""),
-                "device": device_identity(self.device), "sharded": actor.sharded}
+                "device": device_identity(self.device), "sharded": actor.sharded,
+                "shape": actor.shape.to_dict()}
 
     def _engine(self, which: str) -> "TorchEngine":
         if which not in self.engines:

@@ -231,6 +231,9 @@ class EngineInfo(TypedDict):
     from every rank's (NCCL refuses two ranks on one GPU)."""
     sharded: bool
     """Whether the actor's ranks hold FSDP2 dim-0 shards (the training layout's ``fsdp``)."""
+    shape: dict[str, int | bool]
+    """The actor's model shape as built (:meth:`system.reshard.params.ModelShape.to_dict`): the
+    master plans the weight sync from it, and needs no transformers (nor torch) of its own."""
 
 
 class WeightsSent(TypedDict):

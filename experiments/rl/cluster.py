@@ -140,8 +140,6 @@ class Cluster:
         Refuses (one line naming it) a model with a weight the specs do not map: it would stay
         stale in the generation servers. Model workers with FSDP2 shards send them as they are.
         ``infos``: every model worker's, by rank (their devices pick each group's backend)."""
-        from transformers import AutoConfig
-
         ws = self.rl.weight_sync
         info = infos[0]
         self._model_devices = [i["device"] for i in infos]
@@ -150,7 +148,7 @@ class Cluster:
                 src=(dataclasses.replace(self.layout, fsdp=True) if info["sharded"]
                      else self.layout),
                 dst=GenLayout(tp=self.rl.vllm.tensor_parallel_size, replicas=1),
-                shape=ModelShape.from_hf(AutoConfig.from_pretrained(path)),
+                shape=ModelShape.from_dict(info["shape"]),
                 dtype=info["dtype"], backend="gloo", mode=ws.mode,  # per replica: join()
                 bucket_bytes=ws.bucket_mb << 20, timeout=ws.timeout)
             check_mapped(self._spec.specs(), weight_names(path), f"model {path}")

@@ -75,9 +75,9 @@ class MetricsLog:
 
     def _writer(self) -> Any:
         if self.tb is None:
-            from torch.utils.tensorboard import SummaryWriter
+            from experiments.rl.tb_events import ScalarWriter
 
-            self.tb = SummaryWriter(self.tb_dir, purge_step=self._purge_step)
+            self.tb = ScalarWriter(self.tb_dir, purge_step=self._purge_step)
         return self.tb
 
     def truncate(self, step: int) -> None:

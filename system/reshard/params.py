@@ -56,6 +56,23 @@ class ModelShape:
             qkv_bias=bool(g("attention_bias", False)) or g("model_type") == "qwen2",
             qk_norm=g("model_type") == "qwen3")
 
+    def to_dict(self) -> dict[str, int | bool]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: object) -> "ModelShape":
+        """A shape sent over the wire (:meth:`to_dict`): ValueError naming what is wrong."""
+        fields = {f.name: f for f in dataclasses.fields(ModelShape)}
+        if not isinstance(d, dict) or set(d) != set(fields):
+            raise ValueError(f"a model shape has the keys {sorted(fields)}, got "
+                             f"{sorted(d) if isinstance(d, dict) else type(d).__name__}")
+        for k, v in d.items():
+            kind = bool if fields[k].type == "bool" else int
+            if type(v) is not kind or (kind is int and v <= 0):
+                raise ValueError(f"a model shape's {k} is {v!r}, not a positive {kind.__name__}"
+                                 if kind is int else f"a model shape's {k} is {v!r}, not a bool")
+        return ModelShape(**d)
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from system.errors import ConfigError
 from system.files import fsync_path
+from system.reshard.params import ModelShape
 from workers.engines.configs import TorchEngineConfig
 from workers.engines.optim_groups import configured, reapply
 
@@ -98,6 +99,7 @@ class TorchEngine:
         if self._fsdp:
             self._shard(model)
         self.model = model
+        self.shape = ModelShape.from_hf(model.config)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
                                            betas=(cfg.beta1, cfg.beta2),
                                            weight_decay=cfg.weight_decay) if trainable else None
