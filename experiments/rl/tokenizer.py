@@ -69,11 +69,15 @@ def load_tokenizer(path: str) -> Any:
     """The tokenizer of the local model directory ``path``, of the class ``AutoTokenizer``
     picks."""
     known = direct_class(path)
-    if known is None:
+    try:
+        cls = None if known is None else known()
+    except ImportError:  # a transformers release without that module: AutoTokenizer decides
+        cls = None
+    if cls is None:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return known().from_pretrained(path, local_files_only=True)
+    return cls.from_pretrained(path, local_files_only=True)
 
 
 __all__ = ["DIRECT", "direct_class", "load_tokenizer"]

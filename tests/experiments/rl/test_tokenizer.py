@@ -87,3 +87,17 @@ def test_a_direct_load_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=PROJECT_ROOT, check=True).stdout.split()
     assert out == ["Qwen2Tokenizer", "False", "False"]
+
+
+def test_a_release_without_the_class_module_falls_back_to_auto_tokenizer(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from experiments.rl import tokenizer
+
+    def missing() -> type:
+        raise ImportError("no module named transformers.tokenization_utils_tokenizers")
+
+    path = _model_dir(tmp_path, "llama", "TokenizersBackend")
+    monkeypatch.setitem(tokenizer.DIRECT, "llama", {"TokenizersBackend": missing})
+    assert direct_class(path) is missing
+    _same(load_tokenizer(path), AutoTokenizer.from_pretrained(path, local_files_only=True))
