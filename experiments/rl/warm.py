@@ -24,20 +24,21 @@ def _hf() -> None:
     import transformers.models.auto.tokenization_auto
 
 
-def _trial_model(boot: Bootstrap) -> str:
+def _trial_rl(boot: Bootstrap) -> tuple[Any, str]:
+    """The trial's validated ``rl`` section (its ``config.yaml``) and model directory."""
     from omegaconf import OmegaConf
 
     from experiments.rl.common import experiment_model_path, rl_section
     from system.paths import TrialPaths
 
     rl = rl_section(OmegaConf.load(TrialPaths(boot.trial_dir).config)["rl"])
-    return experiment_model_path(boot.experiment, rl)
+    return rl, experiment_model_path(boot.experiment, rl)
 
 
 def _tokenizer(boot: Bootstrap) -> None:
     from experiments.rl.tokenizer import load_tokenizer
 
-    load_tokenizer(_trial_model(boot))
+    load_tokenizer(_trial_rl(boot)[1])
 
 
 def master(boot: Bootstrap) -> None:
@@ -76,20 +77,15 @@ WARM = {"master": master, "model": model, "generation": generation, "rollout": r
 def prepare_generation(boot: Bootstrap) -> Any:
     """The engine the trial's generation servers build (``rl`` of its ``config.yaml``): what
     :meth:`~workers.generation.GenerationServer.open_engine` takes over when it matches."""
-    from omegaconf import OmegaConf
-
-    from experiments.rl.common import experiment_model_path, rl_section
     from experiments.rl.tokenizer import load_tokenizer
-    from system.paths import TrialPaths
     from workers.engines.vllm_server import GenerationEngine
 
-    rl = rl_section(OmegaConf.load(TrialPaths(boot.trial_dir).config)["rl"])
+    rl, path = _trial_rl(boot)
     if rl.vllm.kv_cache_gib is None or not rl.vllm.inline(on_gpu=False):
         # (a second KV cache sized by a fraction of the machine, or engine processes outside
         # the prepared worker, are not worth holding ahead of a restart that may never come)
         raise ValueError("only an in-process engine with rl.vllm.kv_cache_gib set is prepared "
                          "ahead")
-    path = experiment_model_path(boot.experiment, rl)
     if not os.path.isdir(path):
         raise FileNotFoundError(path)
     return GenerationEngine(path, rl.vllm, load_tokenizer(path).eos_token_id)

@@ -14,7 +14,8 @@ import pytest
 from experiments.rl.tokenizer import DIRECT, direct_class, load_tokenizer
 from system.paths import PROJECT_ROOT
 
-BASES = {"llama": "smollm2-135m-instruct", "qwen2": "arith-tiny", "qwen3": "arith-tiny"}
+BASES = {"llama": "smollm2-135m-instruct", "qwen2": "arith-tiny", "qwen3": "arith-tiny",
+         "mistral": "smollm2-135m-instruct"}
 TEXTS = ["12+30=", "  7 * 8 = 56\n", "<s>what is 3-4?</s>", ""]
 
 
@@ -69,7 +70,6 @@ def test_the_direct_class_is_what_auto_tokenizer_picks(model_type, tokenizer_cla
 def test_anything_else_goes_through_auto_tokenizer(model_type, tokenizer_class, extra, tmp_path):
     from transformers import AutoTokenizer
 
-    BASES.setdefault("mistral", "smollm2-135m-instruct")
     path = _model_dir(tmp_path, model_type, tokenizer_class, **extra)
     assert direct_class(path) is None
     if "auto_map" not in extra:  # (remote code is not trusted: no load to compare)
