@@ -7,7 +7,8 @@ Under Slurm the index is omitted: each task derives its worker index (global ran
 rank from the Slurm environment through submitit's ``JobEnvironment``, and before anything
 touches CUDA sets its ranks (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``...) and,
 in a job that requests GPUs, narrows ``CUDA_VISIBLE_DEVICES`` to its own
-(:func:`scheduler.gpu_plan.task_env`).
+(:func:`scheduler.gpu_plan.task_env`). There each task forks its witness
+(:mod:`system.launcher.witness`), which vouches for its process and can end it.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from system.bootstrap import Bootstrap
 from system.cpu_binding import CPUS_ENV, bind_from_env
 from system.errors import ConfigError
 from system.fast_exit import exit_now
+from system.launcher import witness
 from system.launcher.standby import fork_workers, set_process_name, warm
 from system.private_files import set_umask
 from workers.kinds import KINDS, worker_class
@@ -67,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         bind_from_env()  # this worker's own CPUs (its activation's environment)
         logging.getLogger().handlers.clear()  # the worker's own log format, on its log file
     index, local_rank = task_identity(args.index)
+    boot = Bootstrap.read(bootstrap)
+    if boot.scheduler == "slurm":
+        witness.start(boot, args.kind, index)  # before any thread starts
     set_process_name(f"{args.kind}/{index}")
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
                         format=f"%(asctime)s {args.kind}/{index} %(levelname)s %(message)s")
@@ -75,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.standby:
         logging.getLogger("standby").info("forked by a warm spare (pid %d): %s/%d",
                                           os.getppid(), args.kind, index)
-    boot = Bootstrap.read(bootstrap)
     set_umask(boot.group_readable)  # whoever started us: checkpoints, metrics stay private
     role = get_experiment(boot.experiment).roles_for(boot.mode).of(args.kind)
     worker = worker_class(args.kind)(boot, index, local_rank)
