@@ -35,7 +35,7 @@ from system.launcher.restarts import RecoveringController
 from system.launcher.self_requeue import ControllerRequeue
 from system.launcher.status_file import StatusWriter, TrialCancelled
 from system.launcher.summary import TrialSummary
-from system.launcher.watch import LateBeats, NameWatch, vouched
+from system.launcher.watch import LateBeats, NameWatch, shared, vouched
 from system.name_resolve import NameResolve
 from system.paths import TrialPaths
 from system.rpc import RpcClient
@@ -368,7 +368,8 @@ class Controller(RecoveringController):
             dead = sorted(set(self.logs) - beating - set(self.requeue.rejoining))
             if dead and self.nr.outage_within(cc.heartbeat_ttl):
                 dead = []  # name resolution was down: heartbeats refresh within one TTL
-            dead, late = self.late.judge(dead, vouched(statuses))  # a running one may be slow
+            running = self._vouched(statuses, dead)
+            dead, late = self.late.judge(dead, running)  # a running one may be slow
             for w in late:
                 print(f"\nworker {w}: {self.late.describe(cc.heartbeat_ttl)}", file=sys.stderr)
             if dead:  # a requeue may explain it: ask the scheduler afresh before judging
@@ -380,7 +381,7 @@ class Controller(RecoveringController):
             if dead:
                 self._await_report(REPORT_GRACE)  # a worker that says why is named with it
                 hung = f", nor {cc.hang_grace:.0f}s more while its process ran" if (
-                    cc.hang_grace and dead[0] in vouched(statuses)) else ""
+                    cc.hang_grace and dead[0] in running) else ""
                 raise WorkerFailure(
                     f"worker {', '.join(dead)} stopped heart-beating (no refresh within "
                     f"{cc.heartbeat_ttl:.1f}s{hung}); log: {self.logs[dead[0]]}", dead[0],
@@ -394,7 +395,7 @@ class Controller(RecoveringController):
                     last_master_answer = time.monotonic()
                 except RpcError:  # (a master whose process runs may be slow: see hang_grace)
                     if time.monotonic() - last_master_answer > cc.heartbeat_ttl + (
-                            cc.hang_grace if "master/0" in vouched(statuses) else 0):
+                            cc.hang_grace if self._vouched(statuses, ["master/0"]) else 0):
                         raise WorkerFailure(f"master does not answer; log: {self.logs['master/0']}",
                                             "master/0", self.logs["master/0"]) from None
                     ping = {}
@@ -412,6 +413,13 @@ class Controller(RecoveringController):
                 raise WorkerFailure(f"trial did not complete within controller.timeout="
                                     f"{cc.timeout:.0f}s")
             time.sleep(cc.poll_interval)
+
+    def _vouched(self, statuses: list[JobStatus], silent: Iterable[str]) -> frozenset[str]:
+        """Those of the ``silent`` workers whose own process is known to run: each alone in a
+        running job, or in a running job of several and vouched for by its witness."""
+        alone = vouched(statuses) & set(silent)
+        asked = (set(silent) & shared(statuses)) - alone
+        return alone | frozenset(self.names.alive(asked)) if asked else alone
 
     def _stop_all(self) -> None:
         clients = list(self.clients.values())

@@ -111,6 +111,12 @@ class NameWatch:
                         entry.expires, until)
         return frozenset(w for w in workers if self._live_until.get(w, now) > now)
 
+    def alive(self, workers: Collection[str]) -> dict[str, str]:
+        """``{worker: "host:pid"}`` of those of ``workers`` whose witness vouches for their
+        process (:mod:`system.launcher.witness`), read now: asked of silent workers only."""
+        keys = {self._key(names.alive, w): w for w in workers}
+        return {keys[k]: e.value for k, e in self.nr.read_many(list(keys)).items()} if keys else {}
+
     def poll(self, workers: Collection[str], rejoining: Collection[str] = ()) -> WatchView:
         """Everything one iteration of the controller's watch loop reads, in its order."""
         return WatchView(self.errors(), self.addresses(workers, rejoining),
@@ -124,9 +130,16 @@ class NameWatch:
 def vouched(statuses: Iterable[JobStatus]) -> frozenset[str]:
     """The workers whose own process the scheduler sees running: each running job of one
     worker (a local process; a Slurm job of one task). A job of several workers runs while any
-    of them does: it vouches for none."""
+    of them does: it vouches for none (see :func:`shared`)."""
     return frozenset(st.workers[0] for st in statuses
                      if st.state == JobState.RUNNING and len(st.workers) == 1)
+
+
+def shared(statuses: Iterable[JobStatus]) -> frozenset[str]:
+    """The workers of running jobs of several workers: the scheduler vouches for none of them;
+    their witnesses may (:meth:`NameWatch.alive`)."""
+    return frozenset(w for st in statuses if st.state == JobState.RUNNING and len(st.workers) > 1
+                     for w in st.workers)
 
 
 class LateBeats:

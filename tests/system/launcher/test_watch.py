@@ -124,6 +124,19 @@ def test_only_a_running_job_of_one_worker_vouches_for_its_process():
                     _job("UNKNOWN", "rollout/1")]) == {"model/0"}
 
 
+def test_workers_sharing_a_running_job_are_asked_of_their_witnesses(backend):
+    from system.launcher.watch import shared
+    jobs = [_job("RUNNING", "model/0"), _job("RUNNING", "model/1", "model/2"),
+            _job("PENDING", "rollout/0", "rollout/1")]
+    assert shared(jobs) == {"model/1", "model/2"}
+    nr = backend()
+    nr.add(names.alive("e", "t", "model", 1), "n1:77", replace=True, keepalive_ttl=TTL)
+    nr.add(names.alive("e", "t", "model", 2), "n1:78", replace=True, keepalive_ttl=TTL)
+    nr.delete(names.alive("e", "t", "model", 2))  # its witness saw its process die
+    watch = NameWatch(backend(), "e", "t", recheck=TTL)
+    assert watch.alive(shared(jobs)) == {"model/1": "n1:77"} and watch.alive([]) == {}
+
+
 def test_a_silent_worker_whose_process_runs_is_late_first_and_hung_after_the_grace():
     """The controller's judgement of expired heartbeats (what a starved heartbeat thread on a
     busy machine looks like, against a hang or a death)."""
