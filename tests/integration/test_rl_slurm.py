@@ -196,3 +196,60 @@ def test_a_detached_controller_at_its_time_limit_requeues_itself(slurm_cluster, 
     with open(os.path.join(trial_root, "config.yaml")) as f:
         assert "recover:\n  type: RESUME\n" in f.read()  # (recover=off, continued)
     wait_for(lambda: squeue(slurm_cluster.env, "arith-tiny", "ctl") == [], 60, "an empty queue")
+
+
+HUNG_STEPS = 200
+"""Steps run at up to 10/s here: the trial must still train when the hang is judged, about
+10 s after it."""
+
+
+def test_a_hung_rollout_task_is_ended_by_its_witness_and_restarted_alone(slurm_cluster,
+                                                                        tmp_path):
+    """rollout/1 hangs (SIGSTOP) in the job it shares with rollout/0. Its witness vouches for
+    it, so it is judged hung only ``hang_grace`` after its heartbeat expired; it restarts alone
+    in a job of its own. Slurm cannot stop one task of the old job, which runs on with
+    rollout/0: the controller orders the witness to end the hung process, which it does
+    (SIGTERM, then SIGKILL). Training goes on and completes; nothing is left."""
+    import signal
+
+    from system.ctl.procs import trial_processes
+    from tests.helpers import trial_name_resolve
+
+    root = str(tmp_path / "runs")
+    trial_root = os.path.join(root, "arith-tiny", "hung")
+    env = {**os.environ, **slurm_cluster.env}
+    proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=hung", f"cluster.fileroot={root}",
+                                        f"rl.total_steps={HUNG_STEPS}",
+                                        *overridden(SLURM, *SMALL, "controller.heartbeat_ttl=4",
+                                                    "controller.hang_grace=6",
+                                                    "scheduler.stop_grace=2"),
+                                        "recover.retries=1"),
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    err = _Stderr(proc)
+    try:
+        wait_for(lambda: proc.poll() is not None or max(_steps(trial_root), default=0) >= 2,
+                 300, "step 2")
+        assert proc.poll() is None, err.text[-4000:]
+        nr = trial_name_resolve(root, "arith-tiny", "hung")
+        host, _, pid = nr.get("arith-tiny/hung/alive/rollout/1").rpartition(":")
+        os.kill(int(pid), signal.SIGSTOP)
+        wait_for(lambda: "its witness ends it" in err.text, 120, "the hung worker's end")
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 30, "the hung process to end")
+        nr.close()
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err.text[-4000:]
+    assert f"rollout/1: its process {host}:{pid} still runs in a job with others" in err.text
+    assert "no heartbeat within 4.0s, but its process runs" in err.text
+    s = read_summary(root, "arith-tiny", "hung")
+    assert s["status"] == "completed" and s["steps"] == HUNG_STEPS
+    (rec,) = s["recoveries"]
+    assert rec["worker"] == "rollout/1" and not rec["stateful"] and rec["steps_lost"] == 0, rec
+    assert "nor 6s more while its process ran" in rec["cause"], rec
+    with open(os.path.join(trial_root, "logs", "rollout-1.log")) as f:
+        assert f"witness of rollout/1: ordered to end {host}:{pid}" in f.read()
+    assert squeue(slurm_cluster.env, "arith-tiny", "hung") == []
+    wait_for(lambda: not trial_processes(trial_root), 10, "the trial's processes to end")
