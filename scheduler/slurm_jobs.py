@@ -39,6 +39,22 @@ def scontrol_job(job_id: str) -> dict[str, str]:
     return lines[0] if lines else {}
 
 
+def preempting(job_id: str, timeout: float = 10.0) -> bool:
+    """Whether Slurm has chosen ``job_id`` for preemption (``PreemptTime`` set): on a cluster
+    with ``PreemptMode=REQUEUE`` and a ``GraceTime``, a preempted job's tasks get SIGTERM, not
+    the job's ``--signal``, and the job is requeued only if it still runs when the grace ends.
+    False when scontrol does not say (no news is not a preemption)."""
+    try:
+        r = _run(["scontrol", "show", "job", "-o", het_leader(job_id)], timeout=timeout)
+    except SchedulerError as e:
+        log.warning("%s", e)
+        return False
+    if r.returncode != 0 or not r.stdout.strip():
+        return False
+    when = parse_scontrol_job(r.stdout.strip().splitlines()[0]).get("PreemptTime", "None")
+    return when not in ("", "None", "Unknown")
+
+
 def queued(ids: list[str], timeout: float) -> dict[str, JobState] | None:
     """``{job id: state}`` of those of ``ids`` still in the queue (pending, running,
     completing); ``None`` when squeue did not answer (no news is not an empty queue)."""

@@ -134,6 +134,57 @@ def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_
     assert squeue(slurm_cluster.env, "arith-tiny", "preempt") == []
 
 
+GRACE_STEPS = 240
+"""Steps run at up to 10/s here: the preemption lands a few seconds after step 2."""
+
+
+def test_a_real_preemption_with_a_grace_time_checkpoints_and_requeues(slurm_cluster, tmp_path):
+    """Slurm itself preempts the trial: a job of the higher-tier partition ``urgent`` needs every
+    GPU of the node, and the test cluster preempts with ``PreemptMode=REQUEUE`` and a 30 s
+    ``GraceTime``, as shared clusters do (Slurm chose every job of the trial). Slurm sends the
+    tasks SIGTERM, not the jobs' ``--signal`` (USR2), and would requeue a job only if it still
+    ran when the grace ended. Each worker sees its job chosen for preemption (``PreemptTime``)
+    and stops as on SIGUSR2: the master and model worker after a checkpoint, then each job
+    requeues itself. Once the urgent job is done, the trial continues from that checkpoint, no
+    step lost."""
+    root = str(tmp_path / "runs")
+    trial_root = os.path.join(root, "arith-tiny", "grace")
+    env = {**os.environ, **slurm_cluster.env}
+    proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=grace", f"cluster.fileroot={root}",
+                                        f"rl.total_steps={GRACE_STEPS}",
+                                        *overridden(SLURM, *SMALL, *SLOW_OK), "recover.retries=1"),
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    err = _Stderr(proc)
+    try:
+        wait_for(lambda: proc.poll() is not None or max(_steps(trial_root), default=0) >= 2,
+                 300, "step 2")
+        assert proc.poll() is None, err.text[-4000:]
+        jobs = {k: job_of(env, "arith-tiny", "grace", k)
+                for k in ("master", "model", "generation", "rollout")}
+        subprocess.run(["sbatch", "-p", "urgent", "--gres=gpu:4", "-o", "/dev/null",
+                        "--wrap", "sleep 2"], capture_output=True, env=env, check=True)
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err.text[-4000:]
+    s = read_summary(root, "arith-tiny", "grace")
+    assert s["status"] == "completed" and s["steps"] == GRACE_STEPS
+    assert s["restarts"] == {j: 1 for j in jobs.values()}, (s["restarts"], jobs)
+    (rec,) = s["recoveries"]
+    assert rec["stateful"] and "requeued" in rec["cause"], rec
+    assert rec["requeued"] and rec["steps_lost"] == 0, rec
+    for name in ("master-0", "model-0", "generation-0", "rollout-0", "rollout-1"):
+        with open(os.path.join(trial_root, "logs", f"{name}.log")) as f:
+            log = f.read()
+        assert "got SIGTERM with its job chosen for preemption" in log, name
+        assert "requeue of job" in log, name
+        if name in ("master-0", "model-0"):
+            assert "checkpoint committed after SIGUSR2" in log, name
+    assert squeue(slurm_cluster.env, "arith-tiny", "grace") == []
+
+
 DETACHED_STEPS = 60
 """Enough for the warning at step 3 to stop the trial well before its end (the master reads
 the checkpoint request within a second, at about 5 steps a second here)."""
@@ -198,18 +249,14 @@ def test_a_detached_controller_at_its_time_limit_requeues_itself(slurm_cluster, 
     wait_for(lambda: squeue(slurm_cluster.env, "arith-tiny", "ctl") == [], 60, "an empty queue")
 
 
-HUNG_STEPS = 200
-"""Steps run at up to 10/s here: the trial must still train when the hang is judged, about
-10 s after it."""
-
-
 def test_a_hung_rollout_task_is_ended_by_its_witness_and_restarted_alone(slurm_cluster,
                                                                         tmp_path):
     """rollout/1 hangs (SIGSTOP) in the job it shares with rollout/0. Its witness vouches for
     it, so it is judged hung only ``hang_grace`` after its heartbeat expired; it restarts alone
     in a job of its own. Slurm cannot stop one task of the old job, which runs on with
     rollout/0: the controller orders the witness to end the hung process, which it does
-    (SIGTERM, then SIGKILL). Training goes on and completes; nothing is left."""
+    (SIGTERM, then SIGKILL). Training goes on meanwhile; the trial, long enough not to end
+    before all that on any machine, is then cancelled, and nothing is left."""
     import signal
 
     from system.ctl.procs import trial_processes
@@ -219,7 +266,7 @@ def test_a_hung_rollout_task_is_ended_by_its_witness_and_restarted_alone(slurm_c
     trial_root = os.path.join(root, "arith-tiny", "hung")
     env = {**os.environ, **slurm_cluster.env}
     proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=hung", f"cluster.fileroot={root}",
-                                        f"rl.total_steps={HUNG_STEPS}",
+                                        "rl.total_steps=100000",
                                         *overridden(SLURM, *SMALL, "controller.heartbeat_ttl=4",
                                                     "controller.hang_grace=6",
                                                     "scheduler.stop_grace=2"),
@@ -227,29 +274,38 @@ def test_a_hung_rollout_task_is_ended_by_its_witness_and_restarted_alone(slurm_c
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=env)
     err = _Stderr(proc)
+    log = os.path.join(trial_root, "logs", "rollout-1.log")
     try:
         wait_for(lambda: proc.poll() is not None or max(_steps(trial_root), default=0) >= 2,
                  300, "step 2")
         assert proc.poll() is None, err.text[-4000:]
         nr = trial_name_resolve(root, "arith-tiny", "hung")
         host, _, pid = nr.get("arith-tiny/hung/alive/rollout/1").rpartition(":")
-        os.kill(int(pid), signal.SIGSTOP)
-        wait_for(lambda: "its witness ends it" in err.text, 120, "the hung worker's end")
-        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 30, "the hung process to end")
         nr.close()
-        proc.wait(timeout=300)
+        os.kill(int(pid), signal.SIGSTOP)
+        ordered = f"witness of rollout/1: ordered to end {host}:{pid}"
+        wait_for(lambda: proc.poll() is not None or ordered in open(log).read(), 120,
+                 "the witness's order")
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 30, "the hung process to end")
+        wait_for(lambda: proc.poll() is not None or "rejoined: rollout/1" in err.text, 120,
+                 "the restarted rollout/1")
+        step = max(_steps(trial_root))
+        wait_for(lambda: proc.poll() is not None or max(_steps(trial_root)) > step + 3, 120,
+                 "more steps")
+        assert proc.poll() is None, err.text[-4000:]
+        subprocess.run([sys.executable, "-m", "system.ctl", "cancel", "exp=arith-tiny",
+                        "trial=hung", f"cluster.fileroot={root}"], cwd=REPO, env=env,
+                       capture_output=True, check=True)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, err.text[-4000:]
     assert f"rollout/1: its process {host}:{pid} still runs in a job with others" in err.text
     assert "no heartbeat within 4.0s, but its process runs" in err.text
     s = read_summary(root, "arith-tiny", "hung")
-    assert s["status"] == "completed" and s["steps"] == HUNG_STEPS
+    assert s["status"] == "cancelled", s["status"]
     (rec,) = s["recoveries"]
     assert rec["worker"] == "rollout/1" and not rec["stateful"] and rec["steps_lost"] == 0, rec
     assert "nor 6s more while its process ran" in rec["cause"], rec
-    with open(os.path.join(trial_root, "logs", "rollout-1.log")) as f:
-        assert f"witness of rollout/1: ordered to end {host}:{pid}" in f.read()
     assert squeue(slurm_cluster.env, "arith-tiny", "hung") == []
     wait_for(lambda: not trial_processes(trial_root), 10, "the trial's processes to end")
