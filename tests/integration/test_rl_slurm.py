@@ -134,10 +134,6 @@ def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_
     assert squeue(slurm_cluster.env, "arith-tiny", "preempt") == []
 
 
-GRACE_STEPS = 240
-"""Steps run at up to 10/s here: the preemption lands a few seconds after step 2."""
-
-
 def test_a_real_preemption_with_a_grace_time_checkpoints_and_requeues(slurm_cluster, tmp_path):
     """Slurm itself preempts the trial: a job of the higher-tier partition ``urgent`` needs every
     GPU of the node, and the test cluster preempts with ``PreemptMode=REQUEUE`` and a 30 s
@@ -151,7 +147,7 @@ def test_a_real_preemption_with_a_grace_time_checkpoints_and_requeues(slurm_clus
     trial_root = os.path.join(root, "arith-tiny", "grace")
     env = {**os.environ, **slurm_cluster.env}
     proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=grace", f"cluster.fileroot={root}",
-                                        f"rl.total_steps={GRACE_STEPS}",
+                                        f"rl.total_steps={STEPS}",
                                         *overridden(SLURM, *SMALL, *SLOW_OK), "recover.retries=1"),
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=env)
@@ -170,7 +166,7 @@ def test_a_real_preemption_with_a_grace_time_checkpoints_and_requeues(slurm_clus
             proc.kill()
     assert proc.returncode == 0, err.text[-4000:]
     s = read_summary(root, "arith-tiny", "grace")
-    assert s["status"] == "completed" and s["steps"] == GRACE_STEPS
+    assert s["status"] == "completed" and s["steps"] == STEPS
     assert s["restarts"] == {j: 1 for j in jobs.values()}, (s["restarts"], jobs)
     (rec,) = s["recoveries"]
     assert rec["stateful"] and "requeued" in rec["cause"], rec
