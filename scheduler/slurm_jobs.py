@@ -39,11 +39,17 @@ def scontrol_job(job_id: str) -> dict[str, str]:
     return lines[0] if lines else {}
 
 
-def preempting(job_id: str, timeout: float = 10.0) -> bool:
-    """Whether Slurm has chosen ``job_id`` for preemption (``PreemptTime`` set): on a cluster
-    with ``PreemptMode=REQUEUE`` and a ``GraceTime``, a preempted job's tasks get SIGTERM, not
-    the job's ``--signal``, and the job is requeued only if it still runs when the grace ends.
-    False when scontrol does not say (no news is not a preemption)."""
+PREEMPT_RECENT = 120.0
+"""Seconds after its ``PreemptTime`` during which a SIGTERM counts as that preemption's: a grace
+preemption signals the tasks at once, and Slurm keeps the time after a gang suspension too."""
+
+
+def preempting(job_id: str, timeout: float = 3.0) -> bool:
+    """Whether Slurm has just chosen ``job_id`` for preemption (``PreemptTime`` within
+    :data:`PREEMPT_RECENT` seconds): on a cluster with ``PreemptMode=REQUEUE`` and a
+    ``GraceTime``, a preempted job's tasks get SIGTERM, not the job's ``--signal``, and the job
+    is requeued only if it still runs when the grace ends. False when scontrol does not say
+    within ``timeout`` (no news is not a preemption)."""
     try:
         r = _run(["scontrol", "show", "job", "-o", het_leader(job_id)], timeout=timeout)
     except SchedulerError as e:
@@ -51,8 +57,18 @@ def preempting(job_id: str, timeout: float = 10.0) -> bool:
         return False
     if r.returncode != 0 or not r.stdout.strip():
         return False
-    when = parse_scontrol_job(r.stdout.strip().splitlines()[0]).get("PreemptTime", "None")
-    return when not in ("", "None", "Unknown")
+    when = preempt_time(parse_scontrol_job(r.stdout.strip().splitlines()[0]))
+    return when is not None and abs(time.time() - when) <= PREEMPT_RECENT
+
+
+def preempt_time(job: dict[str, str]) -> float | None:
+    """The unix time of a job's ``PreemptTime`` (``scontrol show job``, local time), or None
+    (``None``, ``Unknown``, absent: never chosen for preemption) (pure but for the zone)."""
+    raw = job.get("PreemptTime", "None")
+    try:
+        return time.mktime(time.strptime(raw, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
 
 
 def queued(ids: list[str], timeout: float) -> dict[str, JobState] | None:

@@ -257,6 +257,12 @@ class NameResolve(abc.ABC):
         if not self._delete(key):
             raise NameEntryNotFound(key)
 
+    def release(self, key: str) -> None:
+        """Stop keeping ``key`` alive: the entry stays until its TTL ends (or it is deleted)."""
+        key = _check_key(key)
+        with self._ka_put_lock, self._ka_lock:
+            self._keepalive.pop(key, None)
+
     def clear_subtree(self, prefix: str) -> int:
         """Remove every key at or below ``prefix`` (e.g. a whole trial); returns how many."""
         prefix = _check_key(prefix)

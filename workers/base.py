@@ -164,7 +164,7 @@ class Worker:
     def _on_signal(self, signum: signal.Signals) -> None:
         """SIGTERM, SIGINT (stop gracefully) or SIGUSR2 (a preemption's or time limit's
         warning), in the relay's thread (see :mod:`system.signal_relay`: this takes locks)."""
-        if signum == signal.SIGTERM and self._preempting():
+        if signum == signal.SIGTERM and not self.stopping and self._preempting():
             log.warning("%s got SIGTERM with its job chosen for preemption: as SIGUSR2 (a "
                         "checkpoint where state is held, then the job's requeue)", self.name)
             signum = signal.SIGUSR2
@@ -183,13 +183,18 @@ class Worker:
 
     def _preempting(self) -> bool:
         """Whether this worker's Slurm job, which may be requeued, is being preempted: a
-        preemption with a grace time sends SIGTERM to the tasks (not the job's ``--signal``)."""
+        preemption with a grace time sends SIGTERM to the tasks (not the job's ``--signal``).
+        Not asked of a worker the controller already stops (its stop ends in SIGTERM)."""
         job = os.environ.get("SLURM_JOB_ID")
         if not job or not os.environ.get("RLSYS_REQUEUE_MARK"):
             return False
         from scheduler.slurm_jobs import preempting  # (Slurm's commands: under Slurm only)
 
-        return preempting(job)
+        try:
+            return preempting(job)
+        except Exception:  # noqa: BLE001 - the SIGTERM must stop the worker whatever happens
+            log.exception("could not ask whether job %s is preempted", job)
+            return False
 
     def _requeue_if_preempted(self) -> None:
         """On SIGUSR2 under Slurm with requeue on, ask for a requeue of the job: create the file

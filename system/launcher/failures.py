@@ -94,7 +94,8 @@ def clear_worker_keys(nr: NameResolve, exp: str, trial: str, workers: Iterable[s
         for key in (names.worker_address(exp, trial, kind, int(index)),
                     names.heartbeat(exp, trial, kind, int(index)),
                     names.worker_error(exp, trial, kind, int(index)),
-                    names.preempt(exp, trial, kind, int(index))):
+                    names.preempt(exp, trial, kind, int(index)),
+                    names.stop_order(exp, trial, kind, int(index))):
             try:
                 nr.delete(key)
             except NameEntryNotFound:

@@ -187,13 +187,13 @@ class RecoveringController:
         self._drop_clients([w])
         self.scheduler.stop_worker(w, self.cfg.scheduler.stop_grace)
         clear_worker_keys(self.nr, self.cfg.exp, self.cfg.trial, [w], stateful=False)
-        # a process still vouched for shares a running Slurm job (a hung one: Slurm cannot
+        # a process still vouched for may share a running Slurm job (a hung one: Slurm cannot
         # stop one task of it): its witness ends it, not to run on beside its replacement
         ended = order_stop(self.nr, self.cfg.exp, self.cfg.trial, w,
                            self.cfg.scheduler.stop_grace)
         if ended is not None:
-            print(f"{w}: its process {ended} still runs in a job with others: its witness "
-                  f"ends it", file=sys.stderr)
+            print(f"{w}: its witness vouches for process {ended}: ordered to end it",
+                  file=sys.stderr)
         self.addresses.pop(w, None)
         group = group_spec(kind, 1, self.paths, self.scheduler.python, attempt.attempt,
                            first=int(index))

@@ -9,9 +9,12 @@ its replacement). The witness does both. :mod:`system.launcher.run_worker` forks
 worker imports anything heavy (no threads yet); it is a process of its own, so a worker that
 holds the interpreter lock, or is stopped, cannot starve it:
 
-- it keeps ``alive/KIND/INDEX`` = ``host:pid`` (:func:`system.names.alive`) while its parent
-  lives (TTL: :data:`ALIVE_TTLS` heartbeat TTLs), and deletes it within :data:`POLL` seconds of
-  the parent's death (its parent changes);
+- it keeps ``alive/KIND/INDEX`` = ``host:pid:nonce`` (:func:`system.names.alive`; the nonce
+  tells incarnations apart where pids repeat, in a container's own pid namespace) while its
+  parent lives (TTL: :data:`ALIVE_TTLS` heartbeat TTLs), and deletes it as soon as the parent
+  has exited (it waits on the parent's pidfd). Slurm kills whatever is left of a step on a node
+  once the last task there has exited: a witness killed so (a job of one task per node) cannot
+  delete the key, which then ends with its TTL;
 - it reads ``stop/KIND/INDEX`` (:func:`system.names.stop_order`) every heartbeat TTL (0.5 to
   10 s). An order that names its own incarnation ends the parent: SIGTERM (with SIGCONT, for a
   stopped process), then SIGKILL once the order's grace has passed. It then deletes the order.
@@ -25,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
+import select
 import signal
 import socket
 import sys
@@ -39,13 +44,13 @@ from system.launcher.standby import set_process_name
 from system.name_resolve import NameResolve, NameResolveConfig, make_name_resolve
 
 POLL = 0.2
-"""Seconds between the witness's looks at its parent."""
+"""Seconds between the witness's looks at its parent where the kernel has no pidfd."""
 
 ALIVE_TTLS = 3
-"""The alive key's TTL, in heartbeat TTLs. Its liveness ends with the deletion, within
-:data:`POLL` seconds of the worker's death; the TTL only bounds how long a witness lost with its
-node vouches for a dead worker. Refreshed every heartbeat TTL, it costs a third of a heartbeat's
-writes."""
+"""The alive key's TTL, in heartbeat TTLs. Its liveness ends with the deletion, at the worker's
+death; the TTL bounds how long a witness that could not delete it (lost with its node, killed
+with its step) vouches for a dead worker. Refreshed every heartbeat TTL, it costs a third of a
+heartbeat's writes."""
 
 IGNORED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
            signal.SIGUSR2)
@@ -83,8 +88,9 @@ class StopOrder:
 
 
 def incarnation(pid: int) -> str:
-    """``host:pid``: who a witness vouches for."""
-    return f"{socket.gethostname()}:{pid}"
+    """``host:pid:nonce``: who a witness vouches for (the nonce: a pid namespace of its own
+    gives every incarnation the same pid)."""
+    return f"{socket.gethostname()}:{pid}:{secrets.token_hex(4)}"
 
 
 def order_stop(nr: NameResolve, exp: str, trial: str, worker: str, grace: float) -> str | None:
@@ -103,7 +109,8 @@ def order_stop(nr: NameResolve, exp: str, trial: str, worker: str, grace: float)
 
 def start(boot: Bootstrap, kind: str, index: int) -> int:
     """Fork the witness of this process, worker ``kind/index``; returns its pid. Call it before
-    any thread starts (a forked child holds only the forking thread)."""
+    the worker starts its own threads (a forked child holds only the forking thread; the
+    witness uses nothing that another thread may hold locked)."""
     parent = os.getpid()
     pid = os.fork()
     if pid:
@@ -137,6 +144,7 @@ class Witness:
         self.order_key = names.stop_order(exp, trial, kind, index)
         self.me = incarnation(parent)
         self.ordered: StopOrder | None = None
+        self._order_text: str | None = None  # the order carried out, as read
         self._refused = ""  # the last malformed order said (once)
         self._unreadable = False  # a read failed (said once until one succeeds)
         self._pidfd = _pidfd(parent)  # signals reach this process only, never a reused pid
@@ -149,7 +157,7 @@ class Witness:
         every = min(max(self.ttl, 0.5), 10.0)
         next_read, kill_at = 0.0, float("inf")
         try:
-            while os.getppid() == self.parent:
+            while True:
                 now = time.monotonic()
                 if self.ordered is None and now >= next_read:
                     next_read = now + every
@@ -163,13 +171,25 @@ class Witness:
                 if now >= kill_at:
                     self._signal(signal.SIGKILL)
                     kill_at = float("inf")
-                time.sleep(self.poll)
+                due = min(kill_at, next_read if self.ordered is None else float("inf"))
+                if self._parent_exited(max(0.0, min(due - time.monotonic(), 60.0))):
+                    break
         finally:
+            self.nr.release(self.alive_key)  # not refreshed again, whatever is found below
             self._forget(self.alive_key, self.me)
-            if self.ordered is not None:
-                self._forget(self.order_key, self.ordered.to_json())
+            if self._order_text is not None:
+                self._forget(self.order_key, self._order_text)
             self.nr.close()
         return 0
+
+    def _parent_exited(self, wait: float) -> bool:
+        """Whether the parent has exited, waiting up to ``wait`` seconds for it."""
+        if self._pidfd is None:
+            time.sleep(min(wait, self.poll))
+            return os.getppid() != self.parent
+        poller = select.poll()
+        poller.register(self._pidfd, select.POLLIN)
+        return bool(poller.poll(wait * 1000))
 
     def _forget(self, key: str, value: str) -> None:
         """Delete ``key`` if it still holds ``value`` (not a newer incarnation's)."""
@@ -199,7 +219,10 @@ class Witness:
                 self._refused = text
                 self._say(f"ignored a malformed order: {e}")
             return None
-        return order if order.incarnation == self.me else None
+        if order.incarnation != self.me:
+            return None
+        self._order_text = text
+        return order
 
     def _signal(self, sig: signal.Signals) -> None:
         try:

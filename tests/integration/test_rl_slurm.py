@@ -136,8 +136,8 @@ def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_
 
 def test_a_real_preemption_with_a_grace_time_checkpoints_and_requeues(slurm_cluster, tmp_path):
     """Slurm itself preempts the trial: a job of the higher-tier partition ``urgent`` needs every
-    GPU of the node, and the test cluster preempts with ``PreemptMode=REQUEUE`` and a 30 s
-    ``GraceTime``, as shared clusters do (Slurm chose every job of the trial). Slurm sends the
+    GPU of the node, and the whole node (``--exclusive``); the test cluster preempts with
+    ``PreemptMode=REQUEUE`` and a 30 s ``GraceTime``, as shared clusters do. Slurm sends the
     tasks SIGTERM, not the jobs' ``--signal`` (USR2), and would requeue a job only if it still
     ran when the grace ended. Each worker sees its job chosen for preemption (``PreemptTime``)
     and stops as on SIGUSR2: the master and model worker after a checkpoint, then each job
@@ -158,7 +158,7 @@ def test_a_real_preemption_with_a_grace_time_checkpoints_and_requeues(slurm_clus
         assert proc.poll() is None, err.text[-4000:]
         jobs = {k: job_of(env, "arith-tiny", "grace", k)
                 for k in ("master", "model", "generation", "rollout")}
-        subprocess.run(["sbatch", "-p", "urgent", "--gres=gpu:4", "-o", "/dev/null",
+        subprocess.run(["sbatch", "-p", "urgent", "--exclusive", "--gres=gpu:4", "-o", "/dev/null",
                         "--wrap", "sleep 2"], capture_output=True, env=env, check=True)
         proc.wait(timeout=400)
     finally:
@@ -276,10 +276,11 @@ def test_a_hung_rollout_task_is_ended_by_its_witness_and_restarted_alone(slurm_c
                  300, "step 2")
         assert proc.poll() is None, err.text[-4000:]
         nr = trial_name_resolve(root, "arith-tiny", "hung")
-        host, _, pid = nr.get("arith-tiny/hung/alive/rollout/1").rpartition(":")
+        vouched = nr.get("arith-tiny/hung/alive/rollout/1")  # host:pid:nonce
         nr.close()
+        pid = vouched.split(":")[1]
         os.kill(int(pid), signal.SIGSTOP)
-        ordered = f"witness of rollout/1: ordered to end {host}:{pid}"
+        ordered = f"witness of rollout/1: ordered to end {vouched}"
         wait_for(lambda: proc.poll() is not None or ordered in open(log).read(), 120,
                  "the witness's order")
         wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 30, "the hung process to end")
@@ -296,7 +297,7 @@ def test_a_hung_rollout_task_is_ended_by_its_witness_and_restarted_alone(slurm_c
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert f"rollout/1: its process {host}:{pid} still runs in a job with others" in err.text
+    assert f"rollout/1: its witness vouches for process {vouched}: ordered to end it" in err.text
     assert "no heartbeat within 4.0s, but its process runs" in err.text
     s = read_summary(root, "arith-tiny", "hung")
     assert s["status"] == "cancelled", s["status"]

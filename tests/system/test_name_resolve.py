@@ -78,6 +78,17 @@ def test_ttl_expires_without_keepalive(nr):
     assert nr.get("e/t/hb") == "again"
 
 
+def test_a_released_entry_is_no_longer_refreshed_and_expires(nr):
+    nr.add("e/t/alive", "x", keepalive_ttl=0.4)
+    nr.add("e/t/hb", "y", keepalive_ttl=0.4)
+    nr.release("e/t/alive")  # the other keeps being refreshed by the same client
+    assert nr.get("e/t/alive") == "x"
+    time.sleep(1.2)
+    with pytest.raises(NameEntryNotFound):
+        nr.get("e/t/alive")
+    assert nr.get("e/t/hb") == "y"
+
+
 def test_keepalive_keeps_entry(nr):
     nr.add("e/t/hb", "x", keepalive_ttl=0.4)
     time.sleep(1.2)

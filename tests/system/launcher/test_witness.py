@@ -28,7 +28,7 @@ from system.bootstrap import Bootstrap
 from system.launcher import witness
 if sys.argv[2] == "deaf":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-witness.start(Bootstrap.read(sys.argv[1]), "rollout", 1)
+witness.start(Bootstrap.read(sys.argv[1]), "rollout", int(sys.argv[3]))
 time.sleep(120)
 """
 """A stand-in for run_worker's process: it forks its witness, then does nothing (SIGTERM kills
@@ -51,21 +51,28 @@ class Trial:
         self.nr = FileNameResolve(os.path.join(root, "nr"), secret=secret)
         self.procs: list[subprocess.Popen] = []
 
-    def worker(self, mode: str = "plain") -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-c", WORKER, self.boot, mode], cwd=REPO,
-                                stderr=subprocess.PIPE, text=True)
+    def worker(self, mode: str = "plain", index: int = 1) -> subprocess.Popen:
+        """Worker rollout/``index``; its stderr (the witness's lines) in :meth:`said`."""
+        err = open(os.path.join(self.dir, f"err-{index}"), "w")
+        proc = subprocess.Popen([sys.executable, "-c", WORKER, self.boot, mode, str(index)],
+                                cwd=REPO, stderr=err)
+        err.close()
         self.procs.append(proc)
         return proc
 
-    def alive(self) -> str | None:
+    def said(self, index: int = 1) -> str:
+        with open(os.path.join(self.dir, f"err-{index}")) as f:
+            return f.read()
+
+    def alive(self, index: int = 1) -> str | None:
         try:
-            return self.nr.get(names.alive("e", "t", "rollout", 1))
+            return self.nr.get(names.alive("e", "t", "rollout", index))
         except NameEntryNotFound:
             return None
 
-    def order(self) -> str | None:
+    def order(self, index: int = 1) -> str | None:
         try:
-            return self.nr.get(names.stop_order("e", "t", "rollout", 1))
+            return self.nr.get(names.stop_order("e", "t", "rollout", index))
         except NameEntryNotFound:
             return None
 
@@ -74,7 +81,6 @@ class Trial:
             if p.poll() is None:
                 p.kill()
             p.wait()
-            p.stderr.close()
         self.nr.close()
 
 
@@ -126,8 +132,9 @@ def running(pid: int) -> bool:
 def test_it_vouches_while_its_worker_lives_stopped_or_not_and_not_a_moment_longer(trial):
     t = trial(ttl=1.0)
     proc = t.worker()
-    me = f"{socket.gethostname()}:{proc.pid}"
-    until(lambda: t.alive() == me, 30, "the witness's alive key")
+    me = until(t.alive, 30, "the witness's alive key")
+    host, pid, nonce = me.split(":")
+    assert (host, pid) == (socket.gethostname(), str(proc.pid)) and len(nonce) == 8
     (witness,) = until(lambda: children(proc.pid), 5, "the witness process")
     os.kill(witness, signal.SIGTERM)  # (scancel signals every process of a job's step)
     os.kill(proc.pid, signal.SIGSTOP)  # hung: no thread of the worker runs
@@ -142,26 +149,23 @@ def test_it_vouches_while_its_worker_lives_stopped_or_not_and_not_a_moment_longe
 
 def test_an_order_for_its_incarnation_ends_a_hung_worker_term_then_kill(trial):
     t = trial(ttl=1.5)
-    polite, deaf = t.worker(), t.worker("deaf")
-    # both vouch under one key (rollout/1), in turn; each witness answers only an order that
-    # names its own process
-    until(lambda: children(polite.pid) and children(deaf.pid), 30, "both witnesses")
-    until(t.alive, 10, "an alive key")
+    polite, deaf = t.worker(index=1), t.worker("deaf", index=2)
+    ones = until(lambda: t.alive(1) and t.alive(2) and (t.alive(1), t.alive(2)), 30,
+                 "both alive keys")
     for proc in (polite, deaf):
         os.kill(proc.pid, signal.SIGSTOP)
-    host = socket.gethostname()
-    t.nr.add(names.stop_order("e", "t", "rollout", 1),
-             StopOrder(f"{host}:{polite.pid}", 30.0).to_json(), replace=True)
+    t.nr.add(names.stop_order("e", "t", "rollout", 1), StopOrder(ones[0], 30.0).to_json(),
+             replace=True)
     assert polite.wait(10) == -signal.SIGTERM  # stopped, yet SIGTERM reached it (SIGCONT)
     assert deaf.poll() is None
-    t.nr.add(names.stop_order("e", "t", "rollout", 1),
-             StopOrder(f"{host}:{deaf.pid}", 1.0).to_json(), replace=True)
+    t.nr.add(names.stop_order("e", "t", "rollout", 2), StopOrder(ones[1], 1.0).to_json(),
+             replace=True)
     t0 = time.monotonic()
     assert deaf.wait(15) == -signal.SIGKILL  # it ignores SIGTERM: killed after the grace
     assert time.monotonic() - t0 > 0.9
-    until(lambda: t.order() is None and t.alive() is None, 5, "the order and key deleted")
-    err = deaf.communicate()[1]
-    assert f"witness of rollout/1: ordered to end {host}:{deaf.pid}" in err
+    for i in (1, 2):
+        until(lambda i=i: t.order(i) is None and t.alive(i) is None, 5, "order and key deleted")
+    assert f"witness of rollout/2: ordered to end {ones[1]}: SIGTERM, SIGKILL in 1s" in t.said(2)
 
 
 def test_orders_for_another_incarnation_and_malformed_ones_are_left_alone(trial):
@@ -169,22 +173,23 @@ def test_orders_for_another_incarnation_and_malformed_ones_are_left_alone(trial)
     proc = t.worker()
     me = until(t.alive, 30, "the alive key")
     key = names.stop_order("e", "t", "rollout", 1)
-    t.nr.add(key, StopOrder(f"{socket.gethostname()}:1", 0.0).to_json(), replace=True)
-    time.sleep(1.5)  # three reads of the order at least
+    host, pid, _ = me.split(":")
+    # the same host and pid (a container's own pid namespace repeats them), another nonce
+    t.nr.add(key, StopOrder(f"{host}:{pid}:00000000", 0.0).to_json(), replace=True)
+    time.sleep(1.5)  # three reads of the order
     t.nr.add(key, '{"incarnation": 7}', replace=True)
-    time.sleep(1.5)
+    until(lambda: "ignored a malformed order" in t.said(), 10, "the malformed order's line")
+    time.sleep(1.5)  # read again, not said again
     assert proc.poll() is None and t.alive() == me and t.order() == '{"incarnation": 7}'
-    proc.kill()
-    err = proc.communicate()[1]
-    assert err.count("ignored a malformed order") == 1, err
+    assert t.said().count("ignored a malformed order") == 1, t.said()
 
 
 def test_order_stop_names_the_vouched_incarnation_or_nothing(trial):
     t = trial(ttl=5.0)
     assert order_stop(t.nr, "e", "t", "rollout/1", 3.0) is None and t.order() is None
-    t.nr.add(names.alive("e", "t", "rollout", 1), "node7:4242", replace=True)
-    assert order_stop(t.nr, "e", "t", "rollout/1", 3.0) == "node7:4242"
-    assert StopOrder.from_json(t.order()) == StopOrder("node7:4242", 3.0)
+    t.nr.add(names.alive("e", "t", "rollout", 1), "node7:4242:0a1b2c3d", replace=True)
+    assert order_stop(t.nr, "e", "t", "rollout/1", 3.0) == "node7:4242:0a1b2c3d"
+    assert StopOrder.from_json(t.order()) == StopOrder("node7:4242:0a1b2c3d", 3.0)
 
 
 @pytest.mark.parametrize("text", ['[]', '{"incarnation": "h:1"}', '{"incarnation": "", "grace": 1}',
