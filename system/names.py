@@ -93,14 +93,14 @@ def preempts(exp: str, trial: str) -> str:
 
 
 def alive(exp: str, trial: str, kind: str, index: int) -> str:
-    """``host:pid`` of the worker's process, kept alive with a TTL by the worker's witness
+    """``host:pid:nonce`` of the worker's process, kept alive with a TTL by the worker's witness
     (:mod:`system.launcher.witness`, under Slurm) while that process lives, whether or not it
     heart-beats: the controller reads it for a silent worker whose job runs others too."""
     return f"{exp}/{trial}/alive/{kind}/{index}"
 
 
 def stop_order(exp: str, trial: str, kind: str, index: int) -> str:
-    """JSON ``{"incarnation": "host:pid", "grace": seconds}``, set by the controller to end a
+    """JSON ``{"incarnation": "host:pid:nonce", "grace": seconds}``, set by the controller to end a
     worker's process that shares its Slurm job with others (Slurm cannot stop one task of a
     step): the witness of that incarnation signals it, and deletes the order."""
     return f"{exp}/{trial}/stop/{kind}/{index}"

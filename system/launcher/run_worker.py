@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     index, local_rank = task_identity(args.index)
     boot = Bootstrap.read(bootstrap)
     if boot.scheduler == "slurm":
-        witness.start(boot, args.kind, index)  # before any thread starts
+        witness.start(boot, args.kind, index)  # before the worker's own threads start
     set_process_name(f"{args.kind}/{index}")
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
                         format=f"%(asctime)s {args.kind}/{index} %(levelname)s %(message)s")

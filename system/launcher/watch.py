@@ -112,7 +112,7 @@ class NameWatch:
         return frozenset(w for w in workers if self._live_until.get(w, now) > now)
 
     def alive(self, workers: Collection[str]) -> dict[str, str]:
-        """``{worker: "host:pid"}`` of those of ``workers`` whose witness vouches for their
+        """``{worker: "host:pid:nonce"}`` of those of ``workers`` whose witness vouches for their
         process (:mod:`system.launcher.witness`), read now: asked of silent workers only."""
         keys = {self._key(names.alive, w): w for w in workers}
         return {keys[k]: e.value for k, e in self.nr.read_many(list(keys)).items()} if keys else {}

@@ -6,8 +6,8 @@ scheduler alone the controller can tell neither whether a silent worker of such 
 (a busy machine: judged late, then hung after ``controller.hang_grace``) or died (judged at
 once), nor stop one task of the running step (a hung worker restarted alone would run on beside
 its replacement). The witness does both. :mod:`system.launcher.run_worker` forks it before the
-worker imports anything heavy (no threads yet); it is a process of its own, so a worker that
-holds the interpreter lock, or is stopped, cannot starve it:
+worker starts its own threads; it is a process of its own, so a worker that holds the
+interpreter lock, or is stopped, cannot starve it:
 
 - it keeps ``alive/KIND/INDEX`` = ``host:pid:nonce`` (:func:`system.names.alive`; the nonce
   tells incarnations apart where pids repeat, in a container's own pid namespace) while its
@@ -54,8 +54,8 @@ heartbeat's writes."""
 
 IGNORED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
            signal.SIGUSR2)
-"""Signals Slurm or a terminal sends to every task's process group: the witness outlives its
-parent by at most :data:`POLL` seconds whatever they do to it."""
+"""Signals Slurm or a terminal sends to every task's process group: the witness ends with its
+parent, whatever they do to it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +63,9 @@ class StopOrder:
     """The controller's order to end one incarnation of a worker (``stop/KIND/INDEX``)."""
 
     incarnation: str
-    """``host:pid`` of the process to end, as its witness wrote it in ``alive/KIND/INDEX``: a
-    later incarnation (a restart) is not touched by an order meant for an earlier one."""
+    """``host:pid:nonce`` of the process to end, as its witness wrote it in
+    ``alive/KIND/INDEX``: a later incarnation (a restart) is not touched by an order meant for
+    an earlier one."""
     grace: float
     """Seconds between SIGTERM and SIGKILL."""
 
