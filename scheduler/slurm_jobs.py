@@ -27,10 +27,11 @@ def het_leader(job_id: str) -> str:
     return job_id.split("+")[0]
 
 
-def scontrol_job(job_id: str) -> dict[str, str]:
-    """``scontrol show job`` of ``job_id`` (a heterogeneous job's component: its line)."""
+def scontrol_job(job_id: str, timeout: float = 60) -> dict[str, str]:
+    """``scontrol show job`` of ``job_id`` (a heterogeneous job's component: its line);
+    SchedulerError when scontrol does not answer within ``timeout`` seconds."""
     leader, _, offset = job_id.partition("+")
-    r = _run(["scontrol", "show", "job", "-o", leader])
+    r = _run(["scontrol", "show", "job", "-o", leader], timeout=timeout)
     if r.returncode != 0 or not r.stdout.strip():
         return {}
     lines = [parse_scontrol_job(line) for line in r.stdout.strip().splitlines()]
@@ -51,13 +52,10 @@ def preempting(job_id: str, timeout: float = 3.0) -> bool:
     is requeued only if it still runs when the grace ends. False when scontrol does not say
     within ``timeout`` (no news is not a preemption)."""
     try:
-        r = _run(["scontrol", "show", "job", "-o", het_leader(job_id)], timeout=timeout)
+        when = preempt_time(scontrol_job(job_id, timeout))
     except SchedulerError as e:
         log.warning("%s", e)
         return False
-    if r.returncode != 0 or not r.stdout.strip():
-        return False
-    when = preempt_time(parse_scontrol_job(r.stdout.strip().splitlines()[0]))
     return when is not None and abs(time.time() - when) <= PREEMPT_RECENT
 
 

@@ -3,10 +3,12 @@ job of each RL worker kind in turn (generation, rollout, model, master) gets Slu
 warning (SIGUSR2) and requeues itself; the trial goes on by itself and ends at the same step."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
+from typing import Iterator
 
 import pytest
 
@@ -62,6 +64,27 @@ class _Stderr:
                 for w in line[len("rejoined: "):].split(", ")}
 
 
+@contextlib.contextmanager
+def _rl_trial(slurm_cluster, root: str, trial: str, *args: str
+              ) -> Iterator[tuple[subprocess.Popen, _Stderr]]:
+    """An arith-tiny trial on the test Slurm (``args``: its own overrides), yielded with its
+    stderr once it has trained step 2; the launcher is killed on the way out if it still runs."""
+    trial_root = os.path.join(root, "arith-tiny", trial)
+    proc = subprocess.Popen(launch_argv("exp=arith-tiny", f"trial={trial}",
+                                        f"cluster.fileroot={root}", *args),
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **slurm_cluster.env})
+    err = _Stderr(proc)
+    try:
+        wait_for(lambda: proc.poll() is not None or max(_steps(trial_root), default=0) >= 2,
+                 300, "step 2")
+        assert proc.poll() is None, err.text[-4000:]
+        yield proc, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _preempt(env: dict, kind: str) -> str:
     job = job_of(env, "arith-tiny", "preempt", kind)
     subprocess.run(["scancel", "--signal=USR2", job], check=True, env=env)
@@ -92,16 +115,9 @@ def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_
     # kind to be back (a loaded machine reacts seconds late): a CI run finished 60 steps before
     # the model's preemption landed; 120 leave the margin, at a few seconds' cost
     env = {**os.environ, **slurm_cluster.env}
-    proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=preempt",
-                                        f"cluster.fileroot={root}", f"rl.total_steps={STEPS}",
-                                        *overridden(SLURM, *SMALL, *SLOW_OK),
-                                        "recover.retries=1"),
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    err = _Stderr(proc)
     jobs = {}
-    try:
-        wait_for(lambda: max(_steps(trial_root), default=0) >= 2, 300, "step 2")
+    with _rl_trial(slurm_cluster, root, "preempt", f"rl.total_steps={STEPS}",
+                   *overridden(SLURM, *SMALL, *SLOW_OK), "recover.retries=1") as (proc, err):
         jobs["generation"] = _preempt(env, "generation")
         master_log = os.path.join(trial_root, "logs", "master-0.log")
         wait_for(lambda: "generation server 0 rejoined" in open(master_log).read(), 300,
@@ -115,9 +131,6 @@ def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_
             jobs[kind] = _preempt(env, kind)
             wait_for(lambda n=n: err.count("recovered: ") == n, 300, f"{kind} recovery")
         proc.wait(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, err.text[-4000:]
     s = read_summary(root, "arith-tiny", "preempt")
     assert s["status"] == "completed" and s["steps"] == STEPS
@@ -146,24 +159,13 @@ def test_a_real_preemption_with_a_grace_time_checkpoints_and_requeues(slurm_clus
     root = str(tmp_path / "runs")
     trial_root = os.path.join(root, "arith-tiny", "grace")
     env = {**os.environ, **slurm_cluster.env}
-    proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=grace", f"cluster.fileroot={root}",
-                                        f"rl.total_steps={STEPS}",
-                                        *overridden(SLURM, *SMALL, *SLOW_OK), "recover.retries=1"),
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    err = _Stderr(proc)
-    try:
-        wait_for(lambda: proc.poll() is not None or max(_steps(trial_root), default=0) >= 2,
-                 300, "step 2")
-        assert proc.poll() is None, err.text[-4000:]
+    with _rl_trial(slurm_cluster, root, "grace", f"rl.total_steps={STEPS}",
+                   *overridden(SLURM, *SMALL, *SLOW_OK), "recover.retries=1") as (proc, err):
         jobs = {k: job_of(env, "arith-tiny", "grace", k)
                 for k in ("master", "model", "generation", "rollout")}
         subprocess.run(["sbatch", "-p", "urgent", "--exclusive", "--gres=gpu:4", "-o", "/dev/null",
                         "--wrap", "sleep 2"], capture_output=True, env=env, check=True)
         proc.wait(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, err.text[-4000:]
     s = read_summary(root, "arith-tiny", "grace")
     assert s["status"] == "completed" and s["steps"] == STEPS
@@ -261,20 +263,11 @@ def test_a_hung_rollout_task_is_ended_by_its_witness_and_restarted_alone(slurm_c
     root = str(tmp_path / "runs")
     trial_root = os.path.join(root, "arith-tiny", "hung")
     env = {**os.environ, **slurm_cluster.env}
-    proc = subprocess.Popen(launch_argv("exp=arith-tiny", "trial=hung", f"cluster.fileroot={root}",
-                                        "rl.total_steps=100000",
-                                        *overridden(SLURM, *SMALL, "controller.heartbeat_ttl=4",
-                                                    "controller.hang_grace=6",
-                                                    "scheduler.stop_grace=2"),
-                                        "recover.retries=1"),
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    err = _Stderr(proc)
     log = os.path.join(trial_root, "logs", "rollout-1.log")
-    try:
-        wait_for(lambda: proc.poll() is not None or max(_steps(trial_root), default=0) >= 2,
-                 300, "step 2")
-        assert proc.poll() is None, err.text[-4000:]
+    with _rl_trial(slurm_cluster, root, "hung", "rl.total_steps=100000",
+                   *overridden(SLURM, *SMALL, "controller.heartbeat_ttl=4",
+                               "controller.hang_grace=6", "scheduler.stop_grace=2"),
+                   "recover.retries=1") as (proc, err):
         nr = trial_name_resolve(root, "arith-tiny", "hung")
         vouched = nr.get("arith-tiny/hung/alive/rollout/1")  # host:pid:nonce
         nr.close()
@@ -294,9 +287,6 @@ def test_a_hung_rollout_task_is_ended_by_its_witness_and_restarted_alone(slurm_c
                         "trial=hung", f"cluster.fileroot={root}"], cwd=REPO, env=env,
                        capture_output=True, check=True)
         proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert f"rollout/1: its witness vouches for process {vouched}: ordered to end it" in err.text
     assert "no heartbeat within 4.0s, but its process runs" in err.text
     s = read_summary(root, "arith-tiny", "hung")

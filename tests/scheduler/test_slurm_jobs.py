@@ -44,4 +44,4 @@ def test_preempt_time_is_read_from_scontrol_and_only_a_recent_one_counts(monkeyp
     shown["out"] = f"JobId=7 PreemptTime={old}\n"
     assert not preempting("7")
     shown["out"] = "JobId=7 PreemptTime=None\n"
-    assert not preempting("7+1")  # (a heterogeneous job is asked by its leader)
+    assert not preempting("7+1")  # (a heterogeneous component: its own line, none here)
