@@ -69,6 +69,13 @@ def preempt_time(job: dict[str, str]) -> float | None:
         return None
 
 
+def scontrol_partition(partition: str, timeout: float = 3.0) -> dict[str, str]:
+    """``scontrol show partition`` of ``partition`` (its ``GraceTime``, ``PreemptMode``...);
+    empty when scontrol fails, SchedulerError when it does not answer within ``timeout``."""
+    r = _run(["scontrol", "show", "partition", "-o", partition], timeout=timeout)
+    return parse_scontrol_job(r.stdout) if r.returncode == 0 else {}
+
+
 def queued(ids: list[str], timeout: float) -> dict[str, JobState] | None:
     """``{job id: state}`` of those of ``ids`` still in the queue (pending, running,
     completing); ``None`` when squeue did not answer (no news is not an empty queue)."""

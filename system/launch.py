@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import termios
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
@@ -40,6 +40,7 @@ from system.name_resolve import make_name_resolve
 from system.name_resolve_api import NameResolveBackend, redis_password
 from system.launcher.help import describe
 from system.launcher.overrides import CliArgs, apply_overrides, parse_cli
+from system.launcher.own_preemption import PreemptionWatch
 from system.launcher.self_requeue import (REQUEUE_WAIT, ControllerRequeue,
                                           cancelled_while_requeued, end_records, own_job,
                                           requeue, requeues, restart_count, restart_overrides,
@@ -159,10 +160,13 @@ class StopOnSignal:
     ignored, and so is any that comes while the controller cleans up (it ignores SIGINT
     meanwhile): a signal must not cut that cleanup short and leave workers or jobs behind."""
 
-    def __init__(self, requeue_job: str | None = None) -> None:
+    def __init__(self, requeue_job: str | None = None,
+                 warning: Callable[[], float | None] = lambda: None) -> None:
         self.first: str | None = None
         self.handled: list[signal.Signals] = []
         self.requeue_job = requeue_job
+        self.warning = warning
+        """Seconds the SIGUSR2 leaves (None: the time limit's ``signal_seconds``)."""
 
     def install(self) -> None:
         """Handle each stop signal, except one this process was started ignoring (``nohup``
@@ -186,7 +190,7 @@ class StopOnSignal:
             return
         self.first = name
         if signum == signal.SIGUSR2 and self.requeue_job is not None:
-            raise ControllerRequeue(self.requeue_job)
+            raise ControllerRequeue(self.requeue_job, self.warning())
         raise KeyboardInterrupt(name)
 
 
@@ -388,8 +392,13 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
         return 1
     job = own_job(cfg.exp, cfg.trial)
     requeue_job = job if job is not None and requeues(cfg) else None
-    StopOnSignal(requeue_job).install()
-    code = controller.run()
+    watch = None if requeue_job is None else PreemptionWatch(requeue_job).start()
+    StopOnSignal(requeue_job, watch.seconds_left if watch else lambda: None).install()
+    try:
+        code = controller.run()
+    finally:
+        if watch is not None:
+            watch.close()
     if requeue_job is None or controller.outcome != "requeued":
         return code
     if cancelled_while_requeued(paths):  # (ctl cancel while it stopped the trial)

@@ -118,7 +118,7 @@ class Controller(RecoveringController):
         except KeyboardInterrupt as e:
             summary.interrupted(cancelled=isinstance(e, TrialCancelled))
             if isinstance(e, ControllerRequeue):  # its own job's time limit: requeued next
-                summary.requeued(str(e), self._checkpoint_first())
+                summary.requeued(str(e), self._checkpoint_first(e.seconds))
             print(f"\n{summary.status}: stopping every worker", file=sys.stderr)
         finally:
             old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup must finish

@@ -26,6 +26,7 @@ from system.launcher.pause_watch import PauseWatch
 from system.launcher.recovery import MasterProgress, Paused, Recovery, Requeued
 from system.launcher.self_requeue import checkpoint_first, checkpoint_wait
 from system.launcher.status_file import StatusWriter
+from system.launcher.watch import NameWatch
 from system.launcher.summary import TrialSummary
 from system.launcher.witness import order_stop
 from system.name_resolve import NameResolve
@@ -59,6 +60,7 @@ class RecoveringController:
     timeline: dict[str, float]
     pauses: PauseWatch
     status: StatusWriter
+    names: NameWatch
 
     def _recover_requeued_state(self) -> None:
         """A requeued (preempted) worker that holds training state is not simply let back in:
@@ -225,11 +227,23 @@ class RecoveringController:
                                 f"(controller.stall_timeout; last: {self.watch.progress}); "
                                 f"log: {log_path}", "master/0", log_path)
 
-    def _checkpoint_first(self) -> bool:
-        """The controller's job was warned of its time limit: a checkpoint before every worker
-        stops, if the master is running (see :func:`checkpoint_first`)."""
+    def _checkpoint_first(self, seconds: float | None) -> bool:
+        """The controller's job was warned of its end (its time limit, ``seconds`` None:
+        ``signal_seconds`` ahead; or a preemption's grace, ``seconds`` left): a checkpoint
+        before every worker stops, if the master is running (see :func:`checkpoint_first`)."""
         if "started" not in self.timeline or "master/0" not in self.clients:
             return False
         sched = self.cfg.scheduler
-        return checkpoint_first(self.nr, self.cfg.exp, self.cfg.trial, checkpoint_wait(
-            sched.slurm.signal_seconds, sched.stop_grace))
+        warning = sched.slurm.signal_seconds if seconds is None else seconds
+        return checkpoint_first(self.nr, self.cfg.exp, self.cfg.trial,
+                                checkpoint_wait(warning, sched.stop_grace), self._master_gone)
+
+    def _master_gone(self) -> bool:
+        """The master's process has ended: its witness no longer vouches for it (under Slurm,
+        where every worker has one; a name service that does not answer says nothing)."""
+        if self.cfg.scheduler.type.value != "slurm":
+            return False
+        try:
+            return not self.names.alive(["master/0"])
+        except Exception:  # noqa: BLE001 - no news: keep waiting for the checkpoint
+            return False

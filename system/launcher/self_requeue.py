@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from scheduler.slurm_render import job_name
 from system import names
@@ -37,7 +37,12 @@ REQUEUE_WAIT = 600.0
 
 class ControllerRequeue(KeyboardInterrupt):
     """SIGUSR2 to a detached controller that requeues its own job: stop the trial like Ctrl-C,
-    after a checkpoint."""
+    after a checkpoint. ``str()`` is the job; ``seconds``, those the warning leaves (None:
+    ``scheduler.slurm.signal_seconds``, the time limit's warning)."""
+
+    def __init__(self, job: str, seconds: float | None = None) -> None:
+        super().__init__(job)
+        self.seconds = seconds
 
 
 def own_job(exp: str, trial: str) -> str | None:
@@ -78,10 +83,13 @@ def restart_overrides(overrides: Sequence[str]) -> list[str]:
         f"recover={RecoverMode.RESUME.value}"]
 
 
-def checkpoint_first(nr: NameResolve, exp: str, trial: str, timeout: float) -> bool:
+def checkpoint_first(nr: NameResolve, exp: str, trial: str, timeout: float,
+                     gone: Callable[[], bool] = lambda: False) -> bool:
     """Ask the master for a checkpoint (the ``preempt`` key of ``controller/0``, which it
-    deletes once one is committed) and wait up to ``timeout`` seconds for it. Returns whether
-    it was committed; never raises (the trial stops either way)."""
+    deletes once one is committed) and wait up to ``timeout`` seconds for it, or until
+    ``gone()`` says the master has ended (preempted with this job, it checkpoints and stops by
+    itself, perhaps before it read the request). Returns whether it was committed; never
+    raises (the trial stops either way)."""
     key = names.preempt(exp, trial, "controller", 0)
     try:
         nr.add(key, str(time.time()), replace=True)
@@ -91,18 +99,23 @@ def checkpoint_first(nr: NameResolve, exp: str, trial: str, timeout: float) -> b
                 nr.get(key)
             except NameEntryNotFound:
                 return True
+            if gone():
+                log.warning("the master ended before it answered the checkpoint request")
+                return False
             time.sleep(0.5)
     except Exception as e:  # the name service, say: stop without the checkpoint
         log.warning("could not ask the master for a checkpoint: %s", e)
     return False
 
 
-def checkpoint_wait(signal_seconds: int, stop_grace: float) -> float:
+def checkpoint_wait(signal_seconds: float, stop_grace: float) -> float:
     """How long the warned controller waits for the checkpoint: at most half the warning, and
     no more than what it leaves once stopping every job (``stop_grace``, twice over: workers,
-    then jobs) and a margin are set aside; at least 10 s. The rest is for stopping the jobs
-    and the requeue itself, before Slurm's kill at the limit."""
-    return max(min(signal_seconds / 2, signal_seconds - 2 * stop_grace - 15.0), 10.0)
+    then jobs) and a margin are set aside; at least 10 s, or a third of a warning under 30 s
+    (a preemption's grace time, say). The rest is for stopping the jobs and the requeue
+    itself, before Slurm's kill at the limit."""
+    return max(min(signal_seconds / 2, signal_seconds - 2 * stop_grace - 15.0),
+               min(10.0, signal_seconds / 3))
 
 
 def requeue(job_id: str, timeout: float = 60.0) -> str | None:

@@ -247,6 +247,50 @@ def test_a_detached_controller_at_its_time_limit_requeues_itself(slurm_cluster, 
     wait_for(lambda: squeue(slurm_cluster.env, "arith-tiny", "ctl") == [], 60, "an empty queue")
 
 
+def test_a_preempted_detached_controller_requeues_itself_within_the_grace(slurm_cluster,
+                                                                          tmp_path):
+    """Slurm preempts the whole node (the ``urgent`` job, as above) while a --detach controller
+    runs there. Its batch shell, the controller itself, would get SIGTERM only when the 30 s
+    grace ends, with ``KillWait`` (5 s here) to stop every job: killed midway, it left the
+    worker jobs, requeued meanwhile, to run on until their orphan timeout. It looks at its own
+    job instead, sees it chosen for preemption within seconds, and takes its time-limit path
+    well within the grace: every worker and job stopped, the trial ``requeued``, its own job
+    requeued by itself (not cancelled by the preemption) and alone in the queue. (The trial's
+    continuation from there is the time-limit test's.)"""
+    import re
+
+    from tests.helpers import run_launch
+
+    root = str(tmp_path / "runs")
+    trial_root = os.path.join(root, "arith-tiny", "pre")
+    env = {**os.environ, **slurm_cluster.env}
+    r = run_launch("exp=arith-tiny", "trial=pre", f"cluster.fileroot={root}",
+                   f"rl.total_steps={STEPS}", *overridden(SLURM, *SMALL, *SLOW_OK), "--detach",
+                   env=slurm_cluster.env)
+    assert r.returncode == 0, r.stderr
+    job = re.search(r"as job (\d+)", r.stdout).group(1)
+    try:
+        wait_for(lambda: max(_steps(trial_root), default=0) >= 2, 300, "step 2")
+        subprocess.run(["sbatch", "-p", "urgent", "--exclusive", "--gres=gpu:4", "-o",
+                        "/dev/null", "--wrap", "sleep 2"], capture_output=True, env=env,
+                       check=True)
+        wait_for(lambda: _status(root, "pre") == "requeued", 120, "the requeued summary")
+        wait_for(lambda: squeue(slurm_cluster.env, "arith-tiny", "pre")
+                 == [(job, "arith-tiny_pre:controller", "PENDING")], 60,
+                 "the controller's job alone in the queue")
+        out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                             text=True, env=env).stdout
+        assert "Restarts=1" in out, out
+        with open(os.path.join(trial_root, "logs", "controller.log")) as f:
+            log = f.read()
+    finally:
+        subprocess.run(["scancel", job], env=env)
+    assert f"the controller's job {job} was chosen for preemption (" in log, log[-4000:]
+    assert "DUE TO JOB REQUEUE" in log and "DUE TO PREEMPTION" not in log, log[-4000:]
+    assert read_summary(root, "arith-tiny", "pre")["requeued"]["job"] == job
+    wait_for(lambda: squeue(slurm_cluster.env, "arith-tiny", "pre") == [], 60, "an empty queue")
+
+
 def test_a_hung_rollout_task_is_ended_by_its_witness_and_restarted_alone(slurm_cluster,
                                                                         tmp_path):
     """rollout/1 hangs (SIGSTOP) in the job it shares with rollout/0. Its witness vouches for

@@ -65,6 +65,8 @@ def test_the_checkpoint_wait_leaves_time_to_stop_every_job():
     assert checkpoint_wait(120, 30.0) == 45.0
     assert checkpoint_wait(120, 5.0) == 60.0  # half the warning at most
     assert checkpoint_wait(30, 30.0) == 10.0
+    assert checkpoint_wait(27, 5.0) == 9.0  # a preemption's grace: a third of a short warning
+    assert checkpoint_wait(6, 5.0) == 2.0
 
 
 def test_checkpoint_first_waits_for_the_master_to_delete_its_key(tmp_path):
@@ -88,6 +90,9 @@ def test_checkpoint_first_waits_for_the_master_to_delete_its_key(tmp_path):
     t0 = time.monotonic()  # nobody deletes it: given up after the timeout, the key left
     assert not checkpoint_first(nr, "e", "t", timeout=0.6)
     assert 0.5 < time.monotonic() - t0 < 5.0 and nr.get(key)
+    t0 = time.monotonic()  # the master ended (preempted itself): not waited for
+    assert not checkpoint_first(nr, "e", "t", timeout=30.0, gone=lambda: True)
+    assert time.monotonic() - t0 < 5.0
 
 
 def test_a_refused_requeue_rewrites_the_records(tmp_path):
@@ -134,7 +139,11 @@ def test_sigusr2_raises_controller_requeue_only_for_a_requeuing_controller():
         StopOnSignal("41").install()
         with pytest.raises(ControllerRequeue) as e:
             signal.raise_signal(signal.SIGUSR2)
-        assert str(e.value) == "41"
+        assert str(e.value) == "41" and e.value.seconds is None  # (signal_seconds)
+        StopOnSignal("41", lambda: 17.0).install()  # the grace a preemption leaves
+        with pytest.raises(ControllerRequeue) as e:
+            signal.raise_signal(signal.SIGUSR2)
+        assert str(e.value) == "41" and e.value.seconds == 17.0
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
