@@ -145,15 +145,18 @@ class TrajectoryBuffer:
 
     def __init__(self, max_head_offpolicyness: int) -> None:
         self.eta = max_head_offpolicyness
-        self._items: list[tuple[int, int, object]] = []  # (version, arrival, item)
+        self._items: list[tuple[int, int, object]] = []  # (version, order, item)
         self._arrivals = 0
         self.dropped = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, item: object, version: int) -> None:
-        self._items.append((version, self._arrivals, item))
+    def put(self, item: object, version: int, order: int | None = None) -> None:
+        """Buffer ``item``, produced by weight version ``version``. Within one version, items
+        are taken by ``order`` (the task's sequence number: a batch then does not depend on
+        which rollout finished first; None: by arrival)."""
+        self._items.append((version, self._arrivals if order is None else order, item))
         self._arrivals += 1
 
     def drop_stale(self, current_version: int) -> list[object]:
@@ -169,8 +172,9 @@ class TrajectoryBuffer:
         return [(item, v) for v, _, item in self._items]
 
     def take(self, n: int, current_version: int) -> list[tuple[object, int]] | None:
-        """``n`` trajectories (with their versions), oldest version first, once ``n`` admissible
-        ones are buffered; else ``None``. Call :meth:`drop_stale` first."""
+        """``n`` trajectories (with their versions), oldest version first (then by order),
+        once ``n`` admissible ones are buffered; else ``None``. Call :meth:`drop_stale`
+        first."""
         if any(current_version - v > self.eta for v, _, _ in self._items):
             raise RuntimeError("stale trajectories in the buffer: call drop_stale first")
         if len(self._items) < n:

@@ -14,11 +14,18 @@ output (which gets log-prob 0 and version -1 and is not trained on).
 
 ``kind=openai`` runs an agent function written against the OpenAI API instead
 (``rl.agent.function``; :mod:`experiments.rl.openai_agent`).
+
+Training rollouts are seeded: the rollout worker gives each task a seed of its own
+(:func:`task_seed`, from ``rl.seed`` and the task's sequence number), and every request of its
+episodes samples with a seed derived from it (:func:`request_seed`), so the same task samples
+the same tokens from the same weights, whichever worker or server runs it and whatever it
+shares the server's batch with.
 """
 from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
 import operator
 from typing import Any, Generator, Sequence
 
@@ -34,6 +41,21 @@ AGENT_KINDS = ("single", "calculator", "openai")
 BUILTIN_FUNCTIONS = ("calculator",)
 """Agent functions ``rl.agent.function`` names without a plugin (see
 :data:`experiments.rl.openai_agent.FUNCTIONS`)."""
+
+
+def task_seed(seed: int, seq: int) -> int:
+    """The base sampling seed of task ``seq`` in a run seeded ``seed`` (pure): 62 bits of a
+    hash, so that two tasks' seeds do not meet (their requests add small offsets to it)."""
+    digest = hashlib.blake2b(f"{seed}:{seq}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2
+
+
+def request_seed(base: int | None, episode: int, turn: int, turns: int = 1) -> int | None:
+    """The seed of turn ``turn`` (of at most ``turns``) of episode ``episode`` of a task seeded
+    ``base`` (pure; None: unseeded). The server samples sample ``i`` of a request with
+    ``seed + i``: one request of ``n`` samples (one episode) takes ``base`` .. ``base + n - 1``,
+    and one-sample requests ``base + episode * turns + turn``."""
+    return None if base is None else base + episode * turns + turn
 
 
 @dataclasses.dataclass
@@ -111,16 +133,22 @@ class SingleTurnAgent:
     def __init__(self, cfg: AgentConfig, tokenizer: Any = None) -> None:
         self.cfg = cfg
 
-    def sampling(self, greedy: bool = False) -> SamplingParams:
-        return {"max_tokens": self.cfg.max_new_tokens,
-                "temperature": 0.0 if greedy else self.cfg.temperature,
-                "top_p": 1.0 if greedy else self.cfg.top_p}
+    def sampling(self, greedy: bool = False, seed: int | None = None) -> SamplingParams:
+        params: SamplingParams = {"max_tokens": self.cfg.max_new_tokens,
+                                  "temperature": 0.0 if greedy else self.cfg.temperature,
+                                  "top_p": 1.0 if greedy else self.cfg.top_p}
+        if seed is not None and not greedy:
+            params["seed"] = seed
+        return params
 
-    def episodes(self, prompt: list[int], n: int, greedy: bool = False) -> list[Episode]:
-        return [self._one(prompt, n, greedy)]
+    def episodes(self, prompt: list[int], n: int, greedy: bool = False,
+                 seed: int | None = None) -> list[Episode]:
+        """The episodes of one task: ``n`` trajectories of ``prompt``, sampled from ``seed``
+        (the task's :func:`task_seed`; None: the server's random stream)."""
+        return [self._one(prompt, n, greedy, seed)]
 
-    def _one(self, prompt: list[int], n: int, greedy: bool) -> Episode:
-        samples = yield GenRequest(prompt, n, self.sampling(greedy))
+    def _one(self, prompt: list[int], n: int, greedy: bool, seed: int | None) -> Episode:
+        samples = yield GenRequest(prompt, n, self.sampling(greedy, request_seed(seed, 0, 0)))
         return [_traj(prompt, [(s["tokens"], s["logprobs"], s["versions"], 1)], s["finish"])
                 for s in samples]
 
@@ -172,18 +200,21 @@ class CalculatorAgent(SingleTurnAgent):
             raise ConfigError(f"the calculator agent needs {self.CLOSE!r} to be one token")
         self.close_id = close[0]
 
-    def episodes(self, prompt: list[int], n: int, greedy: bool = False) -> list[Episode]:
-        return [self._episode(prompt, greedy) for _ in range(n)]
+    def episodes(self, prompt: list[int], n: int, greedy: bool = False,
+                 seed: int | None = None) -> list[Episode]:
+        return [self._episode(prompt, greedy, seed, e) for e in range(n)]
 
-    def _episode(self, prompt: list[int], greedy: bool) -> Episode:
+    def _episode(self, prompt: list[int], greedy: bool, seed: int | None,
+                 episode: int) -> Episode:
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] = []
         used, finish = 0, "length"
-        for _ in range(self.cfg.max_turns):
+        for turn in range(self.cfg.max_turns):
             left = self.cfg.max_new_tokens - used
             if left <= 0:
                 break
-            sampling = {**self.sampling(greedy), "max_tokens": left,
-                        "stop_token_ids": [self.close_id]}
+            own = request_seed(seed, episode, turn, self.cfg.max_turns)
+            sampling: SamplingParams = {**self.sampling(greedy, own), "max_tokens": left,
+                                        "stop_token_ids": [self.close_id]}
             ids = list(prompt) + [int(t) for p in parts for t in p[0]]
             s = (yield GenRequest(ids, 1, sampling))[0]
             parts.append((s["tokens"], s["logprobs"], s["versions"], 1))

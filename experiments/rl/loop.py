@@ -75,7 +75,7 @@ class RLLoop:
             self.state.max_staleness = 0
         self.state.staleness_bound = rl.eta
         for item, version in self.state.buffer:
-            self.buffer.put(item, version)
+            self.buffer.put(item, version, int(item.group["seq"]))
         self.admission.restore(self.state.step, self.state.consumed, len(self.state.buffer))
         cursor = PromptCursor([p["id"] for p in dataset(rl.task, "train")], rl.seed)
         if self.state.cursor:
@@ -270,7 +270,7 @@ class RLLoop:
             # before it is buffered: a checkpoint (which saves the buffer) never holds it
             check_behaviour_logprobs(msg["trajs"], self.state.step + 1)
             self.buffer.put(Admitted(msg, task["epoch"]),
-                            group_version(msg["trajs"], task["version"]))
+                            group_version(msg["trajs"], task["version"]), int(msg["seq"]))
 
     def skip_prompt(self, seq: int, prompt_id: int, why: str) -> None:
         """Task ``seq``'s prompt ``prompt_id`` cannot be served (its request was refused: it

@@ -401,3 +401,25 @@ def test_workers_lost_together_draw_one_stateful_recovery(fileroot):
     assert alone == ["rollout/0", "rollout/1"], s["recoveries"]
     assert "attempt 2 of" not in err, err[-3000:]
     assert trial_processes(root) == []
+
+
+REPRODUCED = ("reward", "completion_len", "gen_tokens", "loss", "grad_norm", "clip_fraction",
+              "versions", "cut_samples")
+"""The figures of a step that depend on what was sampled and trained, not on timing."""
+
+
+def test_a_sync_run_trains_the_same_again_with_the_same_seed(fileroot):
+    """Every task samples from seeds of its own (``rl.seed`` and its sequence number) and a
+    batch is taken in task order, not as rollouts finished: a sync trial run again with the
+    same seed samples and trains the same, step for step, to the last bit of its figures
+    (before, two such runs parted at step 2: the servers' random streams follow the order
+    requests come in)."""
+    rows = []
+    for trial in ("same-a", "same-b"):
+        r = run_launch("exp=arith-tiny", f"trial={trial}", f"cluster.fileroot={fileroot}",
+                       "rl.mode=sync", "rl.total_steps=5", *SMALL, NO_SPARES, timeout=400)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows.append([{k: row.get(k) for k in REPRODUCED}
+                     for row in _metrics(os.path.join(fileroot, "arith-tiny", trial))
+                     if row["step"] > 0])
+    assert len(rows[0]) == 5 and rows[0] == rows[1], rows

@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any, NamedTuple
 
-from experiments.rl.agents import Episode, make_agent
+from experiments.rl.agents import Episode, make_agent, task_seed
 from experiments.rl.common import encode_prompt, load_tokenizer, model_path, rl_config
 from experiments.rl.config import RLConfig
 from experiments.rl.episodes import run_episodes, score, unservable
@@ -207,7 +207,8 @@ class _Rollouts:
             if pid not in self.encoded:
                 self.encoded[pid] = encode_prompt(self.tok, self.prompts[pid]["prompt"],
                                                   self.task.chat)
-            for ep in self.agent.episodes(self.encoded[pid], self.rl.group_size):
+            seed = task_seed(self.rl.seed, int(t["seq"]))
+            for ep in self.agent.episodes(self.encoded[pid], self.rl.group_size, seed=seed):
                 episodes.append((ep, t["server"]))
                 owner.append(k)
         try:

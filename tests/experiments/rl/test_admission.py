@@ -60,6 +60,15 @@ def test_buffer_serves_oldest_first_and_drops_stale():
     assert buf.take(2, 3) is None and len(buf) == 1
 
 
+def test_within_a_version_the_buffer_serves_by_task_order_not_arrival():
+    """Rollouts finish in any order: a batch made of the same tasks is the same batch (what a
+    seeded sync run needs to train the same)."""
+    buf = TrajectoryBuffer(0)
+    for item, seq in [("t7", 7), ("t5", 5), ("t6", 6), ("t4", 4)]:  # as they came back
+        buf.put(item, 2, seq)
+    assert buf.take(3, 2) == [("t4", 2), ("t5", 2), ("t6", 2)]
+
+
 def test_rejected_rollouts_give_their_slot_back():
     ctl = AdmissionController(AdmissionConfig(2, 0))
     a, b = ctl.try_admit(), ctl.try_admit()

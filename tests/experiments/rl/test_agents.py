@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.rl.agents import AgentConfig, CalculatorAgent, SingleTurnAgent, calculate
+from experiments.rl.agents import (AgentConfig, CalculatorAgent, SingleTurnAgent, calculate,
+                                   request_seed, task_seed)
 from tests.helpers import CharTok
 
 
@@ -83,3 +84,22 @@ def test_training_samples_at_a_temperature_and_evaluation_greedily():
             next(agent.episodes([1, 2], 1)[0])
         assert (greedy.sampling["temperature"], greedy.sampling["top_p"]) == (0.0, 1.0)
         assert (train.sampling["temperature"], train.sampling["top_p"]) == (0.7, 0.9)
+
+
+def test_each_task_samples_from_seeds_of_its_own():
+    """A task's seed comes from the run's seed and the task's number alone (not which worker
+    or server runs it); a single-turn group of n samples takes base .. base+n-1 (the server
+    adds the sample's index), a calculator's episodes one seed per turn, none shared."""
+    base = task_seed(1, 7)
+    assert base == task_seed(1, 7) and 0 <= base < 1 << 62
+    assert len({task_seed(s, q) for s in (1, 2) for q in range(1000)}) == 2000
+    (ep,) = SingleTurnAgent(AgentConfig()).episodes([1, 2], 4, seed=base)
+    assert next(ep).sampling["seed"] == base
+    assert "seed" not in next(SingleTurnAgent(AgentConfig()).episodes([1, 2], 4)[0]).sampling
+    greedy = next(SingleTurnAgent(AgentConfig()).episodes([1, 2], 1, greedy=True, seed=base)[0])
+    assert "seed" not in greedy.sampling  # (greedy: nothing drawn)
+    seeds = {request_seed(base, e, t, 4) for e in range(8) for t in range(4)}
+    assert seeds == set(range(base, base + 32)) and request_seed(None, 1, 2, 4) is None
+    agent = CalculatorAgent(AgentConfig(kind="calculator", max_turns=3), CharTok())
+    firsts = [next(ep).sampling["seed"] for ep in agent.episodes([1, 2], 3, seed=base)]
+    assert firsts == [base, base + 3, base + 6]
