@@ -7,6 +7,8 @@ Prints ``name: value`` lines:
 - generation_ratio: generated tokens/s through our serving path (a rollout-worker process ->
   authenticated RPC -> the generation server's engine loop -> vLLM, with per-token log-probs and
   versions) / raw ``vllm.LLM.generate`` on the same engine, prompts and sampling (target >= 0.85)
+- seeded_ratio: raw vLLM tokens/s with a sampling seed per request (as the RL loop's training
+  rollouts send) / without (one shared random stream); same engine and prompts
 - train_ratio: tokens/s of our train step (the torch engine, dp=1, the GRPO/PPO actor loss) / a
   plain single-process transformers + AdamW loop with the same loss on the same batches
   (target >= 0.85)
@@ -83,10 +85,14 @@ def generation(rounds: int = 3) -> dict[str, float]:
     serve = threading.Thread(target=server.serve_forever, args=(stop,), daemon=True)
     serve.start()
 
-    def raw() -> float:
+    seeded = [SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
+                             detokenize=False, seed=1000 * i) for i in range(len(prompts))]
+
+    def raw(per_prompt: list | None = None) -> float:
+        """``per_prompt``: a seed of its own per request, as the RL loop's rollouts send."""
         t0 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                            use_tqdm=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                            per_prompt or params, use_tqdm=False)
         return sum(len(o.token_ids) for r in outs for o in r.outputs) / (time.perf_counter() - t0)
 
     ctx = mp.get_context("spawn")
@@ -113,6 +119,10 @@ def generation(rounds: int = 3) -> dict[str, float]:
     for _ in range(rounds):  # interleaved
         r_raw.append(raw())
         r_ours.append(ours())
+    r_plain, r_seeded = [], []
+    for _ in range(2 * rounds):  # (apart: in the loop above it changed the others' figures)
+        r_plain.append(raw())
+        r_seeded.append(raw(seeded))
     stop.set()
     serve.join()
     server.close()
@@ -121,7 +131,8 @@ def generation(rounds: int = 3) -> dict[str, float]:
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     return {"generation_ratio": med(r_ours) / med(r_raw),
             "generation_tokens_per_s_ours": med(r_ours),
-            "generation_tokens_per_s_raw_vllm": med(r_raw)}
+            "generation_tokens_per_s_raw_vllm": med(r_raw),
+            "seeded_ratio": med(r_seeded) / med(r_plain)}
 
 
 # --- training ----------------------------------------------------------------------------------
