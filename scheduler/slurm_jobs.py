@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import getpass
 import logging
+import os
 import time
 
 from scheduler.base import JobState
@@ -190,6 +191,17 @@ def parse_named(out: str) -> list[NamedJob]:
         if len(parts) == 4 and parts[0]:
             jobs.append(NamedJob(parts[0], parts[1].split(" ")[0], parts[2], parts[3]))
     return jobs
+
+
+def stdout_under(stdout: str, root: str) -> bool:
+    """Whether a job's ``StdOut`` (:attr:`NamedJob.stdout`) lies under the directory ``root``
+    (pure): as Slurm expands it, or as the pattern the job scripts write (``%`` doubled,
+    :func:`scheduler.slurm_render.slurm_literal`). A relative or empty one never does."""
+    if not os.path.isabs(stdout) or not os.path.isabs(root):
+        return False
+    path = os.path.normpath(stdout)
+    return any(path.startswith(os.path.join(os.path.normpath(r), "")) for r in
+               {root, root.replace("%", "%%")})
 
 
 def named_jobs(name: str | None, timeout: float) -> list[NamedJob] | None:

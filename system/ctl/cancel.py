@@ -21,11 +21,11 @@ import os
 import signal
 import socket
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Sequence
 
+from scheduler.slurm_jobs import NamedJob, stdout_under
 from system.ctl import output, procs, slurm_query
 from system.ctl.live import request_cancel
-from system.ctl.slurm_query import QueuedJob
 from system.ctl.trial_state import TrialView, read_trial
 from system.launcher.status_file import FINAL_STATES
 from system.launcher.trial_dir import now_iso, write_json_atomic
@@ -86,19 +86,19 @@ def _wait_controller(view: TrialView, t0: float, grace: float, signalled: bool) 
         time.sleep(0.25)
 
 
-def named_here(jobs: Mapping[str, QueuedJob], exp: str, trial: str,
+def named_here(jobs: Sequence[NamedJob], exp: str, trial: str,
                roots: Iterable[str]) -> list[str]:
     """Those of ``jobs`` (this user's queue) named ``<exp>_<trial>:*`` whose output lies under
     one of ``roots`` (the trial directory, as written and resolved), pure: another trial of the
     same name under another file root writes elsewhere, and is not this trial's."""
     prefix = f"{exp}_{trial}:"
-    named = {job_id for job_id, q in jobs.items() if q.name.startswith(prefix)}
-    here = {job_id for job_id in named
-            if any(slurm_query.stdout_under(jobs[job_id].stdout, r) for r in roots)}
+    named = [j for j in jobs if j.name.startswith(prefix)]
+    here = {j.job_id for j in named if any(stdout_under(j.stdout, r) for r in roots)}
     # a heterogeneous job's components go with the one that names its output (component 0
     # alone has --output in the script: the others may show none)
     leaders = {job_id.split("+")[0] for job_id in here if "+" in job_id}
-    return sorted(here | {j for j in named if "+" in j and j.split("+")[0] in leaders})
+    return sorted(here | {j.job_id for j in named
+                          if "+" in j.job_id and j.job_id.split("+")[0] in leaders})
 
 
 def _trial_jobs(view: TrialView) -> list[str]:
@@ -108,7 +108,7 @@ def _trial_jobs(view: TrialView) -> list[str]:
     ids.add(view.controller_job())
     queued = set(slurm_query.queue(sorted(i for i in ids if i)) or {})
     roots = {view.paths.root, os.path.realpath(view.paths.root)}
-    queued.update(named_here(slurm_query.mine() or {}, view.exp, view.trial, roots))
+    queued.update(named_here(slurm_query.mine() or [], view.exp, view.trial, roots))
     return sorted(queued)
 
 

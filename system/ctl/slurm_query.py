@@ -4,10 +4,10 @@ is "no answer" (None), never an empty queue."""
 from __future__ import annotations
 
 import dataclasses
-import getpass
-import os
 import subprocess
 from typing import Sequence
+
+from scheduler.slurm_jobs import NamedJob, named_jobs
 
 TIMEOUT = 30.0
 """Seconds one squeue or scancel may take."""
@@ -29,10 +29,6 @@ class QueuedJob:
     """Why it is pending (``Resources``, ``Priority``, ``BeginTime``, ...); empty otherwise."""
     node: str
     name: str
-    stdout: str = ""
-    """Where the job's batch output goes (``squeue -O StdOut``): Slurm 22.05 prints the
-    ``--output`` pattern as given (``%%`` for a literal ``%``), later versions expand it; empty
-    where the query did not ask for it."""
 
     @property
     def active(self) -> bool:
@@ -40,10 +36,6 @@ class QueuedJob:
 
 
 FORMAT = "%i|%T|%r|%N|%j"
-LONG_FORMAT = "JobArrayID:0|,State:0|,Reason:0|,NodeList:0|,Name:0|,StdOut:0"
-""":data:`FORMAT` and the job's ``StdOut`` last (it may hold ``|``), for ``squeue -O``
-(``JobArrayID`` writes a heterogeneous job's component ``12+1`` as ``%i`` does; ``JobID``
-would write its own id). Each field is as wide as it needs (``:0``), ended by ``|``."""
 
 
 def _run(argv: Sequence[str]) -> subprocess.CompletedProcess | None:
@@ -54,27 +46,15 @@ def _run(argv: Sequence[str]) -> subprocess.CompletedProcess | None:
 
 
 def _parse(out: str) -> dict[str, QueuedJob]:
-    """Lines of :data:`FORMAT`, or of :data:`LONG_FORMAT` (a sixth field: ``StdOut``)."""
+    """Lines of :data:`FORMAT`."""
     jobs = {}
     for line in out.splitlines():
-        parts = line.strip().split("|", 5)
-        if len(parts) >= 5 and parts[0]:
-            job_id, state, reason, node, name = parts[:5]
+        parts = line.strip().split("|", 4)
+        if len(parts) == 5 and parts[0]:
+            job_id, state, reason, node, name = parts
             reason = reason if state == "PENDING" and reason not in ("None", "(null)") else ""
-            stdout = parts[5] if len(parts) == 6 else ""
-            jobs[job_id] = QueuedJob(job_id, state.split(" ")[0], reason, node, name, stdout)
+            jobs[job_id] = QueuedJob(job_id, state.split(" ")[0], reason, node, name)
     return jobs
-
-
-def stdout_under(stdout: str, root: str) -> bool:
-    """Whether a job's ``StdOut`` (:attr:`QueuedJob.stdout`) lies under the directory ``root``
-    (pure): as Slurm expands it, or as the pattern the job scripts write (``%`` doubled,
-    :func:`scheduler.slurm_render.slurm_literal`). A relative or empty one never does."""
-    if not os.path.isabs(stdout) or not os.path.isabs(root):
-        return False
-    path = os.path.normpath(stdout)
-    return any(path.startswith(os.path.join(os.path.normpath(r), "")) for r in
-               {root, root.replace("%", "%%")})
 
 
 def queue(ids: Sequence[str], all_states: bool = False) -> dict[str, QueuedJob] | None:
@@ -103,13 +83,11 @@ def queue(ids: Sequence[str], all_states: bool = False) -> dict[str, QueuedJob] 
     return {j: q for j, q in found.items() if all_states or q.active}
 
 
-def mine() -> dict[str, QueuedJob] | None:
-    """This user's queued jobs, with where each writes its output; None when squeue did not
-    answer."""
-    r = _run(["squeue", "-h", "-u", getpass.getuser(), "-O", LONG_FORMAT])
-    if r is None or r.returncode != 0:
-        return None
-    return {j: q for j, q in _parse(r.stdout).items() if q.active}
+def mine() -> list[NamedJob] | None:
+    """This user's queued jobs, with where each writes its output (``squeue -O``, parsed where
+    the launcher parses it); None when squeue did not answer."""
+    jobs = named_jobs(None, TIMEOUT)
+    return None if jobs is None else [j for j in jobs if j.state in ACTIVE]
 
 
 def scancel(ids: Sequence[str], *flags: str) -> bool:
