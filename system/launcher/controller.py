@@ -117,7 +117,7 @@ class Controller(RecoveringController):
             print(f"\nerror: {failure}", file=sys.stderr)
         except KeyboardInterrupt as e:
             summary.interrupted(cancelled=isinstance(e, TrialCancelled))
-            if isinstance(e, ControllerRequeue):  # its own job's time limit: requeued next
+            if isinstance(e, ControllerRequeue):  # its job's time limit or preemption
                 summary.requeued(str(e), self._checkpoint_first(e.seconds))
             print(f"\n{summary.status}: stopping every worker", file=sys.stderr)
         finally:

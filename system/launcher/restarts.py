@@ -26,8 +26,8 @@ from system.launcher.pause_watch import PauseWatch
 from system.launcher.recovery import MasterProgress, Paused, Recovery, Requeued
 from system.launcher.self_requeue import checkpoint_first, checkpoint_wait
 from system.launcher.status_file import StatusWriter
-from system.launcher.watch import NameWatch
 from system.launcher.summary import TrialSummary
+from system.launcher.watch import NameWatch
 from system.launcher.witness import order_stop
 from system.name_resolve import NameResolve
 from system.paths import TrialPaths

@@ -8,7 +8,8 @@ the same warning), stops every worker and job, and requeues its own job; once Sl
 job again, the launch continues the trial from the checkpoint. A training run started with
 ``recover=off`` continues with ``recover=resume``: the checkpoints are this run's own. Other
 trials' controller jobs get no warning and no requeue: SIGTERM at the limit stops them, with
-Slurm's ``KillWait`` to stop their jobs.
+Slurm's ``KillWait`` to stop their jobs. A requeuing controller whose job is chosen for
+preemption sends itself the same SIGUSR2 (:mod:`system.launcher.own_preemption`).
 """
 from __future__ import annotations
 
