@@ -1,6 +1,6 @@
 """Operate trials from any shell: list them, inspect one, cancel it, read its logs.
 
-    python -m system.ctl ls [--fileroot DIR]
+    python -m system.ctl ls [--fileroot DIR | cluster.fileroot=DIR]
     python -m system.ctl status exp=smoke trial=t1 [cluster.fileroot=DIR] [--json]
     python -m system.ctl cancel exp=smoke trial=t1 [cluster.fileroot=DIR] [--grace S]
     python -m system.ctl logs exp=smoke trial=t1 [rollout:1] [-f] [-n LINES]
@@ -46,8 +46,11 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p_ls = sub.add_parser("ls", help="every trial under a file root: state, step, age, scheduler")
-    p_ls.add_argument("--fileroot", default=ExperimentConfig().cluster.fileroot,
-                      help="the trials' cluster.fileroot (default: %(default)s)")
+    p_ls.add_argument("--fileroot", default=None,
+                      help="the trials' cluster.fileroot (default: "
+                           f"{ExperimentConfig().cluster.fileroot})")
+    p_ls.add_argument("words", nargs="*", metavar="cluster.fileroot=DIR",
+                      help="the same, as the launcher and the other commands take it")
     p_st = sub.add_parser("status", help="one trial: jobs, live workers, progress, last error, "
                                          "logs; exit 0 while it is live")
     p_st.add_argument("words", nargs="+", metavar="KEY=VALUE", help=TRIAL_HELP)
@@ -68,9 +71,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def ls_fileroot(flag: str | None, words: list[str]) -> str:
+    """The file root ``ls`` lists: ``--fileroot DIR`` or the word ``cluster.fileroot=DIR``
+    (one of them; ConfigError naming anything else), else the launcher's default."""
+    roots = [w.partition("=")[2] for w in words if w.partition("=")[0] == "cluster.fileroot"]
+    other = [w for w in words if w.partition("=")[0] != "cluster.fileroot"]
+    if other:
+        raise ConfigError(f"unexpected argument(s) {other}: ls takes only --fileroot DIR or "
+                          "cluster.fileroot=DIR")
+    if len(roots) + (flag is not None) > 1:
+        raise ConfigError("give the file root once: --fileroot DIR or cluster.fileroot=DIR")
+    if flag is not None:
+        return flag
+    return roots[0] if roots else ExperimentConfig().cluster.fileroot
+
+
 def dispatch(args: argparse.Namespace) -> int:
     if args.command == "ls":
-        return ls.run(args.fileroot)
+        return ls.run(ls_fileroot(args.fileroot, args.words))
     keys, rest = split_words(args.words)
     if rest and args.command != "logs" or len(rest) > 1:
         raise ConfigError(f"unexpected argument(s) {rest}: give {TRIAL_HELP}")

@@ -178,3 +178,26 @@ def test_a_reader_that_has_gone_is_no_error(fileroot, buffered):
                        (["logs", *words], 0), (["--help"], 0)):
         r = _ctl_to_a_closed_pipe(buffered, *args)
         assert (r.returncode, r.stderr) == (code, ""), args
+
+
+def test_ls_takes_the_file_root_as_the_other_commands_do(tmp_path, capsys):
+    """``ls cluster.fileroot=DIR`` (the word the launcher, status, cancel and logs take) lists
+    the same trials as ``ls --fileroot DIR``; anything else, or the root given twice, is a usage
+    error naming what ls takes."""
+    from system.ctl.__main__ import ls_fileroot
+
+    root = str(tmp_path / "runs")
+    os.makedirs(os.path.join(root, "smoke", "t1"))
+    with open(os.path.join(root, "smoke", "t1", "status.json"), "w") as f:
+        json.dump({"state": "completed"}, f)
+    assert main(["ls", f"cluster.fileroot={root}"]) == 0
+    by_word = capsys.readouterr().out
+    assert main(["ls", "--fileroot", root]) == 0
+    assert capsys.readouterr().out == by_word and "smoke/t1" in by_word
+    assert ls_fileroot(None, []) == "./runs"
+    with pytest.raises(ConfigError, match=r"unexpected argument\(s\) \['exp=smoke'\]: ls takes "
+                                          r"only --fileroot DIR or cluster.fileroot=DIR"):
+        ls_fileroot(None, ["exp=smoke"])
+    with pytest.raises(ConfigError, match="give the file root once"):
+        ls_fileroot(root, [f"cluster.fileroot={root}"])
+    assert main(["ls", "exp=smoke"]) == 2
