@@ -63,9 +63,14 @@ def preempting(job_id: str, timeout: float = 3.0) -> bool:
 def preempt_time(job: dict[str, str]) -> float | None:
     """The unix time of a job's ``PreemptTime`` (``scontrol show job``, local time), or None
     (``None``, ``Unknown``, absent: never chosen for preemption) (pure but for the zone)."""
-    raw = job.get("PreemptTime", "None")
+    return job_time(job, "PreemptTime")
+
+
+def job_time(job: dict[str, str], key: str) -> float | None:
+    """The unix time of a time field of ``scontrol show job`` (``StartTime``, ``EndTime``...,
+    local time), or None (``None``, ``Unknown``, absent) (pure but for the zone)."""
     try:
-        return time.mktime(time.strptime(raw, "%Y-%m-%dT%H:%M:%S"))
+        return time.mktime(time.strptime(job.get(key, "None"), "%Y-%m-%dT%H:%M:%S"))
     except ValueError:
         return None
 

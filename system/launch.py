@@ -166,7 +166,7 @@ class StopOnSignal:
         self.handled: list[signal.Signals] = []
         self.requeue_job = requeue_job
         self.warning = warning
-        """Seconds the SIGUSR2 leaves (None: the time limit's ``signal_seconds``)."""
+        """Seconds before Slurm ends the requeuing controller's job (None: unknown)."""
 
     def install(self) -> None:
         """Handle each stop signal, except one this process was started ignoring (``nohup``
@@ -190,7 +190,7 @@ class StopOnSignal:
             return
         self.first = name
         if signum == signal.SIGUSR2 and self.requeue_job is not None:
-            raise ControllerRequeue(self.requeue_job, self.warning())
+            raise ControllerRequeue(self.requeue_job, self.warning)
         raise KeyboardInterrupt(name)
 
 
@@ -392,11 +392,15 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
         return 1
     job = own_job(cfg.exp, cfg.trial)
     requeue_job = job if job is not None and requeues(cfg) else None
-    watch = None if requeue_job is None else PreemptionWatch(requeue_job).start()
-    StopOnSignal(requeue_job, watch.seconds_left if watch else lambda: None).install()
+    watch = None if requeue_job is None else PreemptionWatch(requeue_job)
+    stop = StopOnSignal(requeue_job, watch.seconds_left if watch else lambda: None)
+    stop.install()
+    if watch is not None:
+        watch.start()
     try:
         code = controller.run()
     finally:
+        stop.first = stop.first or "the end"  # (a signal after run() is ignored, as within)
         if watch is not None:
             watch.close()
     if requeue_job is None or controller.outcome != "requeued":

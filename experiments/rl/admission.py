@@ -119,9 +119,16 @@ class AdmissionController:
                 raise RuntimeError(f"version went back from {self._version} to {version}")
             self._version = version
 
-    def restore(self, version: int, consumed: int, buffered: int) -> None:
+    @property
+    def issued(self) -> int:
+        """Tickets handed out: the next one's sequence number."""
+        with self._lock:
+            return self._issued
+
+    def restore(self, version: int, consumed: int, buffered: int, issued: int = 0) -> None:
         """Resume: ``consumed`` trajectories trained so far, ``buffered`` restored into the
-        buffer, nothing in flight.
+        buffer, nothing in flight, ``issued`` tickets handed out before (their sequence numbers
+        are not given again).
 
         ``consumed`` is kept as it is (the dataset position), but the steps before ``version``
         may have run with another batch size, so the bound counts them as ``version`` steps of
@@ -132,6 +139,7 @@ class AdmissionController:
             self._version, self._consumed = version, consumed
             self._accepted, self._running = consumed + buffered, 0
             self._uncounted = consumed - version * self.cfg.batch_size
+            self._issued = max(issued, 0)
 
     def outstanding(self) -> int:
         """In flight plus buffered (accepted, not yet consumed)."""

@@ -76,7 +76,8 @@ class RLLoop:
         self.state.staleness_bound = rl.eta
         for item, version in self.state.buffer:
             self.buffer.put(item, version, int(item.group["seq"]))
-        self.admission.restore(self.state.step, self.state.consumed, len(self.state.buffer))
+        self.admission.restore(self.state.step, self.state.consumed, len(self.state.buffer),
+                               self.state.issued)
         cursor = PromptCursor([p["id"] for p in dataset(rl.task, "train")], rl.seed)
         if self.state.cursor:
             cursor.restore(self.state.cursor)
@@ -371,6 +372,7 @@ class RLLoop:
         state.loop_seconds = self.loop_seconds()
         state.dropped_stale = self.buffer.dropped
         state.leases_expired, state.leases_released = self.source.expired, self.source.released
+        state.issued = self.admission.issued
         state.buffer = self.buffer.items()  # type: ignore[assignment]
         save_state(staging, state)
         self.ckpt.commit(state.step, {"layout": self.layout,

@@ -58,6 +58,9 @@ class LoopState:
     loop_seconds: float = 0.0
     """Seconds the loop ran (start-up and the first evaluation excluded) up to this state, over
     every master that trained it (a restart's redone steps count once)."""
+    issued: int = 0
+    """Tasks handed out up to this state: the next task's sequence number, from which the
+    tasks' sampling seeds go on after a restart (0: an older checkpoint)."""
     rng: dict[str, Any] | None = None
     """``{"python": [version, [ints], gauss], "numpy": [name, keys, pos, has_gauss, gauss]}``:
     plain values (see :func:`capture_rng`)."""

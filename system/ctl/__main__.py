@@ -81,6 +81,8 @@ def ls_fileroot(flag: str | None, words: list[str]) -> str:
                           "cluster.fileroot=DIR")
     if len(roots) + (flag is not None) > 1:
         raise ConfigError("give the file root once: --fileroot DIR or cluster.fileroot=DIR")
+    if "" in roots or flag == "":
+        raise ConfigError("the file root is empty: give --fileroot DIR or cluster.fileroot=DIR")
     if flag is not None:
         return flag
     return roots[0] if roots else ExperimentConfig().cluster.fileroot

@@ -118,23 +118,23 @@ class Controller(RecoveringController):
         except KeyboardInterrupt as e:
             summary.interrupted(cancelled=isinstance(e, TrialCancelled))
             if isinstance(e, ControllerRequeue):  # its job's time limit or preemption
-                summary.requeued(str(e), self._checkpoint_first(e.seconds))
+                summary.requeued(str(e), self._checkpoint_first(e.seconds_left()))
             print(f"\n{summary.status}: stopping every worker", file=sys.stderr)
-        finally:
-            old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup must finish
+        finally:  # cleanup and records must finish: no signal stops them (see launch.py)
+            old = signal.signal(signal.SIGINT, signal.SIG_IGN)
             try:
                 self.progress.close()
                 self._stop_all()
+                summary.recoveries(self.recovery.summary())
+                summary.last_progress(self.status.progress)
+                try:
+                    summary.write(self.paths.summary, self.timeline, self.requeue.restarts)
+                except OSError as e:  # a full disk, say: the outcome is still printed, returned
+                    print(f"could not write {self.paths.summary}: {e}", file=sys.stderr)
+                self.status.final(summary.data, self._poll_fresh)
+                self.pauses.close()
             finally:
                 signal.signal(signal.SIGINT, old)
-            summary.recoveries(self.recovery.summary())
-            summary.last_progress(self.status.progress)
-            try:
-                summary.write(self.paths.summary, self.timeline, self.requeue.restarts)
-            except OSError as e:  # a full disk, say: the outcome is still printed and returned
-                print(f"could not write {self.paths.summary}: {e}", file=sys.stderr)
-            self.status.final(summary.data, self._poll_fresh)
-            self.pauses.close()
         print(f"{summary.status}: {self.paths.summary}", file=sys.stderr)
         self.outcome = summary.status
         return 0 if summary.status == "completed" else 1

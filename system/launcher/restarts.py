@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from experiments.registry import Experiment
 from scheduler.base import Scheduler
@@ -228,22 +228,32 @@ class RecoveringController:
                                 f"log: {log_path}", "master/0", log_path)
 
     def _checkpoint_first(self, seconds: float | None) -> bool:
-        """The controller's job was warned of its end (its time limit, ``seconds`` None:
-        ``signal_seconds`` ahead; or a preemption's grace, ``seconds`` left): a checkpoint
-        before every worker stops, if the master is running (see :func:`checkpoint_first`)."""
+        """The controller's job was warned of its end (its time limit or a preemption; Slurm
+        ends it ``seconds`` from now, None: unknown, taken as ``signal_seconds``): a
+        checkpoint before every worker stops, if the master is running (see
+        :func:`checkpoint_first`)."""
         if "started" not in self.timeline or "master/0" not in self.clients:
             return False
         sched = self.cfg.scheduler
         warning = sched.slurm.signal_seconds if seconds is None else seconds
         return checkpoint_first(self.nr, self.cfg.exp, self.cfg.trial,
-                                checkpoint_wait(warning, sched.stop_grace), self._master_gone)
+                                checkpoint_wait(warning, sched.stop_grace), self._master_ended())
 
-    def _master_gone(self) -> bool:
-        """The master's process has ended: its witness no longer vouches for it (under Slurm,
-        where every worker has one; a name service that does not answer says nothing)."""
-        if self.cfg.scheduler.type.value != "slurm":
-            return False
-        try:
-            return not self.names.alive(["master/0"])
-        except Exception:  # noqa: BLE001 - no news: keep waiting for the checkpoint
-            return False
+    def _master_ended(self) -> Callable[[], bool]:
+        """Whether the master's process has ended since this was made: its witness vouched
+        for it, and no longer does (under Slurm, where every worker has one). A key never seen
+        (a witness lost, the master gone already) or a name service that does not answer says
+        nothing: the checkpoint is then waited for."""
+        seen = [False]
+
+        def ended() -> bool:
+            if self.cfg.scheduler.type.value != "slurm":
+                return False
+            try:
+                vouched = bool(self.names.alive(["master/0"]))
+            except Exception:  # noqa: BLE001 - no news
+                return False
+            seen[0] = seen[0] or vouched
+            return seen[0] and not vouched
+        ended()
+        return ended

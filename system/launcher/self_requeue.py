@@ -38,12 +38,14 @@ REQUEUE_WAIT = 600.0
 
 class ControllerRequeue(KeyboardInterrupt):
     """SIGUSR2 to a detached controller that requeues its own job: stop the trial like Ctrl-C,
-    after a checkpoint. ``str()`` is the job; ``seconds``, those the warning leaves (None:
-    ``scheduler.slurm.signal_seconds``, the time limit's warning)."""
+    after a checkpoint. ``str()`` is the job; ``seconds_left()``, asked once the trial stops
+    (not in the signal handler: it may ask Slurm), how long before Slurm ends the job (None:
+    unknown, taken as ``scheduler.slurm.signal_seconds``, the time limit's warning)."""
 
-    def __init__(self, job: str, seconds: float | None = None) -> None:
+    def __init__(self, job: str,
+                 seconds_left: Callable[[], float | None] = lambda: None) -> None:
         super().__init__(job)
-        self.seconds = seconds
+        self.seconds_left = seconds_left
 
 
 def own_job(exp: str, trial: str) -> str | None:

@@ -200,4 +200,6 @@ def test_ls_takes_the_file_root_as_the_other_commands_do(tmp_path, capsys):
         ls_fileroot(None, ["exp=smoke"])
     with pytest.raises(ConfigError, match="give the file root once"):
         ls_fileroot(root, [f"cluster.fileroot={root}"])
+    with pytest.raises(ConfigError, match="the file root is empty"):
+        ls_fileroot(None, ["cluster.fileroot="])
     assert main(["ls", "exp=smoke"]) == 2

@@ -3,6 +3,7 @@ weight versions) and the pure helpers that shape its answer."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from concurrent.futures import Future
 from typing import Any
 
@@ -52,3 +53,17 @@ def segments_of(versions: np.ndarray) -> list[list[int]]:
         else:
             out.append([int(v), 1])
     return out
+
+
+def segment_seed(seed: int | None, index: int, done: int) -> int | None:
+    """The sampling seed of sample ``index`` of a request seeded ``seed`` (None: unseeded),
+    resumed after ``done`` tokens (pure). The first segment uses ``seed + index``; one that
+    continues a sample after a weight update gets a seed hashed from that and ``done``, so its
+    tokens do not draw the same random numbers as the sample's first ones did."""
+    if seed is None:
+        return None
+    first = (seed + index) % (1 << 63)
+    if done == 0:
+        return first
+    digest = hashlib.blake2b(f"{first}:{done}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1

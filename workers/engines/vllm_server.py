@@ -34,7 +34,7 @@ from workers.engines.output_stream import OutputStream, SampleDelta
 from workers.engines.vllm_config import (Sampling, VllmConfig, as_int, check_context,
                                          check_vocab, cpu_tensor_parallel_problem, memory_nodes,
                                          prompt_ids)
-from workers.engines.vllm_requests import _Group, _Seq, _top, segments_of
+from workers.engines.vllm_requests import _Group, _Seq, _top, segment_seed, segments_of
 from workers.engines.vllm_logs import quiet_skipped_tokenizer_warmup
 from workers.engines.vllm_shutdown import shut_down
 from workers.engines.vllm_tmp import engine_temp_dir
@@ -338,7 +338,7 @@ class GenerationEngine:
         left = s.max_tokens - len(seq.tokens)
         stop = list(s.stop_token_ids) + ([self.eos] if self.eos is not None and not s.ignore_eos
                                          else [])
-        seed = None if s.seed is None else (s.seed + seq.index) % (1 << 63)
+        seed = segment_seed(s.seed, seq.index, len(seq.tokens))
         params = SamplingParams(max_tokens=left, temperature=s.temperature, top_p=s.top_p,
                                 stop_token_ids=stop or None, logprobs=s.top_logprobs,
                                 detokenize=False, ignore_eos=s.ignore_eos, seed=seed,

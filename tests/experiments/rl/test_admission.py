@@ -367,3 +367,13 @@ def test_restore_with_the_same_batch_size_is_unchanged(eta):
     fresh = AdmissionController(AdmissionConfig(B, eta))
     fresh.restore(7, 7 * B, 2)
     assert sum(fresh.try_admit() is not None for _ in range(100)) == (1 + eta) * B - 2
+
+
+def test_a_restore_goes_on_numbering_tasks_where_the_checkpoint_stopped():
+    """Tasks' sequence numbers (and the sampling seeds drawn from them) are not given again
+    after a resume; an older checkpoint (issued 0) starts from 0 as before."""
+    ctl = AdmissionController(AdmissionConfig(2, 0))
+    ctl.restore(3, 6, 0, issued=9)
+    assert ctl.issued == 9 and ctl.try_admit().seq == 9 and ctl.issued == 10
+    ctl.restore(3, 6, 0)
+    assert ctl.try_admit().seq == 0

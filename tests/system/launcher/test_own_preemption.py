@@ -4,25 +4,40 @@ from __future__ import annotations
 
 import pytest
 
-from system.launcher.own_preemption import Preemption, chosen_since, preemption
+from system.launcher.own_preemption import (ASSUMED_GRACE, Preemption, chosen_at,
+                                            preemption)
 
 
-def test_only_a_preemption_since_this_run_began_counts():
-    assert not chosen_since(None, 1000.0)
-    assert not chosen_since(990.0, 1000.0)  # a requeued job's earlier run's
-    assert chosen_since(999.5, 1000.0)  # (PreemptTime has whole seconds)
-    assert chosen_since(1003.0, 1000.0)
+def _job(at=None, start=None, end=None) -> dict:
+    return {"PreemptTime": at, "StartTime": start, "EndTime": end}
+
+
+def test_only_a_preemption_of_the_jobs_current_run_counts():
+    assert chosen_at(_job(start=1000.0), 0.0) is None
+    assert chosen_at(_job(990.0, start=1000.0), 0.0) is None  # before a requeue's new start
+    assert chosen_at(_job(999.5, start=1000.0), 0.0) == 999.5  # (whole seconds)
+    assert chosen_at(_job(1003.0, start=1000.0), 5000.0) == 1003.0  # StartTime rules
+    assert chosen_at(_job(1003.0), 1000.0) == 1003.0  # StartTime unknown: since
+    assert chosen_at(_job(990.0), 1000.0) is None
 
 
 @pytest.mark.parametrize("mode", ["REQUEUE", "CANCEL", "GANG,REQUEUE", ""])
-def test_a_requeue_or_cancel_preemption_takes_the_partitions_grace(mode):
-    found = preemption(1000.0, {"PreemptMode": mode, "GraceTime": "30"})
-    assert found == Preemption(1000.0, 30.0)
-    assert found.seconds_left(1004.0) == 26.0
-    assert found.seconds_left(1100.0) == 0.0
+def test_a_requeue_or_cancel_preemption_ends_with_the_partitions_grace(mode):
+    found = preemption(_job(1000.0, 900.0), {"PreemptMode": mode, "GraceTime": "30"}, 0.0)
+    assert found == Preemption(1000.0, 1030.0, 30.0)
+    assert found.seconds_left(1004.0) == 26.0 and found.seconds_left(1100.0) == 0.0
 
 
-def test_a_suspending_partition_is_left_alone_and_an_unknown_grace_is_none():
-    assert preemption(1000.0, {"PreemptMode": "SUSPEND,GANG", "GraceTime": "30"}) is None
-    unknown = preemption(1000.0, {})  # scontrol did not say
-    assert unknown == Preemption(1000.0, None) and unknown.seconds_left(1001.0) is None
+def test_an_earlier_end_time_wins_and_no_grace_given_is_assumed():
+    part = {"PreemptMode": "REQUEUE", "GraceTime": "60"}
+    assert preemption(_job(1000.0, 900.0, 1020.0), part, 0.0).ends == 1020.0
+    assert preemption(_job(1000.0, 900.0, 9000.0), part, 0.0).ends == 1060.0  # the time limit
+    for part in ({"PreemptMode": "REQUEUE", "GraceTime": "0"}, {}):  # a QOS's grace, unknown
+        found = preemption(_job(1000.0, 900.0), part, 0.0)
+        assert found == Preemption(1000.0, 1000.0 + ASSUMED_GRACE, None)
+
+
+def test_a_suspending_partition_is_left_alone():
+    part = {"PreemptMode": "SUSPEND,GANG", "GraceTime": "30"}
+    assert preemption(_job(1000.0, 900.0), part, 0.0) is None
+    assert preemption(_job(None, 900.0), {"GraceTime": "30"}, 0.0) is None

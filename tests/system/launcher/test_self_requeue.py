@@ -139,11 +139,11 @@ def test_sigusr2_raises_controller_requeue_only_for_a_requeuing_controller():
         StopOnSignal("41").install()
         with pytest.raises(ControllerRequeue) as e:
             signal.raise_signal(signal.SIGUSR2)
-        assert str(e.value) == "41" and e.value.seconds is None  # (signal_seconds)
+        assert str(e.value) == "41" and e.value.seconds_left() is None  # (signal_seconds)
         StopOnSignal("41", lambda: 17.0).install()  # the grace a preemption leaves
         with pytest.raises(ControllerRequeue) as e:
             signal.raise_signal(signal.SIGUSR2)
-        assert str(e.value) == "41" and e.value.seconds == 17.0
+        assert str(e.value) == "41" and e.value.seconds_left() == 17.0
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)

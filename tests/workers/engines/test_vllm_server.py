@@ -24,6 +24,7 @@ from system.reshard.layout import GenLayout, TrainLayout
 from system.reshard.params import ModelShape
 from system.reshard.spec import WeightSyncSpec
 from workers.engines.torch_engine import TorchEngine, TorchEngineConfig
+from workers.engines.vllm_requests import segment_seed
 from workers.engines.vllm_server import (GenerationEngine, GenerationLoopDied, Sampling,
                                          VllmConfig, segments_of)
 
@@ -184,6 +185,29 @@ def test_a_request_arriving_with_an_update_waits_for_it_and_is_served(engine, in
 def test_segments_of():
     assert segments_of(np.array([0, 0, 1, 1, 1, 3])) == [[0, 2], [1, 3], [3, 1]]
     assert segments_of(np.array([], dtype=np.int32)) == []
+
+
+def test_a_seeded_request_samples_the_same_alone_or_in_a_crowd(engine):
+    """What seeded training rollouts rely on: the tokens of a seeded request depend on its seed
+    (sample i: seed + i), not on what shares the engine's batch or came before it."""
+    seeded = Sampling(max_tokens=12, ignore_eos=True, seed=1234)
+    alone = engine.submit(PROMPT, 3, seeded).result(120)
+    crowd = [engine.submit(PROMPT, 4, Sampling(max_tokens=16, ignore_eos=True))
+             for _ in range(3)]
+    again = engine.submit(PROMPT, 3, seeded)
+    crowd += [engine.submit(PROMPT + [5], 2, Sampling(max_tokens=8, ignore_eos=True, seed=9))]
+    got = again.result(120)
+    for f in crowd:
+        f.result(120)
+    assert [s["tokens"].tolist() for s in got] == [s["tokens"].tolist() for s in alone]
+    assert len({tuple(s["tokens"].tolist()) for s in alone}) > 1  # seed + i: not one stream
+
+
+def test_a_resumed_segment_draws_fresh_random_numbers():
+    assert segment_seed(None, 3, 0) is None and segment_seed(None, 3, 5) is None
+    assert segment_seed(100, 3, 0) == 103 and segment_seed((1 << 63) - 1, 2, 0) == 1
+    resumed = {segment_seed(100, 3, done) for done in range(1, 50)}
+    assert len(resumed) == 49 and 103 not in resumed and max(resumed) < 1 << 63
 
 
 @pytest.mark.slow
