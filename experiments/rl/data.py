@@ -246,6 +246,16 @@ class TaskSource:
         with self._lock:
             self.done = True
 
+    def resume_seq(self) -> int:
+        """The sequence number a run resumed from a checkpoint taken now goes on from: the
+        first in-flight task's when the tasks in flight are the last ones handed out (a sync
+        run between steps: resumed, it hands out the same prompts, put back first, under the
+        same numbers, so with the same sampling seeds), else the next one's."""
+        with self._lock:
+            issued = self.admission.issued
+            seqs = sorted(self.in_flight)
+            return seqs[0] if seqs and seqs == list(range(seqs[0], issued)) else issued
+
     def snapshot(self) -> dict[str, Any]:
         """Cursor state with the in-flight prompts put back first (their results are not in
         the checkpoint)."""

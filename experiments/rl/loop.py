@@ -372,7 +372,7 @@ class RLLoop:
         state.loop_seconds = self.loop_seconds()
         state.dropped_stale = self.buffer.dropped
         state.leases_expired, state.leases_released = self.source.expired, self.source.released
-        state.issued = self.admission.issued
+        state.issued = self.source.resume_seq()
         state.buffer = self.buffer.items()  # type: ignore[assignment]
         save_state(staging, state)
         self.ckpt.commit(state.step, {"layout": self.layout,

@@ -59,8 +59,8 @@ class LoopState:
     """Seconds the loop ran (start-up and the first evaluation excluded) up to this state, over
     every master that trained it (a restart's redone steps count once)."""
     issued: int = 0
-    """Tasks handed out up to this state: the next task's sequence number, from which the
-    tasks' sampling seeds go on after a restart (0: an older checkpoint)."""
+    """The sequence number the tasks, and their sampling seeds, go on from after a restart
+    (:meth:`~experiments.rl.data.TaskSource.resume_seq`; 0: an older checkpoint)."""
     rng: dict[str, Any] | None = None
     """``{"python": [version, [ints], gauss], "numpy": [name, keys, pos, has_gauss, gauss]}``:
     plain values (see :func:`capture_rng`)."""

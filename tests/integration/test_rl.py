@@ -413,13 +413,21 @@ def test_a_sync_run_trains_the_same_again_with_the_same_seed(fileroot):
     batch is taken in task order, not as rollouts finished: a sync trial run again with the
     same seed samples and trains the same, step for step, to the last bit of its figures
     (before, two such runs parted at step 2: the servers' random streams follow the order
-    requests come in)."""
+    requests come in). The second run also fails after step 3 and recovers from its step-2
+    checkpoint: the step-3 tasks, in flight at that checkpoint, are handed out again under
+    their numbers, so the recovered steps are the same too."""
     rows = []
-    for trial in ("same-a", "same-b"):
+    for trial, extra in (("same-a", []), ("same-b", [
+            "rl.crash_at_step=3", "rl.save_interval=2", "rl.save_interval_s=0",
+            "rl.save_overhead=0", "recover.backoff=0.5"])):
         r = run_launch("exp=arith-tiny", f"trial={trial}", f"cluster.fileroot={fileroot}",
-                       "rl.mode=sync", "rl.total_steps=5", *SMALL, NO_SPARES, timeout=400)
+                       "rl.mode=sync", "rl.total_steps=5", *SMALL, NO_SPARES, *extra,
+                       timeout=400)
         assert r.returncode == 0, r.stderr[-3000:]
-        rows.append([{k: row.get(k) for k in REPRODUCED}
-                     for row in _metrics(os.path.join(fileroot, "arith-tiny", trial))
-                     if row["step"] > 0])
+        by_step = {row["step"]: {k: row.get(k) for k in REPRODUCED}  # (the last of a step)
+                   for row in _metrics(os.path.join(fileroot, "arith-tiny", trial))
+                   if row["step"] > 0}
+        rows.append([by_step[step] for step in sorted(by_step)])
     assert len(rows[0]) == 5 and rows[0] == rows[1], rows
+    (rec,) = read_summary(fileroot, "arith-tiny", "same-b")["recoveries"]
+    assert rec["resumed_from"] == 2 and rec["failed_step"] == 3, rec

@@ -179,3 +179,28 @@ def test_task_source_skip_ends_the_lease_and_skips_the_prompt():
     assert {t["prompt_id"] for t in src.next_task(0, 2)["tasks"]} == {other}
     src.skip(tasks[1]["seq"])
     assert src.cursor.exhausted and src.next_task(0, 2) == {"wait": 0.05}
+
+
+def test_a_resume_hands_out_the_in_flight_prompts_again_under_their_numbers():
+    """Checkpointed between two sync steps, with the next step's tasks out: resumed, the master
+    hands out the same prompts under the same sequence numbers (the same sampling seeds);
+    with a later task already back, the numbering just goes on."""
+    adm = AdmissionController(AdmissionConfig(3, 0))
+    src = TaskSource(adm, PromptCursor(list(range(9)), 1), Router(1), group_size=2)
+    first = src.next_task(0, 3)["tasks"]
+    for t in first:
+        src.finish(t["seq"], accepted=True)
+    adm.consumed(3)
+    adm.set_version(1)
+    out = src.next_task(0, 3)["tasks"]  # the next step's, in flight at the checkpoint
+    assert [t["seq"] for t in out] == [3, 4, 5] and src.resume_seq() == 3
+    snap = src.snapshot()
+    adm2 = AdmissionController(AdmissionConfig(3, 0))
+    adm2.restore(1, 3, 0, src.resume_seq())
+    cursor = PromptCursor(list(range(9)), 1)
+    cursor.restore(snap)
+    again = TaskSource(adm2, cursor, Router(1), group_size=2).next_task(0, 3)["tasks"]
+    assert [(t["seq"], t["prompt_id"]) for t in again] == [(t["seq"], t["prompt_id"])
+                                                           for t in out]
+    src.finish(out[2]["seq"], accepted=True)  # a later one came back: numbers go on
+    assert src.resume_seq() == 6
