@@ -87,6 +87,10 @@ class AgentConfig:
     """Nucleus sampling of training rollouts, in (0, 1]."""
     max_turns: int = 4
     """Calculator agent: at most this many generation calls per trajectory (>= 1)."""
+    seeded: bool = True
+    """Training rollouts sample from seeds of their own (:func:`task_seed`): a sync run repeats
+    bit for bit. False: the servers' shared random stream (vLLM then keeps no generator per
+    sample; its sampler loops over those it keeps at every step)."""
 
     def __post_init__(self) -> None:
         if self.kind not in AGENT_KINDS:

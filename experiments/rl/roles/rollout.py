@@ -207,7 +207,7 @@ class _Rollouts:
             if pid not in self.encoded:
                 self.encoded[pid] = encode_prompt(self.tok, self.prompts[pid]["prompt"],
                                                   self.task.chat)
-            seed = task_seed(self.rl.seed, int(t["seq"]))
+            seed = task_seed(self.rl.seed, int(t["seq"])) if self.rl.agent.seeded else None
             for ep in self.agent.episodes(self.encoded[pid], self.rl.group_size, seed=seed):
                 episodes.append((ep, t["server"]))
                 owner.append(k)
