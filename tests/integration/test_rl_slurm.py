@@ -85,6 +85,16 @@ def _rl_trial(slurm_cluster, root: str, trial: str, *args: str
             proc.kill()
 
 
+def _until(proc: subprocess.Popen, err: _Stderr, cond, timeout: float, what: str) -> None:
+    """``wait_for`` on a running trial: fails at once if the launcher ended, and either way with
+    what the launcher printed (a CI failure is read from that alone)."""
+    try:
+        wait_for(lambda: proc.poll() is not None or cond(), timeout, what)
+    except AssertionError:
+        raise AssertionError(f"timed out waiting for {what}:\n{err.text[-6000:]}") from None
+    assert proc.poll() is None, f"the trial ended waiting for {what}:\n{err.text[-6000:]}"
+
+
 def _preempt(env: dict, kind: str) -> str:
     job = job_of(env, "arith-tiny", "preempt", kind)
     subprocess.run(["scancel", "--signal=USR2", job], check=True, env=env)
@@ -120,16 +130,17 @@ def test_preempted_jobs_of_every_kind_continue_by_themselves(slurm_cluster, tmp_
                    *overridden(SLURM, *SMALL, *SLOW_OK), "recover.retries=1") as (proc, err):
         jobs["generation"] = _preempt(env, "generation")
         master_log = os.path.join(trial_root, "logs", "master-0.log")
-        wait_for(lambda: "generation server 0 rejoined" in open(master_log).read(), 300,
-                 "the generation server to rejoin")
+        _until(proc, err, lambda: "generation server 0 rejoined" in open(master_log).read(), 300,
+               "the generation server to rejoin")
         jobs["rollout"] = _preempt(env, "rollout")
-        wait_for(lambda: {"rollout/0", "rollout/1"} <= err.rejoined(), 300,
-                 "the rollout workers to rejoin")
+        _until(proc, err, lambda: {"rollout/0", "rollout/1"} <= err.rejoined(), 300,
+               "the rollout workers to rejoin")
         for n, kind in enumerate(("model", "master"), start=1):
             step = max(_steps(trial_root), default=0)
-            wait_for(lambda: max(_steps(trial_root), default=0) > step, 300, "a new step")
+            _until(proc, err, lambda: max(_steps(trial_root), default=0) > step, 300,
+                   "a new step")
             jobs[kind] = _preempt(env, kind)
-            wait_for(lambda n=n: err.count("recovered: ") == n, 300, f"{kind} recovery")
+            _until(proc, err, lambda n=n: err.count("recovered: ") >= n, 300, f"{kind} recovery")
         proc.wait(timeout=400)
     assert proc.returncode == 0, err.text[-4000:]
     s = read_summary(root, "arith-tiny", "preempt")
