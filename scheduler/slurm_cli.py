@@ -38,6 +38,14 @@ STATE_TABLE: dict[str, JobState] = {
 }
 
 
+QUEUED_STATES = frozenset(raw for raw, state in STATE_TABLE.items()
+                          if state in (JobState.PENDING, JobState.RUNNING, JobState.REQUEUED))
+"""Raw Slurm states of a job still in the queue (squeue lists it)."""
+
+ENDING_STATES = frozenset({"COMPLETING", "STAGE_OUT"})
+"""Queued states of a job whose processes have ended (a cancel could not hurry it)."""
+
+
 def map_state(raw: str) -> JobState:
     """``"CANCELLED by 0"`` -> CANCELLED; ``"CD"``-style or unknown strings -> UNKNOWN."""
     word = raw.strip().split(" ")[0].upper().rstrip("+")

@@ -14,11 +14,11 @@ import os
 import time
 from typing import Collection, Sequence
 
+from scheduler.slurm_cli import ENDING_STATES, QUEUED_STATES
 from scheduler.slurm_jobs import NamedJob, cancel_until_gone, het_leader, named_jobs
 from system.errors import SchedulerError
 
-LEFTOVER_STATES = ("PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED",
-                   "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "STOPPED")
+LEFTOVER_STATES = QUEUED_STATES - ENDING_STATES
 """Slurm states of a job whose workers run, or will (not ``COMPLETING``: they have ended,
 and a cancel could not hurry it)."""
 

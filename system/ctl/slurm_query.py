@@ -7,15 +7,11 @@ import dataclasses
 import subprocess
 from typing import Sequence
 
+from scheduler.slurm_cli import QUEUED_STATES
 from scheduler.slurm_jobs import NamedJob, named_jobs
 
 TIMEOUT = 30.0
 """Seconds one squeue or scancel may take."""
-
-ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
-          "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT", "RESIZING",
-          "STOPPED")
-"""Raw Slurm states of a job that is still in the queue."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +28,7 @@ class QueuedJob:
 
     @property
     def active(self) -> bool:
-        return self.state in ACTIVE
+        return self.state in QUEUED_STATES
 
 
 FORMAT = "%i|%T|%r|%N|%j"
@@ -87,7 +83,7 @@ def mine() -> list[NamedJob] | None:
     """This user's queued jobs, with where each writes its output (``squeue -O``, parsed where
     the launcher parses it); None when squeue did not answer."""
     jobs = named_jobs(None, TIMEOUT)
-    return None if jobs is None else [j for j in jobs if j.state in ACTIVE]
+    return None if jobs is None else [j for j in jobs if j.state in QUEUED_STATES]
 
 
 def scancel(ids: Sequence[str], *flags: str) -> bool:
