@@ -118,7 +118,7 @@ class Controller(RecoveringController):
         except KeyboardInterrupt as e:
             summary.interrupted(cancelled=isinstance(e, TrialCancelled))
             if isinstance(e, ControllerRequeue):  # its job's time limit or preemption
-                summary.requeued(str(e), self._checkpoint_first(e.seconds_left()))
+                summary.requeued(str(e), self._requeue_record(e.seconds_left()))
             print(f"\n{summary.status}: stopping every worker", file=sys.stderr)
         finally:  # cleanup and records must finish: no signal stops them (see launch.py)
             old = signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -20,6 +20,7 @@ from system import names
 from system.errors import NameEntryNotFound, WorkerFailure
 from system.launcher.config import ExperimentConfig
 from system.launcher.disk import full_disk_cause
+from system.launcher.eval_mode import checkpoint_steps
 from system.launcher.failures import clear_worker_keys
 from system.launcher.groups import GroupSpec, group_spec
 from system.launcher.pause_watch import PauseWatch
@@ -226,6 +227,17 @@ class RecoveringController:
             raise WorkerFailure(f"master made no progress for {stall:.0f}s "
                                 f"(controller.stall_timeout; last: {self.watch.progress}); "
                                 f"log: {log_path}", "master/0", log_path)
+
+    def _requeue_record(self, seconds: float | None) -> dict[str, Any]:
+        """What ``summary.json`` says of the controller's own requeue: whether the checkpoint
+        asked first was committed (:meth:`_checkpoint_first`), and the steps the trial
+        continues from and had reached (``checkpoint_step``: the newest committed checkpoint,
+        also when the master wrote it by itself, preempted with this job; None: none yet;
+        ``last_step``: the master's last report); their difference is what the requeue costs."""
+        checkpointed = self._checkpoint_first(seconds)
+        steps = checkpoint_steps(self.paths.checkpoints)
+        return {"checkpointed": checkpointed, "checkpoint_step": steps[-1] if steps else None,
+                "last_step": self._last_step()}
 
     def _checkpoint_first(self, seconds: float | None) -> bool:
         """The controller's job was warned of its end (its time limit or a preemption; Slurm

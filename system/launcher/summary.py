@@ -55,12 +55,14 @@ class TrialSummary:
         """Ctrl-C or a stop signal; ``cancelled``: ``python -m system.ctl cancel`` asked."""
         self.data["status"] = "cancelled" if cancelled else "interrupted"
 
-    def requeued(self, job_id: str, checkpointed: bool) -> None:
-        """The detached controller's own job (``job_id``) was warned of its time limit: the
-        trial stopped (after a checkpoint, if ``checkpointed``) and the job is requeued; the
-        trial continues when Slurm starts it again."""
+    def requeued(self, job_id: str, record: Mapping[str, Any]) -> None:
+        """The detached controller's own job (``job_id``) was warned of its time limit or
+        preemption: the trial stopped and the job is requeued; the trial continues when Slurm
+        starts it again. ``record``: ``checkpointed`` (the checkpoint it asked for first was
+        committed), ``checkpoint_step`` (the newest committed one, which the trial continues
+        from) and ``last_step`` (the last one trained)."""
         self.data["status"] = "requeued"
-        self.data["requeued"] = {"job": job_id, "checkpointed": checkpointed}
+        self.data["requeued"] = {"job": job_id, **record}
 
     def write(self, path: str, timeline: Mapping[str, float], restarts: Mapping[str, int]
               ) -> None:

@@ -224,8 +224,10 @@ def test_a_detached_controller_at_its_time_limit_requeues_itself(slurm_cluster, 
         subprocess.run(["scancel", "--signal=USR2", "--batch", job], check=True, env=env)
         wait_for(lambda: _status(root, "ctl") == "requeued", 180, "the requeued summary")
         s = read_summary(root, "arith-tiny", "ctl")
-        assert s["requeued"] == {"job": job, "checkpointed": True}, s
         stopped_at = max(_steps(trial_root))
+        # (the master trains no step after the checkpoint it was asked for)
+        assert s["requeued"] == {"job": job, "checkpointed": True, "checkpoint_step": stopped_at,
+                                 "last_step": stopped_at}, s
 
         def requeued():
             out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
@@ -298,7 +300,10 @@ def test_a_preempted_detached_controller_requeues_itself_within_the_grace(slurm_
         subprocess.run(["scancel", job], env=env)
     assert f"the controller's job {job} was chosen for preemption (" in log, log[-4000:]
     assert "DUE TO JOB REQUEUE" in log and "DUE TO PREEMPTION" not in log, log[-4000:]
-    assert read_summary(root, "arith-tiny", "pre")["requeued"]["job"] == job
+    requeued = read_summary(root, "arith-tiny", "pre")["requeued"]
+    # the master checkpointed by itself, preempted with the node, at the last step it trained
+    assert requeued["job"] == job and requeued["checkpoint_step"] == requeued["last_step"] \
+        == max(_steps(trial_root)), requeued
     wait_for(lambda: squeue(slurm_cluster.env, "arith-tiny", "pre") == [], 60, "an empty queue")
 
 
