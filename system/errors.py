@@ -48,6 +48,10 @@ class PeerDied(RpcError):
     """The peer a call waits on died (its heartbeat expired) before it replied."""
 
 
+class CallAbandoned(RpcError):
+    """The caller stopped waiting for the reply: it was asked to stop meanwhile."""
+
+
 class RemoteError(RpcError):
     """The remote handler raised; carries the remote type name and traceback text."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -34,6 +35,9 @@ from system.sockets import bind, endpoint, make_socket, recv_frames, send_frames
 from system.wire import Channel, Codec, DropCounters, DroppedMessage, Header, recipient_id
 
 log = logging.getLogger("rpc")
+
+CLOSE_LINGER_MS = 200
+"""How long a closing server lets its last replies leave (ZeroMQ's linger, milliseconds)."""
 
 
 @dataclasses.dataclass
@@ -121,7 +125,11 @@ class RpcServer:
         self.served = 0
         # deferred replies: a handler may return a Future; its reply is sent when it completes
         # (other requests are served meanwhile). Completion wakes the poller through a pipe.
-        self._done: collections.deque[tuple[bytes, Header, Future]] = collections.deque()
+        self._deferred: dict[int, tuple[bytes, Header, str]] = {}  # by key: who asked what
+        self._keys = itertools.count()
+        self._done: collections.deque[tuple[int, Future]] = collections.deque()
+        self._closed = False
+        self._close_lock = threading.Lock()  # a completion never writes to a closed pipe
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._poller = zmq.Poller()
@@ -150,17 +158,22 @@ class RpcServer:
         reply = self._dispatch(req["m"], req["a"])
         result = reply.get("r")
         if isinstance(result, Future):
-            self._defer(ident, msg.header, result)
+            self._defer(ident, msg.header, req["m"], result)
             return True
         self._reply(ident, msg.header, reply)
         return True
 
-    def _defer(self, ident: bytes, request: Header, fut: Future) -> None:
+    def _defer(self, ident: bytes, request: Header, method: str, fut: Future) -> None:
+        key = next(self._keys)
+        self._deferred[key] = (ident, request, method)
         self.pending += 1
 
-        def done(f: Future) -> None:
-            self._done.append((ident, request, f))
-            os.write(self._wake_w, b"x")
+        def done(f: Future) -> None:  # (in the thread that completed it)
+            with self._close_lock:
+                if self._closed:  # answered by close(); its pipe may be another file now
+                    return
+                self._done.append((key, f))
+                os.write(self._wake_w, b"x")
 
         fut.add_done_callback(done)
 
@@ -171,7 +184,8 @@ class RpcServer:
         except BlockingIOError:
             pass
         while self._done:
-            ident, request, fut = self._done.popleft()
+            key, fut = self._done.popleft()
+            ident, request, _ = self._deferred.pop(key)
             self.pending -= 1
             exc = fut.exception()
             if exc is not None:
@@ -209,10 +223,25 @@ class RpcServer:
             self.poll_once(poll)
 
     def close(self) -> None:
-        """Close the socket (and every connection to it); idempotent."""
-        if self._sock.closed:
-            return
-        self._sock.close(linger=0)
+        """Close the socket (and every connection to it); idempotent. Call it once serving has
+        stopped. Deferred calls still running are answered first, with an error (their
+        callers, a master waiting on a training step, say, fail at once instead of waiting out
+        their timeout); completed ones with their results."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        answered = bool(self._deferred)
+        if answered:
+            self._send_completed()
+            for ident, request, method in self._deferred.values():
+                self._reply(ident, request, {"ok": False, "e": {
+                    "type": "WorkerStopped", "traceback": "",
+                    "message": f"{method}: the server stopped before the call completed"}})
+            self.pending -= len(self._deferred)
+            self._deferred.clear()
+        # (a moment for the replies just sent to leave; nothing else is waited for)
+        self._sock.close(linger=CLOSE_LINGER_MS if answered else 0)
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)

@@ -377,6 +377,12 @@ class Worker:
             while not self._stop.wait(0.5):
                 pass
         except Exception as e:
+            if self._stop.is_set() and self.signalled is None:
+                # the controller's stop interrupted the role (the master's "stopped during
+                # training", a peer's answer that it stopped): a stop, not a failure
+                log.warning("%s stopped while its role ran (%s: %s)", self.name,
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                return self._exit_code(0)
             code = 1
             self.state = WorkerState.FAILED
             tb = traceback.format_exc()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Generic, Sequence, TypeVar, cast
 
-from system.errors import PeerDied, RpcError, RpcTimeout
+from system.errors import CallAbandoned, PeerDied, RpcError, RpcTimeout
 from system.rpc import RpcClient
 from workers.schema import ConfigureReply, PingReply, WorkerReport, WorkerSetup
 
@@ -50,19 +50,48 @@ class Pending(Generic[T]):
                                    "while serving it") from None
 
 
-def collect(pending: Sequence[Pending[T]], timeout: float | None = None) -> list[T]:
-    """Every reply, in order; the first failure raises (after the earlier replies arrived)."""
-    return [p.result(timeout) for p in pending]
+    def result_unless(self, stopping: Callable[[], bool], timeout: float | None,
+                      check_every: float = 0.5) -> T:
+        """The reply, waiting up to ``timeout`` (None: the client's) but no longer once
+        ``stopping()`` says the caller itself was asked to stop: the call is then abandoned
+        (:class:`~system.errors.CallAbandoned`). So a stop ends the wait within
+        ``check_every`` even where no reply will come (a peer stopped before it read the
+        request)."""
+        deadline = time.monotonic() + (self._rpc.timeout if timeout is None else timeout)
+        while True:
+            left = deadline - time.monotonic()
+            last = left <= check_every
+            try:
+                return cast(T, self._rpc.result(self._id, max(0.0, min(check_every, left)),
+                                                abandon=last))
+            except RpcTimeout:
+                if last:
+                    raise
+                if stopping():
+                    self._rpc.abandon(self._id)
+                    raise CallAbandoned(f"{self.method} to {self._rpc.address}: abandoned, the "
+                                        "caller is stopping") from None
 
 
-def collect_settled(pending: Sequence[Pending[T]], timeout: float | None = None
-                    ) -> list[T | RpcError]:
+def _result(p: Pending[T], timeout: float | None, stopping: Callable[[], bool] | None) -> T:
+    return p.result(timeout) if stopping is None else p.result_unless(stopping, timeout)
+
+
+def collect(pending: Sequence[Pending[T]], timeout: float | None = None,
+            stopping: Callable[[], bool] | None = None) -> list[T]:
+    """Every reply, in order; the first failure raises (after the earlier replies arrived).
+    ``stopping``: see :meth:`Pending.result_unless`."""
+    return [_result(p, timeout, stopping) for p in pending]
+
+
+def collect_settled(pending: Sequence[Pending[T]], timeout: float | None = None,
+                    stopping: Callable[[], bool] | None = None) -> list[T | RpcError]:
     """Every reply, or the :class:`RpcError` its call raised (the caller decides what a failure
-    means)."""
+    means). ``stopping``: see :meth:`Pending.result_unless`."""
     out: list[T | RpcError] = []
     for p in pending:
         try:
-            out.append(p.result(timeout))
+            out.append(_result(p, timeout, stopping))
         except RpcError as e:
             out.append(e)
     return out

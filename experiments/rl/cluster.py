@@ -87,10 +87,15 @@ class Cluster:
             if stats is not None:
                 self._gen_devices[_index(g.name)] = list(stats.get("devices", []))
 
+    def _stopping(self) -> bool:
+        """The master was asked to stop: no reply is waited for any more (a peer stopped at
+        the same time may never read the request)."""
+        return self.master.stopping
+
     # --- data-parallel calls on every model worker ---
     def on_models(self, call: Callable[[ModelClient], Pending[T]]) -> list[T]:
         """``call`` on every model worker at once (a collective: every rank gets it)."""
-        return collect([call(c) for c in self.models], self.rl.call_timeout)
+        return collect([call(c) for c in self.models], self.rl.call_timeout, self._stopping)
 
     def split(self, lengths: Sequence[int]) -> list[list[int]]:
         """Indices per data-parallel rank, balanced by length (longest first, greedy)."""
@@ -109,7 +114,7 @@ class Cluster:
         calls = [(lambda c, p=p: c.values([seqs[i] for i in p])) if which == "critic"
                  else (lambda c, p=p: c.logprobs([seqs[i] for i in p], which)) for p in parts]
         outs = collect([calls[self.dp_rank(r)](c) for r, c in enumerate(self.models)],
-                       self.rl.call_timeout)
+                       self.rl.call_timeout, self._stopping)
         res: list[Any] = [None] * len(seqs)
         for p, lead in zip(parts, self.leads):
             for i, v in zip(p, outs[lead]):
@@ -127,7 +132,7 @@ class Cluster:
         pending = [c.train_critic(b, global_tokens, self.rl.value_clip)
                    if critic else c.train_actor(b, global_tokens, loss)
                    for c, b in zip(self.models, mine)]
-        outs = collect(pending, self.rl.call_timeout)
+        outs = collect(pending, self.rl.call_timeout, self._stopping)
         return sum_stats([outs[lead] for lead in self.leads])
 
     def dp_rank(self, rank: int) -> int:
@@ -175,7 +180,8 @@ class Cluster:
             pending += [c.weight_sync_init(spec, group, r) for c in self.models]
             pending.append(self.gens[r].weight_sync_init(spec, group))
             owner += [r] * (len(self.models) + 1)
-        failed = {r for r, res in zip(owner, collect_settled(pending, self._spec.timeout + 30))
+        failed = {r for r, res in zip(owner, collect_settled(pending, self._spec.timeout + 30,
+                                                                 self._stopping))
                   if isinstance(res, RpcError)}
         for r in sorted(failed):
             log.warning("generation server %d could not join the weight updates", r)
@@ -208,7 +214,8 @@ class Cluster:
             directory = os.path.join(weights, f"v{version}")
             self.on_models(lambda c: c.save_weights(directory))
             loading = [self.gens[r].load_weights_from_disk(directory, version) for r in targets]
-            for r, res in zip(targets, collect_settled(loading, self.rl.call_timeout)):
+            for r, res in zip(targets, collect_settled(loading, self.rl.call_timeout,
+                                                               self._stopping)):
                 if isinstance(res, RpcError):
                     failed[r] = str(res)
             _prune(weights, keep=f"v{version}")  # (a resumed run's too)
@@ -221,7 +228,8 @@ class Cluster:
                 if r in failed:
                     continue  # its sender gave up on it: do not wait for its answer
                 try:
-                    p.result_while(lambda r=r: alive is None or alive(r), self.rl.call_timeout)
+                    p.result_while(lambda r=r: (alive is None or alive(r))
+                                   and not self._stopping(), self.rl.call_timeout)
                 except RpcError as e:
                     failed[r] = str(e)
         for r, why in sorted(failed.items()):

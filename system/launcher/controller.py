@@ -124,13 +124,10 @@ class Controller(RecoveringController):
             old = signal.signal(signal.SIGINT, signal.SIG_IGN)
             try:
                 self.progress.close()
+                self.status.write("stopping", failure=summary.data.get("failure"))
                 self._stop_all()
-                summary.recoveries(self.recovery.summary())
-                summary.last_progress(self.status.progress)
-                try:
-                    summary.write(self.paths.summary, self.timeline, self.requeue.restarts)
-                except OSError as e:  # a full disk, say: the outcome is still printed, returned
-                    print(f"could not write {self.paths.summary}: {e}", file=sys.stderr)
+                summary.finish(self.paths.summary, self.recovery.summary(), self.status.progress,
+                               self.timeline, self.requeue.restarts)
                 self.status.final(summary.data, self._poll_fresh)
                 self.pauses.close()
             finally:
@@ -423,8 +420,9 @@ class Controller(RecoveringController):
 
     def _stop_all(self) -> None:
         clients = list(self.clients.values())
-        if clients:
-            collect_settled([c.stop() for c in clients], 2.0)
+        for first in (True, False):  # the master first: what its calls then raise is no failure
+            collect_settled([c.stop() for c in clients if (c.kind == "master") == first],
+                            1.0 if first else 2.0)
         deadline = time.monotonic() + self.cfg.scheduler.stop_grace
         while time.monotonic() < deadline and any(
                 s.state.active and s.state != JobState.UNKNOWN for s in self.scheduler.poll()):

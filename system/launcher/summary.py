@@ -2,6 +2,7 @@
 restarts, times), written atomically when the trial has stopped."""
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Mapping
 
@@ -63,6 +64,18 @@ class TrialSummary:
         from) and ``last_step`` (the last one trained)."""
         self.data["status"] = "requeued"
         self.data["requeued"] = {"job": job_id, **record}
+
+    def finish(self, path: str, attempts: list[dict[str, Any]], progress: Mapping[str, Any],
+               timeline: Mapping[str, float], restarts: Mapping[str, int]) -> None:
+        """The trial has stopped: add its recoveries and last progress, and write the summary
+        to ``path``; a failed write (a full disk, say) is printed, and the outcome is still
+        returned by the caller."""
+        self.recoveries(attempts)
+        self.last_progress(progress)
+        try:
+            self.write(path, timeline, restarts)
+        except OSError as e:
+            print(f"could not write {path}: {e}", file=sys.stderr)
 
     def write(self, path: str, timeline: Mapping[str, float], restarts: Mapping[str, int]
               ) -> None:

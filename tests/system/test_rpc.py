@@ -326,6 +326,50 @@ def test_deferred_replies_do_not_block_other_calls(codec):
         srv.close()
 
 
+def test_closing_answers_a_deferred_call_still_running(codec):
+    """A server closed while a deferred call runs (a model worker stopped during a training
+    step) answers it with an error at once: its caller (the master) does not wait out its
+    timeout. The call completing afterwards touches nothing: its wake-up pipe is closed, and
+    that descriptor's number may already name another file."""
+    from concurrent.futures import Future
+    import os
+
+    running: Future = Future()
+    done: Future = Future()
+    srv = RpcServer(codec, "127.0.0.1", {"train": lambda: running, "quick": lambda: done})
+    stop = threading.Event()
+    t = threading.Thread(target=srv.serve_forever, args=(stop, 0.02), daemon=True)
+    t.start()
+    c = RpcClient(codec, srv.address, 30.0)
+    try:
+        slow, quick = c.submit("train"), c.submit("quick")
+        wait_until = time.monotonic() + 5
+        while srv.pending < 2 and time.monotonic() < wait_until:
+            time.sleep(0.01)
+        assert srv.pending == 2
+        stop.set()
+        t.join()
+        done.set_result("finished before the close")
+        srv.close()
+        assert c.result(quick, 5.0) == "finished before the close"
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError, match="WorkerStopped.*train: the server stopped"):
+            c.result(slow, 5.0)
+        assert time.monotonic() - t0 < 2.0 and srv.pending == 0
+        r, w = os.pipe()  # (likely the numbers the server's pipe had)
+        try:
+            running.set_result("too late")  # its callback must not write anywhere
+            os.set_blocking(r, False)
+            with pytest.raises(BlockingIOError):
+                os.read(r, 1)
+        finally:
+            os.close(r)
+            os.close(w)
+    finally:
+        c.close()
+        srv.close()
+
+
 def test_curve_connections_need_the_trial_secret():
     """With CURVE a peer without the secret cannot complete the handshake: nothing it sends
     reaches the server (not even to be counted); peers with the secret talk as before."""

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from system.errors import PeerDied, RpcTimeout
+from system.errors import CallAbandoned, PeerDied, RpcTimeout
 from system.rpc import RpcClient, RpcServer
 from system.wire import Codec, new_secret
 from workers.client import Pending, collect, collect_settled
@@ -69,3 +69,20 @@ def test_the_whole_timeout_still_holds(served):
         Pending(served, "slow", {"delay": 0}).result_while(lambda: True, timeout=1.0,
                                                             check_every=0.3)
     assert time.monotonic() - t0 < 3
+
+
+def test_a_caller_asked_to_stop_abandons_its_waits(served):
+    """A master stopped by the controller mid-step waits no longer on a model worker's reply
+    (one stopped at the same time may never read the request): within ``check_every`` of the
+    stop, the call is abandoned; replies that come before the stop are still returned."""
+    stopped = threading.Event()
+    assert collect([Pending(served, "slow", {"delay": 0.5})], 10, stopped.is_set) \
+        == ["after 0.5"]
+    threading.Timer(0.5, stopped.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(CallAbandoned, match="slow .*the caller is stopping"):
+        collect([Pending(served, "slow", {"delay": 0})], 60, stopped.is_set)
+    assert time.monotonic() - t0 < 3
+    out = collect_settled([Pending(served, "echo", {"x": 1}),
+                           Pending(served, "slow", {"delay": 0})], 60, stopped.is_set)
+    assert out[0] == 1 and isinstance(out[1], CallAbandoned)
