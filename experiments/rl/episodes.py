@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from experiments.rl.agents import Episode, GenRequest
+from experiments.rl.plugins import finite_reward, first_line
 from system.errors import ConfigError, RemoteError
 from workers.client import Pending
 from workers.generation import GenerationClient
@@ -106,13 +106,13 @@ def score(trajs: list[Trajectory], tok: Any, answer: Any,
         final = comp[tool[-1] + 1:] if len(tool) else comp
         text = tok.decode([int(x) for x in final], skip_special_tokens=True)
         reward = _reward(reward_fn, text, answer, delays)
-        if not isinstance(reward, (int, float, np.number, np.bool_)) \
-                or not math.isfinite(reward):
+        value = finite_reward(reward)
+        if value is None:
             raise ConfigError(f"the reward function {_name(reward_fn)} (rl.task.reward, or the "
-                              f"task's own) returned {str(reward)[:40]!r} on the completion "
-                              f"{text[:60]!r} (answer {str(answer)[:40]!r}); valid: a finite "
-                              "number")
-        t["reward"] = float(reward)
+                              f"task's own) returned {str(reward)[:40]!r} "
+                              f"({type(reward).__name__}) on the completion {text[:60]!r} "
+                              f"(answer {str(answer)[:40]!r}); valid: a finite number")
+        t["reward"] = value
 
 
 def _reward(reward_fn: Callable[[str, Any], float], text: str, answer: Any,
@@ -122,7 +122,7 @@ def _reward(reward_fn: Callable[[str, Any], float], text: str, answer: Any,
             return reward_fn(text, answer)
         except Exception as e:
             what = (f"the reward function {_name(reward_fn)} (rl.task.reward, or the task's "
-                    f"own) raised {type(e).__name__}: {e} on the completion {text[:60]!r} "
+                    f"own) raised {type(e).__name__}: {first_line(e)} on the completion {text[:60]!r} "
                     f"(answer {str(answer)[:40]!r})")
             if not transient(e):
                 raise ConfigError(what) from e

@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import inspect
 import logging
-import math
 import uuid
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -121,13 +120,15 @@ class OpenAIAgent:
                        f"{self.timeout:.0f}s (rl.call_timeout)")
             return
         except Exception as e:  # the user's code: its error fails the group, named
-            s.error = f"rl.agent.function={self.name!r} raised {type(e).__name__}: {e}"
+            s.error = (f"rl.agent.function={self.name!r} raised {type(e).__name__}: "
+                       f"{plugins.first_line(e)}")
             return
-        if not isinstance(reward, (int, float)) or not math.isfinite(reward):  # (bool: 1/0)
-            s.error = (f"rl.agent.function={self.name!r} returned {str(reward)[:80]!r}, not "
-                       "a finite number")
+        value = plugins.finite_reward(reward)
+        if value is None:
+            s.error = (f"rl.agent.function={self.name!r} returned {str(reward)[:80]!r} "
+                       f"({type(reward).__name__}), not a finite number")
             return
-        s.reward = float(reward)
+        s.reward = value
 
 
 async def _watch(servers: set[int], alive: Callable[[int], bool]) -> None:

@@ -16,8 +16,13 @@ vouches for, never name arbitrary code (see ``test_no_package_imports_code_by_na
 """
 from __future__ import annotations
 
+import decimal
+import math
+import numbers
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
+
+import numpy as np
 
 from system.errors import ConfigError
 
@@ -63,7 +68,32 @@ def load(group: str, key: str, name: str) -> Any:
         raise ConfigError(f"{key}={name!r}: no such plugin under {group!r}; valid: "
                           f"{valid_names(group, [])}")
     try:
-        return ep.load()
+        obj = ep.load()
     except Exception as e:  # an installed plugin that does not import is a setup mistake
         raise ConfigError(f"{key}={name!r}: the plugin {ep.value!r} does not load: "
-                          f"{type(e).__name__}: {e}") from e
+                          f"{type(e).__name__}: {first_line(e)}") from e
+    if not callable(obj):
+        raise ConfigError(f"{key}={name!r}: the plugin {ep.value!r} is a "
+                          f"{type(obj).__name__}, not a function")
+    return obj
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message cut to its first line (errors are named in one line)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def finite_reward(value: Any) -> float | None:
+    """What a user's reward or agent function returned, as a float: any real number (int,
+    float, numpy's numbers, Fraction, Decimal; ``True``/``False`` count as 1/0) that is
+    finite as a float; None for anything else (a string, None, NaN, a complex number, an int
+    too large for a float)."""
+    if isinstance(value, (complex, np.complexfloating)) or not isinstance(
+            value, (numbers.Real, np.number, np.bool_, decimal.Decimal)):
+        return None
+    try:
+        f = float(value)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    return f if math.isfinite(f) else None

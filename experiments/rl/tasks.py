@@ -99,6 +99,13 @@ def dataset(cfg: TaskConfig, split: str) -> list[Prompt]:
         raise ConfigError(f"rl.task.name={cfg.name!r} has no prompts of its own: set "
                           "rl.task.train_path")
     out = _call(cfg, f"its prompts({split!r})", task.prompts, split)
+    bad_prompt = (out if not isinstance(out, list) else next(
+        (p for p in out if not isinstance(p, dict) or not {"id", "prompt", "answer"} <= set(p)
+         or not isinstance(p["prompt"], str)), None))
+    if bad_prompt is not None:  # (a rollout worker would fail on it, and its restarts too)
+        raise ConfigError(f"rl.task.name={cfg.name!r}: its prompts({split!r}) gave "
+                          f"{str(bad_prompt)[:80]!r}; valid: a list of {{'id': int, 'prompt': "
+                          "str, 'answer': ...}} dicts")
     ids = [p["id"] for p in out]
     bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, int)
                 or not INT64[0] <= i <= INT64[1]), None)

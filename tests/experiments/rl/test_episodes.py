@@ -1,6 +1,9 @@
 """Scoring episodes."""
 from __future__ import annotations
 
+from decimal import Decimal
+from fractions import Fraction
+
 import numpy as np
 
 from experiments.rl.rewards import first_int_reward
@@ -36,8 +39,10 @@ def test_a_reward_that_raises_or_returns_no_finite_number_is_a_config_error():
         return {"tokens": np.array(prompt + tok.encode("2"), np.int32),
                 "prompt_len": len(prompt), "mask": np.ones(1, np.int8)}
 
-    for value, shown in ((float("nan"), "'nan'"), (float("inf"), "'inf'"), ("1", "'1'"),
-                         (None, "'None'")):
+    for value, shown in ((float("nan"), "'nan' (float)"), (float("inf"), "'inf' (float)"),
+                         ("1", "'1' (str)"), (None, "'None' (NoneType)"),
+                         (10 ** 400, "'1000000000000000000000000000000000000000' (int)"),
+                         (1j, "'1j' (complex)")):
         with pytest.raises(ConfigError) as e:
             score([traj()], tok, 2, lambda c, a, v=value: v)
         assert f"returned {shown} on the completion '2' (answer '2'); valid: a finite" \
@@ -49,9 +54,19 @@ def test_a_reward_that_raises_or_returns_no_finite_number_is_a_config_error():
     with pytest.raises(ConfigError, match=r"test_episodes\..*broken \(rl.task.reward, or the "
                                           r"task's own\) raised KeyError: 'boom'"):
         score([traj()], tok, 2, broken)
+
+    def verbose(c, a):
+        raise ValueError("first line\nsecond line")
+
+    with pytest.raises(ConfigError) as e:  # named in one line
+        score([traj()], tok, 2, verbose)
+    assert "raised ValueError: first line on the completion" in str(e.value)
+    assert "\n" not in str(e.value)
+    for number in (np.float32(0.5), np.int64(1), Fraction(1, 2), Decimal("0.5")):
+        t = traj()
+        score([t], tok, 2, lambda c, a, n=number: n)  # numbers of every kind are numbers
+        assert t["reward"] == float(number) and isinstance(t["reward"], float)
     t = traj()
-    score([t], tok, 2, lambda c, a: np.float32(0.5))  # numpy numbers are numbers
-    assert t["reward"] == 0.5 and isinstance(t["reward"], float)
     t = traj()
     score([t], tok, 2, lambda c, a: c == str(a))  # a comparison's bool is 1 or 0
     assert t["reward"] == 1.0 and isinstance(t["reward"], float)

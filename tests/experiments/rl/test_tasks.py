@@ -210,8 +210,20 @@ def test_a_task_factory_that_raises_is_a_config_error_naming_it():
         with pytest.raises(ConfigError, match=r"^rl\.task\.name='wrong': the factory "
                                               r"returned int, not"):
             get_task(_registered("wrong", lambda cfg: 3))
+        # malformed prompts are named before any worker meets them (they crashed rollout
+        # workers with a traceback, and every recovery again)
+        cases = (([{"id": 0, "prompt": [1, 5], "answer": 6}], "[1, 5]"),
+                 ([{"id": 0, "prompt": "1+1="}], "'1+1='"), ("not a list", "not a list"),
+                 ([3], "3"))
+        for n, (prompts, shown) in enumerate(cases):
+            cfg = _registered(f"malformed{n}", lambda cfg, p=prompts: tasks.Task(
+                "m", lambda split: p, tasks.REWARDS["math"]))
+            with pytest.raises(ConfigError, match=rf"^rl\.task\.name='malformed{n}': its "
+                                                  r"prompts\('train'\) gave .*"
+                                                  + re.escape(shown)):
+                dataset(cfg, "train")
     finally:
-        for name in ("bad", "bad_split", "wrong"):
+        for name in ("bad", "bad_split", "wrong", *(f"malformed{n}" for n in range(4))):
             tasks.TASKS.pop(name, None)
 
 
