@@ -107,9 +107,17 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
             except yaml.YAMLError as e:
                 raise ConfigError(f"bad value for {key}={raw!r}: not YAML ({e})") from None
             expected = list if isinstance(node, ListConfig) else dict
+            shape = '[list]' if expected is list else '{map}'
             if not isinstance(value, expected):
-                raise ConfigError(f"bad value for {key}={raw!r}: expected a "
-                                  f"{'[list]' if expected is list else '{map}'}")
+                raise ConfigError(f"bad value for {key}={raw!r}: expected a {shape}")
+            element = getattr(node._metadata, "element_type", None)
+            nested = next((v for v in (value.values() if expected is dict else value)
+                           if isinstance(v, (dict, list))), None)
+            if element in (str, int, float, bool) and nested is not None:  # (it passed the
+                # update, and failed later with a traceback)
+                raise ConfigError(f"bad value for {key}={raw!r}: {nested!r} is not a "
+                                  f"{element.__name__}; valid: a {shape} of "
+                                  f"{element.__name__} values")
             node_conf = OmegaConf.select(conf, key)
             if node_conf is not None:  # replace, do not merge, a list or map
                 OmegaConf.update(conf, key, expected(), merge=False)

@@ -52,6 +52,11 @@ def test_bad_overrides_name_the_key(override, words):
     ("rpc.stream_hwm=0", "rpc.stream_hwm must be >= 1"),
     ("recover=x", "bad value for recover.type='x': valid values: ['auto', 'resume', 'off']"),
     ("recover.retries=-1", "recover.retries and backoff must be >= 0"),
+    # a nested value in a map of strings passed the update and failed later, in a traceback
+    ("rl.task.options={a: [1, 2]}", "bad value for rl.task.options='{a: [1, 2]}': [1, 2] is "
+                                    "not a str; valid: a {map} of str values"),
+    ("rl.task.options={a: {b: 1}}", "bad value for rl.task.options='{a: {b: 1}}': {'b': 1} "
+                                    "is not a str"),
 ])
 def test_sections_errors_get_their_mount_point(override, message):
     """Sections name only their own fields; the override machinery adds the dotted path of the
