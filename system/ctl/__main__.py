@@ -40,6 +40,17 @@ def _lines(text: str) -> int:
     return n
 
 
+def _seconds(text: str) -> float:
+    """``--grace``: seconds, 0 or more."""
+    try:
+        s = float(text)
+    except ValueError:
+        s = -1.0
+    if not 0 <= s < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return s
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m system.ctl", description=__doc__.split("\n")[0],
                                 epilog=__doc__.split("\n\n", 2)[2],
@@ -57,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
     p_st.add_argument("--json", action="store_true", help="print the status as JSON")
     p_ca = sub.add_parser("cancel", help="stop every job and process of a trial (within 30 s)")
     p_ca.add_argument("words", nargs="+", metavar="KEY=VALUE", help=TRIAL_HELP)
-    p_ca.add_argument("--grace", type=float, default=cancel.GRACE,
+    p_ca.add_argument("--grace", type=_seconds, default=cancel.GRACE,
                       help="seconds the controller gets to stop the trial itself before "
                            "cancel stops what is left (default: %(default)s)")
     p_lo = sub.add_parser("logs", help="print or follow a worker's log (KIND:INDEX), or the "

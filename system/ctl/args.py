@@ -15,6 +15,7 @@ from system.checks import check_name
 from system.errors import ConfigError
 from system.launcher.config import ExperimentConfig, RunMode
 from system.launcher.eval_mode import run_paths
+from system.launcher.eval_mode import trial_paths as trial_paths_of
 from system.launcher.overrides import CliArgs, apply_overrides, parse_cli
 from system.paths import TrialPaths
 
@@ -37,6 +38,11 @@ def trial_paths(words: list[str]) -> TrialPaths:
     ``mode=eval``, the directory of the trial's evaluation run (``<trial>/eval/``)."""
     cfg = words_config(parse_cli(words))
     paths = run_paths(cfg)
+    trained = trial_paths_of(cfg).root
+    if cfg.mode == RunMode.EVAL and os.path.isdir(trained) and not os.path.isdir(paths.root):
+        raise ConfigError(f"trial {cfg.exp}/{cfg.trial} has not been evaluated ({paths.root} "
+                          "does not exist); evaluate it with: python -m system.launch "
+                          f"exp={cfg.exp} trial={cfg.trial} mode=eval")
     if not os.path.isdir(paths.root):
         raise ConfigError(f"no trial {cfg.exp}/{cfg.trial} under cluster.fileroot="
                           f"{os.path.abspath(cfg.cluster.fileroot)} ({paths.root} does not "

@@ -189,6 +189,11 @@ def run(paths: TrialPaths, grace: float = GRACE) -> int:
             _say(t0, f"the controller has stopped; trial {view.state}")
         else:
             _say(t0, "the controller did not stop in time: stopping the trial's jobs here")
+    elif view.other_run is not None:  # (its processes are not this run's: left alone)
+        _say(t0, f"{view.exp}/{view.trial} is {view.state}, but {view.other_line()}: cancel "
+             "that run with the same words and mode="
+             f"{view.other_run.get('mode', 'train')}")
+        return 1
     else:
         _say(t0, f"{view.exp}/{view.trial} is {view.state}; checking that nothing is left")
     deadline = t0 + DEADLINE

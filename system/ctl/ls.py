@@ -27,8 +27,8 @@ def find_trials(fileroot: str) -> list[TrialPaths]:
 
 
 def rows(views: list[TrialView]) -> list[tuple[str, ...]]:
-    return [(f"{v.exp}/{v.trial}", v.state, v.step(), since(v.started), v.scheduler)
-            for v in views]
+    return [(f"{v.exp}/{v.trial}", v.state + (" (evaluating)" if v.other_run else ""),
+             v.step(), since(v.started), v.scheduler) for v in views]
 
 
 def run(fileroot: str) -> int:

@@ -121,7 +121,7 @@ def gather(view: TrialView) -> dict[str, Any]:
         "started": view.started, "updated": float(view.record.get("updated") or 0.0),
         "controller": {**(view.record.get("controller") or {}),
                        "lock_holder": view.holder, "key_live": live.controller},
-        "cancel_request": view.cancel, "jobs": jobs(view),
+        "cancel_request": view.cancel, "other_run": view.other_line(), "jobs": jobs(view),
         "workers": {"expected": expected, "alive": sorted(live.heartbeats),
                     "missing": [w for w in expected if w not in live.heartbeats]},
         "progress": live.progress or dict(view.record.get("progress") or {}),
@@ -140,6 +140,8 @@ def render(s: dict[str, Any]) -> str:
              f"{since(s['started'])} ago, status.json updated {since(s['updated'])} ago)",
              f"  dir: {s['dir']}", f"  scheduler: {s['scheduler']}; controller: {where}"
              + (" (alive)" if c.get("lock_holder") else "")]
+    if s["other_run"]:
+        lines.append(f"  {s['other_run']}")
     lines.append("  jobs:")
     for j in s["jobs"]:
         reason = f" reason={j['reason']}" if j["reason"] else ""

@@ -74,10 +74,22 @@ class TrialView:
     """The lock holder: the live controller's process (None: no controller runs)."""
     cancel: dict[str, Any] | None
     """The cancel request of this run of the trial, if any."""
+    other_run: dict[str, Any] | None = None
+    """The lock holder when it is the trial's other run: its evaluation (``mode=eval``) while
+    this is the training's view, or the reverse."""
 
     @property
     def live(self) -> bool:
         return self.state in LIVE_STATES
+
+    def other_line(self) -> str:
+        """What runs of the trial besides this run (empty when nothing does)."""
+        if self.other_run is None:
+            return ""
+        mode = self.other_run.get("mode", RunMode.TRAIN.value)
+        what = "its evaluation (mode=eval)" if mode == RunMode.EVAL.value else "its training"
+        return (f"{what} runs: pid {self.other_run.get('pid')} on "
+                f"{self.other_run.get('host')} (see it with mode={mode})")
 
     @property
     def scheduler(self) -> str:
@@ -138,15 +150,15 @@ def read_trial(paths: TrialPaths) -> TrialView:
     if record is None or (summary and float(summary.get("t0_epoch") or 0)
                           > float(record.get("started") or 0) > 0):
         record = _from_summary(summary) if summary else {}
-    holder = lock_holder(lock)
+    holder, other = lock_holder(lock), None
     if holder is not None and holder.get("mode", RunMode.TRAIN.value) != mode:
-        holder = None  # the trial's other run holds it (training, or its evaluation)
+        holder, other = None, holder  # the trial's other run holds it
     cancel = read_json(paths.cancel_request)
     if cancel and record.get("started") and float(cancel.get("time", 0)) < float(
             record.get("started") or 0):
         cancel = None  # a request to an earlier run of this trial
     return TrialView(paths, exp, trial, _state(record, holder, cancel), record, summary,
-                     holder, cancel)
+                     holder, cancel, other)
 
 
 def _state(record: StatusRecord, holder: dict[str, Any] | None,

@@ -74,19 +74,35 @@ def test_an_evaluation_needs_none_of_its_trials_plugins(fileroot, capsys):
     assert "unknown key 'rl.task.rewrd'" in capsys.readouterr().err
 
 
-def test_a_running_evaluation_is_live_under_its_trials_lock(fileroot):
+def test_a_running_evaluation_is_live_under_its_trials_lock(fileroot, capsys):
     """An evaluation holds its trial's lock (not one in ``eval/``) and runs as its trial in name
     resolution: ctl showed a running one as lost, named ``t/eval``."""
     trained, run = _evaluation(fileroot, "running")
+    _write(trained.status, {"exp": "arith-tiny", "trial": "t", "state": "completed",
+                            "scheduler": "local", "started": time.time() - 60, "jobs": [],
+                            "progress": {}, "logs": {}})
+    words = ["exp=arith-tiny", "trial=t", f"cluster.fileroot={fileroot}"]
     lock = TrialLock.acquire(trained.lock, "arith-tiny/t", "eval")
     try:
         view = read_trial(run)
         assert (view.exp, view.trial, view.state, view.live) == ("arith-tiny", "t", "running",
                                                                  True)
-        assert read_trial(trained).holder is None  # the trial's training is not running
+        training = read_trial(trained)
+        assert training.holder is None  # the trial's training is not running
+        # but the training's view says what does (ctl said "nothing is left" and exit 0 to a
+        # cancel while the evaluation ran on)
+        assert training.other_line() == (f"its evaluation (mode=eval) runs: pid {os.getpid()} "
+                                         f"on {socket.gethostname()} (see it with mode=eval)")
+        assert main(["status", *words]) == 3
+        assert "  its evaluation (mode=eval) runs: pid" in capsys.readouterr().out
+        assert main(["cancel", *words]) == 1
+        assert "cancel that run with the same words and mode=eval" in capsys.readouterr().out
+        assert main(["ls", *words[2:]]) == 0
+        assert "arith-tiny/t  completed (evaluating)" in capsys.readouterr().out
     finally:
         lock.release()
     assert read_trial(run).state == "lost"
+    assert read_trial(trained).other_run is None
     # the trial's training holds the lock: the evaluation is not the one running (was shown
     # live, and cancelling it set the key the training controller watches)
     lock = TrialLock.acquire(trained.lock, "arith-tiny/t", "train")
@@ -203,3 +219,14 @@ def test_ls_takes_the_file_root_as_the_other_commands_do(tmp_path, capsys):
     with pytest.raises(ConfigError, match="the file root is empty"):
         ls_fileroot(None, ["cluster.fileroot="])
     assert main(["ls", "exp=smoke"]) == 2
+
+
+def test_a_trial_never_evaluated_is_named_as_such(fileroot, capsys):
+    """``mode=eval`` on a trial that exists but was never evaluated said there was no trial."""
+    _trial(fileroot, "arith-tiny", "t")
+    words = ["exp=arith-tiny", "trial=t", f"cluster.fileroot={fileroot}", "mode=eval"]
+    assert main(["status", *words]) == 2
+    err = capsys.readouterr().err
+    assert "trial arith-tiny/t has not been evaluated" in err and "mode=eval" in err, err
+    assert main(["status", "exp=arith-tiny", "trial=none", *words[2:]]) == 2
+    assert "no trial arith-tiny/none under" in capsys.readouterr().err
