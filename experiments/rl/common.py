@@ -7,6 +7,7 @@ from typing import Any
 from experiments.rl.config import RLConfig, resolve_model_path
 from experiments.rl.tasks import Prompt, dataset, get_task
 from experiments.rl.tokenizer import load_tokenizer
+from system.errors import ConfigError
 from system.files import fsync_path
 from workers.base import Worker
 from workers.schema import Trajectory
@@ -51,8 +52,24 @@ def encode_prompt(tok: Any, text: str, chat: bool) -> list[int]:
 
 
 def eval_prompts(rl: RLConfig, tok: Any) -> list[tuple[Prompt, list[int]]]:
+    """The held-out prompts with their token ids. A prompt too long for the servers' context
+    with ``rl.agent.max_new_tokens`` more is a ConfigError naming where it comes from and its
+    id (a training prompt is skipped instead: an evaluation without it would measure another
+    set); it stopped the first evaluation with the server's words alone. (An agent function
+    sets its own request sizes: not checked here.)"""
     task = get_task(rl.task)
-    return [(p, encode_prompt(tok, p["prompt"], task.chat)) for p in dataset(rl.task, "eval")]
+    out = [(p, encode_prompt(tok, p["prompt"], task.chat)) for p in dataset(rl.task, "eval")]
+    room = rl.vllm.max_model_len - rl.agent.max_new_tokens
+    long = next(((p, ids) for p, ids in out if len(ids) > room), None)
+    if long is not None and rl.agent.kind != "openai":
+        source = (f"rl.task.eval_path={rl.task.eval_path!r}" if rl.task.eval_path else
+                  f"rl.task.name={rl.task.name!r}")
+        raise ConfigError(f"{source}: held-out prompt id {long[0]['id']} ({len(long[1])} "
+                          f"tokens) + rl.agent.max_new_tokens ({rl.agent.max_new_tokens}) "
+                          f"exceeds rl.vllm.max_model_len={rl.vllm.max_model_len}; valid: "
+                          f"held-out prompts of at most {room} tokens, or a larger "
+                          "rl.vllm.max_model_len")
+    return out
 
 
 def group_version(trajs: list[Trajectory], fallback: int) -> int:

@@ -122,8 +122,8 @@ def _reward(reward_fn: Callable[[str, Any], float], text: str, answer: Any,
             return reward_fn(text, answer)
         except Exception as e:
             what = (f"the reward function {_name(reward_fn)} (rl.task.reward, or the task's "
-                    f"own) raised {type(e).__name__}: {first_line(e)} on the completion {text[:60]!r} "
-                    f"(answer {str(answer)[:40]!r})")
+                    f"own) raised {type(e).__name__}: {first_line(e)} on the completion "
+                    f"{text[:60]!r} (answer {str(answer)[:40]!r})")
             if not transient(e):
                 raise ConfigError(what) from e
             if attempt == len(delays):

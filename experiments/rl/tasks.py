@@ -59,6 +59,10 @@ def _name(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
+class EmptyPromptFile(ConfigError):
+    """A prompt file the config names holds no prompts (seen where the file is read)."""
+
+
 def _call(cfg: TaskConfig, what: str, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)``: a task's own code, deterministic in ``cfg`` (it runs in the master and in
     every rollout worker), so what it raises would be raised again by a restart: a
@@ -86,8 +90,8 @@ def dataset(cfg: TaskConfig, split: str) -> list[Prompt]:
     if path:
         out = load_prompts(path, cfg.fields, cfg.train_split if split == "train"
                            else cfg.eval_split, key=key)
-        if not out and split == "train":  # (an empty eval set: mode=eval says "holds none")
-            raise ConfigError(f"{key}={path!r} holds no prompts; valid: a .jsonl file with one "
+        if not out:  # (a file named and empty is a mistake: training's or evaluation's)
+            raise EmptyPromptFile(f"{key}={path!r} holds no prompts; valid: a .jsonl file with one "
                               "JSON object per line, or a parquet file or saved dataset with "
                               "at least one row")
         _check_answers(cfg, f"{key}={path!r}", out)
@@ -139,5 +143,5 @@ def _check_answers(cfg: TaskConfig, source: str, prompts: list[Any]) -> None:
                               "rl.task.reward=math") from None
 
 
-__all__ = ["Prompt", "SPLITS", "TASKS", "Task", "TaskConfig", "TaskFactory", "dataset",
-           "get_task"]
+__all__ = ["EmptyPromptFile", "Prompt", "SPLITS", "TASKS", "Task", "TaskConfig", "TaskFactory",
+           "dataset", "get_task"]

@@ -26,7 +26,7 @@ from experiments.rl.eval_results import (PLOT, RESULTS, EvalResult, checkpoint_i
                                          write_results)
 from experiments.rl.evaluate import evaluate
 from experiments.rl.openai_agent import trial_agent
-from experiments.rl.tasks import dataset
+from experiments.rl.tasks import EmptyPromptFile, dataset
 from system.errors import ConfigError
 from workers.client import collect
 from workers.generation import GenerationClient
@@ -118,6 +118,8 @@ def nothing_to_evaluate(cfg: RLExperimentConfig, trial_root: str, eval_dir: str)
     says why). ConfigError (one line) when the task has no held-out prompts to evaluate on."""
     try:
         held_out = dataset(cfg.rl.task, "eval")
+    except EmptyPromptFile:  # (seen here: it is empty wherever it is read)
+        raise
     except Exception:  # (a file this machine does not see, a plugin that fails: the run says)
         held_out = None
     if held_out == []:

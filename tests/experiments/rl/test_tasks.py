@@ -317,7 +317,9 @@ def test_an_empty_training_set_names_its_file_or_task(tmp_path):
     empty = _jsonl(tmp_path, "empty.jsonl", "\n\n")
     with pytest.raises(ConfigError, match=rf"^rl\.task\.train_path={empty!r} holds no prompts"):
         dataset(TaskConfig(train_path=empty), "train")
-    assert dataset(TaskConfig(eval_path=empty), "eval") == []  # mode=eval says "holds none"
+    # an empty held-out file named is a mistake too: it trained with no evaluation, silently
+    with pytest.raises(ConfigError, match=rf"^rl\.task\.eval_path={empty!r} holds no prompts"):
+        dataset(TaskConfig(eval_path=empty), "eval")
     zero = str(tmp_path / "zero.parquet")
     pq.write_table(pa.table({"prompt": pa.array([], pa.string()),
                              "answer": pa.array([], pa.string())}), zero)
@@ -383,3 +385,30 @@ def test_a_file_without_a_known_suffix_is_refused_when_read(tmp_path):
     path = _jsonl(tmp_path, "train", GOOD)
     with pytest.raises(ConfigError, match=r"train_path=.*is a file.*\.jsonl or \.parquet"):
         dataset(TaskConfig(train_path=path), "train")
+
+
+def test_a_held_out_prompt_too_long_is_named_with_its_file_and_id(tmp_path):
+    """A held-out prompt that cannot fit the servers' context stopped the first evaluation with
+    the server's words alone (no file, no id; under mode=eval, a traceback)."""
+    from experiments.rl.agents import AgentConfig
+    from experiments.rl.common import eval_prompts
+    from experiments.rl.config import RLConfig
+    from tests.helpers import CharTok
+    from workers.engines.vllm_config import VllmConfig
+
+    tok = CharTok()
+    tok.bos_token_id = 1
+    rows = [{"id": 7, "prompt": "1+1=", "answer": 2}, {"id": 9, "prompt": "1+" * 70 + "1=",
+                                                        "answer": 71}]
+    path = _jsonl(tmp_path, "eval.jsonl", "\n".join(json.dumps(r) for r in rows))
+    rl = RLConfig(task=TaskConfig(eval_path=path), agent=AgentConfig(max_new_tokens=4),
+                  vllm=VllmConfig(max_model_len=128))
+    with pytest.raises(ConfigError, match=rf"^rl\.task\.eval_path={re.escape(repr(path))}: "
+                                          r"held-out prompt id 9 \(143 tokens\) \+ "
+                                          r"rl\.agent\.max_new_tokens \(4\) exceeds "
+                                          r"rl\.vllm\.max_model_len="):
+        eval_prompts(rl, tok)
+    path = _jsonl(tmp_path, "short.jsonl", json.dumps(rows[0]))
+    rl = RLConfig(task=TaskConfig(eval_path=path), agent=AgentConfig(max_new_tokens=4),
+                  vllm=VllmConfig(max_model_len=128))
+    assert [ids for _, ids in eval_prompts(rl, tok)] == [[1] + tok.encode("1+1=")]
