@@ -286,6 +286,16 @@ class Worker:
                 self._fail_out_of_fds(watch.detail, serve)
                 return
 
+    def fail_now(self, e: Exception) -> None:
+        """End this process at once, from any thread, reporting ``e`` (the controller names
+        it; a ConfigError is not recovered): for a role stuck where no exception reaches it
+        (a user's reward function that never returns)."""
+        log.error("%s failed: %s", self.name, e)
+        self.state = WorkerState.FAILED
+        self._report_failure(e, "")
+        logging.shutdown()
+        os._exit(1)
+
     def _fail_out_of_fds(self, detail: str, serve: threading.Thread) -> None:
         message = (f"{self.name} ran out of file descriptors ({detail}; a flood of "
                    f"connections to {self.server.address}?): stopping")

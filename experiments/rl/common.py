@@ -5,6 +5,7 @@ import os
 from typing import Any
 
 from experiments.rl.config import RLConfig, resolve_model_path
+from experiments.rl.reward_watch import RewardWatch
 from experiments.rl.tasks import Prompt, dataset, get_task
 from experiments.rl.tokenizer import load_tokenizer
 from system.errors import ConfigError
@@ -72,6 +73,12 @@ def eval_prompts(rl: RLConfig, tok: Any) -> list[tuple[Prompt, list[int]]]:
     return out
 
 
+def reward_watch(worker: Worker, timeout: float) -> RewardWatch:
+    """The deadline on ``worker``'s reward calls (``rl.task.reward_timeout``): a call past it
+    fails the worker at once, with a ConfigError naming the function (not recovered)."""
+    return RewardWatch(timeout, lambda message: worker.fail_now(ConfigError(message)))
+
+
 def group_version(trajs: list[Trajectory], fallback: int) -> int:
     """The oldest weight version that produced a policy token of the group."""
     vs = [int(t["versions"][t["mask"] == 1].min()) for t in trajs
@@ -80,4 +87,5 @@ def group_version(trajs: list[Trajectory], fallback: int) -> int:
 
 
 __all__ = ["encode_prompt", "eval_prompts", "experiment_model_path",
-           "group_version", "load_tokenizer", "model_path", "rl_config", "rl_section"]
+           "group_version", "load_tokenizer", "model_path", "reward_watch", "rl_config",
+           "rl_section"]

@@ -9,6 +9,7 @@ import numpy as np
 
 from experiments.rl.agents import Episode, GenRequest
 from experiments.rl.plugins import finite_reward, first_line
+from experiments.rl.reward_watch import RewardWatch
 from system.errors import ConfigError, RemoteError
 from workers.client import Pending
 from workers.generation import GenerationClient
@@ -93,7 +94,8 @@ def unservable(e: BaseException) -> bool:
 
 def score(trajs: list[Trajectory], tok: Any, answer: Any,
           reward_fn: Callable[[str, Any], float],
-          delays: Sequence[float] = REWARD_RETRY_DELAYS) -> None:
+          delays: Sequence[float] = REWARD_RETRY_DELAYS,
+          watch: RewardWatch | None = None) -> None:
     """Reward each trajectory on its final answer: the policy's last turn (after the last tool
     output; for a single-turn agent, the whole completion). A reward function that raises, or
     returns anything but a finite number (``True``/``False`` count as 1/0), is a ConfigError
@@ -105,7 +107,7 @@ def score(trajs: list[Trajectory], tok: Any, answer: Any,
         tool = np.nonzero(t["mask"] == 0)[0]
         final = comp[tool[-1] + 1:] if len(tool) else comp
         text = tok.decode([int(x) for x in final], skip_special_tokens=True)
-        reward = _reward(reward_fn, text, answer, delays)
+        reward = _reward(reward_fn, text, answer, delays, watch)
         value = finite_reward(reward)
         if value is None:
             raise ConfigError(f"the reward function {_name(reward_fn)} (rl.task.reward, or the "
@@ -116,10 +118,15 @@ def score(trajs: list[Trajectory], tok: Any, answer: Any,
 
 
 def _reward(reward_fn: Callable[[str, Any], float], text: str, answer: Any,
-            delays: Sequence[float]) -> Any:
+            delays: Sequence[float], watch: RewardWatch | None = None) -> Any:
     for attempt in range(len(delays) + 1):
         try:
-            return reward_fn(text, answer)
+            if watch is None:
+                return reward_fn(text, answer)
+            with watch.watching(f"the reward function {_name(reward_fn)} (rl.task.reward, or "
+                                f"the task's own), on the completion {text[:60]!r} (answer "
+                                f"{str(answer)[:40]!r}),"):
+                return reward_fn(text, answer)
         except Exception as e:
             what = (f"the reward function {_name(reward_fn)} (rl.task.reward, or the task's "
                     f"own) raised {type(e).__name__}: {first_line(e)} on the completion "

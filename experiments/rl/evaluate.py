@@ -12,6 +12,7 @@ from experiments.rl.config import RLConfig
 from experiments.rl.data import Router
 from experiments.rl.episodes import run_episodes, score
 from experiments.rl.openai_agent import OpenAIAgent, Session
+from experiments.rl.reward_watch import RewardWatch
 from experiments.rl.tasks import Prompt, get_task
 from system.errors import ConfigError
 from workers.generation import GenerationClient
@@ -32,7 +33,8 @@ class Evaluation(NamedTuple):
 def evaluate(gens: dict[int, GenerationClient], rl: RLConfig, tok: Any,
              agent: SingleTurnAgent | OpenAIAgent, router: Router,
              prompts: list[tuple[Prompt, list[int]]],
-             alive: Callable[[int], bool] | None = None) -> Evaluation:
+             alive: Callable[[int], bool] | None = None,
+             watch: RewardWatch | None = None) -> Evaluation:
     """Greedy accuracy (mean reward) on the held-out prompts, through the live servers
     (``gens``: by replica index; ``router`` picks among the live ones)."""
     if not prompts:
@@ -51,7 +53,7 @@ def evaluate(gens: dict[int, GenerationClient], rl: RLConfig, tok: Any,
             router.done(server)
     total, digest = 0.0, hashlib.sha256()
     for (p, _), trajs in zip(prompts, results):
-        score(trajs, tok, p["answer"], task.reward)
+        score(trajs, tok, p["answer"], task.reward, watch=watch)
         total += trajs[0]["reward"]
         digest.update(trajs[0]["tokens"].astype("<i8").tobytes() + b"|")
     return Evaluation(total / len(prompts), digest.hexdigest()[:16])

@@ -25,7 +25,7 @@ from experiments.rl.checkpoint import CheckpointDir
 from experiments.rl.checkpoint_layout import check_resume_layout, layout_of
 from experiments.rl.cluster import Cluster
 from experiments.rl.common import eval_prompts, group_version, load_tokenizer, model_path, \
-    save_tokenizer
+    reward_watch, save_tokenizer
 from experiments.rl.config import RLConfig
 from experiments.rl.data import PromptCursor, Router, TaskSource
 from experiments.rl.episodes import unservable
@@ -96,6 +96,7 @@ class RLLoop:
                                 self.puller.address, replace=True)
         self.agent = trial_agent(rl.agent, self.tok, master.boot.trial_dir, rl.call_timeout)
         self.held_out = eval_prompts(rl, self.tok)
+        self.reward_watch = reward_watch(master, rl.task.reward_timeout)
         self.samples_at_start = self.state.consumed * rl.group_size
         self.seconds_at_start = self.state.loop_seconds  # (the earlier masters' loop time)
         self.t_loop = time.monotonic()
@@ -138,7 +139,7 @@ class RLLoop:
             gens = {r: self.cluster.gens[r] for r in self.cluster.live}
             try:
                 return evaluate(gens, self.rl, self.tok, self.agent, self.router, self.held_out,
-                                self.gen_alive)
+                                self.gen_alive, self.reward_watch)
             except RpcError as e:
                 if unservable(e):  # asking again cannot change it
                     raise ConfigError(f"a held-out prompt cannot be evaluated: {e}") from e

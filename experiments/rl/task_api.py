@@ -57,11 +57,17 @@ class TaskConfig:
     """Seed of the generated data."""
     options: Dict[str, str] = dataclasses.field(default_factory=dict)
     """A plugin's own settings, a map (``rl.task.options={level: 3}``); built-ins take none."""
+    reward_timeout: float = 300.0
+    """Seconds one call of the reward function may run (0: no limit); one still running then
+    stops the trial in one line naming it (a call cannot be interrupted)."""
 
     def __post_init__(self) -> None:
         plugins.check(plugins.TASK_GROUP, "name", self.name, list(BUILTIN_TASKS))
         if self.reward:
             plugins.check(plugins.REWARD_GROUP, "reward", self.reward, sorted(REWARDS))
+        if not 0 <= self.reward_timeout < float("inf"):
+            raise ConfigError(f"reward_timeout must be >= 0 seconds (0: no limit), got "
+                              f"{self.reward_timeout}")
         for key, least in (("train_size", 1), ("eval_size", 0), ("max_operand", 1)):
             if getattr(self, key) < least:
                 raise ConfigError(f"{key} must be >= {least}, got {getattr(self, key)}")

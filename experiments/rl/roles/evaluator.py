@@ -18,9 +18,11 @@ from typing import Any
 
 from experiments.rl.checkpoint import CheckpointDir
 from experiments.rl.checkpoint_weights import CheckpointFormatError, actor_dir
-from experiments.rl.common import eval_prompts, load_tokenizer, model_path, rl_config
+from experiments.rl.common import eval_prompts, load_tokenizer, model_path, reward_watch, \
+    rl_config
 from experiments.rl.config import RLConfig, RLExperimentConfig
 from experiments.rl.data import Router
+from experiments.rl.reward_watch import RewardWatch
 from experiments.rl.eval_results import (PLOT, RESULTS, EvalResult, checkpoint_id, eval_set_id,
                                          merged, pending, plot_accuracy, read_results,
                                          write_results)
@@ -161,6 +163,7 @@ def evaluate_checkpoints(master: MasterWorker, rl: RLConfig,
     tok = load_tokenizer(model_path(master, rl))
     agent = trial_agent(rl.agent, tok, master.boot.trial_dir, rl.call_timeout)
     held_out = eval_prompts(rl, tok)
+    watch = reward_watch(master, rl.task.reward_timeout)
     if not held_out:  # (the launcher refuses it first: see nothing_to_evaluate)
         raise ConfigError(no_held_out(rl))
     router = Router(len(gens))
@@ -174,7 +177,8 @@ def evaluate_checkpoints(master: MasterWorker, rl: RLConfig,
              len(steps) - len(todo), results_path)
     for i, step in enumerate(todo):
         master.set_progress(phase="evaluating", step=f"{i + 1}/{len(todo)}", version=step)
-        result = evaluate_one(ckpt.path(step), step, rl, gens, tok, agent, router, held_out)
+        result = evaluate_one(ckpt.path(step), step, rl, gens, tok, agent, router, held_out,
+                              watch)
         result["eval_set"] = eval_set
         rows = merged(rows, result)
         write_results(results_path, rows)
@@ -189,7 +193,8 @@ def evaluate_checkpoints(master: MasterWorker, rl: RLConfig,
 
 
 def evaluate_one(step_dir: str, step: int, rl: RLConfig, gens: dict[int, GenerationClient],
-                 tok: Any, agent: Any, router: Router, held_out: list) -> EvalResult:
+                 tok: Any, agent: Any, router: Router, held_out: list,
+                 watch: RewardWatch | None = None) -> EvalResult:
     """Load checkpoint ``step_dir`` into every server as version ``step``, check that each
     serves it, and evaluate."""
     weights = actor_dir(step_dir, rl.actor.backend)
@@ -201,7 +206,7 @@ def evaluate_one(step_dir: str, step: int, rl: RLConfig, gens: dict[int, Generat
         raise RuntimeError(f"after loading {weights} the servers report weights versions "
                            f"{versions}, not {step}")
     t1 = time.monotonic()
-    ev = evaluate(gens, rl, tok, agent, router, held_out)
+    ev = evaluate(gens, rl, tok, agent, router, held_out, watch=watch)
     return {"step": step, "accuracy": float(ev.accuracy), "digest": ev.digest,
             "n_prompts": len(held_out),
             "seconds": time.monotonic() - t1, "load_seconds": t1 - t0, "checkpoint": weights,

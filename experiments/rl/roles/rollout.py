@@ -10,7 +10,8 @@ import uuid
 from typing import Any, NamedTuple
 
 from experiments.rl.agents import Episode, make_agent, task_seed
-from experiments.rl.common import encode_prompt, load_tokenizer, model_path, rl_config
+from experiments.rl.common import (encode_prompt, load_tokenizer, model_path, reward_watch,
+                                   rl_config)
 from experiments.rl.config import RLConfig
 from experiments.rl.episodes import run_episodes, score, unservable
 from experiments.rl.openai_agent import OpenAIAgent, Session, group_trajectories
@@ -43,6 +44,7 @@ class _Rollouts:
         self.worker, self.rl = worker, rl
         self.tok = load_tokenizer(model_path(worker, rl))
         self.task = get_task(rl.task)
+        self.watch = reward_watch(worker, rl.task.reward_timeout)
         self.prompts = {p["id"]: p for p in dataset(rl.task, "train")}
         self.agent = make_agent(rl.agent, self.tok)
         self.openai = (OpenAIAgent.for_trial(rl.agent, worker.boot.trial_dir, rl.call_timeout)
@@ -137,7 +139,8 @@ class _Rollouts:
         for k, t in enumerate(tasks):
             trajs = [tr for i, r in enumerate(results) if owner[i] == k for tr in r]
             if not error:
-                score(trajs, self.tok, self.prompts[t["prompt_id"]]["answer"], self.task.reward)
+                score(trajs, self.tok, self.prompts[t["prompt_id"]]["answer"], self.task.reward,
+                      watch=self.watch)
             out.append(Outcome(trajs, error, refused, False))
         return out
 
