@@ -91,9 +91,9 @@ def dataset(cfg: TaskConfig, split: str) -> list[Prompt]:
         out = load_prompts(path, cfg.fields, cfg.train_split if split == "train"
                            else cfg.eval_split, key=key)
         if not out:  # (a file named and empty is a mistake: training's or evaluation's)
-            raise EmptyPromptFile(f"{key}={path!r} holds no prompts; valid: a .jsonl file with one "
-                              "JSON object per line, or a parquet file or saved dataset with "
-                              "at least one row")
+            raise EmptyPromptFile(f"{key}={path!r} holds no prompts; valid: a .jsonl file with "
+                                  "one JSON object per line, or a parquet file or saved dataset "
+                                  "with at least one row")
         _check_answers(cfg, f"{key}={path!r}", out)
         return out  # type: ignore[return-value]
     task = get_task(cfg)
