@@ -2,6 +2,13 @@
 from __future__ import annotations
 
 
+def first_line(error: BaseException | str) -> str:
+    """An error's message (or a text) cut to its first line, "" when it has none: errors are
+    named in one line."""
+    lines = str(error).strip().splitlines()
+    return lines[0].strip() if lines else ""
+
+
 class RLSystemError(Exception):
     """Base of every error this system raises on purpose."""
 

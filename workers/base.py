@@ -22,7 +22,7 @@ from typing import Any, Callable, ClassVar
 
 from system import names
 from system.bootstrap import Bootstrap, bind_host, read_secret
-from system.errors import ConfigError, FdExhausted, NameEntryNotFound
+from system.errors import ConfigError, FdExhausted, NameEntryNotFound, first_line
 from system.limits import FdWatch, raise_fd_limit
 from system.name_resolve import NameResolveConfig, make_name_resolve
 from system.rpc import RpcClient, RpcConfig, RpcServer
@@ -391,7 +391,7 @@ class Worker:
                 # the controller's stop interrupted the role (the master's "stopped during
                 # training", a peer's answer that it stopped): a stop, not a failure
                 log.warning("%s stopped while its role ran (%s: %s)", self.name,
-                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                            type(e).__name__, first_line(e))
                 return self._exit_code(0)
             code = 1
             self.state = WorkerState.FAILED

@@ -8,9 +8,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from experiments.rl.agents import Episode, GenRequest
-from experiments.rl.plugins import finite_reward, first_line
+from experiments.rl.plugins import finite_reward
 from experiments.rl.reward_watch import RewardWatch
-from system.errors import ConfigError, RemoteError
+from system.errors import ConfigError, RemoteError, first_line
 from workers.client import Pending
 from workers.generation import GenerationClient
 from workers.schema import Sample, Trajectory

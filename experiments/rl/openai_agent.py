@@ -28,7 +28,7 @@ from experiments.rl import openai_calculator, plugins
 from experiments.rl.agents import AgentConfig, SingleTurnAgent, make_agent
 from experiments.rl.sessions import session_trajectories
 from system.api_key import read_api_key
-from system.errors import ConfigError, PeerDied
+from system.errors import ConfigError, PeerDied, first_line
 from system.paths import TrialPaths
 from workers.schema import SessionRecord, Trajectory
 
@@ -121,7 +121,7 @@ class OpenAIAgent:
             return
         except Exception as e:  # the user's code: its error fails the group, named
             s.error = (f"rl.agent.function={self.name!r} raised {type(e).__name__}: "
-                       f"{plugins.first_line(e)}")
+                       f"{first_line(e)}")
             return
         value = plugins.finite_reward(reward)
         if value is None:

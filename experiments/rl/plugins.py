@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from system.errors import ConfigError
+from system.errors import ConfigError, first_line
 
 TASK_GROUP = "slurm_rl.tasks"
 """Entry points of task factories: ``factory(cfg: TaskConfig) -> Task``."""
@@ -76,12 +76,6 @@ def load(group: str, key: str, name: str) -> Any:
         raise ConfigError(f"{key}={name!r}: the plugin {ep.value!r} is a "
                           f"{type(obj).__name__}, not a function")
     return obj
-
-
-def first_line(e: BaseException) -> str:
-    """An exception's message cut to its first line (errors are named in one line)."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def finite_reward(value: Any) -> float | None:

@@ -8,7 +8,7 @@ import os
 import re
 from typing import Any, Iterable, Iterator, Mapping
 
-from system.errors import ConfigError
+from system.errors import ConfigError, first_line
 
 FIELDS = ("prompt", "answer", "id")
 """A prompt's fields; ``id`` is optional (default: the row's index)."""
@@ -107,7 +107,7 @@ def _jsonl(src: str, path: str) -> Iterator[tuple[str, Any]]:
 
 
 def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return (first_line(e) or type(e).__name__)[:200]
 
 
 def _short(value: Any) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 from system.ctl import output, procs, slurm_query
 from system.ctl.live import LiveView, read_live
 from system.ctl.trial_state import TrialView, read_trial, since
+from system.errors import first_line
 from system.paths import TrialPaths
 
 EXIT_CODES = {"pending": 0, "starting": 0, "running": 0, "stopping": 0, "failed": 1,
@@ -164,7 +165,7 @@ def render(s: dict[str, Any]) -> str:
         lines.append("  OpenAI endpoints (key: the trial's api_key file): " + ", ".join(
             f"generation/{i} {url}" for i, url in s["endpoints"].items()))
     if s["last_error"]:
-        lines.append(f"  last error: {s['last_error'].splitlines()[0]}")
+        lines.append(f"  last error: {first_line(s['last_error'])}")
     lines.append("  logs:")
     lines += [f"    {k}: {v}" for k, v in s["logs"].items() if v]
     return "\n".join(lines)

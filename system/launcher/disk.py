@@ -16,7 +16,7 @@ import errno
 import os
 import tempfile
 
-from system.errors import WorkerFailure
+from system.errors import WorkerFailure, first_line
 
 MIN_FREE = 16 << 20
 """Below this many free bytes the file system counts as full even before any checkpoint."""
@@ -84,7 +84,7 @@ def full_disk_cause(failure: WorkerFailure, root: str, checkpoints: str) -> Work
     cause = space_cause(root, free, staged, need, refused, str(failure))
     if cause is None:
         return failure
-    first = str(failure).splitlines()[0]
+    first = first_line(failure)
     return FullDisk(f"{cause}, then launch the trial again: it continues from its latest "
                     f"checkpoint\nthen {first}", failure.worker, failure.log_path,
                     also=failure.also, config=True)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from system.errors import ConfigError
+from system.errors import ConfigError, first_line
 from system.launcher.config import ExperimentConfig, RunMode
 from system.paths import TrialPaths
 
@@ -88,7 +88,7 @@ def trained_base(cfg: ExperimentConfig, defaults: ExperimentConfig,
         base = OmegaConf.to_object(OmegaConf.merge(schema, loaded))
     except (OmegaConfBaseException, ValueError, TypeError, ConfigError) as e:
         raise ConfigError(f"mode=eval: the trial's config {saved} does not load: "
-                          f"{str(e).splitlines()[0]}") from None
+                          f"{first_line(e)}") from None
     assert isinstance(base, ExperimentConfig)
     return rebuild(base)
 

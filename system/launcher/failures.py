@@ -11,7 +11,7 @@ from typing import Iterable
 
 from scheduler.base import JobStatus
 from system import names
-from system.errors import NameEntryNotFound, WorkerFailure
+from system.errors import NameEntryNotFound, WorkerFailure, first_line
 from system.launcher.groups import log_tail
 from system.name_resolve import NameResolve
 
@@ -72,7 +72,7 @@ def root_cause(report: WorkerFailure, statuses: Iterable[JobStatus],
 def _then(dead: WorkerFailure, after: WorkerFailure, also: tuple[str, ...] = ()
           ) -> WorkerFailure:
     """``dead`` as the failure, with the first line of ``after`` (its consequence) last."""
-    first = str(after).splitlines()[0]
+    first = first_line(after)
     return WorkerFailure(f"{dead}\nthen {first}", dead.worker, dead.log_path, also=also)
 
 

@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import FloatNode
 
 from system.launcher.config import ExperimentConfig
-from system.errors import ConfigError
+from system.errors import ConfigError, first_line
 
 
 @dataclasses.dataclass
@@ -129,7 +129,7 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
         try:
             OmegaConf.update(conf, key, value, merge=True)
         except OmegaConfBaseException as e:
-            msg = str(e).splitlines()[0]
+            msg = first_line(e)
             enum_type = getattr(node, "enum_type", None)
             if enum_type is not None:
                 msg = f"valid values: {[m.value for m in enum_type]}"
@@ -144,7 +144,7 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
     except ConfigError as e:
         raise ConfigError(_with_key(conf, str(e))) from None
     except (ValueError, TypeError, OmegaConfBaseException) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+        raise ConfigError(first_line(e) or type(e).__name__) from None
     assert isinstance(cfg, ExperimentConfig)
     cfg.check_paths()
     return cfg

@@ -14,7 +14,7 @@ import dataclasses
 import time
 from typing import Any, Callable
 
-from system.errors import WorkerFailure
+from system.errors import WorkerFailure, first_line
 from system.launcher.config import RecoverConfig, RecoverMode
 
 
@@ -148,7 +148,7 @@ class Recovery:
               restarted: list[str] | None = None) -> Attempt:
         """Record a recovery; ``restarted``: the one stateless worker restarted alone (None:
         the stateful workers restart)."""
-        a = Attempt(attempt=len(self.attempts) + 1, cause=str(failure).splitlines()[0],
+        a = Attempt(attempt=len(self.attempts) + 1, cause=first_line(failure),
                     worker=failure.worker, failed_at_s=round(self._clock() - self.t0, 3),
                     failed_step=failed_step, restarted=list(restarted or []),
                     stateful=restarted is None, also=list(failure.also),

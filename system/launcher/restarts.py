@@ -17,7 +17,7 @@ from experiments.registry import Experiment
 from scheduler.base import Scheduler
 from scheduler.requeue import RequeuePolicy
 from system import names
-from system.errors import NameEntryNotFound, WorkerFailure
+from system.errors import NameEntryNotFound, WorkerFailure, first_line
 from system.launcher.config import ExperimentConfig
 from system.launcher.disk import full_disk_cause
 from system.launcher.eval_mode import checkpoint_steps
@@ -84,7 +84,7 @@ class RecoveringController:
             return None
         return Paused(f"the controller was stopped for {gap:.0f}s, longer than "
                       f"controller.orphan_timeout={limit:.0f}s: every worker stopped itself"
-                      + (f"\nthen {str(then).splitlines()[0]}" if then is not None else ""),
+                      + (f"\nthen {first_line(then)}" if then is not None else ""),
                       "master/0", self.logs["master/0"])
 
     def _start_recovering(self, summary: TrialSummary) -> None:
