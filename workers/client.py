@@ -35,20 +35,8 @@ class Pending(Generic[T]):
         """The reply, waiting up to ``timeout`` but asking ``alive()`` every ``check_every``
         seconds meanwhile: a server found dead fails the call at once
         (:class:`~system.errors.PeerDied`) instead of after the whole timeout."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                return cast(T, self._rpc.result(self._id, max(0.0, min(check_every, left)),
-                                                abandon=left <= check_every))
-            except RpcTimeout:
-                if left <= check_every:
-                    raise
-                if not alive():
-                    self._rpc.abandon(self._id)
-                    raise PeerDied(f"{self.method} to {self._rpc.address}: the server died "
-                                   "while serving it") from None
-
+        return self._wait(timeout, check_every, lambda: None if alive() else PeerDied(
+            f"{self.method} to {self._rpc.address}: the server died while serving it"))
 
     def result_unless(self, stopping: Callable[[], bool], timeout: float | None,
                       check_every: float = 0.5) -> T:
@@ -57,7 +45,16 @@ class Pending(Generic[T]):
         (:class:`~system.errors.CallAbandoned`). So a stop ends the wait within
         ``check_every`` even where no reply will come (a peer stopped before it read the
         request)."""
-        deadline = time.monotonic() + (self._rpc.timeout if timeout is None else timeout)
+        return self._wait(self._rpc.timeout if timeout is None else timeout, check_every,
+                          lambda: CallAbandoned(f"{self.method} to {self._rpc.address}: "
+                                                "abandoned, the caller is stopping")
+                          if stopping() else None)
+
+    def _wait(self, timeout: float, check_every: float,
+              give_up: Callable[[], RpcError | None]) -> T:
+        """The reply within ``timeout``, asking ``give_up()`` every ``check_every`` seconds
+        meanwhile; an error it returns abandons the call and is raised."""
+        deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             last = left <= check_every
@@ -67,10 +64,10 @@ class Pending(Generic[T]):
             except RpcTimeout:
                 if last:
                     raise
-                if stopping():
+                error = give_up()
+                if error is not None:
                     self._rpc.abandon(self._id)
-                    raise CallAbandoned(f"{self.method} to {self._rpc.address}: abandoned, the "
-                                        "caller is stopping") from None
+                    raise error from None
 
 
 def _result(p: Pending[T], timeout: float | None, stopping: Callable[[], bool] | None) -> T:
