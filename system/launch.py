@@ -17,6 +17,7 @@ import dataclasses
 import errno
 import logging
 import os
+import shlex
 import signal
 import sys
 import termios
@@ -382,7 +383,8 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
         if "--detach" in args.flags:
             return detach(cfg, paths, scheduler,
                           absolute_argv([a for a in argv if a != "--detach"], cfg), trial.lock)
-        tee_stderr(paths.logs)  # logs/launcher.log, for `python -m system.ctl logs`
+        # logs/launcher.log, for `python -m system.ctl logs`
+        tee_stderr(paths.logs, "python -m system.launch " + shlex.join(argv))
         controller = Controller(cfg, experiment, paths, scheduler,
                                 make_name_resolve(cfg.name_resolve, name_resolve_root(cfg),
                                                   trial.secret),

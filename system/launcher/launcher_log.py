@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import sys
+import time
 from typing import IO, Any
 
 ANSI = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07]*\x07|[@-Z\\-_])")
@@ -58,13 +60,23 @@ def _same_file(fd: int, path: str) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def tee_stderr(logs_dir: str) -> None:
+def run_header(command: str) -> str:
+    """The line that opens one launcher's part of the log (the file is appended to by every
+    launch of the trial): when, where and what ran."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    return f"=== {when} on {socket.gethostname()}, pid {os.getpid()}: {command}"
+
+
+def tee_stderr(logs_dir: str, command: str) -> None:
     """Copy this process's stderr (``print``, logging, tracebacks) to
-    ``<logs_dir>/launcher.log``, unless stderr already is ``<logs_dir>/controller.log``."""
+    ``<logs_dir>/launcher.log`` after a :func:`run_header` naming ``command``, unless stderr
+    already is ``<logs_dir>/controller.log``."""
     if _same_file(2, os.path.join(logs_dir, "controller.log")):
         return
     try:
         log = open(os.path.join(logs_dir, "launcher.log"), "a", encoding="utf-8")
+        log.write(("\n" if log.tell() else "") + run_header(command) + "\n")
+        log.flush()
     except OSError as e:
         print(f"warning: no launcher.log ({e})", file=sys.stderr)
         return

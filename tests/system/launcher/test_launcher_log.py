@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import sys
 
 from system.launcher.launcher_log import LineTee, tee_stderr
@@ -31,15 +32,25 @@ def test_tee_stderr_copies_prints_and_logging(tmp_path, monkeypatch):
     handler = logging.StreamHandler(term)
     logging.getLogger().addHandler(handler)
     try:
-        tee_stderr(str(logs))
-        print("error: worker rollout/1 died", file=sys.stderr)
-        logging.getLogger("t").warning("a warning")
-        sys.stderr.flush()
+        for run in ("trial=t1", "trial=t1 rl.total_steps=40"):  # two launches, one process each
+            sys.stderr = term
+            handler.setStream(term)
+            tee_stderr(str(logs), f"python -m system.launch {run}")
+            print(f"error: worker rollout/1 died in {run}", file=sys.stderr)
+            logging.getLogger("t").warning("a warning")
+            sys.stderr.flush()
     finally:
         logging.getLogger().removeHandler(handler)
     text = (logs / "launcher.log").read_text()
-    assert "error: worker rollout/1 died\n" in text and "a warning\n" in text
-    assert "a warning" in term.getvalue()
+    assert "error: worker rollout/1 died in trial=t1\n" in text and "a warning\n" in text
+    assert "a warning" in term.getvalue() and "===" not in term.getvalue()
+    # each launch's part opens with a line saying when, where and what ran, after a blank line
+    first, second = text.split("\n\n")
+    assert re.fullmatch(r"=== \d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} on \S+, pid \d+: "
+                        r"python -m system.launch trial=t1", first.splitlines()[0])
+    assert second.splitlines()[0].endswith(": python -m system.launch trial=t1 rl.total_steps=40")
+    assert second.count("died in trial=t1 rl.total_steps=40") == 1
+    assert "rl.total_steps" not in first
 
 
 def test_no_copy_when_stderr_is_the_controller_log(tmp_path, monkeypatch):
@@ -50,7 +61,7 @@ def test_no_copy_when_stderr_is_the_controller_log(tmp_path, monkeypatch):
         os.dup2(f.fileno(), 2)
         try:
             before = sys.stderr
-            tee_stderr(str(logs))
+            tee_stderr(str(logs), "python -m system.launch trial=t")
             assert sys.stderr is before
         finally:
             os.dup2(saved, 2)
