@@ -20,6 +20,10 @@ from system.launcher.overrides import CliArgs, apply_overrides, parse_cli
 from system.paths import TrialPaths
 
 
+CTL_USAGE = ("name the trial as its launch did: exp=NAME trial=T, with the launch's "
+             "cluster.fileroot=DIR if it gave one")
+
+
 def words_config(args: CliArgs) -> ExperimentConfig:
     """The experiment's config with the command line's words, as the launcher builds it before
     it reads anything of the trial (ConfigError for a bad word)."""
@@ -36,7 +40,7 @@ def words_config(args: CliArgs) -> ExperimentConfig:
 def trial_paths(words: list[str]) -> TrialPaths:
     """The trial directory ``words`` name (ConfigError for a bad word, or no such trial); with
     ``mode=eval``, the directory of the trial's evaluation run (``<trial>/eval/``)."""
-    cfg = words_config(parse_cli(words))
+    cfg = words_config(parse_cli(words, usage=CTL_USAGE))
     paths = run_paths(cfg)
     trained = trial_paths_of(cfg).root
     if cfg.mode == RunMode.EVAL and os.path.isdir(trained) and not os.path.isdir(paths.root):

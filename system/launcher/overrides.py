@@ -33,7 +33,13 @@ class CliArgs:
 FLAGS = {"--dry-run": "dry_run", "--help": "help", "-h": "help"}
 
 
-def parse_cli(argv: Sequence[str], extra_flags: Sequence[str] = ()) -> CliArgs:
+LAUNCH_USAGE = "usage: python -m system.launch exp=NAME trial=T [key=value ...]"
+
+
+def parse_cli(argv: Sequence[str], extra_flags: Sequence[str] = (),
+              usage: str = LAUNCH_USAGE) -> CliArgs:
+    """The command line's flags, ``exp``, ``trial`` and overrides; ``usage`` ends the message
+    when ``exp`` or ``trial`` is missing."""
     args = CliArgs()
     given: dict[str, str] = {}
     for item in argv:
@@ -59,8 +65,7 @@ def parse_cli(argv: Sequence[str], extra_flags: Sequence[str] = ()) -> CliArgs:
     if not args.help:
         missing = [k for k in ("exp", "trial") if not getattr(args, k)]
         if missing:
-            raise ConfigError(f"missing {' and '.join(k + '=...' for k in missing)} "
-                              "(usage: python -m system.launch exp=NAME trial=T [key=value ...])")
+            raise ConfigError(f"missing {' and '.join(k + '=...' for k in missing)} ({usage})")
     return args
 
 

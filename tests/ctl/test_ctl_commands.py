@@ -230,3 +230,11 @@ def test_a_trial_never_evaluated_is_named_as_such(fileroot, capsys):
     assert "trial arith-tiny/t has not been evaluated" in err and "mode=eval" in err, err
     assert main(["status", "exp=arith-tiny", "trial=none", *words[2:]]) == 2
     assert "no trial arith-tiny/none under" in capsys.readouterr().err
+
+
+def test_a_missing_trial_word_says_how_ctl_names_a_trial(fileroot, capsys):
+    """ctl's words name a trial; the message showed the launcher's usage instead."""
+    assert main(["status", "trial=t", f"cluster.fileroot={fileroot}"]) == 2
+    err = capsys.readouterr().err
+    assert "missing exp=..." in err and "name the trial as its launch did" in err, err
+    assert "system.launch" not in err
