@@ -228,12 +228,15 @@ class RLExperimentConfig(ExperimentConfig):
                       nodes: Sequence[int] | None = None) -> None:
         """Checks against the machine the launcher runs on, for a trial whose workers run here
         too (``scheduler=local``): a :class:`ConfigError` naming the key (a check against the
-        machine: the launcher exits with code 1).
+        machine: the launcher exits with code 1). A training's model must be a model directory
+        here (:func:`resolve_model_path`).
         On CPU (``scheduler.local.gpus`` finds none), vLLM's CPU backend binds each of
         ``rl.vllm.tensor_parallel_size`` ranks to a NUMA node of its own (``nodes``: those this
         process may use, :func:`~workers.engines.vllm_config.memory_nodes` by default)."""
         if self.scheduler.type != SchedulerKind.LOCAL:
             return  # (Slurm's nodes are not this one: the generation server checks there)
+        if self.mode == RunMode.TRAIN:  # (an evaluation reads the trial's checkpoints)
+            resolve_model_path(self.rl, self.exp)  # a model the workers here can read
         from scheduler.local import local_gpus
 
         if local_gpus(self.scheduler.local.gpus, environ).ids:

@@ -145,6 +145,17 @@ def test_tensor_parallelism_on_cpu_needs_a_numa_node_per_rank():
     _trial("rl.vllm.tensor_parallel_size=2", "scheduler=slurm").check_machine({}, nodes=[0])
 
 
+def test_a_local_trials_model_must_be_a_model_directory_here(tmp_path):
+    """A missing ``rl.model_path`` was found by the model worker, after the trial directory was
+    written and every worker started; a local launch now refuses it (exit 1). Slurm's nodes
+    may see other files, and an evaluation reads the trial's checkpoints: not checked here."""
+    missing = str(tmp_path / "absent")
+    with pytest.raises(ConfigError, match=r"^rl\.model_path='.*absent' is not a model directory"):
+        _trial(f"rl.model_path={missing}").check_machine({}, nodes=[0])
+    _trial(f"rl.model_path={missing}", "scheduler=slurm").check_machine({}, nodes=[0])
+    _trial(f"rl.model_path={missing}", "mode=eval").check_machine({}, nodes=[0])
+
+
 def test_a_context_past_the_models_positions_is_left_to_vllm_where_it_may_be_valid():
     from experiments.rl.config import check_model_len
 
