@@ -10,7 +10,9 @@ previous checkpoint as the newest complete one.
 :meth:`CheckpointDir.latest` does not trust the pointer alone: it returns the newest checkpoint
 that verifies (``meta.json`` readable, every listed file present with its size and a readable
 structure) and logs a warning naming each newer one it skips, so a torn checkpoint costs one
-checkpoint interval, not the whole run. The newest ``keep`` complete checkpoints are kept.
+checkpoint interval, not the whole run. Where checkpoints exist but none verifies, it refuses
+(:class:`UnreadableCheckpoints`): resuming from nothing would train from the base model again
+and prune them. The newest ``keep`` complete checkpoints are kept.
 """
 from __future__ import annotations
 
@@ -24,12 +26,20 @@ from typing import Any
 
 import msgpack
 
+from system.errors import ConfigError
 from system.files import fsync_path
 
 log = logging.getLogger("rl-checkpoint")
 
 META = "meta.json"
 POINTER = "latest"
+
+_warned: set[tuple[str, str]] = set()
+"""(checkpoint, problem) pairs this process named already (a launch asks several times)."""
+
+
+class UnreadableCheckpoints(ConfigError):
+    """A trial has checkpoints and none of them can be restored."""
 
 
 def write_durable(path: str, data: bytes) -> None:
@@ -81,13 +91,28 @@ class CheckpointDir:
                        if d.startswith("step_") and d[5:].isdigit()), reverse=True)
 
     def latest(self) -> int | None:
-        """The newest checkpoint that verifies; each newer, broken one is named in a warning."""
+        """The newest checkpoint that verifies, None when there is none at all; each newer,
+        broken one is named in a warning (once per process). :class:`UnreadableCheckpoints`
+        when there are checkpoints but none verifies."""
+        problems: list[tuple[int, str]] = []
         for step in self.steps():
             problem = self.verify(step)
             if problem is None:
+                for skipped, why in problems:
+                    if (self.path(skipped), why) not in _warned:
+                        _warned.add((self.path(skipped), why))
+                        log.warning("checkpoint %s is unreadable (%s): falling back to step %d",
+                                    self.path(skipped), why, step)
                 return step
-            log.warning("checkpoint %s is unreadable (%s): falling back to the one before it",
-                        self.path(step), problem)
+            problems.append((step, problem))
+        if problems:
+            shown = "; ".join(f"step_{s}: {why}" for s, why in problems[:3])
+            shown += "; ..." if len(problems) > 3 else ""
+            raise UnreadableCheckpoints(
+                f"none of the {len(problems)} checkpoint(s) in {self.root} can be restored "
+                f"({shown}): resuming would train from the base model again and delete them. "
+                "Repair or move them away and launch again; or start over (recover=off "
+                "recover.overwrite=true)")
         return None
 
     def verify(self, step: int) -> str | None:

@@ -13,12 +13,15 @@
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import threading
 import time
 from typing import Any, Callable
 
 from experiments.rl.admission import AdmissionController, Ticket
+from system.errors import ConfigError
 from workers.schema import Task, TaskReply
 
 
@@ -72,10 +75,34 @@ class PromptCursor:
         """A prompt whose rollout was lost: hand it out again next (in its own epoch)."""
         self.redo.append((pid, epoch))
 
-    def state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "pos": self.pos, "redo": [list(r) for r in self.redo]}
+    @property
+    def digest(self) -> str:
+        """A fingerprint of the prompt ids in their order (what the epochs' orders draw from)."""
+        return hashlib.sha256(json.dumps(self.ids).encode()).hexdigest()[:12]
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def state(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "pos": self.pos, "redo": [list(r) for r in self.redo],
+                "seed": self.seed, "prompts": len(self.ids), "digest": self.digest}
+
+    def restore(self, state: dict[str, Any], checkpoint: str = "the checkpoint") -> None:
+        """Continue where ``state`` (of ``checkpoint``) left off. Its epochs' orders hold only
+        for the same prompts in the same seeded order: another training set or ``rl.seed``
+        is a :class:`ConfigError` (its position would hand out prompts twice, skip others,
+        or name ids the rollout workers do not have). A state without the fingerprint (an
+        older checkpoint) is taken as it is."""
+        way_out = ("; or train a new trial from its weights: rl.model_path="
+                   f"{checkpoint}/actor")
+        if "seed" in state and int(state["seed"]) != self.seed:
+            raise ConfigError(f"rl.seed={self.seed}: {checkpoint} drew its prompt order with "
+                              f"rl.seed={state['seed']}, which a continued trial keeps. Launch "
+                              f"it with rl.seed={state['seed']}{way_out}")
+        if "digest" in state and state["digest"] != self.digest:
+            raise ConfigError(
+                f"{checkpoint} was trained on {state['prompts']} prompts (ids {state['digest']})"
+                f", this run's training set has {len(self.ids)} (ids {self.digest}): a "
+                "continued trial needs the prompts it trained on (its rl.task.name, "
+                "train_path, train_size and fields) to keep each epoch free of repeats and "
+                f"gaps. Launch it with those{way_out}")
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
         self.redo = [(int(p), int(e)) for p, e in state["redo"]]
         self._order = self._perm(self.epoch)

@@ -80,7 +80,7 @@ class RLLoop:
                                self.state.issued)
         cursor = PromptCursor([p["id"] for p in dataset(rl.task, "train")], rl.seed)
         if self.state.cursor:
-            cursor.restore(self.state.cursor)
+            cursor.restore(self.state.cursor, self.ckpt.path(self.state.step))
         self.cluster = Cluster(master, rl)
         self.router = Router(self.cluster.n_gen)
         self.source = TaskSource(self.admission, cursor, self.router, rl.group_size,
@@ -331,12 +331,13 @@ class RLLoop:
         raise RuntimeError(f"stopped after the preemption checkpoint at step {self.state.step}")
 
     def resume_point(self) -> int | None:
-        """The step of the newest readable checkpoint when resuming (``recover=resume``)."""
+        """The step of the newest readable checkpoint when resuming (``recover=resume``);
+        :class:`~experiments.rl.checkpoint.UnreadableCheckpoints` when none of them reads."""
         if self.master.config["recover"] != "resume":
             return None
         step = self.ckpt.latest()
         if step is None:
-            log.info("recover=resume and %s holds no readable checkpoint: starting at step 0",
+            log.info("recover=resume and %s holds no checkpoint: starting at step 0",
                      self.ckpt.root)
             return None
         # (the launcher checked this already; a worker's own view of the files decides)

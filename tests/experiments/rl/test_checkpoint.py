@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from experiments.rl.checkpoint import CheckpointDir
+from experiments.rl.checkpoint import CheckpointDir, UnreadableCheckpoints
 
 
 def _commit(ck: CheckpointDir, step: int) -> str:
@@ -63,8 +63,31 @@ def test_a_torn_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caplog,
     assert open(tmp_path / "ck" / "latest").read() == "4"  # the pointer names the torn one
     with caplog.at_level(logging.WARNING, logger="rl-checkpoint"):
         assert ck.latest() == 2
-    assert any("step_4" in r.getMessage() and "unreadable" in r.getMessage()
-               for r in caplog.records)
+        assert ck.latest() == 2  # (a launch asks several times: one warning)
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        f"checkpoint {ck.path(4)} is unreadable"]
+    assert caplog.records[0].getMessage().endswith(": falling back to step 2")
+
+
+def test_checkpoints_none_of_which_reads_are_refused_not_started_over(tmp_path, caplog):
+    """With every checkpoint unreadable, a resume started from the base model and its first
+    commit deleted them all. Now the trial is refused, the checkpoints are left as they are,
+    and each is named once however often a process asks."""
+    ck = CheckpointDir(str(tmp_path / "ck"), keep=0)
+    for step in (9, 10):
+        _commit(ck, step)
+    for step in (9, 10):
+        _truncate(os.path.join(ck.path(step), "x"))
+    with caplog.at_level(logging.WARNING, logger="rl-checkpoint"):
+        for _ in range(3):
+            with pytest.raises(UnreadableCheckpoints) as e:
+                ck.latest()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"none of the 2 checkpoint(s) in {ck.root} ")
+    assert "step_10: x: 1 bytes, committed with 2" in msg and "step_9: " in msg
+    assert "recover=off recover.overwrite=true" in msg
+    assert not caplog.records  # the error names them: no warning of a fallback that is none
+    assert ck.steps() == [10, 9]
 
 
 def test_commit_after_a_fallback_replaces_the_abandoned_timeline(tmp_path):

@@ -119,3 +119,21 @@ def test_a_trial_trained_to_its_end_already_starts_nothing(fileroot):
     assert sorted(os.listdir(trial_dir)) == ["checkpoints", "config.yaml"]
     with open(os.path.join(trial_dir, "config.yaml")) as f:
         assert f.read() == "# the trial's own\n"
+
+
+def test_a_trial_none_of_whose_checkpoints_reads_is_refused(fileroot):
+    """It trained from the base model again and its first commit deleted every checkpoint."""
+    trial_dir = os.path.join(fileroot, "arith-tiny", "torn")
+    for step in (2, 4):
+        checkpoint(os.path.join(trial_dir, "checkpoints"), step, layout_of(TorchEngineConfig(), 1))
+    for step in (2, 4):
+        with open(os.path.join(trial_dir, "checkpoints", f"step_{step}", "state.json"), "w") as f:
+            f.write("{{")  # the size it was committed with, no longer JSON
+    r = run_launch("exp=arith-tiny", "trial=torn", f"cluster.fileroot={fileroot}", timeout=120)
+    assert r.returncode == 2, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert "none of the 2 checkpoint(s)" in line and "step_4: state.json: " in line
+    assert "warning" not in r.stderr.lower()
+    assert sorted(os.listdir(trial_dir)) == ["checkpoints"]
+    assert sorted(os.listdir(os.path.join(trial_dir, "checkpoints"))) == [
+        "latest", "step_2", "step_4"]

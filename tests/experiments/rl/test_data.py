@@ -5,6 +5,7 @@ import pytest
 
 from experiments.rl.data import PromptCursor, Router, TaskSource
 from experiments.rl.admission import AdmissionConfig, AdmissionController
+from system.errors import ConfigError
 
 
 def test_cursor_visits_every_prompt_once_per_epoch_with_give_backs():
@@ -24,6 +25,31 @@ def test_cursor_visits_every_prompt_once_per_epoch_with_give_backs():
     d = PromptCursor(list(range(10)), seed=3)
     d.restore(state)
     assert [d.next() for _ in range(5)] == [c.next() for _ in range(5)]
+
+
+def test_a_cursor_continues_only_over_its_own_prompts_and_seed():
+    """Resumed over another training set, the cursor handed out ids the rollout workers did
+    not have (a KeyError on every restart); over another seed, prompts twice in an epoch and
+    others never. Both are refused, naming the checkpoint and the way out."""
+    c = PromptCursor(list(range(14)), seed=1)
+    for _ in range(5):
+        c.next()
+    state = c.state()
+    assert state["prompts"] == 14 and state["seed"] == 1 and len(state["digest"]) == 12
+    with pytest.raises(ConfigError, match=r"^rl\.seed=7: /c/step_5 drew its prompt order with "
+                                          r"rl\.seed=1.*rl\.seed=1; or train a new trial from "
+                                          r"its weights: rl\.model_path=/c/step_5/actor$"):
+        PromptCursor(list(range(14)), seed=7).restore(state, "/c/step_5")
+    for other in (list(range(6)), list(range(13, -1, -1)), [*range(13), 99]):
+        with pytest.raises(ConfigError, match=r"^/c/step_5 was trained on 14 prompts \(ids "
+                                              rf"{state['digest']}\), this run's training set "
+                                              rf"has {len(other)} .*rl\.task\.name, train_path"):
+            PromptCursor(other, seed=1).restore(state, "/c/step_5")
+    same = PromptCursor(list(range(14)), seed=1)
+    same.restore(state)
+    assert [same.next() for _ in range(9)] == [c.next() for _ in range(9)]
+    older = {k: state[k] for k in ("epoch", "pos", "redo")}  # before the fingerprint
+    PromptCursor(list(range(6)), seed=7).restore(older)
 
 
 def test_router_least_outstanding():

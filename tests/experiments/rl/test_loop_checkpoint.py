@@ -5,7 +5,9 @@ import logging
 import os
 import types
 
-from experiments.rl.checkpoint import CheckpointDir
+import pytest
+
+from experiments.rl.checkpoint import CheckpointDir, UnreadableCheckpoints
 from tests.experiments.rl.test_checkpoint import _commit
 
 
@@ -32,9 +34,11 @@ def test_resume_point_skips_a_torn_checkpoint(tmp_path, caplog):
     assert loop.resume_point() == 2
     assert _loop(tmp_path, recover="off").resume_point() is None
     os.unlink(os.path.join(loop.ckpt.path(2), "meta.json"))
+    with pytest.raises(UnreadableCheckpoints):  # not step 0: it would prune them
+        loop.resume_point()
     with caplog.at_level(logging.INFO):  # (every fresh trial: not a warning)
-        assert loop.resume_point() is None
-    assert any("no readable checkpoint" in r.getMessage() for r in caplog.records)
+        assert _loop(tmp_path / "fresh").resume_point() is None
+    assert any("no checkpoint" in r.getMessage() for r in caplog.records)
 
 
 def test_checkpoints_are_due_by_steps_or_by_seconds(tmp_path, monkeypatch):
