@@ -121,6 +121,10 @@ class RecoverConfig:
                                   f"{[m.value for m in RecoverMode]}") from None
         if self.retries < 0 or self.backoff < 0:
             raise ConfigError("retries and backoff must be >= 0")
+        if self.overwrite and self.type != RecoverMode.OFF:  # (it continued, silently)
+            raise ConfigError(f"overwrite=true starts a trial over, which only recover=off "
+                              f"does (recover={self.type.value} continues it from its "
+                              "checkpoints); valid: recover=off recover.overwrite=true")
 
     @property
     def resume(self) -> bool:

@@ -34,4 +34,8 @@ def test_recover_off_refuses_a_trial_with_checkpoints_unless_asked(tmp_path):
     assert os.path.isdir(paths.checkpoints)  # a dry run deletes nothing
     check_existing(cfg("recover=off", "recover.overwrite=true"), paths)
     assert not os.path.exists(paths.checkpoints)
+    # recover.overwrite=true alone continued the trial and said nothing
+    with pytest.raises(ConfigError, match=r"^recover\.overwrite=true starts a trial over, which "
+                                          r"only recover=off does \(recover=auto continues"):
+        cfg("recover.overwrite=true")
     assert not os.path.exists(os.path.join(paths.root, "eval"))
