@@ -33,6 +33,7 @@ from scheduler.slurm import SlurmScheduler
 from system.checks import check_name
 from system.launcher.config import ExperimentConfig, RecoverMode, RunMode
 from system.launcher.eval_mode import run_paths, trained_base, trial_paths
+from system.launcher.config_changes import describe as describe_changes
 from system.launcher.controller import Controller
 from system.launcher.launcher_log import tee_stderr
 from system.launcher.name_claim import name_taken
@@ -377,14 +378,18 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
     """Show, submit, or run the trial's controller (the launcher holds the trial's lock;
     ``scheduler`` passed :func:`machine_scheduler` and :func:`check_jobs`)."""
     paths = trial.paths
+    shown = args.dry_run or "--test-only" in args.flags
     try:
-        if args.dry_run or "--test-only" in args.flags:
+        if not shown and "--detach" not in args.flags:
+            # logs/launcher.log, for `python -m system.ctl logs`
+            tee_stderr(paths.logs, "python -m system.launch " + shlex.join(argv))
+        if trial.changes:
+            print(describe_changes(f"{cfg.exp}/{cfg.trial}", trial.changes), file=sys.stderr)
+        if shown:
             return dry_run(cfg, paths, scheduler, resolved, "--test-only" in args.flags)
         if "--detach" in args.flags:
             return detach(cfg, paths, scheduler,
                           absolute_argv([a for a in argv if a != "--detach"], cfg), trial.lock)
-        # logs/launcher.log, for `python -m system.ctl logs`
-        tee_stderr(paths.logs, "python -m system.launch " + shlex.join(argv))
         controller = Controller(cfg, experiment, paths, scheduler,
                                 make_name_resolve(cfg.name_resolve, name_resolve_root(cfg),
                                                   trial.secret),

@@ -20,6 +20,7 @@ from system.bootstrap import Bootstrap
 from system import json_text
 from system.errors import ConfigError
 from system.launcher.config import ExperimentConfig, RecoverMode, RunMode
+from system.launcher.config_changes import changed_settings
 from system.launcher.eval_mode import EVAL_DIR, check_evaluable, run_paths, trial_paths
 from system.launcher.trial_lock import TrialLock
 from system.paths import TrialPaths
@@ -36,6 +37,9 @@ class PreparedTrial:
     paths: TrialPaths
     secret: bytes
     lock: TrialLock
+    changes: list[str] = dataclasses.field(default_factory=list)
+    """A continued trial's settings that differ from its last launch's
+    (:func:`~system.launcher.config_changes.changed_settings`)."""
 
 
 def write_secret(path: str) -> bytes:
@@ -142,10 +146,11 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
         if before_write is not None:
             before_write()
         os.makedirs(paths.logs, exist_ok=True)
+        changes = continued_changes(cfg, paths, resolved_yaml)
         if dry_run and os.path.isfile(paths.config):
             # a dry run shows what would run; an existing trial keeps its own config (which an
             # evaluation and the next launch read), secret, API key and bootstrap file
-            return PreparedTrial(paths, b"", lock)
+            return PreparedTrial(paths, b"", lock, changes)
         mode = file_mode(cfg.cluster.group_readable)
         if not dry_run:
             forget_outcome(paths)
@@ -163,4 +168,19 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
     except BaseException:
         lock.release()
         raise
-    return PreparedTrial(paths, secret, lock)
+    return PreparedTrial(paths, secret, lock, changes)
+
+
+def continued_changes(cfg: ExperimentConfig, paths: TrialPaths, resolved_yaml: str) -> list[str]:
+    """The settings a training run that continues its trial's checkpoints changes from the
+    last launch's ``config.yaml`` (none for a new trial, one started over, an evaluation)."""
+    recover = cfg.recovery()
+    if recover is None or recover.type == RecoverMode.OFF or not os.path.isdir(paths.checkpoints):
+        return []
+    if not any(d.startswith("step_") for d in os.listdir(paths.checkpoints)):
+        return []
+    try:
+        with open(paths.config, encoding="utf-8") as f:
+            return changed_settings(f.read(), resolved_yaml)
+    except (OSError, ValueError):  # (no config.yaml yet; not text)
+        return []
