@@ -8,7 +8,9 @@ checkpoint takes (space an unfinished checkpoint holds counts as free: a restart
 :func:`judge_space` is the pure rule. A used-up quota (``EDQUOT``) is not in ``statvfs``, which
 reports the file system's space, not the user's: it is seen in the failure's own text (a
 worker's report or its log's last lines) or when a small write under the trial directory, as
-the workers' user, is refused (:func:`write_refused`).
+the workers' user, is refused (:func:`write_refused`). The same probe names a trial directory
+(or its checkpoints) that cannot be written at all (made read-only, immutable, another user's
+mode): a restart fails the same way there too.
 """
 from __future__ import annotations
 
@@ -27,9 +29,13 @@ PROBE = 1 << 20
 QUOTA = os.strerror(errno.EDQUOT)
 """How a used-up quota reads in an ``OSError`` (``[Errno 122] Disk quota exceeded``)."""
 
+UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+"""A write refused whatever the space: permissions, an immutable directory, a read-only mount."""
+
 
 class FullDisk(WorkerFailure):
-    """A failure named after a full file system (never recovered: ``config`` is set)."""
+    """A failure named after the trial's file system, full or not writable (never recovered:
+    ``config`` is set)."""
 
 
 def judge_space(free: int, checkpoint: int) -> bool:
@@ -92,7 +98,8 @@ def full_disk_cause(failure: WorkerFailure, root: str, checkpoints: str) -> Work
 
 def space_cause(root: str, free: int, staged: int, need: int, refused: OSError | None,
                 text: str) -> str | None:
-    """Why the trial directory ``root`` cannot take the next checkpoint, or None: its file
+    """Why the trial directory ``root`` cannot take the next checkpoint, or None: a probe
+    write there was ``refused`` whatever the space (:data:`UNWRITABLE`); its file
     system has too little space (``free`` bytes, ``staged`` more once the unfinished
     checkpoint is removed, ``need`` for the largest checkpoint); a probe write there was
     ``refused`` for want of space (a quota, which ``free`` does not show); or the failure's
@@ -101,6 +108,10 @@ def space_cause(root: str, free: int, staged: int, need: int, refused: OSError |
         return (f"the file system of the trial directory {root} is full ({_mib(free + staged)}"
                 f" free once the unfinished checkpoint is removed; the largest checkpoint "
                 f"takes {_mib(need)}): free space")
+    if refused is not None and refused.errno in UNWRITABLE:
+        where = os.path.dirname(refused.filename) if isinstance(refused.filename, str) else root
+        return (f"the workers cannot write under the trial directory: {where} refuses a new "
+                f"file ({refused.strerror}): make it writable by the trial's user")
     if refused is not None and refused.errno in (errno.ENOSPC, errno.EDQUOT):
         return (f"writing under the trial directory {root} fails: {refused.strerror} (the file "
                 f"system shows {_mib(free)} free: a quota, or its inodes, are used up): free "

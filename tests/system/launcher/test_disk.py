@@ -57,8 +57,14 @@ def test_space_cause_names_a_full_file_system_a_refused_write_or_a_quota_in_the_
         "writing under the trial directory /r fails: Disk quota exceeded (the file system "
         "shows 160.0 MiB free: a quota, or its inodes, are used up): free space or raise the "
         "quota")
-    other = OSError(errno.EACCES, os.strerror(errno.EACCES))  # not a matter of space
+    other = OSError(errno.ENOENT, os.strerror(errno.ENOENT))  # not a matter of space
     assert space_cause("/r", plenty, 0, 0, other, "") is None
+    # not writable at all (a read-only mount, an immutable or another user's directory)
+    for code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        refused = OSError(code, os.strerror(code), "/r/checkpoints/.space-probe-x")
+        assert space_cause("/r", plenty, 0, 0, refused, "") == (
+            "the workers cannot write under the trial directory: /r/checkpoints refuses a new "
+            f"file ({os.strerror(code)}): make it writable by the trial's user")
     reported = "worker model/0 raised OSError: [Errno 122] Disk quota exceeded: '/h/x'"
     assert space_cause("/r", plenty, 0, 0, None, reported).startswith(
         "a worker failed with 'Disk quota exceeded': a quota is used up")
@@ -90,3 +96,23 @@ def test_write_refused_is_the_error_of_a_real_write(half_full_fs, tmp_path):
     refused = write_refused(half_full_fs)  # 1 MiB does not fit in the half left
     assert refused is not None and refused.errno == errno.ENOSPC
     assert os.listdir(half_full_fs) == ["data"]  # the probe file is removed either way
+
+
+def test_a_trial_directory_that_cannot_be_written_is_named_and_not_recovered(tmp_path):
+    """A read-only checkpoints directory failed every checkpoint, and each of the recoveries
+    failed the same way before the trial ended (about 47 s of restarts)."""
+    import subprocess
+
+    with tmpfs(str(tmp_path / "fs"), "64m") as root:  # (room enough: not full)
+        os.makedirs(os.path.join(root, "checkpoints", "step_2"))
+        subprocess.run(["mount", "-o", "remount,ro", root], check=True)
+        failure = WorkerFailure("worker master/0 raised OSError: [Errno 30] Read-only file "
+                                f"system: '{root}/checkpoints/step_4.tmp'", "master/0", "/log")
+        named = full_disk_cause(failure, root, os.path.join(root, "checkpoints"))
+        assert isinstance(named, FullDisk) and named.config and named.worker == "master/0"
+        assert str(named).startswith(f"the workers cannot write under the trial directory: "
+                                     f"{root}")
+        assert "(Read-only file system): make it writable" in str(named)
+    # writable again: the same failure is left as it is
+    failure = WorkerFailure("worker master/0 raised ValueError: x", "master/0", "/log")
+    assert full_disk_cause(failure, str(tmp_path), str(tmp_path / "checkpoints")) is failure
