@@ -126,13 +126,15 @@ class Controller(RecoveringController):
                 self.progress.close()
                 self.status.write("stopping", failure=summary.data.get("failure"))
                 self._stop_all()
-                summary.finish(self.paths.summary, self.recovery.summary(), self.status.progress,
-                               self.timeline, self.requeue.restarts)
+                written = summary.finish(self.paths.summary, self.recovery.summary(),
+                                         self.status.progress, self.timeline,
+                                         self.requeue.restarts)
                 self.status.final(summary.data, self._poll_fresh)
                 self.pauses.close()
             finally:
                 signal.signal(signal.SIGINT, old)
-        print(f"{summary.status}: {self.paths.summary}", file=sys.stderr)
+        print(f"{summary.status}: {self.paths.summary}" if written else
+              f"{summary.status} (no summary.json: see above)", file=sys.stderr)
         self.outcome = summary.status
         return 0 if summary.status == "completed" else 1
 

@@ -66,16 +66,18 @@ class TrialSummary:
         self.data["requeued"] = {"job": job_id, **record}
 
     def finish(self, path: str, attempts: list[dict[str, Any]], progress: Mapping[str, Any],
-               timeline: Mapping[str, float], restarts: Mapping[str, int]) -> None:
+               timeline: Mapping[str, float], restarts: Mapping[str, int]) -> bool:
         """The trial has stopped: add its recoveries and last progress, and write the summary
-        to ``path``; a failed write (a full disk, say) is printed, and the outcome is still
-        returned by the caller."""
+        to ``path``. Whether it was written: a failed write (a full disk, say) is printed, and
+        the outcome is still returned by the caller."""
         self.recoveries(attempts)
         self.last_progress(progress)
         try:
             self.write(path, timeline, restarts)
         except OSError as e:
             print(f"could not write {path}: {e}", file=sys.stderr)
+            return False
+        return True
 
     def write(self, path: str, timeline: Mapping[str, float], restarts: Mapping[str, int]
               ) -> None:

@@ -48,6 +48,11 @@ def test_a_full_disk_is_named_not_recovered_and_the_trial_continues_once_there_i
     assert errors and errors[0].startswith(
         f"error: the file system of the trial directory {trial_dir} is full ("), r.stderr[-3000:]
     assert "recovering" not in r.stderr  # a restart would fail the same way
+    # the last line names summary.json only where it was written (often there is no room)
+    last = r.stderr.strip().splitlines()[-1]
+    summary = os.path.join(trial_dir, "summary.json")
+    assert last == (f"failed: {summary}" if os.path.isfile(summary) else
+                    "failed (no summary.json: see above)"), r.stderr[-3000:]
     assert trial_processes(trial_dir) == []
     checkpoints = os.path.join(trial_dir, "checkpoints")
     committed = [d for d in os.listdir(checkpoints) if not d.endswith(".tmp") and d != "latest"]
