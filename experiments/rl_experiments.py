@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 
 from experiments.registry import Experiment, Roles
-from experiments.rl.checkpoint_layout import (check_resume_critic, check_resume_layout, layout_of,
-                                              nothing_to_train)
-from experiments.rl.config import RLExperimentConfig
+from experiments.rl.checkpoint_layout import (check_resume_critic, check_resume_layout,
+                                              check_resume_model, layout_of, nothing_to_train)
+from experiments.rl.config import RLExperimentConfig, model_dir
 from experiments.rl.roles.evaluator import eval_master_role, nothing_to_evaluate
 from experiments.rl.roles.generation import generation_role
 from experiments.rl.roles.master import master_role
@@ -59,11 +59,12 @@ def smollm2_arith() -> RLExperimentConfig:
 
 
 def same_layout(cfg: RLExperimentConfig, trial_dir: str) -> None:
-    """A continued trial keeps the training layout its checkpoint is sharded by, and finds
-    in it every model it trains."""
+    """A continued trial keeps the training layout its checkpoint is sharded by and the model
+    it was trained from, and finds in it every model it trains."""
     checkpoints = os.path.join(trial_dir, "checkpoints")
     check_resume_layout(checkpoints, layout_of(cfg.rl.actor, cfg.model.count))
     check_resume_critic(checkpoints, cfg.rl.algorithm)
+    check_resume_model(checkpoints, model_dir(cfg.rl, cfg.exp))
 
 
 STATEFUL = ("model", "master")

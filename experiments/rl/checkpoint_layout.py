@@ -74,6 +74,41 @@ def check_resume_critic(checkpoints: str, algorithm: str) -> None:
         f"weights (rl.model_path={os.path.join(checkpoints, f'step_{step}', 'actor')})")
 
 
+SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "intermediate_size", "vocab_size")
+"""The ``config.json`` fields that make two models' weights interchangeable (or not)."""
+
+
+def check_resume_model(checkpoints: str, base_model: str) -> None:
+    """ConfigError (one line) when the newest checkpoint's actor is another model than
+    ``base_model`` (``rl.model_path``, or the experiment's own): the generation servers start
+    from the base model and take the checkpoint's weights, which would not fit (it failed at
+    the first weight sync, naming a parameter no spec maps). Unreadable configs: not judged."""
+    found = saved_layout(checkpoints)
+    if found is None:
+        return
+    step = found[0]
+    actor = os.path.join(checkpoints, f"step_{step}", "actor")
+    try:
+        with open(os.path.join(actor, "config.json")) as f:
+            saved = json.load(f)
+        with open(os.path.join(base_model, "config.json")) as f:
+            base = json.load(f)
+    except (OSError, ValueError):
+        return
+    if not isinstance(saved, dict) or not isinstance(base, dict):
+        return
+    differ = [f"{k} {saved.get(k)} against {base.get(k)}" for k in SHAPE_KEYS
+              if saved.get(k) != base.get(k)]
+    if differ:
+        raise ConfigError(
+            f"the latest checkpoint (step {step}) holds another model than rl.model_path="
+            f"{base_model} ({', '.join(differ)}): a trial continues from the model it was "
+            "trained from. Launch it with that rl.model_path; or start over (recover=off "
+            "recover.overwrite=true); or train a new trial from its weights "
+            f"(rl.model_path={actor})")
+
+
 def nothing_to_train(cfg: Any, trial_root: str) -> str | None:
     """A continued training run whose newest checkpoint is at or past ``rl.total_steps``: the
     line saying so (every worker would start, train nothing and stop), else None."""

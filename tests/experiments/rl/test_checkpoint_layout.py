@@ -137,3 +137,31 @@ def test_a_trial_none_of_whose_checkpoints_reads_is_refused(fileroot):
     assert sorted(os.listdir(trial_dir)) == ["checkpoints"]
     assert sorted(os.listdir(os.path.join(trial_dir, "checkpoints"))) == [
         "latest", "step_2", "step_4"]
+
+
+def test_a_trial_continues_only_from_the_model_it_was_trained_from(tmp_path):
+    """With another rl.model_path the servers started from that model and the first weight
+    sync failed, naming a parameter no spec maps (the model family looked unknown)."""
+    import json
+
+    from experiments.rl.checkpoint_layout import check_resume_model
+
+    root = str(tmp_path / "checkpoints")
+    check_resume_model(root, str(tmp_path / "base"))  # nothing to continue
+    checkpoint(root, 4, layout_of(TorchEngineConfig(), 1), ("actor",))
+    tiny = {"model_type": "qwen2", "hidden_size": 128, "num_hidden_layers": 2, "vocab_size": 24}
+    with open(os.path.join(root, "step_4", "actor", "config.json"), "w") as f:
+        json.dump(tiny, f)
+    os.makedirs(tmp_path / "base")
+    check_resume_model(root, str(tmp_path / "base"))  # the base's config unreadable: not judged
+    (tmp_path / "base" / "config.json").write_text(json.dumps({**tiny, "dtype": "bfloat16"}))
+    check_resume_model(root, str(tmp_path / "base"))  # the same model (another dtype)
+    (tmp_path / "base" / "config.json").write_text(json.dumps(
+        {**tiny, "model_type": "llama", "hidden_size": 576}))
+    with pytest.raises(ConfigError) as e:
+        check_resume_model(root, str(tmp_path / "base"))
+    msg = str(e.value)
+    assert msg.startswith(f"the latest checkpoint (step 4) holds another model than "
+                          f"rl.model_path={tmp_path / 'base'} (model_type qwen2 against llama, "
+                          "hidden_size 128 against 576)") and "\n" not in msg
+    assert msg.endswith(f"(rl.model_path={root}/step_4/actor)")
