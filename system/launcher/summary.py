@@ -32,10 +32,13 @@ class TrialSummary:
         self.data.setdefault("jobs", {})[kind] = job_ids
 
     def completed(self, results: Any) -> None:
-        """The master's report; a dict's ``summary`` holds the experiment's headline figures."""
+        """The master's report; a dict's ``summary`` holds the experiment's headline figures,
+        and its ``warnings`` (lines) are printed: what the run left undone."""
         self.data["results"] = results
         if isinstance(results, dict):
             self.data.update(results.get("summary") or {})
+            for line in (results.get("summary") or {}).get("warnings") or []:
+                print(f"warning: {line}", file=sys.stderr)
         self.data["status"] = "completed"
 
     def failed(self, e: WorkerFailure) -> None:

@@ -107,3 +107,11 @@ def test_eval_mode_evaluates_every_checkpoint_as_training_did(fileroot):
     assert [(r["step"], r["accuracy"], r["digest"], r["checkpoint_id"])
             for r in _rows(os.path.join(out, "results.jsonl"))] == key
     assert trial_processes(root) == [] and trial_processes(out) == []
+    # a checkpoint torn since: named where nothing is left to evaluate (it was left out, and
+    # the line counted only the readable ones)
+    meta = os.path.join(root, "checkpoints", "step_2", "meta.json")
+    os.unlink(meta)
+    said = nothing_to_evaluate(cfg, root, out)
+    assert said is not None and "(steps 4)" in said, said
+    assert said.endswith(f"; step_2 is unreadable (meta.json: [Errno 2] No such file or "
+                         f"directory: '{meta}'): not evaluated"), said

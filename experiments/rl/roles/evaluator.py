@@ -129,10 +129,12 @@ def nothing_to_evaluate(cfg: RLExperimentConfig, trial_root: str, eval_dir: str)
     plan = plan_evaluation(trial_root, eval_dir, cfg.rl)
     if plan.todo or not plan.steps or not _plot_current(eval_dir):
         return None
+    unreadable = "".join(f"; step_{s} is unreadable ({p}): not evaluated"
+                         for s, p in sorted(plan.broken.items()))
     return (f"mode=eval: nothing to evaluate: every checkpoint of {cfg.exp}/{cfg.trial} "
             f"(steps {', '.join(map(str, plan.steps))}) is already in "
             f"{os.path.join(eval_dir, RESULTS)} (with {PLOT} beside it); delete a line of it "
-            "to evaluate that checkpoint again")
+            f"to evaluate that checkpoint again{unreadable}")
 
 
 def no_held_out(rl: RLConfig) -> str:
@@ -189,6 +191,8 @@ def evaluate_checkpoints(master: MasterWorker, rl: RLConfig,
     plot_accuracy(rows, plot_path, f"{master.exp}/{master.trial}: held-out accuracy")
     return {"summary": {"evaluated": todo, "skipped": [s for s in steps if s not in todo],
                         "unreadable": broken, "results": results_path, "plot": plot_path,
+                        "warnings": [f"checkpoint {ckpt.path(s)} is unreadable ({p}): not "
+                                     "evaluated" for s, p in broken.items()],
                         "accuracy": {int(r["step"]): r["accuracy"] for r in rows}}}
 
 
