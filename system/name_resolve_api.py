@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import enum
 import os
+import logging
 import threading
 import time
 from typing import ClassVar, Iterator, NamedTuple
@@ -17,6 +18,8 @@ from typing import ClassVar, Iterator, NamedTuple
 from system.errors import ConfigError, NameEntryExists, NameEntryNotFound, NameResolveError
 from system.name_auth import EntrySealer, unverified_value
 from system.private_files import read_private_file
+
+log = logging.getLogger("name_resolve")
 
 PASSWORD_ENV = "RLSYS_REDIS_PASSWORD"
 """The environment variable the Redis password may come from (see ``redis_password_file``)."""
@@ -129,7 +132,10 @@ class NameResolve(abc.ABC):
         self._verified: dict[str, tuple[str, str]] = {}  # key -> (stored, value) checked
         self._owned: dict[str, str] = {}  # key -> stored value, of entries added without TTL
         self.outage_timeout = 0.0
-        """Seconds a backend that retries an unanswering server (redis) keeps trying."""
+        """Seconds a backend that retries an unanswering server (redis) keeps trying; a
+        process that stops lowers it (:meth:`stopping`), which also ends calls retrying."""
+        self._budget = threading.local()  # .seconds: this thread's own cap on retries
+        self._stopping = False
         self.outage_seen: float | None = None
         """When (monotonic) a call of this process last found the backend not answering, or
         answering again after that (None: never): heartbeats missed meanwhile are no news
@@ -141,6 +147,14 @@ class NameResolve(abc.ABC):
     # --- backend primitives ---
     @abc.abstractmethod
     def _put(self, key: str, value: str, ttl: float | None, replace: bool) -> None: ...
+
+    def _refresh(self, key: str, value: str, ttl: float) -> bool:
+        """Write a keep-alive entry again (``_put`` with ``replace``); whether it was there
+        before (False: the backend lost it). Backends override it to tell in one operation;
+        this default reads first."""
+        there = self._get(key) is not None
+        self._put(key, value, ttl, True)
+        return there
 
     @abc.abstractmethod
     def _get(self, key: str) -> str | None: ...
@@ -257,6 +271,14 @@ class NameResolve(abc.ABC):
         if not self._delete(key):
             raise NameEntryNotFound(key)
 
+    def forget(self, key: str) -> None:
+        """Stop holding ``key`` (not refreshed, not added back after the backend lost it):
+        another process consumed it (a request it deletes once answered)."""
+        key = _check_key(key)
+        with self._ka_put_lock, self._ka_lock:
+            self._keepalive.pop(key, None)
+            self._owned.pop(key, None)
+
     def release(self, key: str) -> None:
         """Stop keeping ``key`` alive: the entry stays until its TTL ends (or it is deleted)."""
         key = _check_key(key)
@@ -274,6 +296,25 @@ class NameResolve(abc.ABC):
         for k in list(self._keys_under(prefix)):
             n += int(self._delete(k))
         return n
+
+    def retry_budget(self) -> float:
+        """Seconds a call of this thread retries an unanswering backend: ``outage_timeout``,
+        or less in the keep-alive thread (a refresh that fails is made again next period)."""
+        own = getattr(self._budget, "seconds", None)
+        return self.outage_timeout if own is None else min(own, self.outage_timeout)
+
+    def stopping(self, wait: float) -> None:
+        """This process is stopping: no call waits longer than ``wait`` seconds for a backend
+        that does not answer from now on, those retrying already included; once one has
+        waited in vain, the others try once (see :meth:`gave_up`)."""
+        self.outage_timeout = min(self.outage_timeout, wait)
+        self._stopping = True
+
+    def gave_up(self) -> None:
+        """A call failed for want of an answer: while stopping, the next ones wait no more
+        (each of a stopping worker's clean-ups would wait its own ``wait`` in turn)."""
+        if self._stopping:
+            self.outage_timeout = 0.0
 
     def outage_within(self, seconds: float) -> bool:
         """Whether a call of this process found the backend down (or back from it) less than
@@ -315,6 +356,10 @@ class NameResolve(abc.ABC):
             with self._ka_lock:
                 items = list(self._keepalive.items())
                 period = min((ttl for _, ttl in self._keepalive.values()), default=1.0) / 3
+            # a refresh holds _ka_put_lock, which delete, release and clear_subtree wait for:
+            # it must not retry an unanswering backend for the whole outage timeout
+            self._budget.seconds = period
+            lost = []
             for key, (value, ttl) in items:
                 with self._ka_put_lock:
                     with self._ka_lock:
@@ -322,7 +367,25 @@ class NameResolve(abc.ABC):
                             continue  # deleted (or added anew) since the snapshot
                     try:
                         self.ops["write"] += 1
-                        self._put(key, value, ttl, True)
+                        if not self._refresh(key, value, ttl):
+                            lost.append(key)
                     except Exception:  # a transient backend error must not kill the refresher
                         pass
+            if lost:
+                self._lost(lost)
             self._ka_stop.wait(max(period, 0.02))
+
+    def _lost(self, keys: list[str]) -> None:
+        """Keep-alive entries were gone before their refresh, though refreshed well within
+        their TTL: the backend lost entries (a FLUSHALL, an eviction, a stray delete, a deleted
+        directory; or this process stood still past the TTL). Add back the others this process
+        holds, where missing, as after a server restart."""
+        try:
+            n = self._restore_owned()
+        except Exception as e:  # noqa: BLE001 - the next loss found tries again
+            log.warning("name resolution lost entries of this process (%s was gone): adding "
+                        "them back failed: %s", keys[0], e)
+            return
+        self.outage_seen = time.monotonic()  # others' heartbeats may be gone for a while too
+        log.warning("name resolution lost entries of this process (%s was gone before its "
+                    "refresh): %d added back", keys[0], n)

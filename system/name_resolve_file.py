@@ -23,11 +23,18 @@ class FileNameResolve(NameResolve):
 
     def __init__(self, root: str, *, secret: bytes | None) -> None:
         super().__init__(secret)
-        shared = os.path.abspath(root)
+        self.shared = os.path.abspath(root)
+        self.root = os.path.join(self.shared, str(os.getuid()))
+        self._make_root()
+
+    def _make_root(self) -> None:
+        """The shared directory (1777) and this user's own in it (0700), checked as theirs;
+        made again where deleted meanwhile (then every entry is gone: the keep-alive refresh
+        finds out and adds back what this process holds)."""
+        shared = self.shared
         try:
             ensure_shared_dir(shared)
-            self.root = ensure_owned_dir(os.path.join(shared, str(os.getuid())), 0o700,
-                                         "your name-resolution directory")
+            ensure_owned_dir(self.root, 0o700, "your name-resolution directory")
         except PermissionError as e:
             raise NameResolveError(
                 f"cannot create your name-resolution directory in {shared} ({e.strerror}): its "
@@ -53,6 +60,8 @@ class FileNameResolve(NameResolve):
         body = json.dumps({"value": value, "expires": None if ttl is None else time.time() + ttl})
         for attempt in range(self.PUT_TRIES):
             try:
+                if not os.path.isdir(self.root):  # (not with the user's mode: see _make_root)
+                    self._make_root()
                 os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                 break

@@ -45,6 +45,7 @@ class RedisNameResolve(NameResolve):
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
+        self._set_get = True  # the server takes SET ... GET (see _refresh)
         self._outage_lock = threading.Lock()
         self._local = threading.local()  # .restoring: this thread adds entries back (no retries)
         self._connected = False  # a new connection was made: is it to a new server process?
@@ -86,9 +87,10 @@ class RedisNameResolve(NameResolve):
 
     def _call(self, op: Callable[[], T]) -> T:
         """``op()``, retried while the server does not answer, for up to ``outage_timeout``
-        seconds; once it answers again, or on any new connection, entries are added back if it
-        is a new server process."""
-        deadline = None
+        seconds (:meth:`retry_budget`: read at every retry, so a budget lowered meanwhile, by
+        a process that is stopping, ends a call already retrying); once it answers again, or
+        on any new connection, entries are added back if it is a new server process."""
+        started = None
         failures = 0
         while True:
             try:
@@ -99,20 +101,22 @@ class RedisNameResolve(NameResolve):
                     continue
                 now = self.outage_seen = time.monotonic()
                 restoring = getattr(self._local, "restoring", False)
-                if deadline is None:
-                    deadline = now + self.outage_timeout
+                if started is None:
+                    started = now
                     if not restoring:
                         log.warning("redis at %s does not answer (%s): retrying for up to "
-                                    "%.0fs", self._where, e, self.outage_timeout)
+                                    "%.0fs", self._where, e, self.retry_budget())
+                deadline = started + self.retry_budget()
                 if restoring or now >= deadline:
+                    self.gave_up()
                     raise NameServiceUnavailable(
-                        f"redis at {self._where} did not answer for {self.outage_timeout:.0f}s "
+                        f"redis at {self._where} did not answer for {now - started:.0f}s "
                         f"(name_resolve.redis_outage_timeout): {e}") from None
                 time.sleep(min(RETRY_SECONDS, max(deadline - now, 0.0)))
                 continue
-            if (deadline is not None or self._connected) and \
+            if (started is not None or self._connected) and \
                     not getattr(self._local, "restoring", False):
-                self._check_server(outage=deadline is not None)
+                self._check_server(outage=started is not None)
             return out
 
     def _check_server(self, outage: bool) -> None:
@@ -157,6 +161,16 @@ class RedisNameResolve(NameResolve):
             return
         if not self._call(lambda: self._replace_refused(key, value, px)):
             raise NameEntryExists(key)
+
+    def _refresh(self, key: str, value: str, ttl: float) -> bool:
+        px = max(1, int(ttl * 1000))
+        if self._set_get:
+            try:  # SET ... GET (Redis 6.2): the old value, in the same round trip
+                return self._call(lambda: self._r.set(self._k(key), value, px=px,
+                                                      get=True)) is not None
+            except self._response_error:  # an older server: read first
+                self._set_get = False
+        return super()._refresh(key, value, ttl)
 
     def _replace_refused(self, key: str, value: str, px: int | None) -> bool:
         """``add(replace=False)`` met an entry: take its place if it is not authentic, unless

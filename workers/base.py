@@ -37,6 +37,10 @@ before it stops anyway (Slurm's warning comes ``scheduler.slurm.signal_seconds``
 default, before the kill)."""
 
 
+STOP_NAMES_WAIT = 3.0
+"""Seconds a stopping worker waits for a name service that does not answer (per call)."""
+
+
 class WorkerState(str, enum.Enum):
     CREATED = "created"
     CONFIGURED = "configured"
@@ -107,6 +111,9 @@ class Worker:
 
     def stop(self) -> None:
         self._stop.set()
+        # what is left to do (the role's unwinding, removing our keys) does not wait out a
+        # name service that does not answer, calls retrying already included
+        self.name_resolve.stopping(STOP_NAMES_WAIT)
         if self.state not in (WorkerState.COMPLETED, WorkerState.FAILED):
             self.state = WorkerState.STOPPING
 
@@ -150,7 +157,8 @@ class Worker:
                 while time.monotonic() < deadline and not self._stop.wait(0.5):
                     try:
                         self.name_resolve.get(key)
-                    except NameEntryNotFound:
+                    except NameEntryNotFound:  # (answered: not to be added back)
+                        self.name_resolve.forget(key)
                         log.warning("%s: checkpoint committed after SIGUSR2: stopping", self.name)
                         break
                 else:

@@ -32,7 +32,7 @@ from system.launcher.queue_wait import StartClock, blocked_failure
 from system.launcher.pause_watch import PauseWatch
 from system.launcher.recovery import MasterProgress, Recovery
 from system.launcher.restarts import RecoveringController
-from system.launcher.self_requeue import ControllerRequeue
+from system.launcher.self_requeue import ControllerRequeue, cancelled_since
 from system.launcher.status_file import StatusWriter, TrialCancelled
 from system.launcher.summary import TrialSummary
 from system.launcher.watch import LateBeats, NameWatch, shared, vouched
@@ -116,7 +116,8 @@ class Controller(RecoveringController):
             summary.failed(failure)
             print(f"\nerror: {failure}", file=sys.stderr)
         except KeyboardInterrupt as e:
-            summary.interrupted(cancelled=isinstance(e, TrialCancelled))
+            summary.interrupted(cancelled=isinstance(e, TrialCancelled)  # (or ctl's SIGTERM)
+                                or cancelled_since(self.paths, summary.t0))
             if isinstance(e, ControllerRequeue):  # its job's time limit or preemption
                 summary.requeued(str(e), self._requeue_record(e.seconds_left()))
             print(f"\n{summary.status}: stopping every worker", file=sys.stderr)
@@ -127,8 +128,7 @@ class Controller(RecoveringController):
                 self.status.write("stopping", failure=summary.data.get("failure"))
                 self._stop_all()
                 written = summary.finish(self.paths.summary, self.recovery.summary(),
-                                         self.status.progress, self.timeline,
-                                         self.requeue.restarts)
+                                         self.status.progress, self.timeline, self.requeue.restarts)
                 self.status.final(summary.data, self._poll_fresh)
                 self.pauses.close()
             finally:
@@ -421,6 +421,7 @@ class Controller(RecoveringController):
         return alone | frozenset(self.names.alive(asked)) if asked else alone
 
     def _stop_all(self) -> None:
+        self.nr.stopping(NAMES_CLEANUP_WAIT)  # (a name service down meanwhile is not waited out)
         clients = list(self.clients.values())
         for first in (True, False):  # the master first: what its calls then raise is no failure
             collect_settled([c.stop() for c in clients if (c.kind == "master") == first],
@@ -437,8 +438,7 @@ class Controller(RecoveringController):
             c.close()
         if self._names_down:  # not waited for again: the next launch clears them
             log.warning("name-resolve keys left in place: the name service does not answer")
-        elif not self._names_foreign:  # (a name service down meanwhile is not waited out)
-            self.nr.outage_timeout = min(self.nr.outage_timeout, NAMES_CLEANUP_WAIT)
+        elif not self._names_foreign:
             try:
                 self.nr.clear_subtree(names.trial_root(self.cfg.exp, self.cfg.trial))
             except Exception as e:  # the backend may be gone; keys expire on their own

@@ -101,6 +101,7 @@ def checkpoint_first(nr: NameResolve, exp: str, trial: str, timeout: float,
             try:
                 nr.get(key)
             except NameEntryNotFound:
+                nr.forget(key)  # answered: not to be added back
                 return True
             if gone():
                 log.warning("the master ended before it answered the checkpoint request")

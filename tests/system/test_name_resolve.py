@@ -184,3 +184,48 @@ def _in_threads(target, n: int) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+def _lose_everything(nr) -> None:
+    """What a FLUSHALL, an eviction or ``rm -rf`` of the directory does to a trial's entries."""
+    if isinstance(nr, FileNameResolve):
+        import shutil
+
+        shutil.rmtree(nr.shared)
+        return
+    import redis
+
+    client = redis.Redis(*nr._where.split(":"))
+    for key in client.scan_iter(match=nr._ns + "*"):
+        client.delete(key)
+
+
+def test_entries_the_backend_lost_are_added_back(nr):
+    """Lost without a server restart (FLUSHALL, an eviction, a stray delete, a deleted
+    directory), a process's entries stayed lost but for its keep-alive ones: an RL trial
+    then hung, its restarted workers unable to find the master. The keep-alive refresh now
+    finds its entry gone and adds back every entry the process holds; the file backend's
+    directories come back with their own modes (the shared one 1777, the user's 0700)."""
+    import os
+    import stat
+
+    nr.add("e/t/hb", "x", keepalive_ttl=0.6)  # refreshed every 0.2 s
+    nr.add("e/t/addr", "tcp://a")
+    nr.add("e/t/req", "1")
+    nr.forget("e/t/req")  # another process's to delete once answered: not added back
+    _lose_everything(nr)
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            assert nr.get("e/t/addr") == "tcp://a"
+            break
+        except NameEntryNotFound:
+            assert time.monotonic() < deadline, "the lost entry was never added back"
+            time.sleep(0.05)
+    assert nr.get("e/t/hb") == "x"
+    with pytest.raises(NameEntryNotFound):
+        nr.get("e/t/req")
+    assert nr.outage_within(5)  # heartbeats missed meanwhile are no news yet
+    if isinstance(nr, FileNameResolve):
+        assert stat.S_IMODE(os.stat(nr.shared).st_mode) == 0o1777
+        assert stat.S_IMODE(os.stat(nr.root).st_mode) == 0o700

@@ -117,6 +117,40 @@ def test_a_server_that_stays_down_fails_an_operation_in_one_line(server):
         nr.close()
 
 
+def test_a_stopping_process_waits_out_no_outage(server):
+    """A stop during an outage waited for the whole outage timeout: the keep-alive thread held
+    its lock through a refresh retried for 30 s, so removing the process's keys (delete,
+    release, clear_subtree) waited behind it, and calls already retrying kept on."""
+    nr = RedisNameResolve("127.0.0.1", server[0], namespace="s", secret=SECRET,
+                          outage_timeout=20)
+    try:
+        nr.add("e/t/hb", "1", keepalive_ttl=1.5)  # refreshed every 0.5 s
+        nr.add("e/t/addr", "tcp://x")
+        _kill(server)
+        time.sleep(1.0)  # the keep-alive thread meets the outage
+        got: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                nr.get("e/t/addr")
+            except BaseException as e:  # noqa: BLE001 - what the call raised is the result
+                got.append(e)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(1.0)  # the read is retrying (for up to 20 s)
+        t0 = time.monotonic()
+        nr.stopping(1.0)
+        reader.join(10)
+        assert not reader.is_alive() and isinstance(got[0], NameResolveError)
+        with pytest.raises(NameResolveError):
+            nr.delete("e/t/hb")  # not behind a refresh that retries for 20 s
+        assert time.monotonic() - t0 < 4.0
+        assert nr.outage_timeout == 0.0  # one waited in vain: the others try once
+    finally:
+        nr.close()
+
+
 def test_the_outage_timeout_is_validated():
     assert NameResolveConfig(redis_outage_timeout=0).redis_outage_timeout == 0
     with pytest.raises(ConfigError, match="redis_outage_timeout=-1"):
