@@ -67,3 +67,39 @@ def test_a_redis_restart_mid_trial_costs_no_recovery(fileroot):
         text = open(os.path.join(logs, f"{name}.log")).read()
         assert "as a new server" in text, name  # it added back what it held
     assert trial_processes(root) == []
+
+
+def test_a_stop_while_the_name_service_is_down_waits_out_no_outage(fileroot):
+    """SIGTERM to a trial whose Redis had gone took the whole outage timeout (30 s) to stop:
+    the keep-alive threads held, through a refresh retried for 30 s, the lock the stop's
+    clean-up needs. A stop now waits at most a few seconds for the name service."""
+    port = free_port()
+    redis = start_redis(port)
+    root = os.path.join(fileroot, "smoke", "down")
+    proc = subprocess.Popen(launch_argv("exp=smoke", "trial=down", f"cluster.fileroot={fileroot}",
+                                        "name_resolve=redis", f"name_resolve.redis_port={port}",
+                                        "smoke.min_duration=120", "controller.progress=false"),
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(root, "status.json")) or json.load(
+                open(os.path.join(root, "status.json"))).get("state") != "running":
+            assert proc.poll() is None and time.monotonic() < deadline, "never running"
+            time.sleep(0.25)
+        time.sleep(2.0)  # every worker registered
+        redis.kill()
+        redis.wait(10)
+        time.sleep(2.0)  # keep-alive refreshes meet the outage (and retry)
+        t0 = time.monotonic()
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        redis.kill()
+        redis.wait(10)
+    assert proc.returncode == 1, err[-3000:]
+    assert took < 15.0, f"{took:.1f}s to stop\n{err[-3000:]}"
+    assert read_summary(fileroot, "smoke", "down")["status"] == "interrupted"
+    assert trial_processes(root) == []
