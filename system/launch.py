@@ -166,6 +166,7 @@ class StopOnSignal:
                  warning: Callable[[], float | None] = lambda: None) -> None:
         self.first: str | None = None
         self.handled: list[signal.Signals] = []
+        self._raised: BaseException | None = None  # (see redeliver)
         self.requeue_job = requeue_job
         self.warning = warning
         """Seconds before Slurm ends the requeuing controller's job (None: unknown)."""
@@ -192,8 +193,19 @@ class StopOnSignal:
             return
         self.first = name
         if signum == signal.SIGUSR2 and self.requeue_job is not None:
-            raise ControllerRequeue(self.requeue_job, self.warning)
-        raise KeyboardInterrupt(name)
+            self._raised = ControllerRequeue(self.requeue_job, self.warning)
+        else:
+            self._raised = KeyboardInterrupt(name)
+        raise self._raised
+
+    def redeliver(self) -> None:
+        """Raise again the stop the handler raised, if it has not stopped the trial: raised
+        where an exception cannot propagate (the logging module's at-fork hook, while the
+        local scheduler starts a worker, prints it as "ignored"), it was lost and the trial
+        ran on to its end. Called with every poll of the jobs, before the stop is handled."""
+        raised, self._raised = self._raised, None
+        if raised is not None:
+            raise raised
 
 
 def _leave_terminal() -> None:
@@ -220,7 +232,11 @@ def _terminal(fd: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     restarted: list[str] = []  # a requeued controller's trial directory, once known
-    code = launch(argv, restarted)
+    try:
+        code = launch(argv, restarted)
+    except KeyboardInterrupt:  # before the controller runs (it handles its own): no traceback
+        print("interrupted before the trial started: nothing was submitted", file=sys.stderr)
+        return 130
     if restarted and stale_pending(TrialPaths(restarted[0])):  # its controller never wrote
         end_records(TrialPaths(restarted[0]), "completed" if code == 0 else "failed",
                     f"the controller's job started again and ended (exit code {code}) before "
@@ -402,6 +418,7 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
     watch = None if requeue_job is None else PreemptionWatch(requeue_job)
     stop = StopOnSignal(requeue_job, watch.seconds_left if watch else lambda: None)
     stop.install()
+    controller.status.before_tick = stop.redeliver
     if watch is not None:
         watch.start()
     try:

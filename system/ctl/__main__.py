@@ -19,6 +19,7 @@ something is. ``ls`` and ``logs``: 0, or 2 for a usage error. Output whose reade
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from system.ctl import cancel, logs, ls, output, status
@@ -94,16 +95,22 @@ def ls_fileroot(flag: str | None, words: list[str]) -> str:
         raise ConfigError("give the file root once: --fileroot DIR or cluster.fileroot=DIR")
     if "" in roots or flag == "":
         raise ConfigError("the file root is empty: give --fileroot DIR or cluster.fileroot=DIR")
-    if flag is not None:
-        return flag
-    return roots[0] if roots else ExperimentConfig().cluster.fileroot
+    given = flag if flag is not None else roots[0] if roots else None
+    if given is None:
+        return ExperimentConfig().cluster.fileroot  # (absent until a trial runs: no trials)
+    if not os.path.isdir(given):  # a typo must not read as a root without trials
+        raise ConfigError(f"the file root {given} is not a directory"
+                          + ("" if os.path.exists(given) else " (it does not exist)"))
+    return given
 
 
 def dispatch(args: argparse.Namespace) -> int:
     if args.command == "ls":
         return ls.run(ls_fileroot(args.fileroot, args.words))
     keys, rest = split_words(args.words)
-    if rest and args.command != "logs" or len(rest) > 1:
+    if args.command == "logs" and len(rest) > 1:
+        raise ConfigError(f"logs shows one worker's log at a time (KIND:INDEX), got {rest}")
+    if rest and args.command != "logs":
         raise ConfigError(f"unexpected argument(s) {rest}: give {TRIAL_HELP}")
     paths = trial_paths(keys)
     if args.command == "status":

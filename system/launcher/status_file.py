@@ -129,10 +129,13 @@ class StatusWriter:
         self.progress: dict[str, Any] = {}
         self._next_write = 0.0
         self._next_check = 0.0
+        self.before_tick: Callable[[], None] = lambda: None
+        """Called first by every :meth:`tick` (the launcher's stop signal, redelivered)."""
 
     def tick(self, statuses: list[JobStatus]) -> None:
         """Called with every poll of the jobs: write the record when due; raise
         :class:`TrialCancelled` once the cancel key is found."""
+        self.before_tick()
         self.jobs = [job_record(s) for s in statuses]
         now = time.monotonic()
         if now >= self._next_check:

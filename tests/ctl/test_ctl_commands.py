@@ -219,6 +219,12 @@ def test_ls_takes_the_file_root_as_the_other_commands_do(tmp_path, capsys):
     with pytest.raises(ConfigError, match="the file root is empty"):
         ls_fileroot(None, ["cluster.fileroot="])
     assert main(["ls", "exp=smoke"]) == 2
+    # a mistyped root is named, not listed as a root without trials
+    for bad in (str(tmp_path / "typo"), os.path.join(root, "smoke", "t1", "status.json")):
+        with pytest.raises(ConfigError, match="^the file root .* is not a directory"):
+            ls_fileroot(bad, [])
+    assert main(["ls", "--fileroot", str(tmp_path / "typo")]) == 2
+    assert "(it does not exist)" in capsys.readouterr().err
 
 
 def test_a_trial_never_evaluated_is_named_as_such(fileroot, capsys):
@@ -238,3 +244,11 @@ def test_a_missing_trial_word_says_how_ctl_names_a_trial(fileroot, capsys):
     err = capsys.readouterr().err
     assert "missing exp=..." in err and "name the trial as its launch did" in err, err
     assert "system.launch" not in err
+
+
+def test_logs_takes_one_worker(fileroot, capsys):
+    _trial(fileroot, "smoke", "t")
+    words = ["exp=smoke", "trial=t", f"cluster.fileroot={fileroot}"]
+    assert main(["logs", *words, "master:0", "rollout:1"]) == 2
+    assert "logs shows one worker's log at a time (KIND:INDEX), got ['master:0', 'rollout:1']" \
+        in capsys.readouterr().err

@@ -90,6 +90,32 @@ def test_stop_signals_raise_once_and_never_during_cleanup():
             signal.signal(sig, handler)
 
 
+def test_a_stop_raised_where_it_cannot_propagate_is_raised_again():
+    """Ctrl-C while the local scheduler forked a worker ran the handler in the logging
+    module's at-fork hook, which printed its KeyboardInterrupt as "ignored": the stop was
+    lost (later signals ignored as repeats) and the trial ran to its end. The controller's
+    next poll raises it again, once."""
+    import signal
+
+    from system.launch import StopOnSignal
+    from system.launcher.self_requeue import ControllerRequeue
+
+    stop = StopOnSignal()
+    try:  # as an at-fork hook runs it (a hook registered here would stay for every fork)
+        stop(signal.SIGINT, None)
+    except KeyboardInterrupt:
+        pass  # ... and prints its exception as "ignored"
+    assert stop.first == "SIGINT"
+    with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+        stop.redeliver()
+    stop.redeliver()  # once only
+    requeue = StopOnSignal("41", lambda: 17.0)
+    with pytest.raises(ControllerRequeue):
+        requeue(signal.SIGUSR2, None)
+    with pytest.raises(ControllerRequeue):  # (not yet handled: the controller handles it)
+        requeue.redeliver()
+
+
 @pytest.mark.parametrize("args, line", [
     (["controller.heartbeat_ttl=inf"], "error: controller.heartbeat_ttl=inf: must be a finite "
                                        "number\n"),
