@@ -204,7 +204,7 @@ class StopOnSignal:
         local scheduler starts a worker, prints it as "ignored"), it was lost and the trial
         ran on to its end. Called with every poll of the jobs, before the stop is handled."""
         raised, self._raised = self._raised, None
-        if raised is not None:
+        if raised is not None and not self._cleaning_up():  # (handled: the cleanup is on)
             raise raised
 
 
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = launch(argv, restarted)
     except KeyboardInterrupt:  # before the controller runs (it handles its own): no traceback
-        print("interrupted before the trial started: nothing was submitted", file=sys.stderr)
+        print("interrupted before the trial's controller started", file=sys.stderr)
         return 130
     if restarted and stale_pending(TrialPaths(restarted[0])):  # its controller never wrote
         end_records(TrialPaths(restarted[0]), "completed" if code == 0 else "failed",

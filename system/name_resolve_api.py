@@ -9,8 +9,8 @@ import abc
 import collections
 import dataclasses
 import enum
-import os
 import logging
+import os
 import threading
 import time
 from typing import ClassVar, Iterator, NamedTuple
@@ -126,7 +126,7 @@ class NameResolve(abc.ABC):
         self._ka_lock = threading.Lock()
         # held by a keep-alive refresh while it writes, and by delete/clear while they drop
         # keys from keep-alive: a refresh never writes back a key just deleted
-        self._ka_put_lock = threading.Lock()
+        self._ka_put_lock = threading.RLock()  # (a refresh's call may add entries back)
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
         self._verified: dict[str, tuple[str, str]] = {}  # key -> (stored, value) checked
@@ -136,6 +136,7 @@ class NameResolve(abc.ABC):
         process that stops lowers it (:meth:`stopping`), which also ends calls retrying."""
         self._budget = threading.local()  # .seconds: this thread's own cap on retries
         self._stopping = False
+        self._refreshed: dict[str, float] = {}  # keep-alive key -> last write (monotonic)
         self.outage_seen: float | None = None
         """When (monotonic) a call of this process last found the backend not answering, or
         answering again after that (None: never): heartbeats missed meanwhile are no news
@@ -209,6 +210,7 @@ class NameResolve(abc.ABC):
         with self._ka_lock:
             if keepalive_ttl is not None:
                 self._keepalive[key] = (stored, keepalive_ttl)
+                self._refreshed[key] = time.monotonic()
                 self._owned.pop(key, None)
             else:
                 self._owned[key] = stored
@@ -330,11 +332,15 @@ class NameResolve(abc.ABC):
             items = list(self._owned.items())
         n = 0
         for key, stored in items:
-            try:
-                self._put(key, stored, None, False)
-                n += 1
-            except NameEntryExists:  # there (kept, or written anew by its new owner)
-                pass
+            with self._ka_put_lock:  # (not one this process deletes or forgets meanwhile)
+                with self._ka_lock:
+                    if self._owned.get(key) != stored:
+                        continue
+                try:
+                    self._put(key, stored, None, False)
+                    n += 1
+                except NameEntryExists:  # there (kept, or written anew by its new owner)
+                    pass
         return n
 
     def close(self) -> None:
@@ -367,8 +373,10 @@ class NameResolve(abc.ABC):
                             continue  # deleted (or added anew) since the snapshot
                     try:
                         self.ops["write"] += 1
-                        if not self._refresh(key, value, ttl):
+                        in_time = time.monotonic() - self._refreshed.get(key, 0.0) < ttl
+                        if not self._refresh(key, value, ttl) and in_time:
                             lost.append(key)
+                        self._refreshed[key] = time.monotonic()
                     except Exception:  # a transient backend error must not kill the refresher
                         pass
             if lost:
@@ -376,11 +384,16 @@ class NameResolve(abc.ABC):
             self._ka_stop.wait(max(period, 0.02))
 
     def _lost(self, keys: list[str]) -> None:
-        """Keep-alive entries were gone before their refresh, though refreshed well within
-        their TTL: the backend lost entries (a FLUSHALL, an eviction, a stray delete, a deleted
-        directory; or this process stood still past the TTL). Add back the others this process
-        holds, where missing, as after a server restart."""
+        """Keep-alive entries were gone before a refresh that came in time (within their
+        TTL of the last one): the backend lost entries (a FLUSHALL, an eviction, a stray
+        delete, a deleted directory). Add back the others this process holds, where missing,
+        as after a server restart. A process that stood still past the TTL (stopped, then
+        continued: the controller may have replaced it meanwhile) adds nothing back (the
+        refresh itself writes its keep-alive entry again, as before), nor does one that is
+        stopping."""
         try:
+            if self._stopping:
+                return
             n = self._restore_owned()
         except Exception as e:  # noqa: BLE001 - the next loss found tries again
             log.warning("name resolution lost entries of this process (%s was gone): adding "

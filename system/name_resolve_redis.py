@@ -168,8 +168,10 @@ class RedisNameResolve(NameResolve):
             try:  # SET ... GET (Redis 6.2): the old value, in the same round trip
                 return self._call(lambda: self._r.set(self._k(key), value, px=px,
                                                       get=True)) is not None
-            except self._response_error:  # an older server: read first
-                self._set_get = False
+            except self._response_error as e:
+                if "syntax" not in str(e).lower():  # (a refusal: read-only, OOM, NOPERM)
+                    raise
+                self._set_get = False  # a server older than 6.2: read first from now on
         return super()._refresh(key, value, ttl)
 
     def _replace_refused(self, key: str, value: str, px: int | None) -> bool:

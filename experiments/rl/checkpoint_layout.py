@@ -98,8 +98,8 @@ def check_resume_model(checkpoints: str, base_model: str) -> None:
         return
     if not isinstance(saved, dict) or not isinstance(base, dict):
         return
-    differ = [f"{k} {saved.get(k)} against {base.get(k)}" for k in SHAPE_KEYS
-              if saved.get(k) != base.get(k)]
+    differ = [f"{k} {saved[k]} against {base[k]}" for k in SHAPE_KEYS  # (where both say:
+              if k in saved and k in base and saved[k] != base[k]]  # a default may be left out)
     if differ:
         raise ConfigError(
             f"the latest checkpoint (step {step}) holds another model than rl.model_path="

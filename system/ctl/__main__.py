@@ -98,6 +98,7 @@ def ls_fileroot(flag: str | None, words: list[str]) -> str:
     given = flag if flag is not None else roots[0] if roots else None
     if given is None:
         return ExperimentConfig().cluster.fileroot  # (absent until a trial runs: no trials)
+    given = os.path.expanduser(given)  # (as the launcher does: a shell leaves key=~/x be)
     if not os.path.isdir(given):  # a typo must not read as a root without trials
         raise ConfigError(f"the file root {given} is not a directory"
                           + ("" if os.path.exists(given) else " (it does not exist)"))

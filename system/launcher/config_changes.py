@@ -38,7 +38,8 @@ def changed_settings(before_yaml: str, now_yaml: str) -> list[str]:
         return []
     old, new = flatten(before), flatten(yaml.safe_load(now_yaml))
     return [f"{key}: {_show(old, key)} -> {_show(new, key)}"
-            for key in sorted(old.keys() | new.keys()) if old.get(key, _NONE) != new.get(key, _NONE)]
+            for key in sorted(old.keys() | new.keys())
+            if old.get(key, _NONE) != new.get(key, _NONE)]
 
 
 _NONE = object()

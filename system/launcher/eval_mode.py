@@ -81,6 +81,8 @@ def trained_base(cfg: ExperimentConfig, defaults: ExperimentConfig,
     try:
         schema = OmegaConf.structured(defaults)
         loaded = OmegaConf.load(saved)
+        if OmegaConf.select(loaded, "recover.overwrite"):  # (a start-over's: of no use here,
+            loaded.recover.overwrite = False  # and refused beside recover=auto since)
         dropped = fit_saved(loaded, schema)
         if dropped:
             log.warning("mode=eval: %s ignores settings this version no longer has: %s",

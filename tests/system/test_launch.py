@@ -114,6 +114,19 @@ def test_a_stop_raised_where_it_cannot_propagate_is_raised_again():
         requeue(signal.SIGUSR2, None)
     with pytest.raises(ControllerRequeue):  # (not yet handled: the controller handles it)
         requeue.redeliver()
+    from system.launch import STOP_SIGNALS
+
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        handled = StopOnSignal()
+        handled.install()
+        with pytest.raises(KeyboardInterrupt):
+            handled(signal.SIGTERM, None)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller cleans up: handled
+        handled.redeliver()  # nothing raised a second time
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 @pytest.mark.parametrize("args, line", [

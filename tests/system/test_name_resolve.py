@@ -229,3 +229,25 @@ def test_entries_the_backend_lost_are_added_back(nr):
     if isinstance(nr, FileNameResolve):
         assert stat.S_IMODE(os.stat(nr.shared).st_mode) == 0o1777
         assert stat.S_IMODE(os.stat(nr.root).st_mode) == 0o700
+
+
+def test_a_process_that_stood_still_or_is_stopping_adds_nothing_back(nr):
+    """A process stopped past its TTL (SIGSTOP, a frozen VM) may have been replaced: the
+    controller deleted its keys. When it runs again it must not add its old address back
+    over its replacement's registration (its refresh writes the heartbeat again, as it
+    always did). Nor does a stopping process add anything back, even after a real loss."""
+    nr.add("e/t/hb", "x", keepalive_ttl=0.6)
+    nr.add("e/t/addr", "tcp://old")
+    with nr._ka_lock:
+        nr._refreshed["e/t/hb"] = time.monotonic() - 10  # as if it stood still for 10 s
+    for key in ("e/t/hb", "e/t/addr"):  # from the store only, as the controller deletes
+        assert nr._delete(key)  # (this process still holds both)
+    time.sleep(1.0)  # refreshes find the heartbeat gone, late
+    assert nr.get("e/t/hb") == "x"
+    with pytest.raises(NameEntryNotFound):
+        nr.get("e/t/addr")
+    nr.stopping(1.0)
+    _lose_everything(nr)
+    time.sleep(1.0)
+    with pytest.raises(NameEntryNotFound):
+        nr.get("e/t/addr")

@@ -156,6 +156,9 @@ def test_a_trial_continues_only_from_the_model_it_was_trained_from(tmp_path):
     check_resume_model(root, str(tmp_path / "base"))  # the base's config unreadable: not judged
     (tmp_path / "base" / "config.json").write_text(json.dumps({**tiny, "dtype": "bfloat16"}))
     check_resume_model(root, str(tmp_path / "base"))  # the same model (another dtype)
+    (tmp_path / "base" / "config.json").write_text(json.dumps(  # a default left out of one
+        {k: v for k, v in tiny.items() if k != "num_hidden_layers"}))
+    check_resume_model(root, str(tmp_path / "base"))
     (tmp_path / "base" / "config.json").write_text(json.dumps(
         {**tiny, "model_type": "llama", "hidden_size": 576}))
     with pytest.raises(ConfigError) as e:

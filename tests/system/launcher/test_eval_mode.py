@@ -108,3 +108,25 @@ def test_a_config_saved_by_an_older_version_loads():
     loaded = OmegaConf.to_object(OmegaConf.merge(schema, old))
     assert loaded.metrics.wandb == "offline" and loaded.metrics.wandb_project == "p"
     assert loaded.scheduler.slurm.model.env == {"KEEP": "1"}
+
+
+def test_a_trial_saved_with_overwrite_beside_recover_auto_still_evaluates(tmp_path):
+    """``recover.overwrite=true`` without ``recover=off`` is refused since; trials saved so
+    before (it continued them, silently) must still evaluate."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from experiments.catalog import get_experiment
+    from system.launcher.eval_mode import trained_base
+
+    root = str(tmp_path / "runs")
+    trained = os.path.join(root, "arith-tiny", "t")
+    os.makedirs(trained)
+    saved = OmegaConf.structured(_cfg(root))
+    OmegaConf.update(saved, "recover.overwrite", True)  # beside recover.type=auto
+    OmegaConf.update(saved, "rl.total_steps", 12)
+    OmegaConf.save(saved, os.path.join(trained, "config.yaml"))
+    defaults = get_experiment("arith-tiny").make_config()
+    cfg = trained_base(_cfg(root, "mode=eval"), defaults, lambda base: base)
+    assert cfg.rl.total_steps == 12 and cfg.recover.overwrite is False
