@@ -391,14 +391,14 @@ class NameResolve(abc.ABC):
         continued: the controller may have replaced it meanwhile) adds nothing back (the
         refresh itself writes its keep-alive entry again, as before), nor does one that is
         stopping."""
+        if self._stopping:
+            return
+        self.outage_seen = time.monotonic()  # others' heartbeats may be gone for a while too
         try:
-            if self._stopping:
-                return
             n = self._restore_owned()
         except Exception as e:  # noqa: BLE001 - the next loss found tries again
             log.warning("name resolution lost entries of this process (%s was gone): adding "
                         "them back failed: %s", keys[0], e)
             return
-        self.outage_seen = time.monotonic()  # others' heartbeats may be gone for a while too
         log.warning("name resolution lost entries of this process (%s was gone before its "
                     "refresh): %d added back", keys[0], n)

@@ -160,6 +160,9 @@ def test_usage_errors(fileroot):
     assert ctl("status", "exp=smoke", "trial=none", f"cluster.fileroot={fileroot}").returncode == 2
     assert ctl("status", "exp=nosuch", "trial=t").returncode == 2
     assert ctl("status", "trial=t").returncode == 2
+    r = ctl("ls", "--fileroot", fileroot)  # a mistyped root is named, not an empty one
+    assert r.returncode == 2 and "is not a directory (it does not exist)" in r.stderr
+    os.makedirs(fileroot)
     r = ctl("ls", "--fileroot", fileroot)
     assert r.returncode == 0 and "no trials" in r.stdout
     words = ["exp=smoke", "trial=dry", f"cluster.fileroot={fileroot}"]

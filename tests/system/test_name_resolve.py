@@ -1,6 +1,7 @@
 """Name resolution, identical behaviour on the file and redis backends."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -191,7 +192,9 @@ def _lose_everything(nr) -> None:
     if isinstance(nr, FileNameResolve):
         import shutil
 
-        shutil.rmtree(nr.shared)
+        gone = nr.shared + ".gone"  # (moved first: a refresh may write into it meanwhile)
+        os.rename(nr.shared, gone)
+        shutil.rmtree(gone)
         return
     import redis
 
@@ -206,7 +209,6 @@ def test_entries_the_backend_lost_are_added_back(nr):
     then hung, its restarted workers unable to find the master. The keep-alive refresh now
     finds its entry gone and adds back every entry the process holds; the file backend's
     directories come back with their own modes (the shared one 1777, the user's 0700)."""
-    import os
     import stat
 
     nr.add("e/t/hb", "x", keepalive_ttl=0.6)  # refreshed every 0.2 s
@@ -238,10 +240,10 @@ def test_a_process_that_stood_still_or_is_stopping_adds_nothing_back(nr):
     always did). Nor does a stopping process add anything back, even after a real loss."""
     nr.add("e/t/hb", "x", keepalive_ttl=0.6)
     nr.add("e/t/addr", "tcp://old")
-    with nr._ka_lock:
+    with nr._ka_put_lock:  # (no refresh in between: it judges its lateness under this lock)
         nr._refreshed["e/t/hb"] = time.monotonic() - 10  # as if it stood still for 10 s
-    for key in ("e/t/hb", "e/t/addr"):  # from the store only, as the controller deletes
-        assert nr._delete(key)  # (this process still holds both)
+        for key in ("e/t/hb", "e/t/addr"):  # from the store only, as the controller deletes
+            assert nr._delete(key)  # (this process still holds both)
     time.sleep(1.0)  # refreshes find the heartbeat gone, late
     assert nr.get("e/t/hb") == "x"
     with pytest.raises(NameEntryNotFound):
