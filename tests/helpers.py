@@ -1,6 +1,7 @@
 """Shared test helpers (not fixtures): the repository root, free ports, launching trials and
-reading their summaries, leftover-process checks, the tiny Qwen2 model and its vLLM engine, a
-generation server outside a trial, a character tokenizer and a word tokenizer."""
+reading their summaries, leftover-process checks, the end of a spawned distributed rank, the
+tiny Qwen2 model and its vLLM engine, a generation server outside a trial, a character
+tokenizer and a word tokenizer."""
 from __future__ import annotations
 
 import json
@@ -37,6 +38,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def end_rank() -> None:
+    """End a spawned ``torch.distributed`` test rank as a trial's worker ends: wait for every
+    rank (one that leaves first tears its gloo pairs down under a peer still at work), destroy
+    the process group, and leave by :func:`system.fast_exit.exit_now` (the ``atexit`` handlers
+    run, so what a rank put on a multiprocessing queue is flushed), not by the interpreter's
+    tear-down, whose C++ destructors aborted a rank in one CI run (``terminate called without
+    an active exception``, exit code -6, after its work had passed)."""
+    import torch.distributed as dist
+
+    from system.fast_exit import exit_now
+
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_now(0)
 
 
 def start_redis(port: int) -> subprocess.Popen:

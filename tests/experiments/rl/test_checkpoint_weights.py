@@ -14,6 +14,7 @@ import torch
 from experiments.rl.checkpoint_weights import (CheckpointFormatError, actor_dir,
                                                checkpoint_state_dict)
 from workers.engines.torch_engine import TorchEngine, TorchEngineConfig
+from tests.helpers import end_rank
 
 
 def _seqs(n: int = 6, vocab: int = 100) -> list[torch.Tensor]:
@@ -84,7 +85,7 @@ def _fsdp_rank(rank: int, port: int, model: str, step_dir: str, out) -> None:
     if rank == 0:
         _assert_same(checkpoint_state_dict(step_dir), full)
         out.put("ok")
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _megatron_rank(rank: int, port: int, model: str, step_dir: str, out) -> None:
@@ -108,7 +109,7 @@ def _megatron_rank(rank: int, port: int, model: str, step_dir: str, out) -> None
     if rank == 0:
         _assert_same(checkpoint_state_dict(step_dir, "megatron"), full)
         out.put("ok")
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _two_ranks(target, model: str, step_dir: str) -> None:

@@ -18,6 +18,7 @@ pytest.importorskip("megatron.core")
 from workers.engines.configs import MegatronConfig, TorchEngineConfig  # noqa: E402
 from workers.engines.torch_engine import TorchEngine  # noqa: E402
 from system.errors import ConfigError  # noqa: E402
+from tests.helpers import end_rank  # noqa: E402
 
 TOL = 2e-5
 
@@ -103,7 +104,7 @@ def _worker(rank, world, port, path, tp, pp, ckpt, clip, steps, out):
              "before": [x.numpy().copy() for x in before],
              "after": [x.numpy().copy() for x in after],
              "state": {k: v.numpy().copy() for k, v in state.items()} if rank == 0 else None})
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _run(path: str, world: int, tp: int, pp: int, ckpt: str = "", clip: float = 1.0,

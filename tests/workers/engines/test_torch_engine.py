@@ -9,6 +9,7 @@ import torch
 
 from workers.engines.torch_engine import (TorchEngine, TorchEngineConfig, microbatches,
                                           mixed_precision_policy, precision)
+from tests.helpers import end_rank
 
 
 def _seqs(n: int = 6, seed: int = 0) -> list[torch.Tensor]:
@@ -158,7 +159,7 @@ def _dp_worker(rank, port, model_dir, ckpt_dir, out):
     assert all(torch.equal(t, sd[k]) for k, t in orig.full_state_dict().items())
     if rank == 0:  # numpy copies: torch tensors would travel as handles to this process
         out.put({k: v.numpy().copy() for k, v in sd.items()})
-    dist.destroy_process_group()
+    end_rank()
 
 
 def test_fsdp_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
