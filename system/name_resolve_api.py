@@ -269,6 +269,7 @@ class NameResolve(abc.ABC):
         key = _check_key(key)
         with self._ka_put_lock, self._ka_lock:
             self._keepalive.pop(key, None)
+            self._refreshed.pop(key, None)
             self._owned.pop(key, None)
         if not self._delete(key):
             raise NameEntryNotFound(key)
@@ -279,6 +280,7 @@ class NameResolve(abc.ABC):
         key = _check_key(key)
         with self._ka_put_lock, self._ka_lock:
             self._keepalive.pop(key, None)
+            self._refreshed.pop(key, None)
             self._owned.pop(key, None)
 
     def release(self, key: str) -> None:
@@ -286,12 +288,13 @@ class NameResolve(abc.ABC):
         key = _check_key(key)
         with self._ka_put_lock, self._ka_lock:
             self._keepalive.pop(key, None)
+            self._refreshed.pop(key, None)
 
     def clear_subtree(self, prefix: str) -> int:
         """Remove every key at or below ``prefix`` (e.g. a whole trial); returns how many."""
         prefix = _check_key(prefix)
         with self._ka_put_lock, self._ka_lock:
-            for held in (self._keepalive, self._owned):
+            for held in (self._keepalive, self._refreshed, self._owned):
                 for k in [k for k in held if k == prefix or k.startswith(prefix + "/")]:
                     del held[k]
         n = 0

@@ -90,6 +90,19 @@ def test_a_released_entry_is_no_longer_refreshed_and_expires(nr):
     assert nr.get("e/t/hb") == "y"
 
 
+def test_a_process_keeps_no_refresh_times_of_entries_it_let_go(nr):
+    """A long-running process adds and lets go of many keep-alive entries (requests, leases):
+    the refresh time it keeps for each (the test of a lost entry) goes with it."""
+    for i in range(4):
+        nr.add(f"e/t/k/{i}", "x", keepalive_ttl=5)
+    nr.add("e/u/k", "x", keepalive_ttl=5)
+    nr.delete("e/t/k/0")
+    nr.release("e/t/k/1")
+    nr.forget("e/t/k/2")
+    nr.clear_subtree("e/t")
+    assert list(nr._refreshed) == ["e/u/k"]
+
+
 def test_keepalive_keeps_entry(nr):
     nr.add("e/t/hb", "x", keepalive_ttl=0.4)
     time.sleep(1.2)
