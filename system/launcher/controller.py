@@ -207,11 +207,21 @@ class Controller(RecoveringController):
             self.clients[w] = client_for(w, RpcClient(self.codec, found[w],
                                                       self.cfg.rpc.request_timeout))
             clients.append(self.clients[w])
-        self._configure_all(clients)
-        self._start_all(clients)
-        self.requeue.rejoined(back)
-        self.recovery.running(back)
-        print(f"\nrejoined: {', '.join(back)}", file=sys.stderr)
+        try:
+            self._configure_all(clients)
+        except WorkerFailure:  # the others are configured again and started at the next poll
+            for w in back:     # (not left to their deadline, their new address taken as known)
+                self.addresses.pop(w, None)
+            self._drop_clients(back)
+            raise
+        results = collect_settled([c.start() for c in clients], self.cfg.rpc.request_timeout)
+        started = [c.name for c, r in zip(clients, results) if not isinstance(r, Exception)]
+        try:
+            self._check(clients, "start", results)
+        finally:  # those started have rejoined, also when another one failed
+            self.requeue.rejoined([w for w in started if w in self.requeue.rejoining])
+            self.recovery.running(started)
+        print(f"\nrejoined: {', '.join(started)}", file=sys.stderr)
 
     def _check_reported_errors(self) -> None:
         """Raise a worker's report of its exception; named after another worker whose job had
