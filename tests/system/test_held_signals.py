@@ -39,8 +39,13 @@ def test_a_signal_delivered_to_another_thread_is_held_too():
     try:
         with pytest.raises(KeyboardInterrupt):
             with held_signals():
-                threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
-                time.sleep(0.6)  # the step (a sbatch) is under way when the signal comes
+                # the step (a sbatch) is under way when the signal comes, from another thread
+                # (a timer could fire after the step on a loaded machine)
+                sent = threading.Event()
+                threading.Thread(target=lambda: (os.kill(os.getpid(), signal.SIGINT),
+                                                 sent.set()), daemon=True).start()
+                assert sent.wait(30)
+                time.sleep(0.1)
                 recorded.append("job id")
         assert recorded == ["job id"]
     finally:

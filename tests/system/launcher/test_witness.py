@@ -141,9 +141,10 @@ def test_it_vouches_while_its_worker_lives_stopped_or_not_and_not_a_moment_longe
     time.sleep(4.0)  # longer than the alive key's own TTL (3 heartbeat TTLs)
     assert t.alive() == me and running(witness)
     os.kill(proc.pid, signal.SIGKILL)
-    gone = time.monotonic()
     until(lambda: t.alive() is None, 5, "the alive key's deletion")
-    assert time.monotonic() - gone < 1.5  # deleted, long before its TTL could have ended it
+    # deleted, not expired (its TTL could have ended it: the file service leaves an expired
+    # entry's file behind, and a loaded machine may take seconds to show it gone)
+    assert not os.path.exists(t.nr._path(names.alive("e", "t", "rollout", 1)))
     until(lambda: not running(witness), 5, "the witness's exit")
 
 
