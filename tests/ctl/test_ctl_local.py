@@ -52,12 +52,14 @@ def test_ls_status_logs_cancel(fileroot):
     try:
         # the controller's record says running within seconds, and the master's progress soon
         # after (a loaded machine showed '0/400' at first)
+        # (and every worker's heartbeat alive: one 2 s heartbeat may lapse for a moment)
         deadline = time.time() + 30
         while (s := status(fileroot, "op"))[1]["state"] != "running" or (
-                (s[1].get("progress") or {}).get("trajectories") != "400/400"):
+                (s[1].get("progress") or {}).get("trajectories") != "400/400") or len(
+                s[1]["workers"]["alive"]) != 9:
             assert time.time() < deadline, s
             time.sleep(0.5)
-        code, s = status(fileroot, "op")
+        code, s = s
         assert code == 0 and s["scheduler"] == "local" and s["controller"]["pid"] == proc.pid
         assert len(s["jobs"]) == 9 and {j["state"] for j in s["jobs"]} == {"RUNNING"}
         assert sorted(int(j["id"]) for j in s["jobs"]) == sorted(trial_processes(trial_dir))

@@ -17,6 +17,7 @@ import torch
 
 from system.reshard.megatron import hf_to_megatron_shard, padded_vocab
 from system.reshard.params import ModelShape
+from tests.helpers import end_rank
 
 pytest.importorskip("megatron.core")
 
@@ -81,6 +82,8 @@ def _rank(rank: int, tp: int, store: str, kind: str, tied: bool, out: Any) -> No
         out.put((rank, _rank_body(rank, tp, store, kind, tied)))
     except Exception as e:  # report, do not hang the parent
         out.put((rank, f"{type(e).__name__}: {e}"))
+        return
+    end_rank()
 
 
 def _rank_body(rank: int, tp: int, store: str, kind: str, tied: bool) -> Any:
@@ -123,7 +126,6 @@ def _rank_body(rank: int, tp: int, store: str, kind: str, tied: bool) -> Any:
         got = model(ids, pos, attention_mask=None)[..., :96]
     with torch.no_grad():
         want = hf(ids).logits
-    dist.destroy_process_group()
     return (got - want).abs().max().item()
 
 

@@ -210,7 +210,9 @@ def test_hostile_bodies_are_refused_and_the_engine_lives(engine, client, text, n
 
 
 @pytest.mark.slow
-def test_content_length_is_checked_before_anything_is_read(engine, client):
+def test_content_length_is_checked_before_anything_is_read(engine, flood_served):
+    http, key = flood_served  # (a 60 s read timeout: an answer in seconds came at once)
+    client = Client(http.address, key)
     post = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
     body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
     for length, want in [("-1", 400), ("-999999", 400), ("abc", 400), ("1.5", 400),
@@ -219,7 +221,7 @@ def test_content_length_is_checked_before_anything_is_read(engine, client):
         t0 = time.monotonic()
         code, out = client.raw(f"{post}\r\nContent-Length: {length}", body)
         assert code == want and out["error"]["code"] == want, (length, out)
-        assert time.monotonic() - t0 < 1.5  # answered at once, not after the read timeout
+        assert time.monotonic() - t0 < 10  # answered at once, not after the read timeout
     code, out = client.raw(post, body)
     assert code == 411 and "Content-Length" in out["error"]["message"]
     code, out = client.raw(f"{post}\r\nTransfer-Encoding: chunked", b"5\r\nhello\r\n0\r\n\r\n")
@@ -300,7 +302,7 @@ def test_a_slow_client_is_dropped_at_the_read_timeout(engine, client, served, ph
                       f"\r\nContent-Length: 1000\r\n\r\n{{".encode())
             trickle = [b" "] * 200
         took, answer = _held_until_dropped(s, trickle, 0.25, timeout + 3)
-    assert timeout - 0.3 < took < timeout + 1.5, took
+    assert timeout - 0.3 < took < timeout + 10, took  # (uncut, the trickle lasts 50 s)
     assert b" 408 " in answer.split(b"\r\n")[0] and b'"code": 408' in answer, answer
     assert http.server.reaper.cut >= 1
     _assert_engine_serves(engine, client)
@@ -310,7 +312,8 @@ def test_a_slow_client_is_dropped_at_the_read_timeout(engine, client, served, ph
 def flood_served(engine, tmp_path):
     """The module's endpoint limits, but a read timeout longer than any flood takes to
     connect: with 2 s, a loaded machine's 300 connects outlasted it, the 4 idle admitted
-    connections were cut, and 4 later ones were admitted (and cut in turn, unanswered)."""
+    connections were cut, and 4 later ones were admitted (and cut in turn, unanswered). Also
+    for answers that must come before the read timeout, however loaded the machine."""
     yield from _serve(engine, str(tmp_path), {**LIMITS, "http_read_timeout": 60.0})
 
 
@@ -338,7 +341,11 @@ def test_a_connection_flood_is_refused_with_429_and_threads_stay_bounded(engine,
         for s in socks:
             s.close()
     assert during <= before and http.server.handler_threads() == LIMITS["http_max_connections"]
-    time.sleep(0.5)  # the handlers see the closed connections at once
+    # the handlers see the closed connections (at once, unless the machine is loaded)
+    deadline = time.monotonic() + 15
+    while client.call("/v1/models")[0] == 429:
+        assert time.monotonic() < deadline, "the closed flood's connections are still held"
+        time.sleep(0.1)
     _assert_engine_serves(engine, client)
 
 

@@ -118,13 +118,23 @@ def test_bad_request_is_refused(engine):
         Sampling(max_tokens=0)
 
 
+def _under_way(engine, tokens: int, timeout: float = 60) -> None:
+    """Until every request submitted is admitted and tokens came since ``tokens`` (a request
+    still queued when a control task arrives waits for it, and runs on the new weights)."""
+    deadline = time.monotonic() + timeout
+    while engine.stats["tokens"] <= tokens or engine._incoming:
+        assert time.monotonic() < deadline, "the requests did not get under way"
+        time.sleep(0.005)
+
+
 @pytest.mark.slow
 def test_update_cuts_in_flight_requests_and_logprobs_match_trainer(engine, actor, tmp_path):
     _perturb(actor)
     v = engine.version + 1
     # long requests in flight when the update arrives: cut, then continued on the new weights
+    tokens = engine.stats["tokens"]
     futs = [engine.submit(PROMPT, 4, Sampling(max_tokens=200)) for _ in range(4)]
-    time.sleep(0.3)
+    _under_way(engine, tokens)
     recv = _sync(engine, actor, v, tmp_path)
     assert recv["mode"] == "fast"
     samples = [s for f in futs for s in f.result(300)]
@@ -149,8 +159,9 @@ def test_finish_mode_completes_on_old_weights(engine):
     engine.cfg = dataclasses.replace(engine.cfg, interrupt="finish")
     try:
         v = engine.version
+        tokens = engine.stats["tokens"]
         futs = [engine.submit(PROMPT, 2, Sampling(max_tokens=100)) for _ in range(3)]
-        time.sleep(0.2)
+        _under_way(engine, tokens)
         engine.control(lambda llm: None, version=v + 1).result(120)  # a no-op "update"
         samples = [s for f in futs for s in f.result(120)]
         assert all(s["segments"] == [[v, len(s["tokens"])]] for s in samples)
