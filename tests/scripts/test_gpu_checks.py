@@ -209,7 +209,7 @@ def test_a_part_past_its_deadline_is_killed_with_everything_it_started(tmp_path)
             f"open({str(pid_file)!r}, 'w').write(str(c.pid))\n"
             "print('started', flush=True)\n"
             "time.sleep(600)\n")
-    rc, output = run_group([sys.executable, "-c", code], timeout=3)
+    rc, output = run_group([sys.executable, "-c", code], timeout=8)  # (two interpreters start)
     assert rc is None and "started" in output
     child = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):

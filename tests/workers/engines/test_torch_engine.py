@@ -63,9 +63,10 @@ def _one_rank_fsdp(model_dir, port, out):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)
+    try:  # (the parent holds the store: a port picked here could be taken meanwhile)
+        store = dist.TCPStore("127.0.0.1", port, 1, is_master=False,
+                              timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         torch.manual_seed(0)
         eng = TorchEngine(TorchEngineConfig(model_path=model_dir, lr=1e-3), fsdp=True)
         plain = TorchEngine(TorchEngineConfig(model_path=model_dir, lr=1e-3))
@@ -87,11 +88,12 @@ def _one_rank_fsdp(model_dir, port, out):
 
 
 def test_one_rank_fsdp_engine_trains_like_the_plain_one(tiny_model_dir):
-    from tests.helpers import free_port
+    import torch.distributed as dist
 
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_one_rank_fsdp, args=(tiny_model_dir, free_port(), q))
+    p = ctx.Process(target=_one_rank_fsdp, args=(tiny_model_dir, store.port, q))
     p.start()
     res = q.get(timeout=300)
     p.join(timeout=60)
