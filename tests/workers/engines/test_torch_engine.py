@@ -4,7 +4,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 
-import pytest
 import torch
 
 from workers.engines.torch_engine import (TorchEngine, TorchEngineConfig, microbatches,
