@@ -210,18 +210,25 @@ class Controller(RecoveringController):
         try:
             self._configure_all(clients)
         except WorkerFailure:  # the others are configured again and started at the next poll
-            for w in back:     # (not left to their deadline, their new address taken as known)
-                self.addresses.pop(w, None)
-            self._drop_clients(back)
+            self._forget_addresses(back)
             raise
         results = collect_settled([c.start() for c in clients], self.cfg.rpc.request_timeout)
         started = [c.name for c, r in zip(clients, results) if not isinstance(r, Exception)]
         try:
             self._check(clients, "start", results)
-        finally:  # those started have rejoined, also when another one failed
+        finally:  # those started have rejoined, also when another one failed; the others are
             self.requeue.rejoined([w for w in started if w in self.requeue.rejoining])
-            self.recovery.running(started)
-        print(f"\nrejoined: {', '.join(started)}", file=sys.stderr)
+            self.recovery.running(started)  # tried again at the next poll (or restarted)
+            self._forget_addresses([w for w in back if w not in started])
+            if started:
+                print(f"\nrejoined: {', '.join(started)}", file=sys.stderr)
+
+    def _forget_addresses(self, workers: list[str]) -> None:
+        """Rejoining ``workers`` whose call failed are taken up again at the next poll: kept,
+        their address would look known, and they would wait out their deadline."""
+        for w in workers:
+            self.addresses.pop(w, None)
+        self._drop_clients(workers)
 
     def _check_reported_errors(self) -> None:
         """Raise a worker's report of its exception; named after another worker whose job had

@@ -28,7 +28,7 @@ class _Client:
         return RpcTimeout(f"start of {self.name}") if self.name in self._fail else None
 
     def close(self) -> None:
-        pass
+        self._calls.append(f"close {self.name}")
 
 
 def _controller(monkeypatch, fail_configure: set[str], fail_start: set[str]
@@ -69,18 +69,34 @@ def test_the_others_are_configured_again_when_one_fails_its_configure(monkeypatc
     ctl, calls = _controller(monkeypatch, {"generation/0"}, set())
     with pytest.raises(WorkerFailure, match="generation/0"):
         ctl._rejoin()
-    assert set(ctl.requeue.rejoining) == set(BACK) and ctl.addresses == {}
-    ctl.requeue.rejoined(["generation/0"])  # the failed one is restarted (a recovery's own)
+    assert set(ctl.requeue.rejoining) == set(BACK) and ctl.addresses == ctl.clients == {}
+    assert calls[-2:] == ["close generation/0", "close generation/1"]
     calls.clear()
-    ctl._rejoin()
-    assert calls == ["configure generation/1", "start generation/1"]
-    assert ctl.requeue.rejoining == {} and ctl.addresses == {"generation/1": "tcp://h:2"}
+    ctl._rejoin()  # (configured again, the failed one too: here its configure passes)
+    assert calls == ["configure generation/0", "configure generation/1",
+                     "start generation/0", "start generation/1"]
+    assert ctl.requeue.rejoining == {} and ctl.addresses == BACK
 
 
 def test_the_others_have_rejoined_when_one_fails_its_start(monkeypatch):
     ctl, calls = _controller(monkeypatch, set(), {"generation/0"})
     with pytest.raises(WorkerFailure, match="start of worker generation/0 failed"):
         ctl._rejoin()
-    assert calls[-2:] == ["start generation/0", "start generation/1"]
+    assert calls[-3:] == ["start generation/0", "start generation/1", "close generation/0"]
     assert list(ctl.requeue.rejoining) == ["generation/0"]  # its recovery's to restart
     assert ctl.running_calls == [["generation/1"]]  # type: ignore[attr-defined]
+    assert ctl.addresses == {"generation/1": "tcp://h:2"} and list(ctl.clients) == [
+        "generation/1"]
+
+
+def test_every_worker_whose_start_failed_is_taken_up_again(monkeypatch):
+    """The first failure is raised; a second one that failed too is not left to its deadline
+    with its address taken for a known one (nor is one whose job was requeued meanwhile)."""
+    ctl, calls = _controller(monkeypatch, set(), {"generation/0", "generation/1"})
+    with pytest.raises(WorkerFailure, match="start of worker generation/0 failed"):
+        ctl._rejoin()
+    assert set(ctl.requeue.rejoining) == set(BACK) and ctl.addresses == ctl.clients == {}
+    assert ctl.running_calls == [[]]  # type: ignore[attr-defined]
+    ctl._requeued = lambda worker: True  # (a requeued one's failed call is not raised)
+    ctl._rejoin()
+    assert set(ctl.requeue.rejoining) == set(BACK) and ctl.addresses == ctl.clients == {}
