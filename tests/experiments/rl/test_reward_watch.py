@@ -51,11 +51,12 @@ def test_a_reward_that_never_returns_is_named_once_its_time_is_up():
 
 def test_rewards_that_return_in_time_are_left_alone():
     said: list[str] = []
-    # (2 s for calls of 0.02 s: one stalled 0.2 s by a loaded machine must not be named)
-    watch = RewardWatch(2.0, said.append, period=0.05)
+    # (1 s for each call of 0.05 s, 1.5 s in all: the limit is each call's, and one stalled a
+    # fraction of a second by a loaded machine must not be named)
+    watch = RewardWatch(1.0, said.append, period=0.05)
     tok = CharTok()
-    trajs = [_traj(tok) for _ in range(20)]
-    score(trajs, tok, 2, lambda c, a: (time.sleep(0.02), 1.0)[1], watch=watch)
+    trajs = [_traj(tok) for _ in range(30)]
+    score(trajs, tok, 2, lambda c, a: (time.sleep(0.05), 1.0)[1], watch=watch)
     time.sleep(0.3)  # (the watchdog has looked several times since the last call)
     assert said == [] and all(t["reward"] == 1.0 for t in trajs)
     off = RewardWatch(0, said.append, period=0.05)  # 0: no limit, no watchdog

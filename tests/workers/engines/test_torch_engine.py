@@ -62,7 +62,7 @@ def _one_rank_fsdp(model_dir, port, out):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    try:  # (the parent holds the store: a port picked here could be taken meanwhile)
+    try:  # (the parent holds the store: a free port it picked, bound here later, could be taken)
         store = dist.TCPStore("127.0.0.1", port, 1, is_master=False,
                               timeout=datetime.timedelta(seconds=120))
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
