@@ -62,7 +62,7 @@ def test_driver_parts_selection():
         select("vllm", "")
 
 
-def test_one_gpu_skips_name_nccl_duplicate_gpu():
+def test_one_gpu_layouts_name_nccl_duplicate_gpu():
     assert "Duplicate GPU" in reshard_bench.layout_or_skip(1)
     assert reshard_bench.layout_or_skip(2) == ("dp=1,tp=1,pp=1", "tp=1,replicas=1")
     assert reshard_bench.layout_or_skip(5) == ("dp=1,tp=2,pp=1", "tp=2,replicas=1")
@@ -72,8 +72,14 @@ def test_one_gpu_skips_name_nccl_duplicate_gpu():
     assert vllm_sync.placement("cuda", "gloo", 2) == ("cuda:1", "gloo", None)
     assert vllm_sync.placement("cuda", "gloo", 1) == ("cuda:0", "gloo", 0.4)
     assert vllm_sync.placement("cpu", "auto", 0) == ("cpu", "gloo", None)
-    assert "needs 2 GPUs" in megatron_tp.tp2_skip("cuda", 1)
-    assert megatron_tp.tp2_skip("cuda", 2) is None and megatron_tp.tp2_skip("cpu", 0) is None
+    layout = megatron_tp.rank_layout
+    assert [layout("cuda", r, 2, 1) for r in (0, 1)] == [("gloo", 0), ("gloo", 0)]
+    assert [layout("cuda", r, 2, 4) for r in (0, 1)] == [("nccl", 0), ("nccl", 1)]
+    assert layout("cpu", 1, 2, 0) == ("gloo", None)
+    with pytest.raises(ValueError):
+        layout("cuda", 0, 1, 0)
+    assert "NCCL unchecked" in megatron_tp.tp2_note("cuda", 1)
+    assert megatron_tp.tp2_note("cuda", 2) == "" and megatron_tp.tp2_note("cpu", 0) == ""
 
 
 def test_reshard_figures_and_threshold():
