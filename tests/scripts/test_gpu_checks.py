@@ -78,7 +78,7 @@ def test_one_gpu_layouts_name_nccl_duplicate_gpu():
     assert layout("cpu", 1, 2, 0) == ("gloo", None)
     with pytest.raises(ValueError):
         layout("cuda", 0, 1, 0)
-    assert "NCCL unchecked" in megatron_tp.tp2_note("cuda", 1)
+    assert "NCCL and the step unchecked" in megatron_tp.tp2_note("cuda", 1)
     assert megatron_tp.tp2_note("cuda", 2) == "" and megatron_tp.tp2_note("cpu", 0) == ""
 
 
