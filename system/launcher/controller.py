@@ -177,59 +177,6 @@ class Controller(RecoveringController):
             if client is not None:
                 client.close()
 
-    def _rejoin(self) -> None:
-        """Configure and start requeued workers once they registered again. A worker that
-        registers at a new address was restarted, even if no poll caught its job pending (a
-        requeued job can be running again within a second)."""
-        rejoining = self.requeue.rejoining
-        found = self.names.addresses(self.logs, rejoining)
-        moved = [w for w, a in found.items()
-                 if w in self.addresses and a != self.addresses[w] and w not in rejoining]
-        if moved:
-            self._note_restarts(self._poll_fresh())  # records the restart count
-            self.requeue.moved(moved)
-            self._drop_clients(moved)
-        self._recover_requeued_state()
-        if not rejoining:
-            return
-        back = [w for w in rejoining if w in found and found[w] != self.addresses.get(w)]
-        overdue = self.requeue.overdue(back)
-        if overdue:
-            w = overdue[0]
-            raise WorkerFailure(f"restarted worker {w} did not rejoin within "
-                                f"{self.requeue.rejoin_timeout:.0f}s; "
-                                f"log: {self.logs[w]}", w, self.logs[w])
-        if not back:
-            return
-        clients = []
-        for w in back:
-            self.addresses[w] = found[w]
-            self.clients[w] = client_for(w, RpcClient(self.codec, found[w],
-                                                      self.cfg.rpc.request_timeout))
-            clients.append(self.clients[w])
-        try:
-            self._configure_all(clients)
-        except WorkerFailure:  # the others are configured again and started at the next poll
-            self._forget_addresses(back)
-            raise
-        results = collect_settled([c.start() for c in clients], self.cfg.rpc.request_timeout)
-        started = [c.name for c, r in zip(clients, results) if not isinstance(r, Exception)]
-        try:
-            self._check(clients, "start", results)
-        finally:  # those started have rejoined, also when another one failed; the others are
-            self.requeue.rejoined([w for w in started if w in self.requeue.rejoining])
-            self.recovery.running(started)  # tried again at the next poll (or restarted)
-            self._forget_addresses([w for w in back if w not in started])
-            if started:
-                print(f"\nrejoined: {', '.join(started)}", file=sys.stderr)
-
-    def _forget_addresses(self, workers: list[str]) -> None:
-        """Rejoining ``workers`` whose call failed are taken up again at the next poll: kept,
-        their address would look known, and they would wait out their deadline."""
-        for w in workers:
-            self.addresses.pop(w, None)
-        self._drop_clients(workers)
-
     def _check_reported_errors(self) -> None:
         """Raise a worker's report of its exception; named after another worker whose job had
         already ended (the report is then that death's consequence: a SIGKILLed model worker

@@ -32,8 +32,10 @@ from system.launcher.watch import NameWatch
 from system.launcher.witness import order_stop
 from system.name_resolve import NameResolve
 from system.paths import TrialPaths
+from system.rpc import RpcClient
+from system.wire import Codec
 from workers.client import WorkerClient, collect_settled
-from workers.kinds import KINDS
+from workers.kinds import KINDS, client_for
 
 RESTART_GRACE = 0.0
 """Seconds a recovery gives the stateful workers it stops before SIGKILL: none, their state is
@@ -44,7 +46,9 @@ mid-step would only delay the restart (up to its whole grace)."""
 class RecoveringController:
     """The recovery half of the controller (see the module's docstring). It uses the
     controller's state below and its phases ``_watch``, ``_wait_registered``, ``_configure``,
-    ``_start``, ``_configure_all``, ``_start_all``, ``_drop_clients`` and ``_running``."""
+    ``_start``, ``_configure_all``, ``_start_all``, ``_check``, ``_drop_clients``,
+    ``_note_restarts``, ``_poll_fresh`` and ``_running``. It also takes up again the workers
+    that a requeue or a respawn restarted (``_rejoin``)."""
 
     cfg: ExperimentConfig
     experiment: Experiment
@@ -62,6 +66,7 @@ class RecoveringController:
     pauses: PauseWatch
     status: StatusWriter
     names: NameWatch
+    codec: Codec
 
     def _recover_requeued_state(self) -> None:
         """A requeued (preempted) worker that holds training state is not simply let back in:
@@ -73,6 +78,59 @@ class RecoveringController:
             if w.split("/")[0] in self.experiment.stateful:
                 raise Requeued(f"the job of {w} was requeued (preempted or at its time "
                                f"limit); log: {self.logs[w]}", w, self.logs[w])
+
+    def _rejoin(self) -> None:
+        """Configure and start requeued workers once they registered again. A worker that
+        registers at a new address was restarted, even if no poll caught its job pending (a
+        requeued job can be running again within a second)."""
+        rejoining = self.requeue.rejoining
+        found = self.names.addresses(self.logs, rejoining)
+        moved = [w for w, a in found.items()
+                 if w in self.addresses and a != self.addresses[w] and w not in rejoining]
+        if moved:
+            self._note_restarts(self._poll_fresh())  # records the restart count
+            self.requeue.moved(moved)
+            self._drop_clients(moved)
+        self._recover_requeued_state()
+        if not rejoining:
+            return
+        back = [w for w in rejoining if w in found and found[w] != self.addresses.get(w)]
+        overdue = self.requeue.overdue(back)
+        if overdue:
+            w = overdue[0]
+            raise WorkerFailure(f"restarted worker {w} did not rejoin within "
+                                f"{self.requeue.rejoin_timeout:.0f}s; "
+                                f"log: {self.logs[w]}", w, self.logs[w])
+        if not back:
+            return
+        clients = []
+        for w in back:
+            self.addresses[w] = found[w]
+            self.clients[w] = client_for(w, RpcClient(self.codec, found[w],
+                                                      self.cfg.rpc.request_timeout))
+            clients.append(self.clients[w])
+        try:
+            self._configure_all(clients)
+        except WorkerFailure:  # the others are configured again and started at the next poll
+            self._forget_addresses(back)
+            raise
+        results = collect_settled([c.start() for c in clients], self.cfg.rpc.request_timeout)
+        started = [c.name for c, r in zip(clients, results) if not isinstance(r, Exception)]
+        try:
+            self._check(clients, "start", results)
+        finally:  # those started have rejoined, also when another one failed; the others are
+            self.requeue.rejoined([w for w in started if w in self.requeue.rejoining])
+            self.recovery.running(started)  # tried again at the next poll (or restarted)
+            self._forget_addresses([w for w in back if w not in started])
+            if started:
+                print(f"\nrejoined: {', '.join(started)}", file=sys.stderr)
+
+    def _forget_addresses(self, workers: list[str]) -> None:
+        """Rejoining ``workers`` whose call failed are taken up again at the next poll: kept,
+        their address would look known, and they would wait out their deadline."""
+        for w in workers:
+            self.addresses.pop(w, None)
+        self._drop_clients(workers)
 
     def _paused(self, then: WorkerFailure | None = None) -> Paused | None:
         """This process was stopped (SIGSTOP, a suspended machine) for longer than

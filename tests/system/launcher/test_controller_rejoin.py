@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import system.launcher.controller as controller_module
+import system.launcher.restarts as restarts_module
 from scheduler.requeue import RequeuePolicy
 from system.errors import RpcTimeout, WorkerFailure
 from system.launcher.controller import Controller
@@ -56,10 +56,10 @@ def _controller(monkeypatch, fail_configure: set[str], fail_start: set[str]
                 fail_configure.discard(c.name)  # (once: its restart would register anew)
                 raise WorkerFailure(f"configure of worker {c.name} failed", c.name)
     ctl._configure_all = configure_all
-    monkeypatch.setattr(controller_module, "RpcClient", lambda *a, **k: None)
-    monkeypatch.setattr(controller_module, "client_for",
+    monkeypatch.setattr(restarts_module, "RpcClient", lambda *a, **k: None)
+    monkeypatch.setattr(restarts_module, "client_for",
                         lambda name, rpc: _Client(name, fail_start, calls))
-    monkeypatch.setattr(controller_module, "collect_settled",
+    monkeypatch.setattr(restarts_module, "collect_settled",
                         lambda pending, timeout=None: list(pending))
     ctl.running_calls = running  # type: ignore[attr-defined]
     return ctl, calls
