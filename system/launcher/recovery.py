@@ -187,13 +187,20 @@ class Recovery:
         return self.cfg.backoff * 2 ** (loops - 1) if loops else 0.0
 
     def running(self, workers: list[str] | None = None) -> None:
-        """The restarted stateful workers (or the restarted ``workers``) run again."""
+        """The restarted stateful workers run again (the latest stateful attempt is recovered),
+        or the respawned ``workers`` do: each one recovers the latest attempt that restarted it
+        alone (two respawned in separate attempts can rejoin at one poll)."""
+        now = round(self._clock() - self.t0, 3)
+        left = set(workers or ())
         for a in reversed(self.attempts):
-            if a.recovered_at_s is None and (a.stateful if workers is None
-                                             else not a.stateful
-                                             and bool(set(a.restarted) & set(workers))):
-                a.recovered_at_s = round(self._clock() - self.t0, 3)
-                return
+            if workers is None:
+                if a.recovered_at_s is None and a.stateful:
+                    a.recovered_at_s = now
+                    return
+            elif not a.stateful and set(a.restarted) & left:
+                if a.recovered_at_s is None:
+                    a.recovered_at_s = now
+                left -= set(a.restarted)  # an earlier attempt for it was not recovered
 
     def resumed(self, step: int) -> None:
         """The restarted master reported the step it continued from."""

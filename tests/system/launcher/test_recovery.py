@@ -203,3 +203,22 @@ def test_a_stateful_restart_lists_its_workers_and_leaves_the_stateless_retries_a
     r.running(["generation/0"])
     assert b.recovered_at_s is not None and a.recovered_at_s is None
     assert r.summary()[0]["restarted"] == ["model/0", "master/0", "generation/0"]
+
+
+def test_respawned_workers_rejoining_at_one_poll_recover_each_their_own_attempt():
+    clock = Clock()
+    r = Recovery(RecoverConfig(retries=3, backoff=0.0), ("model", "master"), t0=990.0,
+                 clock=clock)
+    gen0 = r.begin(WorkerFailure("x", "generation/0"), failed_step=3, restarted=["generation/0"])
+    clock.t += 1
+    gen0_again = r.begin(WorkerFailure("y", "generation/0"), failed_step=3,
+                         restarted=["generation/0"])  # it died again before rejoining
+    gen1 = r.begin(WorkerFailure("x", "generation/1"), failed_step=3, restarted=["generation/1"])
+    clock.t += 1
+    roll = r.begin(WorkerFailure("x", "rollout/0"), failed_step=4, restarted=["rollout/0"])
+    clock.t += 2
+    r.running(["generation/1", "rollout/0", "generation/0"])
+    assert gen0_again.recovered_at_s == gen1.recovered_at_s == roll.recovered_at_s == 14.0
+    assert gen0.recovered_at_s is None  # superseded by its second respawn
+    r.running(["generation/0"])  # a later report of the same worker changes nothing
+    assert gen0.recovered_at_s is None and gen0_again.recovered_at_s == 14.0
