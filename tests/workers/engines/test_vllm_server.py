@@ -19,10 +19,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from system.bootstrap import Bootstrap
 from system.paths import PROJECT_ROOT
 from system.reshard.layout import GenLayout, TrainLayout
 from system.reshard.params import ModelShape
 from system.reshard.spec import WeightSyncSpec
+from tests.helpers import write_secret_file
 from workers.engines.torch_engine import TorchEngine, TorchEngineConfig
 from workers.engines.vllm_requests import segment_seed
 from workers.engines.vllm_server import (GenerationEngine, GenerationLoopDied, Sampling,
@@ -333,10 +335,7 @@ def _kill_engine_core(eng: GenerationEngine, how: str) -> tuple[list, str]:
             "EngineDeadError|engine core process died")
 
 
-def _bootstrap(tmp_path) -> "Bootstrap":
-    from system.bootstrap import Bootstrap
-    from tests.helpers import write_secret_file
-
+def _bootstrap(tmp_path) -> Bootstrap:
     write_secret_file(str(tmp_path))
     return Bootstrap(exp="gen", trial="dead", experiment="smoke", trial_dir=str(tmp_path),
                      interface="127.0.0.1", scheduler="local", name_resolve={"type": "file"},

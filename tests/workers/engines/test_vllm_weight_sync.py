@@ -76,6 +76,7 @@ def update(llm, model, mode: str, tmp_path, src: TrainLayout,
         t.start()
     for t in threads:
         t.join(timeout=300)
+    del store  # the group's store, held until every rank is done
     assert "recv" in results, "the engine did not finish receiving"
     return results["recv"]  # type: ignore[return-value]
 
