@@ -18,6 +18,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from typing import Collection, Mapping, Sequence
 
@@ -219,6 +220,10 @@ class LocalScheduler(Scheduler):
             self._spares.warm()
 
     def poll(self, fresh: bool = False) -> list[JobStatus]:
+        if self._spares is not None:
+            for pid in self._spares.tidy():
+                print(f"a retired warm spare forked a worker late (pid {pid}): killed; the "
+                      "process started instead runs that worker", file=sys.stderr)
         out = []
         for name, (proc, spec) in self._procs.items():
             code = proc.poll()

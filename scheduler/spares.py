@@ -20,7 +20,10 @@ leaves nothing behind. Killing a spare therefore kills the workers it forked (th
 
 Spares start only when asked (:meth:`Spares.warm`: the controller asks once the trial runs), so
 they never slow the trial's own start-up; one still importing is not used (a restart then starts
-a new process, as without spares), nor is a dead one (it is started again). Under Slurm every
+a new process, as without spares), nor is a dead one (it is started again). One that does not
+answer a fork in time is retired: a new process runs that worker, the workers the spare forked
+before live on (it stops with the trial), and a copy it forks late is killed at the next poll
+(:meth:`Spares.tidy`). Under Slurm every
 worker runs in its own job and a restart is a requeue: there are no spares there.
 """
 from __future__ import annotations
@@ -221,6 +224,7 @@ class Spares:
              ) -> ForkedWorker | None:
         """Have ``group``'s spare fork the worker ``activation`` names and return it, or None
         when there is no ready spare (a dead one is started again)."""
+        self.tidy()
         key = tuple(group.argv)
         spare = self._spares.get(key)
         if spare is None:
@@ -242,6 +246,28 @@ class Spares:
                 self._spawn(key, group)
             return None
         return ForkedWorker(spare, pid)
+
+    def tidy(self) -> list[int]:
+        """Kill the workers that retired spares forked after they were given up on: a spare
+        that answers a fork late forks it all the same, a second copy of a worker that a new
+        process already runs. Each answer a retired spare gives is such a late one (it is never
+        asked again). Returns their pids (called at every poll and restart)."""
+        killed = []
+        for spare in self._retired:
+            spare.pump()
+            while spare.forked:
+                pid = spare.forked.pop(0)
+                if pid in spare.exits:  # it already ended (and the spare reaped it)
+                    continue
+                try:  # it leads its own group once it runs; a moment before, it is the pid
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        continue
+                killed.append(pid)
+        return killed
 
     def processes(self) -> list[subprocess.Popen]:
         return [s.proc for s in [*self._spares.values(), *self._retired]]

@@ -127,6 +127,36 @@ def test_a_forked_worker_dies_with_its_spare(tmp_path, monkeypatch):
         sched.stop_all(grace=2)
 
 
+def test_a_late_fork_of_a_retired_spare_is_killed(tmp_path, monkeypatch, capsys):
+    """A spare too slow to answer is retired (its workers live on) and a new process runs the
+    worker instead; when it then forks the worker all the same, the next poll kills that copy."""
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())
+    sched = LocalScheduler(spares=True)
+    try:
+        sched.submit(_group(tmp_path, 0, 0))
+        sched.warm_spares()
+        _read(str(tmp_path / "spare-rollout.log"), "spare waiting")
+        (spare,) = sched._spares.processes()
+        os.kill(spare.pid, signal.SIGSTOP)  # it cannot answer in time
+        late = Activation(0, {"MARK": "late", "RLSYS_WORKER_INDEX": "0"},
+                      str(tmp_path / "rollout-0.late.log"))
+        assert sched._spares.take(_group(tmp_path, 0, 1), late, timeout=0.5) is None
+        assert spare in sched._spares.processes()  # retired, not killed
+        os.kill(spare.pid, signal.SIGCONT)  # it reads the activation and forks the worker
+        text = _read(str(tmp_path / "rollout-0.late.log"), "worker 0 0 late")
+        pid = int(text.split()[-2])
+
+        def polled_and_gone() -> bool:
+            sched.poll()
+            return not _alive(pid)
+        _until(polled_and_gone)
+        assert f"forked a worker late (pid {pid}): killed" in capsys.readouterr().err
+        assert _alive(spare.pid)  # the spare itself stays until the trial stops
+    finally:
+        sched.stop_all(grace=2)
+    assert not _alive(spare.pid)
+
+
 def test_without_spares_or_a_dead_spare_a_restart_starts_a_process(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.getcwd())
     sched = LocalScheduler(spares=True)
