@@ -79,8 +79,12 @@ def _then(dead: WorkerFailure, after: WorkerFailure, also: tuple[str, ...] = ()
 def call_failure_cause(failed: WorkerFailure, statuses: Iterable[JobStatus],
                        phase: str) -> WorkerFailure | None:
     """A job that had ended when a call to a worker failed (a cancelled job's workers refuse
-    calls as they stop), as the failure, with the failed call after it; None if none had."""
-    dead = job_failure(statuses, phase)
+    calls as they stop), as the failure, with the failed call after it; None if none had. The
+    called worker's own job comes first: another worker whose job ended too (one being
+    restarted, say) would otherwise take the blame, and the called one go unrestarted."""
+    statuses = list(statuses)
+    own = [st for st in statuses if failed.worker in st.workers]
+    dead = job_failure(own, phase) or job_failure(statuses, phase)
     return None if dead is None else _then(dead, failed)
 
 

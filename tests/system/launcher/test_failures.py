@@ -114,3 +114,8 @@ def test_a_call_refused_by_a_worker_whose_job_was_cancelled_names_the_cancelled_
         "configure a worker in state stopping; log: /logs/generation-0.log"
     # every job alive: the failed call is the failure
     assert call_failure_cause(failed, cancelled[:1], "during configure") is None
+    # the called worker's own ended job is named before another one that ended too
+    both = [status("3", JobState.FAILED, "rollout/0"), *cancelled]
+    assert call_failure_cause(failed, both, "during configure").worker == "generation/0"
+    other = [status("3", JobState.FAILED, "rollout/0"), cancelled[0]]
+    assert call_failure_cause(failed, other, "during configure").worker == "rollout/0"
