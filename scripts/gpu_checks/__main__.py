@@ -11,7 +11,9 @@ naming why):
 - ``reshard_bench`` (a): ``tests/benchmarks/reshard.py`` over NCCL, fraction of the link;
 - ``vllm_sync`` (b): trainer -> real vLLM weight sync, log-prob parity of sampled tokens;
 - ``megatron_tp`` (c): megatron tp=1 against HF float32, tp=2 against tp=1;
-- ``grpo`` (d): a 30-step GRPO trial of smollm2-arith through the launcher.
+- ``grpo`` (d): a 30-step GRPO trial of smollm2-arith through the launcher;
+- ``placement`` (e): the local scheduler's GPU list and each GPU's identity as the weight-sync
+  backend choice reads it, against ``nvidia-smi``; CUDA only.
 
 Exit status: 0 every check that could run passed, 1 a check failed, 2 nothing could run (no CUDA
 device, or every check skipped). Needs only torch, transformers and safetensors to run at all:
@@ -24,7 +26,7 @@ import dataclasses
 import os
 import sys
 
-from scripts.gpu_checks import grpo, megatron_tp, reshard_bench, vllm_sync
+from scripts.gpu_checks import grpo, megatron_tp, placement, reshard_bench, vllm_sync
 from scripts.gpu_checks.common import ROOT, Verdict, device_skip, parse_verdicts, run_group
 
 
@@ -44,6 +46,7 @@ PARTS = (
     Part("vllm_sync", ("-m", "scripts.gpu_checks.vllm_sync"), vllm_sync.CHECKS),
     Part("megatron_tp", ("-m", "scripts.gpu_checks.megatron_tp"), megatron_tp.CHECKS),
     Part("grpo", ("-m", "scripts.gpu_checks.grpo"), grpo.CHECKS),
+    Part("placement", ("-m", "scripts.gpu_checks.placement"), placement.CHECKS, True),
 )
 
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from scripts.gpu_checks import grpo, megatron_tp, reshard_bench, vllm_sync
+from scripts.gpu_checks import grpo, megatron_tp, placement, reshard_bench, vllm_sync
 from scripts.gpu_checks.__main__ import overall, select
 from scripts.gpu_checks.common import ARITH_TINY, ROOT, Verdict, parse_verdicts
 
@@ -56,7 +56,7 @@ def test_overall_verdict_and_exit_status():
 
 def test_driver_parts_selection():
     assert [p.name for p in select("", "grpo")] == ["engine", "reshard_bench", "vllm_sync",
-                                                    "megatron_tp"]
+                                                    "megatron_tp", "placement"]
     assert [p.name for p in select("vllm_sync", "")] == ["vllm_sync"]
     with pytest.raises(SystemExit, match="unknown part"):
         select("vllm", "")
@@ -80,6 +80,21 @@ def test_one_gpu_layouts_name_nccl_duplicate_gpu():
         layout("cuda", 0, 1, 0)
     assert "NCCL and the step unchecked" in megatron_tp.tp2_note("cuda", 1)
     assert megatron_tp.tp2_note("cuda", 2) == "" and megatron_tp.tp2_note("cpu", 0) == ""
+
+
+def test_placement_judgement():
+    smi = [("0", "GPU-aa"), ("1", "GPU-bb")]
+    seen = {(i, how): u for i, u in smi for how in ("index", "uuid")}
+    assert placement.judge(smi, ("0", "1"), 2, seen, "nccl", "nccl") == []
+    bad = placement.judge(smi, ("0",), 1, {**seen, ("1", "uuid"): "GPU-aa"}, "gloo", "nccl")
+    assert [b.split(":")[0].split(" gave")[0] for b in bad] == [
+        "scheduler.local.gpus=auto", "torch sees 1 GPUs, nvidia-smi lists 2",
+        "GPU 1 seen by uuid", "model and generation on the planned GPUs"]
+    one = [("0", "GPU-aa")]
+    assert placement.judge(one, ("0",), 1, {("0", "index"): "GPU-aa", ("0", "uuid"): "GPU-aa"},
+                           "gloo", "gloo") == []
+    assert "two GPUs have one identity" in placement.judge(
+        [("0", "GPU-aa"), ("1", "GPU-aa")], ("0", "1"), 2, {}, "gloo", "gloo")
 
 
 def test_reshard_figures_and_threshold():
@@ -120,12 +135,12 @@ def test_grpo_verdict_from_summary():
 
 # --- skip reasons, from the real condition ---
 
-@pytest.mark.slow  # imports torch in four processes (~30 s on 2 busy cores)
+@pytest.mark.slow  # imports torch in five processes (~35 s on 2 busy cores)
 def test_no_cuda_skips_every_part():
     hidden = {"CUDA_VISIBLE_DEVICES": ""}
     for module, checks in (("reshard_bench", reshard_bench.CHECKS),
                            ("vllm_sync", vllm_sync.CHECKS), ("megatron_tp", megatron_tp.CHECKS),
-                           ("grpo", grpo.CHECKS)):
+                           ("grpo", grpo.CHECKS), ("placement", placement.CHECKS)):
         rc, found, text = run_part(module, env=hidden)
         assert rc == 0, text
         for c in checks:
