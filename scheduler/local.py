@@ -221,9 +221,11 @@ class LocalScheduler(Scheduler):
 
     def poll(self, fresh: bool = False) -> list[JobStatus]:
         if self._spares is not None:
-            for pid in self._spares.tidy():
+            self._spares.tidy()
+            for pid in self._spares.late_kills:
                 print(f"a retired warm spare forked a worker late (pid {pid}): killed; the "
                       "process started instead runs that worker", file=sys.stderr)
+            self._spares.late_kills.clear()
         out = []
         for name, (proc, spec) in self._procs.items():
             code = proc.poll()

@@ -21,9 +21,10 @@ leaves nothing behind. Killing a spare therefore kills the workers it forked (th
 Spares start only when asked (:meth:`Spares.warm`: the controller asks once the trial runs), so
 they never slow the trial's own start-up; one still importing is not used (a restart then starts
 a new process, as without spares), nor is a dead one (it is started again). One that does not
-answer a fork in time is retired: a new process runs that worker, the workers the spare forked
-before live on (it stops with the trial), and a copy it forks late is killed at the next poll
-(:meth:`Spares.tidy`). Under Slurm every
+answer a fork in time is retired and a new process runs that worker. An activation carries its
+deadline, and a spare that reads one past it skips it. A copy forked late all the same is killed
+(:meth:`Spares.tidy`). The workers a retired spare forked before live on, and it is stopped once
+they have all ended (or with the trial). Under Slurm every
 worker runs in its own job and a restart is a requeue: there are no spares there.
 """
 from __future__ import annotations
@@ -45,11 +46,14 @@ STANDBY_FLAG = "--standby"
 
 @dataclasses.dataclass(frozen=True)
 class Activation:
-    """What a spare becomes: worker ``index`` with ``env`` added, logging to ``log``."""
+    """What a spare becomes: worker ``index`` with ``env`` added, logging to ``log``; a spare
+    that reads it after ``deadline`` (``time.monotonic()``, one clock for every process of the
+    machine) skips it: the scheduler has given up on it and started a process instead."""
 
     index: int
     env: dict[str, str]
     log: str
+    deadline: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.index, int) or isinstance(self.index, bool) or self.index < 0:
@@ -59,6 +63,12 @@ class Activation:
             raise ConfigError("activation env must map str to str")
         if not isinstance(self.log, str) or not os.path.isabs(self.log):
             raise ConfigError(f"activation log must be an absolute path, got {self.log!r}")
+        if self.deadline is not None and (not isinstance(self.deadline, (int, float))
+                                          or isinstance(self.deadline, bool)):
+            raise ConfigError(f"activation deadline must be a number, got {self.deadline!r}")
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
 
     def line(self) -> bytes:
         return (json.dumps(dataclasses.asdict(self)) + "\n").encode()
@@ -69,9 +79,9 @@ class Activation:
             raw: Any = json.loads(line)
         except ValueError as e:
             raise ConfigError(f"activation is not JSON: {e}") from None
-        if not isinstance(raw, dict) or set(raw) != {"index", "env", "log"}:
-            raise ConfigError("activation must have exactly index, env and log")
-        return cls(raw["index"], raw["env"], raw["log"])
+        if not isinstance(raw, dict) or set(raw) - {"deadline"} != {"index", "env", "log"}:
+            raise ConfigError("activation must have exactly index, env and log (and a deadline)")
+        return cls(raw["index"], raw["env"], raw["log"], raw.get("deadline"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +121,7 @@ class _Spare:
         self.log = log
         self.forked: list[int] = []
         self.exits: dict[int, int] = {}
+        self.live: set[int] = set()  # the workers it forked that have not ended
         self._buf = b""
         assert proc.stdout is not None
         os.set_blocking(proc.stdout.fileno(), False)
@@ -131,8 +142,10 @@ class _Spare:
                 continue  # (only the spare writes there)
             if a.code is None:
                 self.forked.append(a.pid)
+                self.live.add(a.pid)
             else:
                 self.exits[a.pid] = a.code
+                self.live.discard(a.pid)
 
     def fork(self, activation: Activation, timeout: float) -> Optional[int]:
         """Have the spare fork ``activation``'s worker; its pid, or None (dead, or no answer)."""
@@ -155,7 +168,8 @@ class _Spare:
                 waiter.poll(100)
             except (OSError, ValueError):
                 return None
-        return None
+        self.pump()  # (an answer that came with the last wait)
+        return self.forked.pop(0) if self.forked else None
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -200,6 +214,7 @@ class Spares:
         self._groups: dict[tuple[str, ...], GroupSpec] = {}
         self._spares: dict[tuple[str, ...], _Spare] = {}
         self._retired: list[_Spare] = []  # alive, did not answer a fork: stopped with the trial
+        self.late_kills: list[int] = []  # (reported by the scheduler's poll)
         self.enabled = False
 
     def remember(self, group: GroupSpec, env: dict[str, str] | None = None) -> None:
@@ -236,6 +251,7 @@ class Spares:
             return None
         if not _ready(spare.proc.pid):
             return None  # still importing: no faster than a new process
+        activation = dataclasses.replace(activation, deadline=time.monotonic() + timeout)
         pid = spare.fork(activation, timeout)
         if pid is None:
             if spare.alive():  # slow to answer: its workers live on; it stops with the trial
@@ -248,25 +264,24 @@ class Spares:
         return ForkedWorker(spare, pid)
 
     def tidy(self) -> list[int]:
-        """Kill the workers that retired spares forked after they were given up on: a spare
-        that answers a fork late forks it all the same, a second copy of a worker that a new
-        process already runs. Each answer a retired spare gives is such a late one (it is never
-        asked again). Returns their pids (called at every poll and restart)."""
+        """Kill the workers that retired spares forked after they were given up on (a spare
+        that read the activation just before its deadline and answered after it): a second
+        copy of a worker that a new process already runs. Each answer a retired spare gives is
+        such a late one (it is never asked again). Stop a retired spare once every worker it
+        forked has ended. Returns the pids killed, also kept in ``late_kills``; called at every
+        poll and restart."""
         killed = []
-        for spare in self._retired:
+        for spare in list(self._retired):
             spare.pump()
             while spare.forked:
                 pid = spare.forked.pop(0)
-                if pid in spare.exits:  # it already ended (and the spare reaped it)
-                    continue
-                try:  # it leads its own group once it runs; a moment before, it is the pid
-                    os.killpg(pid, signal.SIGKILL)
-                except OSError:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        continue
-                killed.append(pid)
+                if pid not in spare.exits and _kill_child(pid, spare.proc.pid):
+                    killed.append(pid)
+            if not spare.live - set(spare.exits):
+                self._retired.remove(spare)
+                _reap(spare.proc)  # (its prepared child, if any, goes with it)
+                _close(spare)
+        self.late_kills += killed
         return killed
 
     def processes(self) -> list[subprocess.Popen]:
@@ -304,6 +319,24 @@ def _ready(pid: int) -> bool:
             return f.read().startswith("spare/")
     except OSError:
         return False
+
+
+def _kill_child(pid: int, parent: int) -> bool:
+    """SIGKILL ``pid`` (its process group once it leads one) if it is still ``parent``'s child
+    (unreaped, so its pid is not reused); whether it was."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if int(f.read().rsplit(")", 1)[1].split()[1]) != parent:
+                return False
+    except (OSError, IndexError, ValueError):
+        return False
+    for kill, target in ((os.killpg, pid), (os.kill, pid)):
+        try:
+            kill(target, signal.SIGKILL)
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def _running(pid: int) -> bool:

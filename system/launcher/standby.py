@@ -124,6 +124,10 @@ class _Spare:
                 except ConfigError as e:
                     log.error("not an activation: %s", e)
                     continue
+                if act.expired():  # the scheduler started a process for it instead
+                    log.warning("activation of worker %d read past its deadline: skipped",
+                                act.index)
+                    continue
                 if (child := self._activate(act, line)) is not None:
                     return child
 

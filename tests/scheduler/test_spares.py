@@ -52,12 +52,11 @@ def _read(path: str, want: str, timeout: float = 30) -> str:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    try:  # (reaped between two reads: gone)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
         return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _until(cond, timeout: float = 10.0) -> None:
@@ -127,34 +126,64 @@ def test_a_forked_worker_dies_with_its_spare(tmp_path, monkeypatch):
         sched.stop_all(grace=2)
 
 
-def test_a_late_fork_of_a_retired_spare_is_killed(tmp_path, monkeypatch, capsys):
-    """A spare too slow to answer is retired (its workers live on) and a new process runs the
-    worker instead; when it then forks the worker all the same, the next poll kills that copy."""
+def _retire(sched, tmp_path):
+    """Stop the group's spare so that it cannot answer a restart in time: it is retired (not
+    killed) and the restart is left to a new process. Returns the spare's process."""
+    sched.submit(_group(tmp_path, 0, 0))
+    sched.warm_spares()
+    _read(str(tmp_path / "spare-rollout.log"), "spare waiting")
+    (spare,) = sched._spares.processes()
+    os.kill(spare.pid, signal.SIGSTOP)
+    act = Activation(0, {"MARK": "slow", "RLSYS_WORKER_INDEX": "0"},
+                     str(tmp_path / "rollout-0.slow.log"))
+    assert sched._spares.take(_group(tmp_path, 0, 1), act, timeout=0.5) is None
+    assert spare in sched._spares.processes()  # retired, not killed
+    os.kill(spare.pid, signal.SIGCONT)
+    return spare
+
+
+def test_a_spare_skips_an_activation_read_past_its_deadline(tmp_path, monkeypatch):
+    """The retired spare reads the activation late and skips it (no second copy of the
+    worker); having forked no worker, it is stopped at the next poll."""
     monkeypatch.setenv("PYTHONPATH", os.getcwd())
     sched = LocalScheduler(spares=True)
     try:
-        sched.submit(_group(tmp_path, 0, 0))
-        sched.warm_spares()
-        _read(str(tmp_path / "spare-rollout.log"), "spare waiting")
-        (spare,) = sched._spares.processes()
-        os.kill(spare.pid, signal.SIGSTOP)  # it cannot answer in time
-        late = Activation(0, {"MARK": "late", "RLSYS_WORKER_INDEX": "0"},
-                      str(tmp_path / "rollout-0.late.log"))
-        assert sched._spares.take(_group(tmp_path, 0, 1), late, timeout=0.5) is None
-        assert spare in sched._spares.processes()  # retired, not killed
-        os.kill(spare.pid, signal.SIGCONT)  # it reads the activation and forks the worker
-        text = _read(str(tmp_path / "rollout-0.late.log"), "worker 0 0 late")
-        pid = int(text.split()[-2])
+        spare = _retire(sched, tmp_path)
+        _read(str(tmp_path / "spare-rollout.log"), "read past its deadline: skipped")
+        assert not (tmp_path / "rollout-0.slow.log").exists()
 
         def polled_and_gone() -> bool:
             sched.poll()
-            return not _alive(pid)
+            return not _alive(spare.pid)
         _until(polled_and_gone)
-        assert f"forked a worker late (pid {pid}): killed" in capsys.readouterr().err
-        assert _alive(spare.pid)  # the spare itself stays until the trial stops
+        assert spare not in sched._spares.processes()  # (a new spare took its place)
     finally:
         sched.stop_all(grace=2)
-    assert not _alive(spare.pid)
+
+
+def test_a_late_fork_of_a_retired_spare_is_killed(tmp_path, monkeypatch, capsys):
+    """A retired spare that forks a worker all the same (it read the activation just before
+    its deadline; here, one without a deadline) has that copy killed at the next poll, and is
+    itself stopped once no worker of its own is left."""
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())
+    sched = LocalScheduler(spares=True)
+    try:
+        spare = _retire(sched, tmp_path)
+        late = Activation(0, {"MARK": "late", "RLSYS_WORKER_INDEX": "0"},
+                          str(tmp_path / "rollout-0.late.log"))
+        spare.stdin.write(late.line())
+        spare.stdin.flush()
+        text = _read(str(tmp_path / "rollout-0.late.log"), "worker 0 0 late")
+        pid = int(text.split()[-2])
+
+        def polled_and_gone(p: int) -> bool:
+            sched.poll()
+            return not _alive(p)
+        _until(lambda: polled_and_gone(pid))
+        assert f"forked a worker late (pid {pid}): killed" in capsys.readouterr().err
+        _until(lambda: polled_and_gone(spare.pid))  # none of its workers is left
+    finally:
+        sched.stop_all(grace=2)
 
 
 def test_without_spares_or_a_dead_spare_a_restart_starts_a_process(tmp_path, monkeypatch):
@@ -268,12 +297,17 @@ def test_a_failed_preparation_leaves_restarts_to_fresh_forks(tmp_path, monkeypat
     ('{"index": -1, "env": {}, "log": "/x"}', "index must be an int >= 0"),
     ('{"index": 1, "env": {"A": 1}, "log": "/x"}', "env must map str to str"),
     ('{"index": 1, "env": {}, "log": "rel"}', "absolute path"),
+    ('{"index": 1, "env": {}, "log": "/x", "deadline": "soon"}', "deadline must be a number"),
+    ('{"index": 1, "env": {}, "log": "/x", "x": 1}', "exactly index, env and log"),
 ])
 def test_a_malformed_activation_is_refused(line, why):
     with pytest.raises(ConfigError, match=why):
         Activation.parse(line)
     assert Activation.parse(Activation(2, {"A": "b"}, "/l").line().decode()) == \
         Activation(2, {"A": "b"}, "/l")
+    timed = Activation(2, {}, "/l", time.monotonic() + 60)
+    assert Activation.parse(timed.line().decode()) == timed and not timed.expired()
+    assert Activation(2, {}, "/l", time.monotonic() - 1).expired()
 
 
 @pytest.mark.parametrize("line, why", [
