@@ -33,38 +33,57 @@ IDENTITY = "from system.reshard.backend import device_identity; print(device_ide
 
 
 def smi_uuids() -> list[tuple[str, str]] | None:
-    """(index, UUID) of every GPU ``nvidia-smi`` lists, or None without ``nvidia-smi``."""
+    """(index, UUID) of every GPU ``nvidia-smi`` lists, or None without ``nvidia-smi``;
+    RuntimeError naming what it said when it fails or prints something else."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
     r = subprocess.run([exe, "--query-gpu=index,uuid", "--format=csv,noheader"],
-                       capture_output=True, text=True, timeout=60, check=True)
-    rows = [tuple(x.strip() for x in line.split(",")) for line in r.stdout.splitlines()
+                       capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        raise RuntimeError(f"nvidia-smi exited {r.returncode}: {r.stderr.strip()[:200]}")
+    rows = [[x.strip() for x in line.split(",")] for line in r.stdout.splitlines()
             if line.strip()]
+    if any(len(row) != 2 or not row[0].isdigit() for row in rows):
+        raise RuntimeError(f"nvidia-smi printed rows other than index, uuid: {r.stdout[:200]!r}")
     return [(i, u) for i, u in rows]
 
 
-def identity_seen(visible: str) -> str:
-    """``cuda:0``'s identity in a fresh process that sees ``CUDA_VISIBLE_DEVICES=visible``."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible, CUDA_DEVICE_ORDER="PCI_BUS_ID")
-    r = subprocess.run([sys.executable, "-c", IDENTITY], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=120)
-    if r.returncode != 0:
+def _python(code: str, env: Mapping[str, str]) -> str:
+    """The last line a fresh interpreter running ``code`` prints, or ``error: <its last
+    line>``."""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(env),
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0 or not r.stdout.strip():
         return f"error: {(r.stderr.strip().splitlines() or ['exit ' + str(r.returncode)])[-1]}"
     return r.stdout.strip().splitlines()[-1]
 
 
-def judge(smi: Sequence[tuple[str, str]], auto: Sequence[str], torch_count: int,
+def torch_count_unrestricted() -> str:
+    """How many GPUs a fresh process's torch counts with ``CUDA_VISIBLE_DEVICES`` unset (as
+    ``nvidia-smi``, which ignores it, lists them)."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    return _python("import torch; print(torch.cuda.device_count())", env)
+
+
+def identity_seen(visible: str) -> str:
+    """``cuda:0``'s identity in a fresh process that sees ``CUDA_VISIBLE_DEVICES=visible``."""
+    return _python(IDENTITY, dict(os.environ, CUDA_VISIBLE_DEVICES=visible,
+                                  CUDA_DEVICE_ORDER="PCI_BUS_ID"))
+
+
+def judge(smi: Sequence[tuple[str, str]], auto: Sequence[str], torch_count: str,
           seen: Mapping[tuple[str, str], str], backend: str, expected: str) -> list[str]:
     """What is wrong (empty: nothing): ``smi`` (index, UUID) rows, ``auto`` what
-    ``scheduler.local.gpus=auto`` gave, ``seen`` (index, by "index" or "uuid") -> identity,
+    ``scheduler.local.gpus=auto`` gave, ``torch_count`` what a process's torch counted with
+    ``CUDA_VISIBLE_DEVICES`` unset, ``seen`` (index, by "index" or "uuid") -> identity,
     ``backend`` what the master picked for a model worker and a generation server planned over
     the GPUs, ``expected`` what it should be."""
     bad = []
     if tuple(auto) != tuple(i for i, _ in smi):
         bad.append(f"scheduler.local.gpus=auto gave {list(auto)}, nvidia-smi lists "
                    f"{[i for i, _ in smi]}")
-    if torch_count != len(smi):
+    if torch_count != str(len(smi)):
         bad.append(f"torch sees {torch_count} GPUs, nvidia-smi lists {len(smi)}")
     for index, uuid in smi:
         for how in ("index", "uuid"):
@@ -82,11 +101,12 @@ def run() -> list[Verdict]:
     why = device_skip("cuda")
     if why:
         return [Verdict("gpu_placement", "SKIP", why)]
-    smi = smi_uuids()
+    try:
+        smi = smi_uuids()
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        return [Verdict("gpu_placement", "FAIL", str(e).splitlines()[0])]
     if not smi:
         return [Verdict("gpu_placement", "SKIP", "nvidia-smi is not installed or lists no GPU")]
-    import torch
-
     from scheduler.gpu_plan import GpuDemand, plan_gpus
     from scheduler.local import local_gpus
     from system.reshard.backend import RankDevice, choose_backend
@@ -110,7 +130,9 @@ def run() -> list[Verdict]:
     choice = choose_backend([RankDevice("model-0", ident[plan["model/0"][0]]),
                              RankDevice("generation-0 tp0", ident[plan["generation/0"][0]])])
     out("backend", choice.line("weight sync with generation server 0"))
-    bad = judge(smi, auto, torch.cuda.device_count(), seen, choice.backend,
+    counted = torch_count_unrestricted()
+    out("torch_gpus_without_cuda_visible_devices", counted)
+    bad = judge(smi, auto, counted, seen, choice.backend,
                 "gloo" if share else "nccl")
     return [Verdict("gpu_placement", "FAIL" if bad else "PASS", "; ".join(bad))]
 

@@ -17,20 +17,21 @@ from system.name_resolve import NameResolve
 
 
 def job_failure(statuses: Iterable[JobStatus], phase: str,
-                excluding: Iterable[str] = ()) -> WorkerFailure | None:
+                excluding: Iterable[str] = (), name: str | None = None) -> WorkerFailure | None:
     """The first job that is no longer active (and has none of ``excluding``'s workers), as a
-    failure of its first worker."""
+    failure of ``name`` if it is one of the job's workers, else of its first worker."""
     skip = set(excluding)
     for st in statuses:
         if st.state.active or skip & set(st.workers):
             continue
+        at = st.workers.index(name) if name in st.workers else 0
+        log = st.log_paths[at] if at < len(st.log_paths) else None
         logs = ", ".join(st.log_paths)
         how = f"{st.state.value}" + (f" ({st.detail})" if st.detail else "")
-        tail = "\n".join(log_tail(p) for p in st.log_paths[:1])
+        tail = log_tail(log) if log else ""
         return WorkerFailure(f"worker {', '.join(st.workers)} exited {phase}: {how}; "
                              f"log: {logs}" + (f"\n--- last lines ---\n{tail}" if tail else ""),
-                             st.workers[0] if st.workers else "?",
-                             st.log_paths[0] if st.log_paths else None)
+                             st.workers[at] if st.workers else "?", log)
     return None
 
 
@@ -84,7 +85,7 @@ def call_failure_cause(failed: WorkerFailure, statuses: Iterable[JobStatus],
     restarted, say) would otherwise take the blame, and the called one go unrestarted."""
     statuses = list(statuses)
     own = [st for st in statuses if failed.worker in st.workers]
-    dead = job_failure(own, phase) or job_failure(statuses, phase)
+    dead = job_failure(own, phase, name=failed.worker) or job_failure(statuses, phase)
     return None if dead is None else _then(dead, failed)
 
 

@@ -197,10 +197,14 @@ class Recovery:
                 if a.recovered_at_s is None and a.stateful:
                     a.recovered_at_s = now
                     return
-            elif not a.stateful and set(a.restarted) & left:
-                if a.recovered_at_s is None:
+                continue
+            if not left:
+                return
+            if set(a.restarted) & left:
+                if not a.stateful and a.recovered_at_s is None:
                     a.recovered_at_s = now
-                left -= set(a.restarted)  # an earlier attempt for it was not recovered
+                # its latest restart is this one: an earlier attempt for it was not recovered
+                left -= set(a.restarted)
 
     def resumed(self, step: int) -> None:
         """The restarted master reported the step it continued from."""

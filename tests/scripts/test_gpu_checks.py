@@ -85,16 +85,16 @@ def test_one_gpu_layouts_name_nccl_duplicate_gpu():
 def test_placement_judgement():
     smi = [("0", "GPU-aa"), ("1", "GPU-bb")]
     seen = {(i, how): u for i, u in smi for how in ("index", "uuid")}
-    assert placement.judge(smi, ("0", "1"), 2, seen, "nccl", "nccl") == []
-    bad = placement.judge(smi, ("0",), 1, {**seen, ("1", "uuid"): "GPU-aa"}, "gloo", "nccl")
+    assert placement.judge(smi, ("0", "1"), "2", seen, "nccl", "nccl") == []
+    bad = placement.judge(smi, ("0",), "1", {**seen, ("1", "uuid"): "GPU-aa"}, "gloo", "nccl")
     assert [b.split(":")[0].split(" gave")[0] for b in bad] == [
         "scheduler.local.gpus=auto", "torch sees 1 GPUs, nvidia-smi lists 2",
         "GPU 1 seen by uuid", "model and generation on the planned GPUs"]
     one = [("0", "GPU-aa")]
-    assert placement.judge(one, ("0",), 1, {("0", "index"): "GPU-aa", ("0", "uuid"): "GPU-aa"},
+    assert placement.judge(one, ("0",), "1", {("0", "index"): "GPU-aa", ("0", "uuid"): "GPU-aa"},
                            "gloo", "gloo") == []
     assert "two GPUs have one identity" in placement.judge(
-        [("0", "GPU-aa"), ("1", "GPU-aa")], ("0", "1"), 2, {}, "gloo", "gloo")
+        [("0", "GPU-aa"), ("1", "GPU-aa")], ("0", "1"), "2", {}, "gloo", "gloo")
 
 
 def test_reshard_figures_and_threshold():

@@ -119,3 +119,6 @@ def test_a_call_refused_by_a_worker_whose_job_was_cancelled_names_the_cancelled_
     assert call_failure_cause(failed, both, "during configure").worker == "generation/0"
     other = [status("3", JobState.FAILED, "rollout/0"), cancelled[0]]
     assert call_failure_cause(failed, other, "during configure").worker == "rollout/0"
+    # a job of several workers (Slurm) is named after the called one
+    gen1 = WorkerFailure("configure of worker generation/1 failed", "generation/1")
+    assert call_failure_cause(gen1, both, "during configure").worker == "generation/1"

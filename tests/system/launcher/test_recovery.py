@@ -222,3 +222,10 @@ def test_respawned_workers_rejoining_at_one_poll_recover_each_their_own_attempt(
     assert gen0.recovered_at_s is None  # superseded by its second respawn
     r.running(["generation/0"])  # a later report of the same worker changes nothing
     assert gen0.recovered_at_s is None and gen0_again.recovered_at_s == 14.0
+    # a restart of every kind (a pause) after an unrecovered respawn: the worker's rejoin is
+    # the later restart's, never the older respawn's
+    gen2 = r.begin(WorkerFailure("z", "generation/2"), failed_step=5, restarted=["generation/2"])
+    every = r.begin(Paused("the controller was stopped for 20s", "master/0"), failed_step=5)
+    every.restarted = ["model/0", "master/0", "generation/2"]
+    r.running(["generation/2"])
+    assert gen2.recovered_at_s is None and every.recovered_at_s is None
