@@ -24,8 +24,9 @@ a new process, as without spares), nor is a dead one (it is started again). One 
 answer a fork in time is retired and a new process runs that worker. An activation carries its
 deadline, and a spare that reads one past it skips it. A copy forked late all the same is killed
 (:meth:`Spares.tidy`). The workers a retired spare forked before live on, and it is stopped once
-they have all ended (or with the trial). Under Slurm every
-worker runs in its own job and a restart is a requeue: there are no spares there.
+they have all ended (or with the trial).
+
+Under Slurm every worker runs in its own job and a restart is a requeue: there are no spares.
 """
 from __future__ import annotations
 
