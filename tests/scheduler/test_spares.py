@@ -82,7 +82,8 @@ def test_restarts_are_forked_from_the_warm_spare_which_stays(tmp_path, monkeypat
         for attempt in (1, 2):
             (taken,) = sched.submit(_group(tmp_path, 0, attempt))
             forked.append(int(taken))
-            text = _read(str(tmp_path / f"rollout-0.attempt{attempt}.log"), f"worker 0 0 a{attempt}")
+            text = _read(str(tmp_path / f"rollout-0.attempt{attempt}.log"),
+                         f"worker 0 0 a{attempt}")
             assert f"a{attempt} {taken} {spare.pid}" in text  # a child of the spare
             assert os.getpgid(int(taken)) == int(taken)  # leads its own group
             assert sched._spares.processes() == [spare]  # the same spare, not used up
