@@ -214,7 +214,8 @@ class Spares:
         self._start = start  # Popen with the scheduler's child set-up (new session, death signal)
         self._groups: dict[tuple[str, ...], GroupSpec] = {}
         self._spares: dict[tuple[str, ...], _Spare] = {}
-        self._retired: list[_Spare] = []  # alive, did not answer a fork: stopped with the trial
+        # alive, did not answer a fork: stopped once its workers have ended (see tidy)
+        self._retired: list[_Spare] = []
         self.late_kills: list[int] = []  # (reported by the scheduler's poll)
         self.enabled = False
 
