@@ -212,7 +212,8 @@ class RLLoop:
             samples_s=f"{row['samples_per_s']:.1f}",
             staleness=f"{row['staleness_max']}/{rl.eta}", version=self.published,
             eval=None if acc is None else f"{acc:.3f}", servers=self.servers(),
-            resumed_from=self.resumed_from)  # also here: a poll can miss "starting"
+            # also here (a poll can miss "starting"), and the same: 0 for a start from scratch
+            resumed_from=self.resumed_from or 0)
         preempts = self.preempt_requests()
         if preempts or self.checkpoint_due():
             self.checkpoint()
