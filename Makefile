@@ -25,6 +25,7 @@ bench: setup
 	$(PY) tests/benchmarks/fuzz.py
 	$(PY) tests/benchmarks/scale.py
 	$(PY) tests/benchmarks/startup.py
+	$(PY) tests/benchmarks/checkpoint_digest.py
 
 # GPU checks of issue 13: the torch engine on cuda:0, the NCCL reshard benchmark, vLLM weight
 # sync with log-prob parity, megatron tp=2 = tp=1, a 30-step SmolLM2 GRPO (scripts/gpu_checks/).

@@ -23,6 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from system import names
+from system.digests import digest_share
 from system.errors import ConfigError
 from system.files import fsync_path
 from system.rendezvous import host_store, lookup_store, store_prefix
@@ -31,7 +32,8 @@ from system.reshard.spec import WeightSyncSpec
 from workers.base import Worker
 from workers.devices import check_own_devices, select_device
 from workers.publish import send_shards, source_boxes
-from workers.schema import EngineInfo, TrainItem, TrainStats, WeightsSent, WorkerSetup
+from workers.schema import (EngineInfo, Saved, TrainItem, TrainStats, WeightsSent,
+                            WorkerSetup)
 
 if TYPE_CHECKING:  # torch is imported by the model worker process, not by the launcher
     import torch
@@ -375,10 +377,11 @@ class ModelWorker(Worker):
     def save(self, directory: str) -> Future:
         """Write every engine under ``directory/<engine>/`` (model: rank 0, optimizer and RNG
         state: every rank) and fsync what this rank wrote. The RNG state holds tensors and
-        plain lists only, so it loads with ``weights_only=True``. Collective."""
+        plain lists only, so it loads with ``weights_only=True``. Once every rank has written,
+        each digests its share of the files (:func:`system.digests.digest_share`). Collective."""
         import torch
 
-        def save() -> dict[str, Any]:
+        def save() -> Saved:
             for which, eng in self.engines.items():
                 d = os.path.join(directory, which)
                 os.makedirs(d, exist_ok=True)
@@ -394,7 +397,12 @@ class ModelWorker(Worker):
             torch.save(rng, path)
             fsync_path(path)
             fsync_path(directory)
-            return {"rank": self.index}
+            if self.world_size > 1:  # every rank's files are written: they can be shared out
+                import torch.distributed as dist
+
+                dist.barrier()
+            return {"rank": self.index,
+                    "digests": digest_share(directory, self.index, self.world_size)}
         return self._run(save)
 
     # --- groups ---

@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING, Any
 
 from system.reshard.spec import WeightSyncSpec
 from workers.client import Pending, WorkerClient
-from workers.schema import EngineInfo, TrainItem, TrainStats, WeightsSent
+from workers.schema import EngineInfo, Saved, TrainItem, TrainStats, WeightsSent
 
 if TYPE_CHECKING:
     import numpy as np
@@ -38,7 +38,7 @@ class ModelClient(WorkerClient):
     def send_weights(self, replicas: list[int]) -> Pending[WeightsSent]:
         return self._call("send_weights", replicas=list(replicas))
 
-    def save(self, directory: str) -> Pending[dict[str, Any]]:
+    def save(self, directory: str) -> Pending[Saved]:
         return self._call("save", directory=directory)
 
     def save_weights(self, directory: str) -> Pending[dict[str, Any]]:

@@ -236,6 +236,14 @@ class EngineInfo(TypedDict):
     master plans the weight sync from it, and needs no transformers (nor torch) of its own."""
 
 
+class Saved(TypedDict):
+    """What a model worker's ``save`` wrote: its rank, and the content digests of its share of
+    the checkpoint's files (relative path -> ``crc32:...``; :mod:`system.digests`)."""
+
+    rank: int
+    digests: dict[str, str]
+
+
 class WeightsSent(TypedDict):
     seconds: float
     bytes_sent: int

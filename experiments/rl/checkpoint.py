@@ -3,16 +3,20 @@ pointer.
 
 A checkpoint is written into ``step_<N>.tmp/`` by every party (model workers write and fsync
 their engines, the master its own state), then the master lists every staged file with its size
-in ``meta.json``, fsyncs, renames the directory in one step and replaces the ``latest`` file
-atomically (fsyncing the parent directory after each rename). A crash at any point leaves the
-previous checkpoint as the newest complete one.
+and content digest in ``meta.json`` (the model workers digest what they wrote, each its share:
+:mod:`system.digests`; the master the rest), fsyncs, renames the directory in one step and
+replaces the ``latest`` file atomically (fsyncing the parent directory after each rename). A
+crash at any point leaves the previous checkpoint as the newest complete one.
 
 :meth:`CheckpointDir.latest` does not trust the pointer alone: it returns the newest checkpoint
 that verifies (``meta.json`` readable, every listed file present with its size and a readable
-structure) and logs a warning naming each newer one it skips, so a torn checkpoint costs one
-checkpoint interval, not the whole run. Where checkpoints exist but none verifies, it refuses
-(:class:`UnreadableCheckpoints`): resuming from nothing would train from the base model again
-and prune them. The newest ``keep`` complete checkpoints are kept.
+structure, not marked corrupt) and logs a warning naming each newer one it skips, so a torn
+checkpoint costs one checkpoint interval, not the whole run. Content that changed at the same
+size is found when the checkpoint is restored: each model worker checks its share of the
+digests (:meth:`CheckpointDir.check_content`) and marks a checkpoint that differs corrupt; the
+restart that follows resumes from the one before it. Where checkpoints exist but none
+verifies, it refuses (:class:`UnreadableCheckpoints`): resuming from nothing would train from
+the base model again and prune them. The newest ``keep`` complete checkpoints are kept.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from typing import Any
 
 import msgpack
 
+from system.digests import check_share, file_digest, list_files
 from system.errors import ConfigError
 from system.files import fsync_path
 
@@ -33,6 +38,9 @@ log = logging.getLogger("rl-checkpoint")
 
 META = "meta.json"
 POINTER = "latest"
+CORRUPT = "CORRUPT"
+"""A file a restoring worker writes into a checkpoint whose content differs from its digests
+(the reason): :meth:`CheckpointDir.verify` then refuses it."""
 
 _warned: set[tuple[str, str]] = set()
 """(checkpoint, problem) pairs this process named already (a launch asks several times)."""
@@ -40,6 +48,10 @@ _warned: set[tuple[str, str]] = set()
 
 class UnreadableCheckpoints(ConfigError):
     """A trial has checkpoints and none of them can be restored."""
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A checkpoint's content differs from its digests (it is marked: a restart skips it)."""
 
 
 def write_durable(path: str, data: bytes) -> None:
@@ -63,13 +75,17 @@ class CheckpointDir:
         os.makedirs(path)
         return path
 
-    def commit(self, step: int, meta: dict[str, Any]) -> str:
+    def commit(self, step: int, meta: dict[str, Any],
+               digests: dict[str, str] | None = None) -> str:
         """Publish the staged checkpoint of ``step`` (every party has written and fsynced its
-        files into it)."""
+        files into it). ``digests``: those of some of its files, taken by their writers; the
+        others are digested here."""
         tmp, final = os.path.join(self.root, f"step_{step}.tmp"), self.path(step)
-        files = _list_files(tmp)
-        write_durable(os.path.join(tmp, META),
-                      json.dumps({**meta, "step": step, "files": files}).encode())
+        files = list_files(tmp, skip=(META,))
+        given = digests or {}
+        sums = {name: given.get(name) or file_digest(os.path.join(tmp, name)) for name in files}
+        write_durable(os.path.join(tmp, META), json.dumps(
+            {**meta, "step": step, "files": files, "digests": sums}).encode())
         fsync_path(tmp)
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -119,6 +135,11 @@ class CheckpointDir:
         """Why checkpoint ``step`` cannot be restored, or None if it can."""
         directory = self.path(step)
         try:
+            with open(os.path.join(directory, CORRUPT)) as f:
+                return f"marked corrupt: {f.read().strip()}"
+        except OSError:
+            pass
+        try:
             with open(os.path.join(directory, META)) as f:
                 meta = json.load(f)
             files = meta["files"]
@@ -131,6 +152,41 @@ class CheckpointDir:
             if problem is not None:
                 return f"{name}: {problem}"
         return None
+
+    def check_content(self, step: int, rank: int = 0, world: int = 1, under: str = "",
+                      mark: bool = True) -> str | None:
+        """Rank ``rank`` of ``world`` (the processes restoring checkpoint ``step``) checks its
+        share of the files' digests (those ``under`` a folder, if given): the first
+        difference, or None. A difference marks the checkpoint corrupt (:data:`CORRUPT`;
+        ``mark=False``: a reader that must not write to the trial), so that every process
+        skips it from now on. A checkpoint written without digests has nothing to check."""
+        directory = self.path(step)
+        with open(os.path.join(directory, META)) as f:
+            meta = json.load(f)
+        digests = meta.get("digests")
+        if not isinstance(digests, dict):
+            return None
+        prefix = under.rstrip("/") + "/" if under else ""
+        digests = {k: v for k, v in digests.items() if k.startswith(prefix)}
+        problem = check_share(directory, digests, meta["files"], rank, world)
+        if problem is not None and mark:
+            self.mark_corrupt(step, problem)
+        return problem
+
+    def mark_corrupt(self, step: int, why: str) -> None:
+        """Mark checkpoint ``step`` corrupt, saying ``why`` (atomically: a reader sees the
+        whole reason or no mark)."""
+        path = os.path.join(self.path(step), CORRUPT)
+        try:
+            write_durable(path + f".{os.getpid()}.tmp", why.encode())
+            os.replace(path + f".{os.getpid()}.tmp", path)
+            fsync_path(self.path(step))
+        except OSError as e:  # (say, another user's trial, read-only to this one)
+            log.error("checkpoint %s is corrupt (%s), and could not be marked so: %s",
+                      self.path(step), why, e)
+            return
+        log.error("checkpoint %s is corrupt (%s): marked, it is skipped from now on",
+                  self.path(step), why)
 
     def _prune(self, newest: int) -> None:
         """Keep ``newest`` and the complete checkpoints before it, up to ``keep`` in all; drop
@@ -151,18 +207,6 @@ class CheckpointDir:
         for d in os.listdir(self.root):
             if d.startswith("step_") and d.endswith(".tmp"):
                 shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
-
-
-def _list_files(directory: str) -> dict[str, int]:
-    """Every file under ``directory`` (relative path -> size), ``meta.json`` excepted."""
-    out = {}
-    for base, _, names in os.walk(directory):
-        for name in names:
-            path = os.path.join(base, name)
-            rel = os.path.relpath(path, directory)
-            if rel != META:
-                out[rel] = os.path.getsize(path)
-    return out
 
 
 def _check_file(path: str, size: int) -> str | None:

@@ -369,7 +369,7 @@ class RLLoop:
         t0 = time.monotonic()
         state = self.state
         staging = self.ckpt.staging(state.step)
-        self.cluster.on_models(lambda c: c.save(staging))
+        saved = self.cluster.on_models(lambda c: c.save(staging))
         save_tokenizer(self.tok, os.path.join(staging, "actor"))  # (loads as a model)
         state.cursor = self.source.snapshot()
         state.loop_seconds = self.loop_seconds()
@@ -381,7 +381,8 @@ class RLLoop:
         self.ckpt.commit(state.step, {"layout": self.layout,
                                       "consumed": state.consumed, "buffered": len(state.buffer),
                                       "cursor": {k: v for k, v in state.cursor.items()
-                                                 if k != "redo"}})
+                                                 if k != "redo"}},
+                         digests={k: v for r in saved for k, v in r["digests"].items()})
         state.buffer = []
         # the clock restarts after the write: a slow checkpoint must not trigger the next one
         self._last_save = time.monotonic()

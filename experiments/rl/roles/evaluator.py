@@ -179,6 +179,12 @@ def evaluate_checkpoints(master: MasterWorker, rl: RLConfig,
              len(steps) - len(todo), results_path)
     for i, step in enumerate(todo):
         master.set_progress(phase="evaluating", step=f"{i + 1}/{len(todo)}", version=step)
+        # what the servers would load; not marked: an evaluation writes nothing of the trial
+        problem = ckpt.check_content(step, under="actor", mark=False)
+        if problem is not None:
+            log.warning("checkpoint %s is corrupt (%s): skipped", ckpt.path(step), problem)
+            broken[step] = f"corrupt: {problem}"
+            continue
         result = evaluate_one(ckpt.path(step), step, rl, gens, tok, agent, router, held_out,
                               watch)
         result["eval_set"] = eval_set
@@ -189,7 +195,8 @@ def evaluate_checkpoints(master: MasterWorker, rl: RLConfig,
         if master.stopping:
             raise RuntimeError("stopped during the evaluation")
     plot_accuracy(rows, plot_path, f"{master.exp}/{master.trial}: held-out accuracy")
-    return {"summary": {"evaluated": todo, "skipped": [s for s in steps if s not in todo],
+    evaluated = [s for s in todo if s not in broken]
+    return {"summary": {"evaluated": evaluated, "skipped": [s for s in steps if s not in todo],
                         "unreadable": broken, "results": results_path, "plot": plot_path,
                         "warnings": [f"checkpoint {ckpt.path(s)} is unreadable ({p}): not "
                                      "evaluated" for s, p in broken.items()],

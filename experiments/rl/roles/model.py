@@ -8,7 +8,7 @@ import random
 from typing import Any, Sequence
 
 from experiments.rl.algorithms.objectives import ActorLossConfig, actor_loss, critic_loss
-from experiments.rl.checkpoint import CheckpointDir
+from experiments.rl.checkpoint import CheckpointDir, CorruptCheckpoint
 from experiments.rl.common import model_path, rl_config
 from experiments.rl.config import model_config
 from workers.engines.configs import TorchEngineConfig
@@ -63,12 +63,21 @@ def model_role(worker: ModelWorker) -> dict[str, Any]:
 
 
 def resume_dir_of(worker: ModelWorker) -> str | None:
-    """The latest checkpoint's directory when resuming (``recover=resume``)."""
+    """The latest checkpoint's directory when resuming (``recover=resume``), once this rank
+    has checked its share of the checkpoint's content (:meth:`CheckpointDir.check_content`):
+    :class:`CorruptCheckpoint` if it differs (the checkpoint is marked: the restart that
+    follows resumes from the one before it)."""
     if worker.config["recover"] != "resume":
         return None
     ckpt = CheckpointDir(os.path.join(worker.boot.trial_dir, "checkpoints"))
     step = ckpt.latest()
-    return ckpt.path(step) if step is not None else None
+    if step is None:
+        return None
+    problem = ckpt.check_content(step, worker.index, worker.world_size)
+    if problem is not None:
+        raise CorruptCheckpoint(f"checkpoint {ckpt.path(step)} is corrupt ({problem}): it is "
+                                "marked so, and a restart resumes from the one before it")
+    return ckpt.path(step)
 
 
 def restore_rng(directory: str, rank: int, device: str) -> None:

@@ -5,10 +5,13 @@ import json
 import logging
 import os
 import struct
+import types
 
 import pytest
 
-from experiments.rl.checkpoint import CheckpointDir, UnreadableCheckpoints
+from experiments.rl.checkpoint import CheckpointDir, CorruptCheckpoint, UnreadableCheckpoints
+from experiments.rl.roles.model import resume_dir_of
+from system.digests import file_digest
 
 
 def _commit(ck: CheckpointDir, step: int) -> str:
@@ -125,3 +128,81 @@ def test_discard_staging_keeps_committed_checkpoints(tmp_path):
     open(os.path.join(d, "x"), "w").write("4")
     ck.discard_staging()
     assert sorted(os.listdir(ck.root)) == ["latest", "step_2"] and ck.latest() == 2
+
+
+def _flip_data_byte(path: str) -> None:
+    """Change one byte of a safetensors file's tensor data: size and structure still check."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 3)
+        f.write(b"\x01")
+
+
+def test_commit_records_every_file_s_digest_the_writers_given_ones_as_given(tmp_path):
+    ck = CheckpointDir(str(tmp_path / "ck"))
+    d = ck.staging(2)
+    open(os.path.join(d, "x"), "w").write("2")
+    open(os.path.join(d, "y"), "w").write("22")
+    ck.commit(2, {}, digests={"x": "crc32:0000abcd"})  # (what the model workers reported)
+    meta = json.load(open(os.path.join(ck.path(2), "meta.json")))
+    assert meta["digests"] == {"x": "crc32:0000abcd", "y": file_digest(os.path.join(ck.path(2),
+                                                                                   "y"))}
+
+
+def test_a_change_that_keeps_size_and_structure_is_found_by_one_rank_and_marked(tmp_path,
+                                                                                 caplog):
+    ck = CheckpointDir(str(tmp_path / "ck"), keep=2)
+    _commit(ck, 2)
+    _flip_data_byte(os.path.join(_commit(ck, 4), "actor", "model.safetensors"))
+    assert ck.latest() == 4  # what a launch checks cheaply cannot see it
+    with caplog.at_level(logging.ERROR, logger="rl-checkpoint"):
+        found = [ck.check_content(4, rank, 3) for rank in range(3)]
+    (problem,) = [p for p in found if p is not None]
+    assert problem.startswith("actor/model.safetensors: content differs from what was written")
+    assert f"checkpoint {ck.path(4)} is corrupt" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="rl-checkpoint"):
+        assert ck.latest() == 2  # every process skips it from now on
+    assert f"marked corrupt: {problem}" in caplog.text
+    assert [ck.check_content(2, rank, 3) for rank in range(3)] == [None] * 3
+
+
+def test_a_checkpoint_written_without_digests_has_nothing_to_check(tmp_path):
+    ck = CheckpointDir(str(tmp_path / "ck"))
+    _commit(ck, 2)
+    meta_path = os.path.join(ck.path(2), "meta.json")
+    meta = json.load(open(meta_path))
+    del meta["digests"]  # (as before digests were written)
+    json.dump(meta, open(meta_path, "w"))
+    _flip_data_byte(os.path.join(ck.path(2), "actor", "model.safetensors"))
+    assert ck.check_content(2, 0, 1) is None and ck.latest() == 2
+
+
+def test_a_model_worker_refuses_a_corrupt_checkpoint_and_the_restart_takes_the_one_before(
+        tmp_path):
+    """What each model rank does before it builds its engines (``resume_dir_of``)."""
+    ck = CheckpointDir(str(tmp_path / "trial" / "checkpoints"))
+    _commit(ck, 2)
+    _flip_data_byte(os.path.join(_commit(ck, 4), "actor", "model.safetensors"))
+    ranks = [types.SimpleNamespace(config={"recover": "resume"}, index=r, world_size=2,
+                                   boot=types.SimpleNamespace(trial_dir=str(tmp_path / "trial")))
+             for r in range(2)]
+    with pytest.raises(CorruptCheckpoint, match=r"step_4 is corrupt \(actor/model.safetensors: "
+                       r"content differs .*\): it is marked so, and a restart resumes from"):
+        for worker in ranks:
+            resume_dir_of(worker)  # type: ignore[arg-type]
+    assert [resume_dir_of(w) for w in ranks] == [ck.path(2)] * 2  # type: ignore[arg-type]
+
+
+def test_a_reader_checks_one_folder_and_may_leave_the_checkpoint_unmarked(tmp_path):
+    """What ``mode=eval`` does before it loads a checkpoint's ``actor/`` into the servers (it
+    writes nothing of the evaluated trial)."""
+    ck = CheckpointDir(str(tmp_path / "ck"))
+    step2 = _commit(ck, 2)
+    _flip_data_byte(os.path.join(step2, "actor", "model.safetensors"))
+    problem = ck.check_content(2, under="actor", mark=False)
+    assert problem.startswith("actor/model.safetensors: content differs")
+    assert ck.latest() == 2 and not os.path.exists(os.path.join(ck.path(2), "CORRUPT"))
+    _commit(ck, 4)
+    with open(os.path.join(ck.path(4), "x"), "r+b") as f:
+        f.write(b"9")
+    assert ck.check_content(4, under="actor/", mark=False) is None  # x is not under actor/
+    assert ck.check_content(4).startswith("x: content differs")

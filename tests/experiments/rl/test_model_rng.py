@@ -8,30 +8,34 @@ import types
 import torch
 
 from experiments.rl.roles.model import restore_rng
+from system.digests import file_digest
 from workers.model import ModelWorker
 
 
-def _save(directory: str, rank: int) -> None:
-    """``ModelWorker.save`` of a worker without engines: it only writes the RNG file."""
-    fake = types.SimpleNamespace(engines={}, index=rank, device="cpu", _run=lambda fn: fn())
-    assert ModelWorker.save(fake, directory) == {"rank": rank}  # type: ignore[arg-type]
+def _save(directory: str) -> None:
+    """``ModelWorker.save`` of a lone worker without engines: it only writes the RNG file."""
+    fake = types.SimpleNamespace(engines={}, index=0, world_size=1, device="cpu",
+                                 _run=lambda fn: fn())
+    name = "rng.model0.pt"  # the one rank digests every file
+    assert ModelWorker.save(fake, directory) == {  # type: ignore[arg-type]
+        "rank": 0, "digests": {name: file_digest(os.path.join(directory, name))}}
 
 
 def test_model_worker_rng_states_are_restored(tmp_path):
     torch.manual_seed(1)
     random.seed(2)
     torch.rand(3), random.random()
-    _save(str(tmp_path), 1)
+    _save(str(tmp_path))
     want_torch, want_py = torch.rand(4), [random.random() for _ in range(4)]
     torch.manual_seed(7)
     random.seed(7)
-    restore_rng(str(tmp_path), 1, "cpu")
+    restore_rng(str(tmp_path), 0, "cpu")
     assert torch.equal(torch.rand(4), want_torch)
     assert [random.random() for _ in range(4)] == want_py
 
 
 def test_the_rng_file_loads_without_unpickling_objects(tmp_path):
-    _save(str(tmp_path), 0)
+    _save(str(tmp_path))
     blob = torch.load(os.path.join(tmp_path, "rng.model0.pt"), weights_only=True)
     assert isinstance(blob["python"], list) and isinstance(blob["python"][1], list)
 
