@@ -16,24 +16,21 @@ import dataclasses
 import datetime
 import logging
 import os
-import random
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from system import names
-from system.digests import digest_share
 from system.errors import ConfigError
-from system.files import fsync_path
 from system.rendezvous import host_store, lookup_store, store_prefix
 from system.reshard.backend import device_identity
 from system.reshard.spec import WeightSyncSpec
 from workers.base import Worker
 from workers.devices import check_own_devices, select_device
+from workers.model_checkpoint import save_checkpoint
 from workers.publish import send_shards, source_boxes
-from workers.schema import (EngineInfo, Saved, TrainItem, TrainStats, WeightsSent,
-                            WorkerSetup)
+from workers.schema import EngineInfo, TrainItem, TrainStats, WeightsSent, WorkerSetup
 
 if TYPE_CHECKING:  # torch is imported by the model worker process, not by the launcher
     import torch
@@ -375,35 +372,11 @@ class ModelWorker(Worker):
         return self._run(save)
 
     def save(self, directory: str) -> Future:
-        """Write every engine under ``directory/<engine>/`` (model: rank 0, optimizer and RNG
-        state: every rank) and fsync what this rank wrote. The RNG state holds tensors and
-        plain lists only, so it loads with ``weights_only=True``. Once every rank has written,
-        each digests its share of the files (:func:`system.digests.digest_share`). Collective."""
-        import torch
-
-        def save() -> Saved:
-            for which, eng in self.engines.items():
-                d = os.path.join(directory, which)
-                os.makedirs(d, exist_ok=True)
-                if which != "ref":  # frozen: the base model is its checkpoint
-                    eng.save(d, self.index)
-                fsync_path(d)
-            version, internal, gauss = random.getstate()
-            rng: dict[str, Any] = {"torch": torch.get_rng_state(),
-                                   "python": [version, list(internal), gauss]}
-            if self.device.startswith("cuda"):
-                rng["cuda"] = torch.cuda.get_rng_state(self.device)
-            path = os.path.join(directory, f"rng.model{self.index}.pt")
-            torch.save(rng, path)
-            fsync_path(path)
-            fsync_path(directory)
-            if self.world_size > 1:  # every rank's files are written: they can be shared out
-                import torch.distributed as dist
-
-                dist.barrier()
-            return {"rank": self.index,
-                    "digests": digest_share(directory, self.index, self.world_size)}
-        return self._run(save)
+        """Write every engine and this rank's RNG state under ``directory``, and digest this
+        rank's share of the files (:func:`workers.model_checkpoint.save_checkpoint`).
+        Collective."""
+        return self._run(lambda: save_checkpoint(self.engines, directory, self.index,
+                                                 self.world_size, self.device))
 
     # --- groups ---
     def _store(self, name: str, world: int | None = None, keep: bool = True) -> Any:

@@ -3,21 +3,18 @@ from __future__ import annotations
 
 import os
 import random
-import types
 
 import torch
 
 from experiments.rl.roles.model import restore_rng
 from system.digests import file_digest
-from workers.model import ModelWorker
+from workers.model_checkpoint import save_checkpoint
 
 
 def _save(directory: str) -> None:
-    """``ModelWorker.save`` of a lone worker without engines: it only writes the RNG file."""
-    fake = types.SimpleNamespace(engines={}, index=0, world_size=1, device="cpu",
-                                 _run=lambda fn: fn())
+    """A lone model worker's checkpoint part without engines: it only writes the RNG file."""
     name = "rng.model0.pt"  # the one rank digests every file
-    assert ModelWorker.save(fake, directory) == {  # type: ignore[arg-type]
+    assert save_checkpoint({}, directory, 0, 1, "cpu") == {
         "rank": 0, "digests": {name: file_digest(os.path.join(directory, name))}}
 
 
