@@ -2,6 +2,7 @@
 digests (:mod:`system.digests`)."""
 from __future__ import annotations
 
+import functools
 import os
 import random
 from typing import Any, Mapping
@@ -15,30 +16,37 @@ def save_checkpoint(engines: Mapping[str, Any], directory: str, rank: int, world
                     device: str) -> Saved:
     """Write every engine under ``directory/<engine>/`` (model: rank 0, optimizer state: every
     rank; the frozen reference none) and the RNG state, and fsync what this rank wrote. Once
-    every rank has written, each digests its share of the files. A rank whose write failed
-    (a full disk) raises once every rank knows, so that none is left waiting for it in a
-    collective while training goes on. Collective over the ``world`` model workers."""
-    try:
-        _write(engines, directory, rank, device)
-    except Exception:
-        all_written(False, world, device)
-        raise
-    if not all_written(True, world, device):  # another rank failed: the master hears from it
-        return {"rank": rank, "digests": {}}
+    every rank has written, each digests its share of the files. The ranks agree after each
+    part (an engine's save is a collective): a rank whose write failed (a full disk) raises
+    once every rank knows, and none goes on to the next engine's collective without it, nor
+    is left waiting in one while training goes on. Collective over the ``world`` model
+    workers."""
+    parts = [functools.partial(_save_engine, eng, os.path.join(directory, which), rank,
+                               frozen=which == "ref") for which, eng in engines.items()]
+    parts.append(functools.partial(_save_rng, directory, rank, device))
+    for part in parts:
+        try:
+            part()
+        except Exception:
+            all_written(False, world, device)
+            raise
+        if not all_written(True, world, device):  # another rank failed: the master hears it
+            return {"rank": rank, "digests": {}}
     return {"rank": rank, "digests": digest_share(directory, rank, world)}
 
 
-def _write(engines: Mapping[str, Any], directory: str, rank: int, device: str) -> None:
-    """The files: the RNG state holds tensors and plain lists only, so it loads with
+def _save_engine(engine: Any, directory: str, rank: int, frozen: bool) -> None:
+    os.makedirs(directory, exist_ok=True)
+    if not frozen:  # the frozen reference: the base model is its checkpoint
+        engine.save(directory, rank)
+    fsync_path(directory)
+
+
+def _save_rng(directory: str, rank: int, device: str) -> None:
+    """The RNG state holds tensors and plain lists only, so it loads with
     ``weights_only=True``."""
     import torch
 
-    for which, eng in engines.items():
-        d = os.path.join(directory, which)
-        os.makedirs(d, exist_ok=True)
-        if which != "ref":  # frozen: the base model is its checkpoint
-            eng.save(d, rank)
-        fsync_path(d)
     version, internal, gauss = random.getstate()
     rng: dict[str, Any] = {"torch": torch.get_rng_state(),
                            "python": [version, list(internal), gauss]}

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import struct
 import zipfile
 from typing import Any
@@ -177,9 +178,10 @@ class CheckpointDir:
         """Mark checkpoint ``step`` corrupt, saying ``why`` (atomically: a reader sees the
         whole reason or no mark)."""
         path = os.path.join(self.path(step), CORRUPT)
+        tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"  # (ranks on several hosts)
         try:
-            write_durable(path + f".{os.getpid()}.tmp", why.encode())
-            os.replace(path + f".{os.getpid()}.tmp", path)
+            write_durable(tmp, why.encode())
+            os.replace(tmp, path)
             fsync_path(self.path(step))
         except OSError as e:  # (say, another user's trial, read-only to this one)
             log.error("checkpoint %s is corrupt (%s), and could not be marked so: %s",
