@@ -28,6 +28,11 @@ def test_changed_settings_are_named_with_both_values():
                                              "rl.task.train_path: '' -> /d/a b.jsonl",
                                              "rl.total_steps: 8 -> 10"]
     assert changed_settings(before, before) == []
+    # an enum's name and a number-like string show as typed, not quoted as YAML would
+    assert changed_settings(_yaml("recover=off"), _yaml("recover=resume")) == [
+        "recover.type: OFF -> RESUME"]
+    assert changed_settings("a: '1.0'\nb: ''\nc: ' x'", "a: '2'\nb: y\nc: z") == [
+        "a: 1.0 -> 2", "b: '' -> y", "c: ' x' -> z"]
     assert changed_settings("x: {a: 1}", "x: {b: [1, 2]}") == ["x.a: 1 -> (none)",
                                                                 "x.b: (none) -> [1, 2]"]
     assert changed_settings("not: [yaml", now) == changed_settings("- a list", now) == []
