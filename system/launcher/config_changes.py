@@ -51,9 +51,9 @@ def _show(settings: dict[str, Any], key: str) -> str:
     value = settings[key]
     if isinstance(value, str) and value and value == value.strip() and "\n" not in value:
         text = value  # as typed: YAML would quote OFF (an enum's name) or 1.0 as not strings
-        return text if len(text) <= 80 else text[:77] + "..."
-    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
-    text = text.removesuffix("\n...").removesuffix("...").strip()
+    else:
+        text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+        text = text.removesuffix("\n...").removesuffix("...").strip()
     return text if len(text) <= 80 else text[:77] + "..."
 
 
