@@ -158,7 +158,10 @@ def _run_ranks(spec: WeightSyncSpec, opts: tuple[int, int | None],
         runners: list[Any] = [threading.Thread(target=_rank_main, args=(r, *args, out),
                                                daemon=True) for r in range(spec.world_size)]
     else:
-        ctx = mp.get_context("spawn")
+        # forked from a server that imported this module (torch with it) once, not spawned:
+        # each spawned rank imported torch again
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
         out = ctx.Queue()
         runners = [ctx.Process(target=_rank_main, args=(r, *args, out))
                    for r in range(spec.world_size)]

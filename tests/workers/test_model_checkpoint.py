@@ -7,9 +7,8 @@ import os
 import queue
 import time
 
-import torch.multiprocessing as mp
-
 from system.digests import file_digest
+from tests.helpers import rank_context
 
 
 class _GatheringEngine:
@@ -53,7 +52,7 @@ def _run(directory: str, engines: int = 0) -> dict[int, list]:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, store.port, directory, engines, q))
              for r in range(2)]

@@ -6,7 +6,6 @@ rank 0 only."""
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import threading
 from typing import Callable
 
@@ -19,7 +18,7 @@ from system.reshard.layout import GenLayout, LayoutError, TrainLayout
 from system.reshard.params import ModelShape, UnmappedWeightError
 from system.reshard.spec import WeightSyncSpec
 from system.wire import new_secret
-from tests.helpers import save_tiny_model, save_tiny_qwen3
+from tests.helpers import rank_context, save_tiny_model, save_tiny_qwen3
 from workers.publish import source_boxes
 
 SEQS = [[1, 5, 9, 17, 33, 65, 3], [7, 11, 100, 2, 44], [3, 4, 5, 6, 7, 8, 9, 10]]
@@ -90,7 +89,7 @@ def publish(model_dir: str, dp: int, dst: GenLayout, tmp_path,
     address = nr.get("t/store")
     default = torch.distributed.TCPStore("127.0.0.1", 0, dp, is_master=True,
                                          wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=_trainer, args=(r, dp, model_dir, default.port,
                                                 (spec.to_wire(), address, prefix), steps,

@@ -4,7 +4,6 @@ engine (tp=2), each after a training step and saved as the model worker saves it
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import queue
 
@@ -14,7 +13,7 @@ import torch
 from experiments.rl.checkpoint_weights import (CheckpointFormatError, actor_dir,
                                                checkpoint_state_dict)
 from workers.engines.torch_engine import TorchEngine, TorchEngineConfig
-from tests.helpers import end_rank
+from tests.helpers import end_rank, rank_context
 
 
 def _seqs(n: int = 6, vocab: int = 100) -> list[torch.Tensor]:
@@ -116,7 +115,7 @@ def _two_ranks(target, model: str, step_dir: str) -> None:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, store.port, model, step_dir, q))
              for r in range(2)]

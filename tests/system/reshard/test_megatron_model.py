@@ -9,7 +9,6 @@ compatibility module; this test wants only the forward pass and imports no engin
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 from typing import Any, Iterator
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from system.reshard.megatron import hf_to_megatron_shard, padded_vocab
 from system.reshard.params import ModelShape
-from tests.helpers import end_rank
+from tests.helpers import end_rank, rank_context
 
 pytest.importorskip("megatron.core")
 
@@ -132,7 +131,7 @@ def _rank_body(rank: int, tp: int, store: str, kind: str, tied: bool) -> Any:
 @pytest.mark.parametrize("kind,tied,tp", [("qwen2", False, 1), ("llama", True, 1),
                                           ("qwen2", True, 2)])
 def test_megatron_gpt_model_gives_the_hf_logits(kind: str, tied: bool, tp: int, tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     store = str(tmp_path / "store")
     procs = [ctx.Process(target=_rank, args=(r, tp, store, kind, tied, out)) for r in range(tp)]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing as mp
 import os
 import queue
 
@@ -18,7 +17,7 @@ pytest.importorskip("megatron.core")
 from workers.engines.configs import MegatronConfig, TorchEngineConfig  # noqa: E402
 from workers.engines.torch_engine import TorchEngine  # noqa: E402
 from system.errors import ConfigError  # noqa: E402
-from tests.helpers import end_rank  # noqa: E402
+from tests.helpers import end_rank, rank_context  # noqa: E402
 
 TOL = 2e-5
 
@@ -112,7 +111,7 @@ def _run(path: str, world: int, tp: int, pp: int, ckpt: str = "", clip: float = 
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker,
                          args=(r, world, store.port, path, tp, pp, ckpt, clip, steps, q))

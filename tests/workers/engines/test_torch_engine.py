@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 
 import torch
 
 from workers.engines.torch_engine import (TorchEngine, TorchEngineConfig, microbatches,
                                           mixed_precision_policy, precision)
-from tests.helpers import end_rank
+from tests.helpers import end_rank, rank_context
 
 
 def _seqs(n: int = 6, seed: int = 0) -> list[torch.Tensor]:
@@ -90,7 +89,7 @@ def test_one_rank_fsdp_engine_trains_like_the_plain_one(tiny_model_dir):
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     p = ctx.Process(target=_one_rank_fsdp, args=(tiny_model_dir, store.port, q))
     p.start()
@@ -169,7 +168,7 @@ def test_fsdp_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     procs = [ctx.Process(target=_dp_worker, args=(r, store.port, tiny_model_dir, str(tmp_path), q))
              for r in range(2)]
