@@ -143,9 +143,10 @@ def _launch_signalling(fileroot: str, trial: str, args: list[str],
     """Launch arith-tiny trial ``trial``; send each ``(step, kind, index, signal)`` of
     ``schedule``, in order, once that step was trained, two steps were trained since the
     previous signal (steps can be faster than this poll: two signals must not land together)
-    and the worker (``index`` None: any of its kind) runs (``spares``: and a warm spare of its
-    kind is ready); step -1: as soon as the worker's process runs (before it registers).
-    Returns the launcher's exit code and stderr."""
+    and the worker (``index`` None: any of its kind) runs (``spares``: and, for a SIGKILL, a
+    warm spare of its kind is ready to take its place); step -1: as soon as the worker's
+    process runs (before it registers). Returns the launcher's exit code and stderr."""
+    import signal
     import subprocess
     import time
 
@@ -164,7 +165,7 @@ def _launch_signalling(fileroot: str, trial: str, args: list[str],
             steps = [r["step"] for r in _metrics(root)] if os.path.exists(
                 os.path.join(root, "metrics.jsonl")) else []
             pid = _pid_of(root, kind, index) if step >= 0 else _started(root, kind, index)
-            if spares and not _pids(root, f"spare/{kind}"[:15]):
+            if spares and sig == signal.SIGKILL and not _pids(root, f"spare/{kind}"[:15]):
                 pid = None
             if (step < 0 or steps and max(steps) >= max(step, sent_at + 2)) and pid:
                 os.kill(pid, sig)
@@ -178,29 +179,36 @@ def _launch_signalling(fileroot: str, trial: str, args: list[str],
     return proc.returncode, err
 
 
-def test_automatic_recovery_after_master_failure_and_model_worker_kill(fileroot):
+def test_automatic_recovery_after_master_failure_model_worker_kill_and_preemption(fileroot):
     """recover=auto (the default): the master raises after step 3, later a model worker is
-    killed with SIGKILL; each time the master and model workers restart from the latest
-    checkpoint while the generation server and rollout workers stay up, and the trial ends at
-    the same step as an uninterrupted run, every prompt of an epoch trained once."""
+    killed with SIGKILL, later still it gets SIGUSR2 (Slurm's preemption warning); each time
+    the master and model workers restart from the latest checkpoint while the generation server
+    and rollout workers stay up, and the trial ends at the same step as an uninterrupted run,
+    every prompt of an epoch trained once. On SIGUSR2 the model worker asks the master for a
+    checkpoint and stops once it is committed: that restart loses no step."""
     import signal
 
     root = os.path.join(fileroot, "arith-tiny", "auto")
     # the master raises after step 3 and resumes at 2: step 5 is trained after the recovery;
-    # the kill waits for the warm spare that takes the model worker's place (steps to spare)
+    # the kill waits for the warm spare that takes the model worker's place (steps to spare);
+    # the warning comes with 28 steps to go (the master reads preemption requests once a
+    # second, and a step can take less than half of one: it must not arrive as the trial ends)
     code, err = _launch_signalling(fileroot, "auto", [
         "rl.total_steps=40", "rl.save_interval=2", "rl.save_interval_s=0", "rl.save_overhead=0",
         "rl.crash_at_step=3", "recover.backoff=0.5", *SMALL, spare_kinds("model", "master")],
-        [(5, "model", None, signal.SIGKILL)], timeout=400, spares=True)
+        [(5, "model", None, signal.SIGKILL), (12, "model", None, signal.SIGUSR2)],
+        timeout=400, spares=True)
     assert code == 0, err[-4000:]
     s = read_summary(fileroot, "arith-tiny", "auto")
     assert s["status"] == "completed" and s["steps"] == 40
     rec = s["recoveries"]
-    assert len(rec) == 2, rec
+    assert len(rec) == 3, rec
     assert rec[0]["worker"] == "master/0" and "injected failure" in rec[0]["cause"]
     assert rec[0]["resumed_from"] == 2 and rec[0]["steps_lost"] == 1
     assert rec[1]["worker"].startswith("model/") and rec[1]["resumed_from"] >= 4
     assert rec[1]["steps_lost"] == rec[1]["failed_step"] - rec[1]["resumed_from"] >= 0
+    assert rec[2]["worker"] == "model/0" and rec[2]["stateful"], rec[2]
+    assert rec[2]["steps_lost"] == 0 and rec[2]["resumed_from"] == rec[2]["failed_step"] >= 12
     _epochs_exact(s["results"]["prompts_per_step"], 14)
     assert len(s["results"]["prompts_per_step"]) == 40
     # the generation server and the rollout workers were never restarted (one process each,
@@ -210,11 +218,13 @@ def test_automatic_recovery_after_master_failure_and_model_worker_kill(fileroot)
         with open(os.path.join(logs, f"{name}.log")) as f:
             assert f.read().count(" registered at ") == 1, name
         assert not glob.glob(os.path.join(logs, f"{name}.attempt*.log"))
-    for attempt in (1, 2):
+    for attempt in (1, 2, 3):
         assert os.path.isfile(os.path.join(logs, f"master-0.attempt{attempt}.log"))
         assert os.path.isfile(os.path.join(logs, f"model-0.attempt{attempt}.log"))
-    with open(os.path.join(logs, "model-0.attempt2.log")) as f:  # the kill waited for it
-        assert "forked by a warm spare (pid" in f.read()
+    with open(os.path.join(logs, "model-0.attempt2.log")) as f:  # the kill waited for it,
+        log = f.read()  # and this process got the warning
+    assert "forked by a warm spare (pid" in log
+    assert "checkpoint committed after SIGUSR2" in log
     assert "recovering (attempt 1 of 3)" in err
     assert trial_processes(root) == []
 
@@ -293,31 +303,6 @@ def test_dead_generation_servers_and_a_rollout_worker_restart_alone_training_goe
     with open(os.path.join(logs, "master-0.log")) as f:
         assert "rejoined with weights version" in f.read()
     assert "restarting generation/1 alone" in err
-    assert trial_processes(root) == []
-
-
-def test_a_preemption_warning_checkpoints_before_the_stateful_restart(fileroot):
-    """SIGUSR2 (Slurm's preemption warning) to the model worker: it asks the master for a
-    checkpoint and stops once it is committed; the master and model worker restart from that
-    checkpoint, so no step is lost (checkpoints are otherwise far apart here)."""
-    import signal
-
-    root = os.path.join(fileroot, "arith-tiny", "usr2")
-    code, err = _launch_signalling(fileroot, "usr2", [
-        "rl.total_steps=16", "rl.save_interval=0", "rl.save_interval_s=0", "rl.save_overhead=0",
-        "recover.backoff=0.5", *SMALL, spare_kinds("model", "master")],
-        [(2, "model", None, signal.SIGUSR2)], timeout=400)
-    assert code == 0, err[-4000:]
-    s = read_summary(fileroot, "arith-tiny", "usr2")
-    # (16 steps: the master reads preemption requests once a second, and a step can take less
-    # than half of one: the warning must not arrive as the trial completes)
-    assert s["status"] == "completed" and s["steps"] == 16
-    (rec,) = s["recoveries"]
-    assert rec["worker"] == "model/0" and rec["stateful"], rec
-    assert rec["steps_lost"] == 0 and rec["resumed_from"] == rec["failed_step"] >= 2, rec
-    with open(os.path.join(root, "logs", "model-0.log")) as f:
-        assert "checkpoint committed after SIGUSR2" in f.read()
-    _epochs_exact(s["results"]["prompts_per_step"], 14)
     assert trial_processes(root) == []
 
 
