@@ -306,38 +306,23 @@ def test_dead_generation_servers_and_a_rollout_worker_restart_alone_training_goe
     assert trial_processes(root) == []
 
 
-def test_megatron_tp2_pp2_trains_and_publishes_into_vllm(fileroot):
-    """rl.actor.backend=megatron over four model workers (tp=2 x pp=2): the trial completes and
-    every publish reaches the generation server from the ranks' own shards."""
-    r = run_launch("exp=arith-tiny", "trial=megatron", f"cluster.fileroot={fileroot}",
-                   "rl.actor.backend=megatron", "rl.actor.megatron.tp=2",
-                   "rl.actor.megatron.pp=2", "model.count=4", "rl.total_steps=4", *SMALL, NO_SPARES,
-                   timeout=500)
-    assert r.returncode == 0, r.stderr[-3000:]
-    s = read_summary(fileroot, "arith-tiny", "megatron")
-    assert s["status"] == "completed" and s["steps"] == 4
-    rows = [row for row in _metrics(os.path.join(fileroot, "arith-tiny", "megatron"))
-            if "sync_replicas" in row]
-    assert len(rows) == 4 and all(row["sync_replicas"] == 1 for row in rows), rows
-    assert all(row["sync_bytes"] > 0 for row in rows), rows
-
-
-def test_a_killed_megatron_rank_restarts_the_model_group_from_its_checkpoint(fileroot):
-    """rl.actor.backend=megatron, tp=2 over two model workers: SIGKILL one rank mid-run. Its
-    peer's collective fails at once and the master's call with it; the recovery is named after
-    the killed rank (not the master that raised because of it), both ranks and the master
-    restart from the megatron checkpoint, and the trial ends at the uninterrupted run's step
-    with every prompt of an epoch trained once."""
+def test_megatron_tp2_pp2_trains_publishes_and_restarts_from_its_checkpoint(fileroot):
+    """rl.actor.backend=megatron over four model workers (tp=2 x pp=2): every publish reaches
+    the generation server from the ranks' own shards. One rank is killed (SIGKILL) mid-run: its
+    peers' collectives fail at once and the master's call with them; the recovery is named
+    after the killed rank (not the master that raised because of it), every rank and the
+    master restart from the megatron checkpoint, and the trial ends at the uninterrupted run's
+    step with every prompt of an epoch trained once."""
     import signal
 
-    root = os.path.join(fileroot, "arith-tiny", "megatron-kill")
-    code, err = _launch_signalling(fileroot, "megatron-kill", [
-        "rl.actor.backend=megatron", "rl.actor.megatron.tp=2", "model.count=2",
-        "rl.total_steps=16", "rl.save_interval=2", "rl.save_interval_s=0",
+    root = os.path.join(fileroot, "arith-tiny", "megatron")
+    code, err = _launch_signalling(fileroot, "megatron", [
+        "rl.actor.backend=megatron", "rl.actor.megatron.tp=2", "rl.actor.megatron.pp=2",
+        "model.count=4", "rl.total_steps=16", "rl.save_interval=2", "rl.save_interval_s=0",
         "rl.save_overhead=0", "recover.backoff=0.5", *SMALL, spare_kinds("model", "master")],
-        [(6, "model", 1, signal.SIGKILL)], timeout=400, spares=True)
+        [(6, "model", 1, signal.SIGKILL)], timeout=500, spares=True)
     assert code == 0, err[-4000:]
-    s = read_summary(fileroot, "arith-tiny", "megatron-kill")
+    s = read_summary(fileroot, "arith-tiny", "megatron")
     assert s["status"] == "completed" and s["steps"] == 16
     (rec,) = s["recoveries"]
     assert rec["worker"] == "model/1" and rec["stateful"], rec
@@ -345,7 +330,10 @@ def test_a_killed_megatron_rank_restarts_the_model_group_from_its_checkpoint(fil
     assert rec["resumed_from"] >= 4 and rec["steps_lost"] <= 2, rec
     _epochs_exact(s["results"]["prompts_per_step"], 14)
     assert len(s["results"]["prompts_per_step"]) == 16
-    assert "recovered: model/0, model/1, master/0 running again" in err
+    assert "recovered: model/0, model/1, model/2, model/3, master/0 running again" in err
+    rows = [row for row in _metrics(root) if "sync_replicas" in row]
+    assert {row["step"] for row in rows} >= set(range(1, 17)), rows
+    assert all(row["sync_replicas"] == 1 and row["sync_bytes"] > 0 for row in rows), rows
     assert trial_processes(root) == []
 
 
