@@ -160,20 +160,28 @@ def test_a_real_preemption_with_a_grace_time_checkpoints_and_requeues(slurm_clus
     ran when the grace ended. Each worker sees its job chosen for preemption (``PreemptTime``)
     and stops as on SIGUSR2: the master and model worker after a checkpoint, then each job
     requeues itself. Once the urgent job is done, the trial continues from that checkpoint, no
-    step lost."""
+    step lost, and every worker is back; a few steps later it is cancelled (that a trial runs
+    to its end after a stateful requeue is the test above's)."""
     root = str(tmp_path / "runs")
     trial_root = os.path.join(root, "arith-tiny", "grace")
     env = {**os.environ, **slurm_cluster.env}
-    with _rl_trial(slurm_cluster, root, "grace", f"rl.total_steps={STEPS}",
+    with _rl_trial(slurm_cluster, root, "grace", "rl.total_steps=100000",
                    *overridden(SLURM, *SMALL, *SLOW_OK), "recover.retries=1") as (proc, err):
         jobs = {k: job_of(env, "arith-tiny", "grace", k)
                 for k in ("master", "model", "generation", "rollout")}
         subprocess.run(["sbatch", "-p", "urgent", "--exclusive", "--gres=gpu:4", "-o", "/dev/null",
                         "--wrap", "sleep 2"], capture_output=True, env=env, check=True)
-        proc.wait(timeout=400)
-    assert proc.returncode == 0, err.text[-4000:]
+        _until(proc, err, lambda: err.count("recovered: ") >= 1 and {
+            "generation/0", "rollout/0", "rollout/1"} <= err.rejoined(), 400,
+            "the trial back from the preemption, every worker with it")
+        step = max(_steps(trial_root))
+        _until(proc, err, lambda: max(_steps(trial_root)) > step + 2, 120, "more steps")
+        subprocess.run([sys.executable, "-m", "system.ctl", "cancel", "exp=arith-tiny",
+                        "trial=grace", f"cluster.fileroot={root}"], cwd=REPO, env=env,
+                       capture_output=True, check=True)
+        proc.wait(timeout=120)
     s = read_summary(root, "arith-tiny", "grace")
-    assert s["status"] == "completed" and s["steps"] == STEPS
+    assert s["status"] == "cancelled", err.text[-4000:]
     restarts = s["restarts"]
     assert restarts.get(jobs["generation"]) == restarts.get(jobs["rollout"]) == 1, restarts
     # the first stateful job seen requeued starts the recovery, which replaces the stateful
@@ -186,6 +194,8 @@ def test_a_real_preemption_with_a_grace_time_checkpoints_and_requeues(slurm_clus
     (rec,) = s["recoveries"]
     assert rec["stateful"] and "requeued" in rec["cause"], rec
     assert rec["requeued"] and rec["steps_lost"] == 0, rec
+    trained = [step for step in _steps(trial_root) if step > 0]
+    assert trained == list(range(1, max(trained) + 1)), trained  # each step once, none lost
     for name in ("master-0", "model-0", "generation-0", "rollout-0", "rollout-1"):
         with open(os.path.join(trial_root, "logs", f"{name}.log")) as f:
             log = f.read()
