@@ -5,7 +5,7 @@ TRIAL ?= run-$(shell date +%Y%m%d-%H%M%S)
 
 # Python's bytecode cache for the project's own modules (__pycache__/, ignored by git), also where
 # the environment turns it off (PYTHONDONTWRITEBYTECODE=1): otherwise every launcher, worker and
-# test process compiles the sources again, about 0.3 CPU-s each (site-packages were compiled at
+# test process compiles the sources again, about 0.25 CPU-s each (site-packages were compiled at
 # install). Python reads an empty value as unset.
 export PYTHONDONTWRITEBYTECODE :=
 
@@ -32,6 +32,7 @@ bench: setup
 	$(PY) tests/benchmarks/scale.py
 	$(PY) tests/benchmarks/startup.py
 	$(PY) tests/benchmarks/checkpoint_digest.py
+	$(PY) tests/benchmarks/rank_start.py
 
 # GPU checks of issue 13: the torch engine on cuda:0, the NCCL reshard benchmark, vLLM weight
 # sync with log-prob parity, megatron tp=2 = tp=1, a 30-step SmolLM2 GRPO (scripts/gpu_checks/).

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from system.errors import ConfigError
 from system.name_resolve import FileNameResolve
 from system.rendezvous import host_store, lookup_store
 from system.reshard.executor import ReshardStats
@@ -73,6 +74,9 @@ def _slices(box: Box) -> tuple[slice, ...]:
 
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+START_METHODS = ("forkserver", "spawn")
+"""How rank processes start: forked from a server that imported this module (torch with it)
+once, or spawned, each importing it again (``tests/benchmarks/rank_start.py`` compares them)."""
 
 
 def _rank_main(rank: int, spec: WeightSyncSpec, opts: tuple[int, int | None],
@@ -120,10 +124,14 @@ def run_check(src: TrainLayout, dst: GenLayout, shape: ModelShape, *, bucket_byt
               direct_bytes: int = 1 << 20, dtype: torch.dtype = torch.float32,
               lanes: int | None = None, threads: bool = False, seed: int = 0,
               timeout: float = 300, corrupt_rank: int | None = None,
-              src_backend: str = "fsdp") -> tuple[list[str], dict[str, int]]:
+              src_backend: str = "fsdp", start_method: str = "forkserver"
+              ) -> tuple[list[str], dict[str, int]]:
     """Run the whole reshard with one process (or thread) per rank; returns the mismatches and
     figures of the plan. ``corrupt_rank``: a training rank that sends wrong data (to show the
-    check catches it). ``src_backend``: fsdp or megatron (what the training ranks hold)."""
+    check catches it). ``src_backend``: fsdp or megatron (what the training ranks hold).
+    ``start_method``: how rank processes start (:data:`START_METHODS`)."""
+    if start_method not in START_METHODS:
+        raise ConfigError(f"start_method={start_method!r}: one of {', '.join(START_METHODS)}")
     spec = WeightSyncSpec(src, dst, shape, DTYPES[dtype], "gloo", "fast", bucket_bytes, 120,
                           src_backend=src_backend)
     plan = spec.plan(direct_bytes=direct_bytes)  # validates first
@@ -132,7 +140,7 @@ def run_check(src: TrainLayout, dst: GenLayout, shape: ModelShape, *, bucket_byt
         store = host_store(FileNameResolve(nr_root, secret=None), STORE_KEY, "127.0.0.1",
                            spec.world_size, timeout, prefix)
         stats = _run_ranks(spec, (direct_bytes, lanes), (nr_root, prefix), seed, corrupt_rank,
-                           threads, timeout)
+                           None if threads else start_method, timeout)
         del store
     bad = [e for errors, _ in stats.values() for e in errors]
     done = [st for _, st in stats.values() if st is not None]
@@ -147,21 +155,22 @@ def run_check(src: TrainLayout, dst: GenLayout, shape: ModelShape, *, bucket_byt
 
 
 def _run_ranks(spec: WeightSyncSpec, opts: tuple[int, int | None],
-               rendezvous: tuple[str, str], seed: int, corrupt_rank: int | None, threads: bool,
-               timeout: float) -> dict[int, tuple[list[str], ReshardStats | None]]:
-    """One process (or thread) per rank; each rank's mismatches and figures."""
+               rendezvous: tuple[str, str], seed: int, corrupt_rank: int | None,
+               start_method: str | None, timeout: float
+               ) -> dict[int, tuple[list[str], ReshardStats | None]]:
+    """One process per rank (started by ``start_method``), or one thread (None); each rank's
+    mismatches and figures."""
     args = (spec, opts, rendezvous, seed, corrupt_rank)
-    if threads:
+    if start_method is None:
         import queue
 
         out: Any = queue.Queue()
         runners: list[Any] = [threading.Thread(target=_rank_main, args=(r, *args, out),
                                                daemon=True) for r in range(spec.world_size)]
     else:
-        # forked from a server that imported this module (torch with it) once, not spawned:
-        # each spawned rank imported torch again
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            ctx.set_forkserver_preload([__name__])
         out = ctx.Queue()
         runners = [ctx.Process(target=_rank_main, args=(r, *args, out))
                    for r in range(spec.world_size)]
@@ -198,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--direct-mb", type=float, default=1.0,
                    help="regions at least this large are sent and received in place")
     c.add_argument("--threads", action="store_true", help="ranks as threads of one process")
+    c.add_argument("--start-method", default="forkserver", choices=START_METHODS,
+                   help="rank processes forked from a server that imported torch once "
+                        "(forkserver), or spawned, each importing it (spawn)")
     args = p.parse_args(argv)
     from system.errors import RLSystemError
 
@@ -207,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                              bucket_bytes=int(args.bucket_mb * (1 << 20)),
                              direct_bytes=int(args.direct_mb * (1 << 20)),
                              dtype=getattr(torch, args.dtype), threads=args.threads,
-                             src_backend=args.src_backend)
+                             src_backend=args.src_backend, start_method=args.start_method)
     except RLSystemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,6 +18,13 @@ def test_the_check_catches_wrong_data():
     assert bad and all("max abs diff" in b for b in bad)
 
 
+def test_an_unknown_start_method_is_refused_before_any_rank_starts():
+    from system.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="start_method='fork': one of forkserver, spawn"):
+        run_check(TrainLayout(1, 1, 1), GenLayout(1, 1), TINY, start_method="fork")
+
+
 @pytest.mark.slow  # processes: about 45 s on a busy two-core machine
 def test_check_command_with_processes():
     r = subprocess.run([sys.executable, "-m", "system.reshard", "check", "--src", "dp=2,tp=2,pp=1",
