@@ -72,8 +72,9 @@ def rank_context() -> "multiprocessing.context.ForkServerContext":
     imported :data:`RANK_PRELOAD` once in this test process, and forks each rank from there.
     A spawned rank imported torch, transformers and megatron-core afresh (about 9 CPU-s each
     with megatron-core, 1 to 3 s of a test on 2 cores); a forked one starts at once, from a
-    process that has run nothing but those imports (no threads, no test state). The server
-    ends with the test process."""
+    process that has run nothing but those imports (no threads, no test state). A rank gets
+    the server's environment, as it was when the server started, not what a test set since:
+    pass a rank what it needs as arguments. The server ends with the test process."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
