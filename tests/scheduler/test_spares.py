@@ -176,6 +176,15 @@ def test_a_late_fork_of_a_retired_spare_is_killed(tmp_path, monkeypatch, capsys)
         spare.stdin.flush()
         text = _read(str(tmp_path / "rollout-0.late.log"), "worker 0 0 late")
         pid = int(text.split()[-2])
+        # the copy wrote its log before the spare's report of the fork was read: polled first,
+        # the retired spare looked workerless and was stopped, its copy dying with it
+        # (PR_SET_PDEATHSIG), unnamed (one loaded CI run)
+        (retired,) = [s for s in sched._spares._retired if s.proc is spare]
+
+        def reported() -> bool:
+            retired.pump()
+            return pid in retired.live
+        _until(reported)
 
         def polled_and_gone(p: int) -> bool:
             sched.poll()
