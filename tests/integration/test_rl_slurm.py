@@ -94,6 +94,13 @@ def _preempt(env: dict, kind: str) -> str:
     subprocess.run(["scancel", "--signal=USR2", job], check=True, env=env)
     return job
 
+def _cancel(env: dict, root: str, trial: str) -> None:
+    """``python -m system.ctl cancel`` of arith-tiny trial ``trial``, as an operator would."""
+    subprocess.run([sys.executable, "-m", "system.ctl", "cancel", "exp=arith-tiny",
+                    f"trial={trial}", f"cluster.fileroot={root}"], cwd=REPO, env=env,
+                   capture_output=True, check=True)
+
+
 SLOW_OK = ("controller.heartbeat_ttl=15",)
 """The whole trial runs beside other tests on a small machine, where slurmctld itself was seen
 taking over 30 s to answer one scancel: a 3 s heartbeat expired on a restarted master that was
@@ -176,9 +183,7 @@ def test_a_real_preemption_with_a_grace_time_checkpoints_and_requeues(slurm_clus
             "the trial back from the preemption, every worker with it")
         step = max(_steps(trial_root))
         _until(proc, err, lambda: max(_steps(trial_root)) > step + 2, 120, "more steps")
-        subprocess.run([sys.executable, "-m", "system.ctl", "cancel", "exp=arith-tiny",
-                        "trial=grace", f"cluster.fileroot={root}"], cwd=REPO, env=env,
-                       capture_output=True, check=True)
+        _cancel(env, root, "grace")
         proc.wait(timeout=120)
     s = read_summary(root, "arith-tiny", "grace")
     assert s["status"] == "cancelled", err.text[-4000:]
@@ -355,9 +360,7 @@ def test_a_hung_rollout_task_is_ended_by_its_witness_and_restarted_alone(slurm_c
         wait_for(lambda: proc.poll() is not None or max(_steps(trial_root)) > step + 3, 120,
                  "more steps")
         assert proc.poll() is None, err.text[-4000:]
-        subprocess.run([sys.executable, "-m", "system.ctl", "cancel", "exp=arith-tiny",
-                        "trial=hung", f"cluster.fileroot={root}"], cwd=REPO, env=env,
-                       capture_output=True, check=True)
+        _cancel(env, root, "hung")
         proc.wait(timeout=120)
     assert f"rollout/1: its witness vouches for process {vouched}: ordered to end it" in err.text
     assert "no heartbeat within 4.0s, but its process runs" in err.text
