@@ -122,9 +122,12 @@ class Scheduler(abc.ABC):
         are this process's children, killed with it)."""
         return []
 
-    def warm_spares(self) -> None:
-        """The trial runs: from now on keep warm spare processes that a restart can take over,
-        where this scheduler has any (default: none)."""
+    def warm_spares(self, start_wait: float = 0.0) -> bool:
+        """From now on keep warm spare processes that a restart can take over, where this
+        scheduler has any (default: none); whether it has. Asked before :meth:`submit_all`
+        with ``start_wait`` > 0, they start the trial's workers too, each group's waited for
+        up to that long."""
+        return False
 
     def preempted(self, name: str) -> bool:
         """Whether worker ``name`` is stopping for a requeue of its job (a scheduler without

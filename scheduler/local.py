@@ -154,6 +154,7 @@ class LocalScheduler(Scheduler):
         self._placement = plan_gpus(gpus.ids, demands, share_gpus) if gpus.ids else {}
         self._spares = Spares(_popen) if spares else None
         self._spare_kinds = None if spare_kinds is None else frozenset(spare_kinds)
+        self._start_wait = 0.0  # > 0: the trial's workers are forked from spares (warm_spares)
 
     def devices(self, name: str) -> tuple[str, ...]:
         """The GPU ids worker ``name`` sees (none: not a GPU worker, or no GPUs here)."""
@@ -178,18 +179,44 @@ class LocalScheduler(Scheduler):
                          group.log_paths[i])
             for i, name in enumerate(group.worker_names())))
 
+    def submit_all(self, groups: Sequence[GroupSpec]) -> dict[str, list[str]]:
+        """Start every group; with spares asked for before (:meth:`warm_spares` with a
+        ``start_wait``), every group's spare starts first, all at once, and each group is
+        started once its spare has made its imports: its workers are forked from it."""
+        requests = self.plan_all(groups)
+        if self._spares is None or not self._spares.enabled or self._start_wait <= 0:
+            return {r.group.kind: self.schedule(r) for r in requests}
+        for r in requests:
+            self._remember(r)
+        self._spares.warm(serving_start=True)
+        ids: dict[int, list[str]] = {}
+        deadline = time.monotonic() + self._start_wait
+        while len(ids) < len(requests):
+            late = time.monotonic() > deadline  # (a process each for what is not ready)
+            for i, r in enumerate(requests):
+                if i not in ids and (late or not self._spares.warming(r.group)):
+                    ids[i] = self.schedule(r)
+            if len(ids) < len(requests):
+                time.sleep(0.05)
+        return {r.group.kind: ids[i] for i, r in enumerate(requests)}
+
+    def _remember(self, request: JobRequest) -> None:
+        """Let ``request``'s group have a spare, if its kind gets one and it uses no GPU (a
+        spare cannot take a worker's GPUs: CUDA fixes them when it first initialises). A spare
+        runs on its group's CPUs; each worker it forks moves onto its own."""
+        assert isinstance(request, LocalRequest)
+        if self._spares is None or (self._spare_kinds is not None and request.group.kind
+                                    not in self._spare_kinds) or any(
+                self.devices(w.name) for w in request.processes):
+            return
+        group_cpus = {c for w in request.processes for c in self.cpus(w.name)}
+        self._spares.remember(request.group, {**self._gpu_env(request.processes[0].name),
+                                              **cpus_env(group_cpus)})
+
     def schedule(self, request: JobRequest) -> list[str]:
         assert isinstance(request, LocalRequest)
         ids = []
-        if self._spares is not None and (self._spare_kinds is None or request.group.kind
-                                         in self._spare_kinds) and not any(
-                self.devices(w.name) for w in request.processes):
-            # (a spare cannot take a worker's GPUs: CUDA fixes them when it first initialises)
-            # (a spare runs on its group's CPUs; each worker it forks moves onto its own)
-            group_cpus = {c for w in request.processes for c in self.cpus(w.name)}
-            self._spares.remember(request.group, {
-                **self._gpu_env(request.processes[0].name),
-                **cpus_env(group_cpus)})
+        self._remember(request)
         for w in request.processes:
             if w.name in self._procs:
                 raise SchedulerError(f"worker {w.name} was already submitted")
@@ -214,10 +241,18 @@ class LocalScheduler(Scheduler):
         except OSError as e:
             raise SchedulerError(f"cannot start {w.name}: {e}") from e
 
-    def warm_spares(self) -> None:
-        """Keep one warm spare per worker group from now on (:mod:`scheduler.spares`)."""
-        if self._spares is not None:
-            self._spares.warm()
+    def warm_spares(self, start_wait: float = 0.0) -> bool:
+        """Keep one warm spare per worker group from now on (:mod:`scheduler.spares`). Asked
+        before the trial's workers are submitted, with ``start_wait`` > 0, the spares fork
+        those workers too (:meth:`submit_all`): each kind's imports are made once, by its
+        spare, instead of by every worker and again by the spare beside the trial's start-up,
+        and the first restart finds its spare ready. A group whose spare died, or has not made
+        its imports within ``start_wait`` seconds, gets processes of its own instead."""
+        if self._spares is None:
+            return False
+        self._start_wait = start_wait
+        self._spares.warm()
+        return True
 
     def poll(self, fresh: bool = False) -> list[JobStatus]:
         if self._spares is not None:

@@ -18,9 +18,12 @@ own session (stopped as a group, like every local worker) and is killed with its
 (``PR_SET_PDEATHSIG``), which is killed with the launcher: ``kill -9`` of the launcher still
 leaves nothing behind. Killing a spare therefore kills the workers it forked (they restart).
 
-Spares start only when asked (:meth:`Spares.warm`: the controller asks once the trial runs), so
-they never slow the trial's own start-up; one still importing is not used (a restart then starts
-a new process, as without spares), nor is a dead one (it is started again). One that does not
+Spares start only when asked (:meth:`Spares.warm`). The controller asks before it submits the
+trial's workers, and the local scheduler then starts every group's spare first and forks the
+group's workers from it once it has made its imports: each kind imports once (not once per
+worker, and again in a spare beside the trial's start-up), and the first restart finds its
+spare ready. At a restart a spare still importing is not used (a new process is started, as
+without spares), nor is a dead one (it is started again). One that does not
 answer a fork in time is retired and a new process runs that worker. An activation carries its
 deadline, and a spare that reads one past it skips it. A copy forked late all the same is killed
 (:meth:`Spares.tidy`). The workers a retired spare forked before live on, and it is stopped once
@@ -43,6 +46,9 @@ from scheduler.base import GroupSpec
 from system.errors import ConfigError
 
 STANDBY_FLAG = "--standby"
+SERVES_START_ENV = "RLSYS_SPARE_SERVES_START"
+"""Set (``1``) for a spare started before the trial's workers, which it forks: it prepares
+nothing ahead (:data:`~system.launcher.standby.PREPARE_AFTER_RESTART_S`) while they start."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,8 +232,9 @@ class Spares:
             group = dataclasses.replace(group, env={**group.env, **env})
         self._groups.setdefault(tuple(group.argv), group)
 
-    def warm(self) -> None:
-        """Turn spares on: start one for every group seen that has none alive."""
+    def warm(self, serving_start: bool = False) -> None:
+        """Turn spares on: start one for every group seen that has none alive
+        (``serving_start``: to fork the trial's first workers, see :data:`SERVES_START_ENV`)."""
         self.enabled = True
         for key, group in self._groups.items():
             spare = self._spares.get(key)
@@ -235,7 +242,12 @@ class Spares:
                 self._drop(key)
                 spare = None
             if spare is None:
-                self._spawn(key, group)
+                self._spawn(key, group, serving_start)
+
+    def warming(self, group: GroupSpec) -> bool:
+        """Whether ``group`` has a live spare that is still making its imports."""
+        spare = self._spares.get(tuple(group.argv))
+        return spare is not None and spare.alive() and not _ready(spare.proc.pid)
 
     def take(self, group: GroupSpec, activation: Activation, timeout: float = 10.0
              ) -> ForkedWorker | None:
@@ -302,12 +314,18 @@ class Spares:
         _reap(spare.proc)
         _close(spare)
 
-    def _spawn(self, key: tuple[str, ...], group: GroupSpec) -> None:
+    def _spawn(self, key: tuple[str, ...], group: GroupSpec, serving_start: bool = False
+               ) -> None:
         log_path = os.path.join(os.path.dirname(group.log_paths[0]), f"spare-{group.kind}.log")
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
         log = open(log_path, "ab", buffering=0)
+        env = {**os.environ, **group.env}
+        env.pop(SERVES_START_ENV, None)
+        if serving_start:
+            env[SERVES_START_ENV] = "1"
         try:
             proc = self._start([*key, STANDBY_FLAG], stdout=subprocess.PIPE, stderr=log,
-                               stdin=subprocess.PIPE, env={**os.environ, **group.env})
+                               stdin=subprocess.PIPE, env=env)
         except OSError:
             log.close()
             return  # no spare: a restart starts a new process, as without spares

@@ -24,11 +24,11 @@ if TYPE_CHECKING:
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_SPARES = "scheduler.local.spares=false"
-"""For trials whose test is not about restarts: the local scheduler's warm spares (one process
-per worker group, started with the workers) import torch and vLLM beside the trial's start-up,
-which on two cores made a 4-step arith-tiny trial take 43 s instead of 30 s. The recovery tests
-keep those of the kinds they restart (:func:`spare_kinds`), the chaos benchmark all (the
-default)."""
+"""For trials whose test is not about restarts: no warm spares (one process per worker group,
+which forks the group's workers, and a vLLM engine the generation spare prepares a minute
+in): fewer processes and less memory, at the same speed (the startup benchmark, ``--both``).
+The recovery tests keep those of the kinds they restart (:func:`spare_kinds`), the chaos
+benchmark all (the default)."""
 
 
 def spare_kinds(*kinds: str) -> str:

@@ -50,7 +50,9 @@ class ControllerConfig:
     register_timeout: float = 120.0
     """Seconds a worker has to register once its job runs, before the trial gives up (naming the
     missing ones). Time in the scheduler's queue does not count (see
-    ``scheduler.slurm.queue_timeout``)."""
+    ``scheduler.slurm.queue_timeout``), nor, at the start, the wait for a warm spare to make its
+    imports (local scheduler; at most as long again, then the group starts processes of its
+    own)."""
     heartbeat_ttl: float = 5.0
     """Seconds after which a worker whose heartbeat key was not refreshed counts as dead."""
     hang_grace: float = 30.0

@@ -100,6 +100,9 @@ class Controller(RecoveringController):
                         keepalive_ttl=self.cfg.controller.heartbeat_ttl)
             groups = [g for g in self.groups.values() if g.count]
             self.scheduler.preflight(groups)  # what can never run fails before submitting
+            if self.recovery.enabled and self.scheduler.warm_spares(
+                    start_wait=self.cfg.controller.register_timeout):
+                self.progress.update(spares="importing")  # then they start the workers
             for kind, ids in self.scheduler.submit_all(groups).items():
                 summary.submitted(kind, ids)
             self.timeline["submitted"] = time.time()

@@ -18,13 +18,13 @@ import os
 import sys
 
 from scheduler.gpu_plan import task_env
-from scheduler.spares import STANDBY_FLAG
+from scheduler.spares import SERVES_START_ENV, STANDBY_FLAG
 from system.bootstrap import Bootstrap
 from system.cpu_binding import CPUS_ENV, bind_from_env
 from system.errors import ConfigError
 from system.fast_exit import exit_now
 from system.launcher import witness
-from system.launcher.standby import fork_workers, set_process_name, warm
+from system.launcher.standby import PREPARE_AFTER_RESTART_S, fork_workers, set_process_name, warm
 from system.private_files import set_umask
 from workers.kinds import KINDS, worker_class
 
@@ -60,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         warm(experiment.warm.get(args.kind), spare_boot)
         set_process_name(f"spare/{args.kind}")
         prep = experiment.prepare.get(args.kind)
+        serves_start = os.environ.pop(SERVES_START_ENV, "") == "1"  # (not its workers' own)
         forked = fork_workers(args.kind, None if prep is None else (
-            lambda: prep(Bootstrap.read(bootstrap))))  # returns in a forked child, as that worker
+            lambda: prep(Bootstrap.read(bootstrap))),  # returns in a forked child, as that worker
+            first_delay=PREPARE_AFTER_RESTART_S if serves_start else 0.0)
         if forked is None:
             return 0
         activation, prepared = forked

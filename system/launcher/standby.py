@@ -68,7 +68,8 @@ class _Prepared:
 
 
 def fork_workers(kind: str, prepare: Callable[[], Any] | None = None,
-                 prepare_delay: float = PREPARE_AFTER_RESTART_S) -> tuple[Activation, Any] | None:
+                 prepare_delay: float = PREPARE_AFTER_RESTART_S, first_delay: float = 0.0
+                 ) -> tuple[Activation, Any] | None:
     """The spare's loop: for each activation line on stdin fork a child that becomes that
     worker (this returns its :class:`Activation` in the child, with what ``prepare`` built for
     it or None), answer the child's pid on stdout, and later its exit code (the spare is its
@@ -79,16 +80,21 @@ def fork_workers(kind: str, prepare: Callable[[], Any] | None = None,
     quiescent process (torch's and vLLM's pools start in the child, when it first needs them).
     With ``prepare`` (the experiment's, e.g. building a vLLM engine), one child at a time runs
     it ahead of need and waits; an activation goes to it once it is ready (a child that would
-    have to fork again from a threaded process is never forked), else to a fresh fork.
+    have to fork again from a threaded process is never forked), else to a fresh fork. The first
+    preparation starts ``first_delay`` seconds after the spare is ready (a spare that forks the
+    trial's first workers: ``prepare_delay``, not while they start), each next one
+    ``prepare_delay`` seconds after one was used.
     """
-    return _Spare(kind, prepare, prepare_delay).run()
+    return _Spare(kind, prepare, prepare_delay, first_delay).run()
 
 
 class _Spare:
-    def __init__(self, kind: str, prepare: Callable[[], Any] | None, delay: float) -> None:
+    def __init__(self, kind: str, prepare: Callable[[], Any] | None, delay: float,
+                 first_delay: float = 0.0) -> None:
         self.kind = kind
         self.prepare = prepare
         self.delay = delay
+        self.first_delay = first_delay
         self.children: dict[int, int] = {}  # pidfd -> pid
         self.prep: _Prepared | None = None
         self.pid = os.getpid()
@@ -97,7 +103,8 @@ class _Spare:
         os.dup2(2, 1)
 
     def run(self) -> tuple[Activation, Any] | None:
-        if self.prepare is not None and (child := self._start_prepared(0.0)) is not None:
+        if self.prepare is not None and (
+                child := self._start_prepared(self.first_delay)) is not None:
             return child
         pending = b""
         while True:

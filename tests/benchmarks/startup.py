@@ -3,6 +3,7 @@
     .venv/bin/python tests/benchmarks/startup.py             # the tokenizer loads and a trial
     .venv/bin/python tests/benchmarks/startup.py --no-trial  # the loads alone
     .venv/bin/python tests/benchmarks/startup.py --against /tmp/base  # and the trial there
+    .venv/bin/python tests/benchmarks/startup.py --trial-only --both --against /tmp/base
 
 On two cores every CPU-second a worker spends importing is a second another worker does not
 get: a trial's five workers start at once. Each figure is the median over ``--repeat`` fresh
@@ -17,11 +18,18 @@ Prints ``name: value`` lines:
   shape, ``torch.utils.tensorboard``, torch for the advantages) against now (the direct
   tokenizer, the model shape from the model workers, ``tensorboard``'s own event writer, numpy)
 - trial_<kind>_cpu_s: CPU time of each worker process of a 4-step arith-tiny trial (sampled
-  from ``ps`` twice a second; the largest per kind), trial_cpu_s (their sum) and trial_wall_s
-  (launch to exit); the median of ``--trials`` runs
+  from ``ps`` twice a second; the largest per kind, a warm spare counted with its kind),
+  trial_cpu_s (their sum), trial_all_s (the CPU time of every process of the trial, launcher
+  included, from ``getrusage``) and trial_wall_s (launch to exit); the median of ``--trials``
+  runs; without warm spares (``scheduler.local.spares=false``), with ``--spares`` with them (the
+  default of a trial)
 - with ``--against DIR`` (another checkout with its ``.venv`` and ``.models``, e.g. a
   ``git worktree`` of an earlier commit), the same trial there, alternating with this one:
-  against_trial_... lines and trial_cpu_ratio, trial_wall_ratio (there / here)
+  against_trial_... lines and trial_cpu_ratio, trial_all_ratio, trial_wall_ratio (there / here)
+- with ``--both`` (implies ``--spares``), the trial without spares too, alternating with the
+  others: no_spares_trial_... lines and no_spares_trial_cpu_ratio, ..._wall_ratio (without /
+  with)
+- ``--trial-only``: the trial(s) alone
 """
 from __future__ import annotations
 
@@ -75,13 +83,18 @@ def side_by_side(name: str, was: str, now: str, repeat: int) -> None:
     print(f"{name}_ratio: {cpu['was'] / cpu['now']:.2f}")
 
 
-def trial(repo: str) -> dict[str, float]:
-    """One 4-step trial in checkout ``repo``: CPU seconds per worker kind, ``cpu`` and ``wall``."""
+def trial(repo: str, spares: bool = False) -> dict[str, float]:
+    """One 4-step trial in checkout ``repo`` (``spares``: with the local scheduler's warm
+    spares, the default, else without): CPU seconds per worker kind, ``cpu`` (their sum),
+    ``all`` (every process of the trial, the launcher and the spares included) and ``wall``
+    (launch to exit)."""
     root = tempfile.mkdtemp(prefix="bench-startup-")
     cmd = [os.path.join(repo, ".venv", "bin", "python"), "-m", "system.launch",
            "exp=arith-tiny", "trial=bench", f"cluster.fileroot={root}", "rl.total_steps=4",
            "rl.batch_size=4", "rl.group_size=4", "rl.task.train_size=14", "rl.task.eval_size=8",
-           "rl.eval_interval=0", "controller.progress=false", "scheduler.local.spares=false"]
+           "rl.eval_interval=0", "controller.progress=false",
+           f"scheduler.local.spares={str(spares).lower()}"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cpu: dict[int, tuple[str, float]] = {}
@@ -94,26 +107,31 @@ def trial(repo: str) -> dict[str, float]:
                 cpu[int(pid)] = (args.split("--kind")[1].split()[0], float(secs))
         time.sleep(0.5)
     wall = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # (each process is reaped by its parent)
     if proc.returncode != 0:
         raise SystemExit(f"the trial in {repo} failed (exit {proc.returncode}); logs: {root}")
     shutil.rmtree(root, ignore_errors=True)
     per_kind: dict[str, float] = {}
     for kind, secs in cpu.values():
         per_kind[kind] = max(per_kind.get(kind, 0.0), secs)
-    return {**per_kind, "cpu": sum(secs for _, secs in cpu.values()), "wall": wall}
+    every = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return {**per_kind, "cpu": sum(secs for _, secs in cpu.values()), "all": every,
+            "wall": wall}
 
 
-def trials(repos: dict[str, str], n: int) -> dict[str, dict[str, float]]:
-    runs: dict[str, list[dict[str, float]]] = {k: [] for k in repos}
-    for _ in range(n):  # alternating: a machine that slows down hits both alike
-        for label, repo in repos.items():
-            runs[label].append(trial(repo))
+def trials(runs: dict[str, tuple[str, bool]], n: int) -> dict[str, dict[str, float]]:
+    """``n`` trials of each run (label: checkout, with spares), alternating (a machine that
+    slows down hits each alike); prints and returns the medians."""
+    got: dict[str, list[dict[str, float]]] = {k: [] for k in runs}
+    for _ in range(n):
+        for label, (repo, spares) in runs.items():
+            got[label].append(trial(repo, spares))
     out = {}
-    for label, rs in runs.items():
+    for label, rs in got.items():
         out[label] = {k: statistics.median(r.get(k, 0.0) for r in rs) for k in rs[0]}
         prefix = f"{label}_trial" if label else "trial"
         for k, v in sorted(out[label].items()):
-            print(f"{prefix}_{k}_s: {v:.1f}" if k in ("cpu", "wall")
+            print(f"{prefix}_{k}_s: {v:.1f}" if k in ("cpu", "all", "wall")
                   else f"{prefix}_{k}_cpu_s: {v:.0f}")
     return out
 
@@ -124,8 +142,14 @@ def main() -> None:
     p.add_argument("--no-trial", dest="trial", action="store_false")
     p.add_argument("--trials", type=int, default=1, help="trials per checkout (median)")
     p.add_argument("--against", metavar="DIR", help="another checkout to run the trial in too")
+    p.add_argument("--spares", action="store_true",
+                   help="the trial with warm spares (the local scheduler's default)")
+    p.add_argument("--both", action="store_true",
+                   help="here, the trial without spares too (no_spares_trial_...)")
+    p.add_argument("--trial-only", dest="loads", action="store_false",
+                   help="the trial(s) alone, without the tokenizer and import loads")
     args = p.parse_args()
-    for model in MODELS:
+    for model in MODELS if args.loads else ():
         path = os.path.join(REPO, ".models", model)
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
             print(f"# {model}: not under .models (make setup)")
@@ -133,14 +157,21 @@ def main() -> None:
         side_by_side(f"tokenizer_{model.split('-')[0]}", AUTO.format(path=path),
                      DIRECT.format(path=path), args.repeat)
     path = os.path.join(REPO, ".models", MODELS[0])
-    side_by_side("master_imports", MASTER_WAS.format(path=path), MASTER_NOW.format(path=path),
-                 args.repeat)
+    if args.loads:
+        side_by_side("master_imports", MASTER_WAS.format(path=path),
+                     MASTER_NOW.format(path=path), args.repeat)
     if args.trial:
-        repos = {"": REPO, **({"against": os.path.abspath(args.against)} if args.against else {})}
-        out = trials(repos, args.trials)
+        spares = args.spares or args.both
+        runs = {"": (REPO, spares)}
+        if args.both:
+            runs["no_spares"] = (REPO, False)
         if args.against:
-            for k in ("cpu", "wall"):
-                print(f"trial_{k}_ratio: {out['against'][k] / out[''][k]:.2f}")
+            runs["against"] = (os.path.abspath(args.against), spares)
+        out = trials(runs, args.trials)
+        for label in runs.keys() - {""}:
+            for k in ("cpu", "all", "wall"):
+                print(f"{'' if label == 'against' else label + '_'}trial_{k}_ratio: "
+                      f"{out[label][k] / out[''][k]:.2f}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import pytest
 
 from scheduler.base import GroupSpec, JobState
 from scheduler.local import LocalScheduler
-from scheduler.spares import Activation, Forked
+from scheduler.spares import SERVES_START_ENV, Activation, Forked
 from system.errors import ConfigError
 
 # a worker that, with --standby, forks a child per activation through the real standby code;
@@ -23,6 +23,10 @@ WORKER = (sys.executable, "-c", """
 import os, sys
 from system.launcher.standby import fork_workers, set_process_name
 if "--standby" in sys.argv:
+    if os.environ.get("SPARE_DIES"):
+        sys.exit(3)
+    if os.environ.get("SPARE_STALLS"):  # never ready (still "importing")
+        import time; time.sleep(300)
     set_process_name("spare/rollout")
     print("spare waiting", file=sys.stderr, flush=True)
     forked = fork_workers("rollout")
@@ -127,6 +131,50 @@ def test_a_forked_worker_dies_with_its_spare(tmp_path, monkeypatch):
         sched.stop_all(grace=2)
 
 
+def test_spares_asked_for_before_the_start_fork_the_first_workers(tmp_path, monkeypatch):
+    """The controller asks for spares before it submits: every group's spare starts first, the
+    group's workers are forked from it once it is ready, and it stays for the restarts."""
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())
+    sched = LocalScheduler(spares=True)
+    logs = tuple(str(tmp_path / f"rollout-{i}.log") for i in range(2))
+    try:
+        assert sched.warm_spares(start_wait=60) is True
+        ids = sched.submit_all([GroupSpec("rollout", 2, WORKER, {"MARK": "a0"}, logs, 0)])
+        (spare,) = sched._spares.processes()
+        with open(f"/proc/{spare.pid}/environ", "rb") as f:
+            assert f"{SERVES_START_ENV}=1".encode() in f.read().split(b"\0")
+        for i, pid in enumerate(ids["rollout"]):
+            assert f"a0 {pid} {spare.pid}" in _read(logs[i], f"worker {i} {i} a0")
+        assert [s.state for s in sched.poll()] == [JobState.RUNNING] * 2
+        sched.stop_worker("rollout/1", grace=2)  # a restart: the same spare, at once
+        (again,) = sched.submit(GroupSpec("rollout", 1, WORKER, {"MARK": "a1"},
+                                          (str(tmp_path / "rollout-1.attempt1.log"),), 1))
+        assert f"a1 {again} {spare.pid}" in _read(str(tmp_path / "rollout-1.attempt1.log"),
+                                                  "worker 1 1 a1")
+        assert sched._spares.processes() == [spare]
+    finally:
+        sched.stop_all(grace=2)
+    assert not _alive(spare.pid) and not any(_alive(int(p)) for p in [*ids["rollout"], again])
+
+
+@pytest.mark.parametrize("trouble", ["SPARE_DIES", "SPARE_STALLS"])
+def test_a_group_whose_spare_dies_or_is_not_ready_in_time_starts_a_process(
+        tmp_path, monkeypatch, trouble):
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())
+    sched = LocalScheduler(spares=True)
+    log = str(tmp_path / "rollout-0.log")
+    try:
+        sched.warm_spares(start_wait=2)
+        t0 = time.monotonic()
+        (pid,) = sched.submit_all([GroupSpec("rollout", 1, WORKER, {"MARK": "a0", trouble: "1"},
+                                             (log,), 0)])["rollout"]
+        waited = time.monotonic() - t0
+        assert f"a0 {pid} {os.getpid()}" in _read(log, "worker 0 0 a0")  # a process of ours
+        assert waited >= 2 if trouble == "SPARE_STALLS" else waited < 2, waited
+    finally:
+        sched.stop_all(grace=2)
+
+
 def _retire(sched, tmp_path):
     """Stop the group's spare so that it cannot answer a restart in time: it is retired (not
     killed) and the restart is left to a new process. Returns the spare's process."""
@@ -212,7 +260,7 @@ def test_without_spares_or_a_dead_spare_a_restart_starts_a_process(tmp_path, mon
     finally:
         sched.stop_all(grace=2)
     off = LocalScheduler(spares=False)
-    off.warm_spares()  # nothing to do
+    assert off.warm_spares(start_wait=5) is False  # nothing to do
     assert off._spares is None
 
 
@@ -246,7 +294,8 @@ def prepare():
     return os.getpid()
 set_process_name("spare/rollout")
 print("spare waiting", file=sys.stderr, flush=True)
-forked = fork_workers("rollout", prepare, prepare_delay=5.0)
+first = 6.0 if os.environ.pop("RLSYS_SPARE_SERVES_START", "") == "1" else 0.0  # as run_worker
+forked = fork_workers("rollout", prepare, prepare_delay=5.0, first_delay=first)
 if forked is None:
     sys.exit(0)
 act, prepared = forked
@@ -280,6 +329,28 @@ def test_a_restart_takes_over_what_the_spare_prepared(tmp_path, monkeypatch):
         pid, text = _restart(sched, tmp_path, 3)
         assert f"a3 {pid} prepared {pid}" in text
         assert [s.state for s in sched.poll()] == [JobState.RUNNING]
+    finally:
+        sched.stop_all(grace=2)
+
+
+def test_a_spare_that_forks_the_first_workers_prepares_only_later(tmp_path, monkeypatch):
+    """Nothing is prepared while the trial's first workers start (here 6 s, in the trial
+    PREPARE_AFTER_RESTART_S): a restart meanwhile is a fresh fork, a later one takes over what
+    was prepared."""
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())
+    sched = LocalScheduler(spares=True)
+    spare_log = str(tmp_path / "spare-rollout.log")
+    try:
+        sched.warm_spares(start_wait=60)
+        (first,) = sched.submit_all([GroupSpec("rollout", 1, PREPARING, {"MARK": "a0"},
+                                               (str(tmp_path / "rollout-0.log"),), 0)])["rollout"]
+        assert f"a0 {first} prepared None" in _read(str(tmp_path / "rollout-0.log"), "prepared")
+        pid, text = _restart(sched, tmp_path, 1)
+        assert f"a1 {pid} prepared None" in text
+        assert "prepared for a restart" not in open(spare_log).read()
+        _read(spare_log, "prepared for a restart")
+        pid, text = _restart(sched, tmp_path, 2)
+        assert f"a2 {pid} prepared {pid}" in text
     finally:
         sched.stop_all(grace=2)
 
