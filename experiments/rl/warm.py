@@ -1,7 +1,8 @@
 """What a warm spare of each RL worker kind imports (and reads) before a restart takes it over
 (:mod:`scheduler.spares`). transformers resolves its Auto* classes lazily: importing
 ``modeling_auto`` is what makes a later AutoConfig / AutoModelForCausalLM call fast (about 4 s
-of a cold start on two cores); vLLM's engine modules are another 4-8 s. A master or rollout
+of a cold start on two cores); vLLM's engine modules are another 4-8 s; megatron-core's, for a
+trial whose actor uses it, about 3 s. A master or rollout
 worker needs no torch: its spare loads the trial's tokenizer (:mod:`experiments.rl.tokenizer`),
 which imports what that tokenizer needs.
 
@@ -52,6 +53,25 @@ def model(boot: Bootstrap) -> None:
     import transformers.models.llama.modeling_llama
     import transformers.models.qwen2.modeling_qwen2
     import workers.engines.torch_engine
+    if _trial_rl(boot)[0].actor.backend == "megatron":  # (the critic and reference follow it)
+        _megatron()
+
+
+def _megatron() -> None:
+    """What a megatron-core model worker imports (about 3 CPU-s beyond torch on two cores, for
+    every worker of a tp x pp x dp layout): only modules, no thread is started and nothing of
+    CUDA is touched (:mod:`workers.engines.megatron_compat` shims calls, not imports)."""
+    import megatron.core.distributed
+    import megatron.core.models.gpt
+    import megatron.core.models.gpt.gpt_layer_specs
+    import megatron.core.optimizer
+    import megatron.core.parallel_state
+    import megatron.core.pipeline_parallel
+    import megatron.core.tensor_parallel
+    import megatron.core.transformer
+    import workers.engines.megatron_ckpt
+    import workers.engines.megatron_engine
+    import system.reshard.megatron
 
 
 def generation(boot: Bootstrap) -> None:
