@@ -71,8 +71,8 @@ class Experiment:
     that dies is restarted alone."""
     warm: Mapping[str, Callable[[Bootstrap], None]] = dataclasses.field(default_factory=dict)
     """Per worker kind, what it imports (and reads) before it is needed, given the trial's
-    bootstrap: a warm spare (local scheduler, :mod:`scheduler.spares`) calls it ahead of the
-    restart that takes it over."""
+    bootstrap: a warm spare (local scheduler, :mod:`scheduler.spares`) calls it before it forks
+    the kind's first workers and its restarts."""
     prepare: Mapping[str, Callable[[Bootstrap], Any]] = dataclasses.field(default_factory=dict)
     """Per worker kind, what a warm spare builds ahead of a restart from the trial's files (a
     generation server's engine, say), in a forked child that then becomes the restarted worker

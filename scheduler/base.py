@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import sys
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from scheduler.jobs import JobState, JobStatus
 from scheduler.requeue import RequeuePolicy
@@ -90,8 +90,11 @@ class Scheduler(abc.ABC):
         the keys to change) if ``groups`` can never run, alone or together (default: no
         check)."""
 
-    def submit_all(self, groups: Sequence[GroupSpec]) -> dict[str, list[str]]:
-        """Start every group of ``groups``; returns their job ids by kind."""
+    def submit_all(self, groups: Sequence[GroupSpec],
+                   waiting: Callable[[], None] | None = None) -> dict[str, list[str]]:
+        """Start every group of ``groups``; returns their job ids by kind. ``waiting`` is
+        called often while a scheduler waits before starting a group (a warm spare's imports:
+        the caller's look at a stop request), and may raise to end the wait."""
         out: dict[str, list[str]] = {}
         for request in self.plan_all(groups):
             ids = self.schedule(request)
@@ -122,12 +125,10 @@ class Scheduler(abc.ABC):
         are this process's children, killed with it)."""
         return []
 
-    def warm_spares(self, start_wait: float = 0.0) -> bool:
+    def warm_spares(self, start_wait: float = 0.0) -> None:
         """From now on keep warm spare processes that a restart can take over, where this
-        scheduler has any (default: none); whether it has. Asked before :meth:`submit_all`
-        with ``start_wait`` > 0, they start the trial's workers too, each group's waited for
-        up to that long."""
-        return False
+        scheduler has any (default: none). Asked before :meth:`submit_all` with ``start_wait``
+        > 0, they start the trial's workers too, each group's waited for up to that long."""
 
     def preempted(self, name: str) -> bool:
         """Whether worker ``name`` is stopping for a requeue of its job (a scheduler without

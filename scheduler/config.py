@@ -33,13 +33,14 @@ class LocalConfig:
     ``scheduler.local.cpus.model=0-3``: a kind's CPUs by hand)."""
     spares: bool = True
     """With recovery on: keep one warm spare process per worker group, already past its
-    imports, that a restart takes over (a restart then skips about 4-8 s of imports; each spare
-    holds a few hundred MB). Not for workers given GPUs (CUDA fixes a process's devices when it
-    first initialises). Slurm has none (a restart there is a requeue)."""
+    imports, that forks the group's first workers and every restart (a restart then skips about
+    4-8 s of imports; each spare holds a few hundred MB). Not for workers given GPUs (CUDA fixes
+    a process's devices when it first initialises). Slurm has none (a restart there is a
+    requeue). ``false``: every worker is a process of its own."""
     spare_kinds: str = ""
     """The worker kinds that get a warm spare, comma-separated (e.g. ``model,master``: those
-    whose restart stops training); empty: every kind. Each spare's imports take CPU while the
-    trial starts, and a generation server's spare holds a whole engine (about 0.9 GB for
+    whose restart stops training); empty: every kind. Each spare holds its imports' memory, and
+    a generation server's spare a whole engine from a minute in (about 0.9 GB for
     arith-tiny)."""
     share_gpus: bool = False
     """Fewer GPUs than workers need (a one-GPU machine): hand them out round-robin, so workers

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Collection, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
 from scheduler.cpu_plan import cpu_env, cpus_env
@@ -179,10 +179,12 @@ class LocalScheduler(Scheduler):
                          group.log_paths[i])
             for i, name in enumerate(group.worker_names())))
 
-    def submit_all(self, groups: Sequence[GroupSpec]) -> dict[str, list[str]]:
+    def submit_all(self, groups: Sequence[GroupSpec],
+                   waiting: Callable[[], None] | None = None) -> dict[str, list[str]]:
         """Start every group; with spares asked for before (:meth:`warm_spares` with a
         ``start_wait``), every group's spare starts first, all at once, and each group is
-        started once its spare has made its imports: its workers are forked from it."""
+        started once its spare has made its imports: its workers are forked from it. A group
+        without a spare starts at once; ``waiting`` is called every 0.05 s meanwhile."""
         requests = self.plan_all(groups)
         if self._spares is None or not self._spares.enabled or self._start_wait <= 0:
             return {r.group.kind: self.schedule(r) for r in requests}
@@ -197,6 +199,8 @@ class LocalScheduler(Scheduler):
                 if i not in ids and (late or not self._spares.warming(r.group)):
                     ids[i] = self.schedule(r)
             if len(ids) < len(requests):
+                if waiting is not None:
+                    waiting()
                 time.sleep(0.05)
         return {r.group.kind: ids[i] for i, r in enumerate(requests)}
 
@@ -241,18 +245,16 @@ class LocalScheduler(Scheduler):
         except OSError as e:
             raise SchedulerError(f"cannot start {w.name}: {e}") from e
 
-    def warm_spares(self, start_wait: float = 0.0) -> bool:
+    def warm_spares(self, start_wait: float = 0.0) -> None:
         """Keep one warm spare per worker group from now on (:mod:`scheduler.spares`). Asked
         before the trial's workers are submitted, with ``start_wait`` > 0, the spares fork
         those workers too (:meth:`submit_all`): each kind's imports are made once, by its
         spare, instead of by every worker and again by the spare beside the trial's start-up,
         and the first restart finds its spare ready. A group whose spare died, or has not made
         its imports within ``start_wait`` seconds, gets processes of its own instead."""
-        if self._spares is None:
-            return False
-        self._start_wait = start_wait
-        self._spares.warm()
-        return True
+        if self._spares is not None:
+            self._start_wait = start_wait
+            self._spares.warm()
 
     def poll(self, fresh: bool = False) -> list[JobStatus]:
         if self._spares is not None:

@@ -224,6 +224,7 @@ class Spares:
         self._retired: list[_Spare] = []
         self.late_kills: list[int] = []  # (reported by the scheduler's poll)
         self.enabled = False
+        self.serving_start = False
 
     def remember(self, group: GroupSpec, env: dict[str, str] | None = None) -> None:
         """``group``'s workers may restart: once spares are on, keep one of its kind ready
@@ -234,15 +235,17 @@ class Spares:
 
     def warm(self, serving_start: bool = False) -> None:
         """Turn spares on: start one for every group seen that has none alive
-        (``serving_start``: to fork the trial's first workers, see :data:`SERVES_START_ENV`)."""
+        (``serving_start``: to fork the trial's first workers, see :data:`SERVES_START_ENV`;
+        so is one started again meanwhile, until the next call without it)."""
         self.enabled = True
+        self.serving_start = serving_start
         for key, group in self._groups.items():
             spare = self._spares.get(key)
             if spare is not None and not spare.alive():
                 self._drop(key)
                 spare = None
             if spare is None:
-                self._spawn(key, group, serving_start)
+                self._spawn(key, group)
 
     def warming(self, group: GroupSpec) -> bool:
         """Whether ``group`` has a live spare that is still making its imports."""
@@ -314,21 +317,23 @@ class Spares:
         _reap(spare.proc)
         _close(spare)
 
-    def _spawn(self, key: tuple[str, ...], group: GroupSpec, serving_start: bool = False
-               ) -> None:
+    def _spawn(self, key: tuple[str, ...], group: GroupSpec) -> None:
         log_path = os.path.join(os.path.dirname(group.log_paths[0]), f"spare-{group.kind}.log")
-        os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        log = open(log_path, "ab", buffering=0)
         env = {**os.environ, **group.env}
         env.pop(SERVES_START_ENV, None)
-        if serving_start:
+        if self.serving_start:
             env[SERVES_START_ENV] = "1"
+        try:
+            os.makedirs(os.path.dirname(log_path), exist_ok=True)
+            log = open(log_path, "ab", buffering=0)
+        except OSError:
+            return  # no spare: its workers start as new processes, as without spares
         try:
             proc = self._start([*key, STANDBY_FLAG], stdout=subprocess.PIPE, stderr=log,
                                stdin=subprocess.PIPE, env=env)
         except OSError:
             log.close()
-            return  # no spare: a restart starts a new process, as without spares
+            return
         self._spares[key] = _Spare(proc, log)
 
 

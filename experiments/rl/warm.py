@@ -1,5 +1,5 @@
-"""What a warm spare of each RL worker kind imports (and reads) before a restart takes it over
-(:mod:`scheduler.spares`). transformers resolves its Auto* classes lazily: importing
+"""What a warm spare of each RL worker kind imports (and reads) before it forks the kind's
+workers, the first ones and every restart (:mod:`scheduler.spares`). transformers resolves its Auto* classes lazily: importing
 ``modeling_auto`` is what makes a later AutoConfig / AutoModelForCausalLM call fast (about 4 s
 of a cold start on two cores); vLLM's engine modules are another 4-8 s; megatron-core's, for a
 trial whose actor uses it, about 3 s. A master or rollout

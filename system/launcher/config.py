@@ -51,8 +51,8 @@ class ControllerConfig:
     """Seconds a worker has to register once its job runs, before the trial gives up (naming the
     missing ones). Time in the scheduler's queue does not count (see
     ``scheduler.slurm.queue_timeout``), nor, at the start, the wait for a warm spare to make its
-    imports (local scheduler; at most as long again, then the group starts processes of its
-    own)."""
+    imports (local scheduler; at most as long again, and 300 s, then the group starts processes
+    of its own)."""
     heartbeat_ttl: float = 5.0
     """Seconds after which a worker whose heartbeat key was not refreshed counts as dead."""
     hang_grace: float = 30.0

@@ -48,6 +48,7 @@ log = logging.getLogger("controller")
 REPORT_GRACE = 1.0  # for a worker whose heartbeat expired to say why (out of descriptors, say)
 NAMES_CLEANUP_WAIT = 3.0  # for a name service that does not answer while the trial stops
 CAUSE_GRACE = 3.0  # for the scheduler to show a job ended when its worker refused a call
+SPARE_START_WAIT = 300.0  # at most, for a group's warm spare's imports at the start (local)
 
 
 class Controller(RecoveringController):
@@ -100,10 +101,10 @@ class Controller(RecoveringController):
                         keepalive_ttl=self.cfg.controller.heartbeat_ttl)
             groups = [g for g in self.groups.values() if g.count]
             self.scheduler.preflight(groups)  # what can never run fails before submitting
-            if self.recovery.enabled and self.scheduler.warm_spares(
-                    start_wait=self.cfg.controller.register_timeout):
-                self.progress.update(spares="importing")  # then they start the workers
-            for kind, ids in self.scheduler.submit_all(groups).items():
+            if self.recovery.enabled:  # spares first: they start the workers too (local)
+                self.scheduler.warm_spares(
+                    start_wait=min(self.cfg.controller.register_timeout, SPARE_START_WAIT))
+            for kind, ids in self.scheduler.submit_all(groups, self._spares_importing).items():
                 summary.submitted(kind, ids)
             self.timeline["submitted"] = time.time()
             self._start_recovering(summary)
@@ -159,6 +160,12 @@ class Controller(RecoveringController):
         """Whether the scheduler sees ``worker``'s job running (say, hung, not dead)."""
         return any(worker in st.workers and st.state == JobState.RUNNING
                    for st in self.scheduler.poll())
+
+    def _spares_importing(self) -> None:
+        """While the start waits for warm spares' imports: say so, keep ``status.json``, look
+        at a stop request (Ctrl-C redelivered, ``system.ctl cancel``)."""
+        self.progress.update(spares="importing")
+        self.status.tick(self.scheduler.poll())
 
     def _poll_fresh(self) -> list[JobStatus]:
         return self.scheduler.poll(fresh=True)

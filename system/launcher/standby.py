@@ -49,7 +49,8 @@ def warm(imports: Callable[[Bootstrap], None] | None, boot: Bootstrap) -> None:
 
 
 PREPARE_AFTER_RESTART_S = 60.0
-"""After a prepared child became a worker, the spare waits this long before preparing the next:
+"""After a prepared child became a worker, the spare waits this long before preparing the next
+(and a spare that forks the trial's first workers before preparing its first):
 the restart it served and the steps after it keep the CPUs (on two cores a vLLM engine built
 meanwhile slowed those steps by as much as it had saved). A second failure within that time
 gets a fresh fork, which builds its own."""
