@@ -1,10 +1,10 @@
 """What a warm spare of each RL worker kind imports (and reads) before it forks the kind's
-workers, the first ones and every restart (:mod:`scheduler.spares`). transformers resolves its Auto* classes lazily: importing
-``modeling_auto`` is what makes a later AutoConfig / AutoModelForCausalLM call fast (about 4 s
-of a cold start on two cores); vLLM's engine modules are another 4-8 s; megatron-core's, for a
-trial whose actor uses it, about 3 s. A master or rollout
-worker needs no torch: its spare loads the trial's tokenizer (:mod:`experiments.rl.tokenizer`),
-which imports what that tokenizer needs.
+workers, the first ones and every restart (:mod:`scheduler.spares`). transformers resolves its
+Auto* classes lazily: importing ``modeling_auto`` is what makes a later AutoConfig /
+AutoModelForCausalLM call fast (about 4 s of a cold start on two cores); vLLM's engine modules
+are another 4-8 s; megatron-core's, for a trial whose actor uses it, about 3 s. A master or
+rollout worker needs no torch: its spare loads the trial's tokenizer
+(:mod:`experiments.rl.tokenizer`), which imports what that tokenizer needs.
 
 A generation server's spare also builds the trial's vLLM engine ahead of need
 (:data:`PREPARE`): 1.7 s of a restart on two cores with arith-tiny, more with a larger model or
@@ -69,9 +69,9 @@ def _megatron() -> None:
     import megatron.core.pipeline_parallel
     import megatron.core.tensor_parallel
     import megatron.core.transformer
+    import system.reshard.megatron
     import workers.engines.megatron_ckpt
     import workers.engines.megatron_engine
-    import system.reshard.megatron
 
 
 def generation(boot: Bootstrap) -> None:
