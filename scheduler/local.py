@@ -186,7 +186,7 @@ class LocalScheduler(Scheduler):
         started once its spare has made its imports: its workers are forked from it. A group
         without a spare starts at once; ``waiting`` is called every 0.05 s meanwhile."""
         requests = self.plan_all(groups)
-        if self._spares is None or not self._spares.enabled or self._start_wait <= 0:
+        if self._spares is None or self._start_wait <= 0:  # (> 0: warm_spares turned them on)
             return {r.group.kind: self.schedule(r) for r in requests}
         for r in requests:
             self._remember(r)

@@ -24,7 +24,7 @@ from system.cpu_binding import CPUS_ENV, bind_from_env
 from system.errors import ConfigError
 from system.fast_exit import exit_now
 from system.launcher import witness
-from system.launcher.standby import PREPARE_AFTER_RESTART_S, fork_workers, set_process_name, warm
+from system.launcher.standby import fork_workers, set_process_name, warm
 from system.private_files import set_umask
 from workers.kinds import KINDS, worker_class
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         serves_start = os.environ.pop(SERVES_START_ENV, "") == "1"  # (not its workers' own)
         forked = fork_workers(args.kind, None if prep is None else (
             lambda: prep(Bootstrap.read(bootstrap))),  # returns in a forked child, as that worker
-            first_delay=PREPARE_AFTER_RESTART_S if serves_start else 0.0)
+            serving_start=serves_start)
         if forked is None:
             return 0
         activation, prepared = forked

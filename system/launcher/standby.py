@@ -69,7 +69,7 @@ class _Prepared:
 
 
 def fork_workers(kind: str, prepare: Callable[[], Any] | None = None,
-                 prepare_delay: float = PREPARE_AFTER_RESTART_S, first_delay: float = 0.0
+                 prepare_delay: float = PREPARE_AFTER_RESTART_S, serving_start: bool = False
                  ) -> tuple[Activation, Any] | None:
     """The spare's loop: for each activation line on stdin fork a child that becomes that
     worker (this returns its :class:`Activation` in the child, with what ``prepare`` built for
@@ -81,12 +81,12 @@ def fork_workers(kind: str, prepare: Callable[[], Any] | None = None,
     quiescent process (torch's and vLLM's pools start in the child, when it first needs them).
     With ``prepare`` (the experiment's, e.g. building a vLLM engine), one child at a time runs
     it ahead of need and waits; an activation goes to it once it is ready (a child that would
-    have to fork again from a threaded process is never forked), else to a fresh fork. The first
-    preparation starts ``first_delay`` seconds after the spare is ready (a spare that forks the
-    trial's first workers: ``prepare_delay``, not while they start), each next one
-    ``prepare_delay`` seconds after one was used.
+    have to fork again from a threaded process is never forked), else to a fresh fork. Each
+    preparation starts ``prepare_delay`` seconds after the last was used, the first at once, or
+    as late for a spare ``serving_start`` (it forks the trial's first workers: not while they
+    start).
     """
-    return _Spare(kind, prepare, prepare_delay, first_delay).run()
+    return _Spare(kind, prepare, prepare_delay, prepare_delay if serving_start else 0.0).run()
 
 
 class _Spare:

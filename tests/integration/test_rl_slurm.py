@@ -94,6 +94,7 @@ def _preempt(env: dict, kind: str) -> str:
     subprocess.run(["scancel", "--signal=USR2", job], check=True, env=env)
     return job
 
+
 def _cancel(env: dict, root: str, trial: str) -> None:
     """``python -m system.ctl cancel`` of arith-tiny trial ``trial``, as an operator would."""
     subprocess.run([sys.executable, "-m", "system.ctl", "cancel", "exp=arith-tiny",

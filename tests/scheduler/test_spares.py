@@ -296,8 +296,8 @@ def prepare():
     return os.getpid()
 set_process_name("spare/rollout")
 print("spare waiting", file=sys.stderr, flush=True)
-first = 6.0 if os.environ.pop("RLSYS_SPARE_SERVES_START", "") == "1" else 0.0  # as run_worker
-forked = fork_workers("rollout", prepare, prepare_delay=5.0, first_delay=first)
+forked = fork_workers("rollout", prepare, prepare_delay=6.0,  # (the environment as run_worker)
+                      serving_start=os.environ.pop("RLSYS_SPARE_SERVES_START", "") == "1")
 if forked is None:
     sys.exit(0)
 act, prepared = forked
@@ -325,7 +325,7 @@ def test_a_restart_takes_over_what_the_spare_prepared(tmp_path, monkeypatch):
         _read(spare_log, "prepared for a restart")
         pid, text = _restart(sched, tmp_path, 1)
         assert f"a1 {pid} prepared {pid}" in text  # the preparing child became the worker
-        pid, text = _restart(sched, tmp_path, 2)  # the next one waits 5 s before preparing
+        pid, text = _restart(sched, tmp_path, 2)  # the next one waits 6 s before preparing
         assert f"a2 {pid} prepared None" in text
         _until(lambda: open(spare_log).read().count("prepared for a restart") == 2, 40)
         pid, text = _restart(sched, tmp_path, 3)
