@@ -54,6 +54,16 @@ def exit_code_state(code: int | None) -> JobState:
     return JobState.FAILED
 
 
+def failed_by_itself(code: int | None) -> bool:
+    """Whether a worker that exited with ``code`` failed by itself: an error exit or a crash
+    (a fatal signal of its own), not a stop or a kill from outside (SIGTERM, SIGKILL, SIGINT,
+    SIGHUP: the scheduler, a user, the out-of-memory killer)."""
+    if code is None or code == 0 or code in STOPPED_BY:
+        return False
+    return code > 0 or -code not in (signal.SIGTERM, signal.SIGKILL, signal.SIGINT,
+                                     signal.SIGHUP)
+
+
 def exit_detail(code: int) -> str:
     """How an ended process ended, in words."""
     if code < 0:
@@ -155,6 +165,8 @@ class LocalScheduler(Scheduler):
         self._spares = Spares(_popen) if spares else None
         self._spare_kinds = None if spare_kinds is None else frozenset(spare_kinds)
         self._start_wait = 0.0  # > 0: the trial's workers are forked from spares (warm_spares)
+        self._starting = False  # from warm_spares(start_wait > 0) until warm_spares() again
+        self._unspared: set[str] = set()  # kinds whose forked workers failed during the start
 
     def devices(self, name: str) -> tuple[str, ...]:
         """The GPU ids worker ``name`` sees (none: not a GPU worker, or no GPUs here)."""
@@ -209,8 +221,9 @@ class LocalScheduler(Scheduler):
         spare cannot take a worker's GPUs: CUDA fixes them when it first initialises). A spare
         runs on its group's CPUs; each worker it forks moves onto its own."""
         assert isinstance(request, LocalRequest)
-        if self._spares is None or (self._spare_kinds is not None and request.group.kind
-                                    not in self._spare_kinds) or any(
+        if self._spares is None or request.group.kind in self._unspared or (
+                self._spare_kinds is not None and request.group.kind
+                not in self._spare_kinds) or any(
                 self.devices(w.name) for w in request.processes):
             return
         group_cpus = {c for w in request.processes for c in self.cpus(w.name)}
@@ -231,7 +244,7 @@ class LocalScheduler(Scheduler):
         return ids
 
     def _from_spare(self, group: GroupSpec, w: LocalProcess) -> ForkedWorker | None:
-        if self._spares is None:
+        if self._spares is None or group.kind in self._unspared:
             return None
         return self._spares.take(group, Activation(int(w.env["RLSYS_WORKER_INDEX"]), w.env,
                                                    os.path.abspath(w.log_path)))
@@ -254,6 +267,7 @@ class LocalScheduler(Scheduler):
         its imports within ``start_wait`` seconds, gets processes of its own instead."""
         if self._spares is not None:
             self._start_wait = start_wait
+            self._starting = start_wait > 0
             self._spares.warm()
 
     def poll(self, fresh: bool = False) -> list[JobStatus]:
@@ -284,10 +298,25 @@ class LocalScheduler(Scheduler):
         self._logs.clear()
 
     def stop_group(self, kind: str, grace: float) -> None:
+        """Terminate every worker of ``kind`` and forget them. While the trial starts, a
+        group one of whose workers forked from its spare failed by itself is started as
+        processes from then on (:func:`failed_by_itself`; a fault that shows only in a forked
+        copy, such as state a warm module set up that does not survive a fork, would
+        otherwise fail every attempt of the start)."""
         names = [n for n in self._procs if n.split("/")[0] == kind]
+        failed = [(n, code) for n in names if self._starting and isinstance(
+            self._procs[n][0], ForkedWorker) and failed_by_itself(
+                code := self._procs[n][0].poll())]
         _terminate([self._procs[n][0] for n in names], grace)
         for n in names:
             del self._procs[n]
+        if failed and self._spares is not None and kind not in self._unspared:
+            self._unspared.add(kind)
+            self._spares.drop_kind(kind)
+            name, code = failed[0]
+            print(f"{name}, forked from its group's warm spare, failed while the trial started "
+                  f"({exit_detail(code)}): {kind} workers start as new processes from now on",
+                  file=sys.stderr)
 
     def stop_worker(self, name: str, grace: float) -> None:
         """Terminate worker ``name``'s process group (SIGTERM, SIGKILL after ``grace``) and

@@ -29,6 +29,10 @@ deadline, and a spare that reads one past it skips it. A copy forked late all th
 (:meth:`Spares.tidy`). The workers a retired spare forked before live on, and it is stopped once
 they have all ended (or with the trial).
 
+A group one of whose forked workers fails by itself while the trial starts gets no spare from
+then on (:meth:`Spares.drop_kind`, called by the local scheduler's ``stop_group``): a fault that
+only a forked copy shows would otherwise fail every attempt of the start.
+
 Under Slurm every worker runs in its own job and a restart is a requeue: there are no spares.
 """
 from __future__ import annotations
@@ -300,6 +304,15 @@ class Spares:
                 _close(spare)
         self.late_kills += killed
         return killed
+
+    def drop_kind(self, kind: str) -> None:
+        """No spare for ``kind`` from now on: its groups are forgotten and its spare retired
+        (stopped once the workers it forked have ended, see :meth:`tidy`)."""
+        for key in [k for k, g in self._groups.items() if g.kind == kind]:
+            del self._groups[key]
+            if key in self._spares:
+                self._retired.append(self._spares.pop(key))
+        self.tidy()
 
     def processes(self) -> list[subprocess.Popen]:
         return [s.proc for s in [*self._spares.values(), *self._retired]]

@@ -33,6 +33,8 @@ if "--standby" in sys.argv:
     if forked is None:
         sys.exit(0)
     index = forked[0].index
+    if os.environ.get("FORKED_FAILS"):  # a fault only a forked copy shows
+        sys.exit(4)
 else:
     index = int(sys.argv[sys.argv.index("--index") + 1])
 print(f"worker {index} {os.environ.get('RLSYS_WORKER_INDEX')} {os.environ['MARK']} {os.getpid()}"
@@ -173,6 +175,60 @@ def test_a_group_whose_spare_dies_or_is_not_ready_in_time_starts_a_process(
         assert f"a0 {pid} {os.getpid()}" in _read(log, "worker 0 0 a0")  # a process of ours
         assert waited >= 2 if trouble == "SPARE_STALLS" else waited < 30, waited
         assert waits  # (the caller's look at a stop request, while it waited)
+    finally:
+        sched.stop_all(grace=2)
+
+
+def test_a_group_whose_forked_worker_fails_during_the_start_starts_processes(
+        tmp_path, monkeypatch, capsys):
+    """A worker forked from its spare fails by itself while the trial starts (a fault that
+    only a forked copy shows would fail every attempt): the start's next attempt starts that
+    group as processes of its own, its spare is stopped, and none comes back for that kind."""
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())
+    sched = LocalScheduler(spares=True)
+    log0, log1 = str(tmp_path / "rollout-0.log"), str(tmp_path / "rollout-0.attempt1.log")
+    try:
+        sched.warm_spares(start_wait=60)
+        sched.submit_all([GroupSpec("rollout", 1, WORKER, {"MARK": "a0", "FORKED_FAILS": "1"},
+                                    (log0,), 0)])
+        (spare,) = sched._spares.processes()
+        _until(lambda: sched.poll()[0].state == JobState.FAILED, timeout=30)
+        sched.stop_group("rollout", grace=2)
+        assert ("rollout/0, forked from its group's warm spare, failed while the trial started "
+                "(exit code 4): rollout workers start as new processes from now on"
+                in capsys.readouterr().err)
+        assert not _alive(spare.pid) and sched._spares.processes() == []
+        (again,) = sched.submit(GroupSpec("rollout", 1, WORKER, {"MARK": "a1",
+                                                                  "FORKED_FAILS": "1"},
+                                          (log1,), 0))
+        assert f"a1 {again} {os.getpid()}" in _read(log1, "worker 0 0 a1")  # a process of ours
+        sched.warm_spares()  # (the trial started) no spare for this kind any more
+        assert sched._spares.processes() == []
+    finally:
+        sched.stop_all(grace=2)
+
+
+def test_a_forked_worker_failing_once_the_trial_runs_keeps_its_spare(tmp_path, monkeypatch,
+                                                                      capsys):
+    """Once the trial has started, a restart's failure is a failure of that worker: the spare
+    stays and forks the next restart."""
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())
+    sched = LocalScheduler(spares=True)
+    try:
+        sched.warm_spares(start_wait=60)
+        sched.submit_all([_group(tmp_path, 0, 0)])
+        _read(str(tmp_path / "rollout-0.attempt0.log"), "worker 0 0 a0")
+        sched.warm_spares()  # the trial started
+        (spare,) = sched._spares.processes()
+        sched.stop_group("rollout", grace=2)
+        sched.submit(GroupSpec("rollout", 1, WORKER, {"MARK": "a1", "FORKED_FAILS": "1"},
+                               (str(tmp_path / "rollout-0.attempt1.log"),), 0))
+        _until(lambda: sched.poll()[0].state == JobState.FAILED, timeout=30)
+        sched.stop_group("rollout", grace=2)
+        (again,) = sched.submit(_group(tmp_path, 0, 2))
+        assert f"a2 {again} {spare.pid}" in _read(str(tmp_path / "rollout-0.attempt2.log"),
+                                                  "worker 0 0 a2")
+        assert "failed while the trial started" not in capsys.readouterr().err
     finally:
         sched.stop_all(grace=2)
 
