@@ -44,7 +44,8 @@ def test_smoke_end_to_end(fileroot):
     assert res["per_rollout_worker"] == {str(i): 100 for i in range(4)}
     assert res["generation_requests"] == 400
     assert res["allreduce_ok"] is True and res["allreduce_values"] == [3.0, 3.0]
-    assert res["reports"] == 8 and res["ping_failures"] == 0 and res["dropped_messages"] == 0
+    assert res["reports"] == 8 and res["ping_failures"] == 0 and res["dropped_messages"] == 0, {
+        k: res[k] for k in ("reports", "pings", "ping_failures", "dropped_messages")}
     trial_dir = os.path.join(fileroot, "smoke", "e2e")
     assert oct(os.stat(os.path.join(trial_dir, "secret")).st_mode & 0o777) == "0o600"
     assert len(read_secret(os.path.join(trial_dir, "secret"))) == 32
