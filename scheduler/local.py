@@ -299,14 +299,16 @@ class LocalScheduler(Scheduler):
 
     def stop_group(self, kind: str, grace: float) -> None:
         """Terminate every worker of ``kind`` and forget them. While the trial starts, a
-        group one of whose workers forked from its spare failed by itself is started as
-        processes from then on (:func:`failed_by_itself`; a fault that shows only in a forked
-        copy, such as state a warm module set up that does not survive a fork, would
-        otherwise fail every attempt of the start)."""
+        group one of whose workers forked from its spare failed by itself, none of them
+        killed from outside, is started as processes from then on (:func:`failed_by_itself`;
+        a fault that shows only in a forked copy, such as state a warm module set up that does
+        not survive a fork, would otherwise fail every attempt of the start)."""
         names = [n for n in self._procs if n.split("/")[0] == kind]
-        failed = [(n, code) for n in names if self._starting and isinstance(
-            self._procs[n][0], ForkedWorker) and failed_by_itself(
-                code := self._procs[n][0].poll())]
+        codes = {n: self._procs[n][0].poll() for n in names} if self._starting else {}
+        failed = [(n, c) for n, c in codes.items()
+                  if isinstance(self._procs[n][0], ForkedWorker) and failed_by_itself(c)]
+        if any(c not in (None, 0) and not failed_by_itself(c) for c in codes.values()):
+            failed = []  # one was killed from outside: its peers' errors may follow from it
         _terminate([self._procs[n][0] for n in names], grace)
         for n in names:
             del self._procs[n]

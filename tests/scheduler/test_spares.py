@@ -33,7 +33,7 @@ if "--standby" in sys.argv:
     if forked is None:
         sys.exit(0)
     index = forked[0].index
-    if os.environ.get("FORKED_FAILS"):  # a fault only a forked copy shows
+    if os.environ.get("FORKED_FAILS") in ("all", str(index)):  # a fault only a fork shows
         sys.exit(4)
 else:
     index = int(sys.argv[sys.argv.index("--index") + 1])
@@ -189,7 +189,7 @@ def test_a_group_whose_forked_worker_fails_during_the_start_starts_processes(
     log0, log1 = str(tmp_path / "rollout-0.log"), str(tmp_path / "rollout-0.attempt1.log")
     try:
         sched.warm_spares(start_wait=60)
-        sched.submit_all([GroupSpec("rollout", 1, WORKER, {"MARK": "a0", "FORKED_FAILS": "1"},
+        sched.submit_all([GroupSpec("rollout", 1, WORKER, {"MARK": "a0", "FORKED_FAILS": "all"},
                                     (log0,), 0)])
         (spare,) = sched._spares.processes()
         _until(lambda: sched.poll()[0].state == JobState.FAILED, timeout=30)
@@ -199,7 +199,7 @@ def test_a_group_whose_forked_worker_fails_during_the_start_starts_processes(
                 in capsys.readouterr().err)
         assert not _alive(spare.pid) and sched._spares.processes() == []
         (again,) = sched.submit(GroupSpec("rollout", 1, WORKER, {"MARK": "a1",
-                                                                  "FORKED_FAILS": "1"},
+                                                                  "FORKED_FAILS": "all"},
                                           (log1,), 0))
         assert f"a1 {again} {os.getpid()}" in _read(log1, "worker 0 0 a1")  # a process of ours
         sched.warm_spares()  # (the trial started) no spare for this kind any more
@@ -210,24 +210,34 @@ def test_a_group_whose_forked_worker_fails_during_the_start_starts_processes(
 
 def test_a_forked_worker_failing_once_the_trial_runs_keeps_its_spare(tmp_path, monkeypatch,
                                                                       capsys):
-    """Once the trial has started, a restart's failure is a failure of that worker: the spare
-    stays and forks the next restart."""
+    """During the start, a group one of whose workers was killed from outside keeps its spare
+    (the others' errors may follow from that kill). Once the trial has started, a restart's
+    failure is a failure of that worker: the spare stays and forks the next restart."""
     monkeypatch.setenv("PYTHONPATH", os.getcwd())
     sched = LocalScheduler(spares=True)
+    logs = tuple(str(tmp_path / f"rollout-{i}.log") for i in range(2))
     try:
         sched.warm_spares(start_wait=60)
-        sched.submit_all([_group(tmp_path, 0, 0)])
-        _read(str(tmp_path / "rollout-0.attempt0.log"), "worker 0 0 a0")
-        sched.warm_spares()  # the trial started
+        sched.submit_all([GroupSpec("rollout", 2, WORKER, {"MARK": "a0", "FORKED_FAILS": "1"},
+                                    logs, 0)])
         (spare,) = sched._spares.processes()
+        (line,) = [ln for ln in _read(logs[0], "worker 0 0 a0").splitlines()
+                   if ln.startswith("worker 0 0 a0")]
+        os.kill(int(line.split()[4]), signal.SIGKILL)
+        _until(lambda: [s.state for s in sched.poll()] == [JobState.FAILED] * 2, timeout=30)
         sched.stop_group("rollout", grace=2)
-        sched.submit(GroupSpec("rollout", 1, WORKER, {"MARK": "a1", "FORKED_FAILS": "1"},
-                               (str(tmp_path / "rollout-0.attempt1.log"),), 0))
+        assert sched._spares.processes() == [spare]
+        sched.submit_all([_group(tmp_path, 0, 1)])  # (the start's next attempt)
+        _read(str(tmp_path / "rollout-0.attempt1.log"), "worker 0 0 a1")
+        sched.warm_spares()  # the trial started
+        sched.stop_group("rollout", grace=2)
+        sched.submit(GroupSpec("rollout", 1, WORKER, {"MARK": "a2", "FORKED_FAILS": "all"},
+                               (str(tmp_path / "rollout-0.attempt2.log"),), 0))
         _until(lambda: sched.poll()[0].state == JobState.FAILED, timeout=30)
         sched.stop_group("rollout", grace=2)
-        (again,) = sched.submit(_group(tmp_path, 0, 2))
-        assert f"a2 {again} {spare.pid}" in _read(str(tmp_path / "rollout-0.attempt2.log"),
-                                                  "worker 0 0 a2")
+        (again,) = sched.submit(_group(tmp_path, 0, 3))
+        assert f"a3 {again} {spare.pid}" in _read(str(tmp_path / "rollout-0.attempt3.log"),
+                                                  "worker 0 0 a3")
         assert "failed while the trial started" not in capsys.readouterr().err
     finally:
         sched.stop_all(grace=2)
