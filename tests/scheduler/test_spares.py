@@ -227,8 +227,9 @@ def test_a_forked_worker_failing_once_the_trial_runs_keeps_its_spare(tmp_path, m
         _until(lambda: [s.state for s in sched.poll()] == [JobState.FAILED] * 2, timeout=30)
         sched.stop_group("rollout", grace=2)
         assert sched._spares.processes() == [spare]
-        sched.submit_all([_group(tmp_path, 0, 1)])  # (the start's next attempt)
-        _read(str(tmp_path / "rollout-0.attempt1.log"), "worker 0 0 a1")
+        (pid,) = sched.submit(_group(tmp_path, 0, 1))  # (the start's next attempt)
+        assert f"a1 {pid} {spare.pid}" in _read(str(tmp_path / "rollout-0.attempt1.log"),
+                                                "worker 0 0 a1")
         sched.warm_spares()  # the trial started
         sched.stop_group("rollout", grace=2)
         sched.submit(GroupSpec("rollout", 1, WORKER, {"MARK": "a2", "FORKED_FAILS": "all"},
