@@ -58,10 +58,8 @@ def failed_by_itself(code: int | None) -> bool:
     """Whether a worker that exited with ``code`` failed by itself: an error exit or a crash
     (a fatal signal of its own), not a stop or a kill from outside (SIGTERM, SIGKILL, SIGINT,
     SIGHUP: the scheduler, a user, the out-of-memory killer)."""
-    if code is None or code == 0 or code in STOPPED_BY:
-        return False
-    return code > 0 or -code not in (signal.SIGTERM, signal.SIGKILL, signal.SIGINT,
-                                     signal.SIGHUP)
+    return exit_code_state(code) is JobState.FAILED and code not in (-signal.SIGKILL,
+                                                                     -signal.SIGHUP)
 
 
 def exit_detail(code: int) -> str:
@@ -164,8 +162,9 @@ class LocalScheduler(Scheduler):
         self._placement = plan_gpus(gpus.ids, demands, share_gpus) if gpus.ids else {}
         self._spares = Spares(_popen) if spares else None
         self._spare_kinds = None if spare_kinds is None else frozenset(spare_kinds)
-        self._start_wait = 0.0  # > 0: the trial's workers are forked from spares (warm_spares)
-        self._starting = False  # from warm_spares(start_wait > 0) until warm_spares() again
+        # > 0: the trial is starting, its workers forked from spares (from warm_spares with a
+        # start_wait until warm_spares() again, once it runs)
+        self._start_wait = 0.0
         self._unspared: set[str] = set()  # kinds whose forked workers failed during the start
 
     def devices(self, name: str) -> tuple[str, ...]:
@@ -267,7 +266,6 @@ class LocalScheduler(Scheduler):
         its imports within ``start_wait`` seconds, gets processes of its own instead."""
         if self._spares is not None:
             self._start_wait = start_wait
-            self._starting = start_wait > 0
             self._spares.warm()
 
     def poll(self, fresh: bool = False) -> list[JobStatus]:
@@ -304,7 +302,7 @@ class LocalScheduler(Scheduler):
         a fault that shows only in a forked copy, such as state a warm module set up that does
         not survive a fork, would otherwise fail every attempt of the start)."""
         names = [n for n in self._procs if n.split("/")[0] == kind]
-        codes = {n: self._procs[n][0].poll() for n in names} if self._starting else {}
+        codes = {n: self._procs[n][0].poll() for n in names} if self._start_wait > 0 else {}
         failed = [(n, c) for n, c in codes.items()
                   if isinstance(self._procs[n][0], ForkedWorker) and failed_by_itself(c)]
         if any(c not in (None, 0) and not failed_by_itself(c) for c in codes.values()):
