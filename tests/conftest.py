@@ -13,9 +13,11 @@ from tests.helpers import free_port, save_tiny_model, start_redis, tiny_llm
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """With pytest-xdist's ``--dist loadgroup`` (``make test`` runs two workers): the tests of
     a file with a module-scoped fixture (a vLLM engine, a model) stay on one worker, so it is
-    built once; every Slurm test stays on one worker, so one host runs one test Slurm at a time
-    (each xdist worker would start its own session cluster); any other test goes wherever a
-    worker is free (the long end-to-end trials of one file then run side by side)."""
+    built once; so do all tests of the session's vLLM engine (``vllm_tiny``: each worker would
+    build its own, 25-50 s under load); every Slurm test stays on one worker, so one host runs
+    one test Slurm at a time (each xdist worker would start its own session cluster); any other
+    test goes wherever a worker is free (the long end-to-end trials of one file then run side
+    by side)."""
     if not config.getoption("loadgroup", False):  # a worker's dist is "no"; this is its mode
         return
     for item in items:
@@ -23,6 +25,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if item.get_closest_marker("slurm"):
             group = "slurm"
+        elif "vllm_tiny" in getattr(item, "fixturenames", ()):
+            group = "vllm_tiny"
         elif _uses_module_fixture(item):
             group = item.nodeid.split("::")[0]
         else:

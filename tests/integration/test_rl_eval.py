@@ -86,7 +86,7 @@ def test_eval_mode_evaluates_every_checkpoint_as_training_did(fileroot):
         assert json.load(f) == summary
     assert _rows(os.path.join(out, "results.jsonl")) == rows
     # a plot older than results.jsonl (a run stopped between the two) is no reason to stop
-    from experiments.rl.roles.evaluator import nothing_to_evaluate
+    from experiments.rl.roles.evaluator import nothing_to_evaluate, plan_evaluation
     from system.launch import build_config
 
     cfg = build_config("arith-tiny", "ev", [f"cluster.fileroot={fileroot}", "mode=eval"])
@@ -94,18 +94,17 @@ def test_eval_mode_evaluates_every_checkpoint_as_training_did(fileroot):
     later = os.stat(os.path.join(out, "accuracy.png")).st_mtime + 10
     os.utime(os.path.join(out, "results.jsonl"), (later, later))
     assert nothing_to_evaluate(cfg, root, out) is None
-    # a checkpoint whose line is gone is evaluated again, and only it
+    # a checkpoint whose line is gone is planned again, and only it (the run's appending of a
+    # result is tests/experiments/rl/test_eval_results.py's)
     with open(os.path.join(out, "results.jsonl"), "w") as f:
         f.write(json.dumps(rows[0]) + "\n")
-    third = run_launch(*trial, "mode=eval", "controller.progress=false", NO_SPARES,
-                       timeout=400)
-    assert third.returncode == 0, third.stderr[-3000:]
-    with open(os.path.join(out, "summary.json")) as f:
-        summary = json.load(f)
-    assert summary["evaluated"] == [4] and summary["skipped"] == [2]
-    key = [(r["step"], r["accuracy"], r["digest"], r["checkpoint_id"]) for r in rows]
-    assert [(r["step"], r["accuracy"], r["digest"], r["checkpoint_id"])
-            for r in _rows(os.path.join(out, "results.jsonl"))] == key
+    plan = plan_evaluation(root, out, cfg.rl)
+    assert plan.steps == [2, 4] and plan.todo == [4] and plan.rows == rows[:1], plan
+    assert nothing_to_evaluate(cfg, root, out) is None
+    with open(os.path.join(out, "results.jsonl"), "w") as f:  # (as the evaluation left it)
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    earlier = os.stat(os.path.join(out, "accuracy.png")).st_mtime - 10
+    os.utime(os.path.join(out, "results.jsonl"), (earlier, earlier))
     assert trial_processes(root) == [] and trial_processes(out) == []
     # a checkpoint torn since: named where nothing is left to evaluate (it was left out, and
     # the line counted only the readable ones)
