@@ -6,7 +6,7 @@ import json
 import os
 
 from system.digests import file_digest
-from tests.helpers import NO_SPARES, metrics_rows, read_summary, run_launch, trial_processes
+from tests.helpers import metrics_rows, read_summary, run_launch, spare_kinds, trial_processes
 from tests.integration.test_rl import SMALL
 
 
@@ -18,7 +18,7 @@ def test_a_corrupt_checkpoint_is_found_at_restore_and_the_one_before_it_resumes(
     recovery restarts the master and model workers, which resume from step 1 and complete."""
     args = ["exp=arith-tiny", "trial=corrupt", f"cluster.fileroot={fileroot}", "model.count=2",
             "rl.total_steps=3", "rl.save_interval=1", "rl.save_interval_s=0",
-            "rl.save_overhead=0", *SMALL, NO_SPARES]
+            "rl.save_overhead=0", *SMALL, spare_kinds("model", "master")]
     first = run_launch(*args, "recover=off", "rl.crash_at_step=2", timeout=400)
     assert first.returncode == 1, first.stderr[-3000:]
     root = os.path.join(fileroot, "arith-tiny", "corrupt")

@@ -398,7 +398,8 @@ def test_a_sync_run_trains_the_same_again_with_the_same_seed(fileroot):
             "rl.crash_at_step=3", "rl.save_interval=2", "rl.save_interval_s=0",
             "rl.save_overhead=0", "recover.backoff=0.5"])):
         r = run_launch("exp=arith-tiny", f"trial={trial}", f"cluster.fileroot={fileroot}",
-                       "rl.mode=sync", "rl.total_steps=5", *SMALL, NO_SPARES, *extra,
+                       "rl.mode=sync", "rl.total_steps=5", *SMALL, spare_kinds("model", "master"),
+                       *extra,
                        timeout=400)
         assert r.returncode == 0, r.stderr[-3000:]
         by_step = {row["step"]: {k: row.get(k) for k in REPRODUCED}  # (the last of a step)
