@@ -27,6 +27,7 @@ from system.limits import FdWatch, raise_fd_limit
 from system.name_resolve import NameResolveConfig, make_name_resolve
 from system.rpc import RpcClient, RpcConfig, RpcServer
 from system.signal_relay import SignalRelay
+from system.thread_stacks import thread_stacks
 from workers.schema import ConfigureReply, PingReply, WorkerReport, WorkerSetup
 
 log = logging.getLogger("worker")
@@ -274,8 +275,9 @@ class Worker:
         # A role stuck where it never looks at `stopping` (a collective whose peers are gone)
         # would keep the process and its GPUs forever: nobody is left to kill it.
         if not self._serve_stop.wait(max(self.boot.orphan_timeout, 10.0)):
-            log.error("%s did not stop within %.0fs of losing its controller: exiting",
-                      self.name, max(self.boot.orphan_timeout, 10.0))
+            log.error("%s did not stop within %.0fs of losing its controller: exiting; its "
+                      "threads:\n%s", self.name, max(self.boot.orphan_timeout, 10.0),
+                      thread_stacks())
             logging.shutdown()
             os._exit(3)
 

@@ -154,7 +154,8 @@ def test_a_worker_stopped_by_sigterm_reads_as_stopped_by_it_not_completed(trial)
 
 def test_stuck_orphan_exits_after_a_grace(trial):
     """A role that never looks at `stopping` (a collective whose peers are gone): the worker
-    exits by itself anyway, with code 3, after a grace of max(orphan_timeout, 10 s)."""
+    exits by itself anyway, with code 3, after a grace of max(orphan_timeout, 10 s), and logs
+    every thread's stack first."""
     tmp_path, nr, codec = trial
     nr.add(names.controller("orph", "t"), "controller", keepalive_ttl=0.6)
     proc, client = _start(tmp_path, nr, codec, "stuck")
@@ -162,7 +163,11 @@ def test_stuck_orphan_exits_after_a_grace(trial):
         time.sleep(0.5)
         nr.delete(names.controller("orph", "t"))  # the controller's key is gone
         assert proc.wait(timeout=30) == 3
-        assert "did not stop within" in _log(tmp_path, "stuck")
+        log = _log(tmp_path, "stuck")
+        assert "did not stop within" in log
+        # where it hung, for whoever reads the log: the role's own frame among the threads'
+        # (the probe runs from a string: no source line is shown)
+        assert 'File "<string>", line ' in log and ', in role\n' in log, log[-3000:]
     finally:
         client.close()
         if proc.poll() is None:
