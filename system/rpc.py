@@ -38,6 +38,8 @@ log = logging.getLogger("rpc")
 
 CLOSE_LINGER_MS = 200
 """How long a closing server lets its last replies leave (ZeroMQ's linger, milliseconds)."""
+UNSENT_KEPT = 1024
+"""Requests a client remembers as not sent, until their result is asked for."""
 
 
 @dataclasses.dataclass
@@ -278,23 +280,39 @@ class RpcClient:
         self.address = address
         self.timeout = timeout
         self._sock = make_socket(codec, zmq.DEALER)
+        # a DEALER with no peer to send to, or whose queue to it is full (ZeroMQ's "mute"
+        # state: a peer gone, or not reading), blocks a send; it may do so for the call's
+        # timeout, not forever
+        self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
         self._sock.connect(endpoint(address))
         self._server = recipient_id(address)
         self._out = Sender(codec, Channel.REQUEST)
         self._in = ReplyReceiver(codec, self._out)
         self._replies: dict[int, Reply] = {}
+        self._unsent: dict[int, str] = {}  # request id -> why it could not be sent
         self.drops = DropCounters()
 
     def submit(self, method: str, **args: Any) -> int:
-        """Send a request; returns its id (the request's counter) for :meth:`result`."""
+        """Send a request; returns its id (the request's counter) for :meth:`result`. A
+        request that could not be queued within the client's timeout fails there, as
+        :class:`RpcTimeout` (so a fan-out still collects every other reply)."""
         sealed = self._out.seal({"m": method, "a": args}, self._server)
         self._in.expect(sealed.counter)
-        send_frames(self._sock, sealed.frames)
+        try:
+            send_frames(self._sock, sealed.frames)
+        except zmq.Again:
+            self._in.abandon(sealed.counter)
+            self._unsent[sealed.counter] = (f"{method} to {self.address}: not sent within "
+                                            f"{self.timeout:.1f}s (no peer took it)")
+            while len(self._unsent) > UNSENT_KEPT:  # (calls whose result nobody asks for)
+                del self._unsent[next(iter(self._unsent))]
         return sealed.counter
 
     def result(self, req_id: int, timeout: float | None = None, abandon: bool = True) -> Any:
         """The reply to ``req_id``. On :class:`RpcTimeout` the call is abandoned (a late reply
         is discarded) unless ``abandon`` is False: then it can be waited for again."""
+        if req_id in self._unsent:
+            raise RpcTimeout(self._unsent.pop(req_id))
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while req_id not in self._replies:
@@ -337,6 +355,7 @@ class RpcClient:
         """Stop waiting for ``req_id`` (its reply, if it comes, is discarded)."""
         self._in.abandon(req_id)
         self._replies.pop(req_id, None)
+        self._unsent.pop(req_id, None)
 
     def close(self) -> None:
         self._sock.close(linger=0)

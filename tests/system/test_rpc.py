@@ -71,6 +71,36 @@ def test_timeout_when_nobody_listens(codec):
     c.close()
 
 
+def test_a_send_nobody_takes_fails_the_call_after_its_timeout(codec):
+    """Requests to a peer that is gone queue up to ZeroMQ's send high-water mark; the send after
+    that blocked, without a timeout, forever (a master pinging a dead worker every round). It
+    now waits the client's timeout, and then only that call fails, with RpcTimeout."""
+    c = RpcClient(codec, "tcp://127.0.0.1:9", timeout=0.3)
+    found: dict[str, float] = {}
+
+    def fill() -> None:
+        for i in range(5000):
+            t0 = time.monotonic()
+            req = c.submit("add", a=i, b=i)
+            if time.monotonic() - t0 >= 0.25:
+                found.update(req=req, queued=i)
+                t0 = time.monotonic()
+                with pytest.raises(RpcTimeout, match="not sent within 0.3s"):
+                    c.result(req, timeout=10)
+                found["raised_in"] = time.monotonic() - t0
+                return
+
+    t = threading.Thread(target=fill, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "a send blocked past the client's timeout"
+    assert found and found["queued"] >= 100, found  # (ZeroMQ's default: 1000)
+    assert found["raised_in"] < 0.1  # it was never sent: no reply to wait for
+    with pytest.raises(RpcTimeout, match="no reply"):  # one queued before: waited for as ever
+        c.result(found["req"] - 1, timeout=0.05)
+    c.close()
+
+
 def test_many_in_flight(codec, server):
     c = RpcClient(codec, server.address, timeout=5)
     ids = [c.submit("add", a=i, b=i) for i in range(50)]
