@@ -155,8 +155,33 @@ def launch_argv(*args: str) -> list[str]:
 
 def run_launch(*args: str, timeout: float = 180, env: dict | None = None
                ) -> subprocess.CompletedProcess:
-    return subprocess.run(launch_argv(*args), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    """The launcher run to its end; one that has not ended within ``timeout`` seconds has its
+    workers' stacks printed (:func:`print_stacks`), then is killed (``TimeoutExpired``)."""
+    env = {**os.environ, **(env or {})}
+    with subprocess.Popen(launch_argv(*args), cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print_stacks(args, env)
+            proc.kill()
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def print_stacks(words: "tuple[str, ...] | list[str]", env: dict | None = None) -> None:
+    """Print (for the failure's captured output) where every worker of the trial that launch
+    ``words`` name is stuck: ``python -m system.ctl stacks``, before a test kills it."""
+    keys = ("exp", "trial", "cluster.fileroot", "mode")
+    trial = [w for w in words if w.partition("=")[0] in keys]
+    try:
+        r = subprocess.run([sys.executable, "-m", "system.ctl", "stacks", *trial], cwd=REPO,
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, **(env or {})})
+        print(f"system.ctl stacks (exit {r.returncode}):\n{r.stdout}{r.stderr}")
+    except subprocess.TimeoutExpired:
+        print("system.ctl stacks did not answer within 60 s")
 
 
 def trial_name_resolve(fileroot: str, exp: str, trial: str, timeout: float = 60) -> "FileNameResolve":

@@ -1,9 +1,10 @@
-"""Operate trials from any shell: list them, inspect one, cancel it, read its logs.
+"""Operate trials from any shell: list, inspect, cancel, read logs, show workers' stacks.
 
     python -m system.ctl ls [--fileroot DIR | cluster.fileroot=DIR]
     python -m system.ctl status exp=smoke trial=t1 [cluster.fileroot=DIR] [--json]
     python -m system.ctl cancel exp=smoke trial=t1 [cluster.fileroot=DIR] [--grace S]
     python -m system.ctl logs exp=smoke trial=t1 [rollout:1] [-f] [-n LINES]
+    python -m system.ctl stacks exp=smoke trial=t1 [cluster.fileroot=DIR]
 
 A trial is named as for the launcher (``exp=``, ``trial=``, ``cluster.fileroot=``; other
 ``key=value`` words are checked and ignored). Everything is read from the trial directory
@@ -13,7 +14,8 @@ needs the process that launched it.
 ``status`` exit codes: 0 live (pending, starting, running, stopping), 1 failed, 2 usage error or
 no such trial, 3 completed, 4 interrupted, 5 cancelled, 6 lost (the controller died without
 recording an end), 7 unknown (never ran). ``cancel``: 0 once nothing of the trial is left, 1 if
-something is. ``ls`` and ``logs``: 0, or 2 for a usage error. Output whose reader has gone
+something is. ``stacks``: 0 once a worker was asked, 1 if none could be. ``ls`` and ``logs``: 0,
+or 2 for a usage error. Output whose reader has gone
 (``| head -1``) is dropped without a message; the exit code stays the same.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ import argparse
 import os
 import sys
 
-from system.ctl import cancel, logs, ls, output, status
+from system.ctl import cancel, logs, ls, output, stacks, status
 from system.ctl.args import split_words, trial_paths
 from system.errors import ConfigError, RLSystemError
 from system.launcher.config import ExperimentConfig
@@ -80,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
                       help="follow the log until the trial ends (or Ctrl-C)")
     p_lo.add_argument("-n", "--lines", type=_lines, default=None,
                       help="only the last LINES lines (default: all; 20 with -f)")
+    p_sk = sub.add_parser("stacks", help="every live worker writes its threads' stacks to its "
+                                         "log (SIGQUIT; it goes on): print them")
+    p_sk.add_argument("words", nargs="+", metavar="KEY=VALUE", help=TRIAL_HELP)
     return p
 
 
@@ -118,6 +123,8 @@ def dispatch(args: argparse.Namespace) -> int:
         return status.run(paths, args.json)
     if args.command == "cancel":
         return cancel.run(paths, args.grace)
+    if args.command == "stacks":
+        return stacks.run(paths)
     lines = args.lines if args.lines is not None or not args.follow else 20
     return logs.run(paths, logs.worker_name(rest[0]) if rest else None, args.follow, lines)
 

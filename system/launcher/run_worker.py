@@ -26,10 +26,12 @@ from system.fast_exit import exit_now
 from system.launcher import witness
 from system.launcher.standby import fork_workers, set_process_name, warm
 from system.private_files import set_umask
+from system.thread_stacks import dump_stacks_on_signal
 from workers.kinds import KINDS, worker_class
 
 
 def main(argv: list[str] | None = None) -> int:
+    dump_stacks_on_signal()  # SIGQUIT: every thread's stack to the log (system.ctl stacks)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--trial-dir", required=True)
     p.add_argument("--kind", required=True, choices=sorted(KINDS))

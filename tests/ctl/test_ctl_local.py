@@ -87,6 +87,12 @@ def test_ls_status_logs_cancel(fileroot):
         assert r.returncode == 0 and "rollout/1 registered at" in r.stdout
         assert ctl("logs", *words, "rollout:9").returncode == 2
         assert ctl("logs", *words).returncode == 0  # the launcher's own log
+        r = ctl("stacks", *words)  # every worker writes its stacks to its log, and goes on
+        assert r.returncode == 0 and r.stdout.count("(most recent call first)") >= 9, r.stdout
+        logs = os.path.join(trial_dir, "logs")
+        assert f"==> {os.path.join(logs, 'master-0.log')}\n" in r.stdout, r.stdout
+        assert " in master_role\n" in r.stdout and "rollout-3.log" in r.stdout
+        assert len(trial_processes(trial_dir)) == 9 and status(fileroot, "op")[0] == 0
         follow = subprocess.Popen([sys.executable, "-m", "system.ctl", "logs", *words,
                                    "master:0", "-f"], cwd=REPO, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)

@@ -96,6 +96,16 @@ def test_detached_trial_status_and_cancel(slurm_cluster, tmp_path):
     print(text)  # shown with pytest -s: what an operator sees
     assert "reason=BeginTime" in text and "controller.log" in text
     assert len(queued(slurm_cluster.env, "smoke", "op")) == 5
+    r = ctl_env(slurm_cluster.env, "stacks", *words)  # the running jobs' tasks: QUIT, go on
+    assert r.returncode == 0, r.stdout + r.stderr
+    for kind in ("master", "model", "rollout"):
+        assert f"job {jobs[kind]['id']}" in r.stdout.splitlines()[0], r.stdout
+    logs = os.path.join(root, "smoke", "op", "logs")
+    for name in ("master-0", "model-1", "rollout-3"):
+        assert f"==> {os.path.join(logs, name)}.log\n" in r.stdout, r.stdout
+    assert r.stdout.count("(most recent call first)") >= 7 and "controller.log" not in r.stdout
+    st = ctl_env(slurm_cluster.env, "status", *words, "--json")
+    assert len(json.loads(st.stdout)["workers"]["alive"]) == 7
     r = ctl_env(slurm_cluster.env, "ls", "--fileroot", root)
     assert r.returncode == 0 and "smoke/op" in r.stdout.split(), r.stdout
     assert r.stdout.split()[-1] == "slurm" and "starting" in r.stdout.split()

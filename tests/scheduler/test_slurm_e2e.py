@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tests.helpers import (REPO, launch_argv, overridden, read_summary, run_launch,
-                           trial_name_resolve)
+from tests.helpers import (REPO, launch_argv, overridden, print_stacks, read_summary,
+                           run_launch, trial_name_resolve)
 
 pytestmark = pytest.mark.slurm
 
@@ -55,8 +55,8 @@ def heartbeats(fileroot: str, exp: str, trial: str) -> int:
 def running_trial(slurm_cluster, root: str, trial: str, *extra: str, ready: int = 9):
     """A trial launched in the background, yielded once ``ready`` workers (default: all 9) are
     heart-beating; the launcher is killed on the way out if it is still running."""
-    proc = subprocess.Popen(launch_argv("exp=smoke", f"trial={trial}", f"cluster.fileroot={root}",
-                                        *overridden(SLURM, *extra)),
+    words = ["exp=smoke", f"trial={trial}", f"cluster.fileroot={root}"]
+    proc = subprocess.Popen(launch_argv(*words, *overridden(SLURM, *extra)),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **slurm_cluster.env})
     try:
@@ -64,6 +64,7 @@ def running_trial(slurm_cluster, root: str, trial: str, *extra: str, ready: int 
         yield proc
     finally:
         if proc.poll() is None:
+            print_stacks(words, slurm_cluster.env)  # where a trial that did not end is stuck
             proc.kill()
 
 

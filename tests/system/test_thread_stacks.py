@@ -1,9 +1,17 @@
-"""Every live thread's stack as text, named."""
+"""Every live thread's stack as text, named; and written on SIGQUIT, in C, by a process that
+goes on."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
-from system.thread_stacks import thread_stacks
+from system.ctl.procs import catches
+from system.thread_stacks import STACKS_SIGNAL, thread_stacks
+from tests.helpers import REPO
 
 
 def test_every_thread_is_named_with_where_it_waits():
@@ -22,3 +30,43 @@ def test_every_thread_is_named_with_where_it_waits():
     assert "thread parked (" in text and "in parked_here\n    release.wait()" in text, text
     assert f"thread {threading.current_thread().name} (" in text
     assert "in test_every_thread_is_named_with_where_it_waits" in text
+
+
+def test_sigquit_writes_every_stack_and_the_process_goes_on():
+    """A process set up by dump_stacks_on_signal writes each thread's stack on SIGQUIT (also
+    one parked inside a call that never returns to the interpreter) and goes on; before that,
+    it does not catch the signal (what ``system.ctl stacks`` checks before sending it)."""
+    code = textwrap.dedent("""
+        import signal, sys, threading, time
+        print("before", flush=True)
+        input()
+        from system.thread_stacks import dump_stacks_on_signal
+        dump_stacks_on_signal()
+
+        def parked_here():
+            threading.Event().wait()
+
+        threading.Thread(target=parked_here, name="parked", daemon=True).start()
+        print("ready", flush=True)
+        input()
+        print("still here", flush=True)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "before\n"
+        assert not catches(p.pid, STACKS_SIGNAL)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline() == "ready\n"
+        assert catches(p.pid, STACKS_SIGNAL)
+        os.kill(p.pid, STACKS_SIGNAL)
+        time.sleep(0.5)
+        out, err = p.communicate("\n", timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 0 and out == "still here\n", (out, err)
+    assert err.count("(most recent call first)") >= 2, err
+    assert 'File "<string>", line 9 in parked_here' in err, err
+    assert 'File "<string>", line 12 in <module>' in err, err  # the main thread: in input()
+    assert not catches(p.pid, STACKS_SIGNAL)  # (gone)
