@@ -51,6 +51,11 @@ class RpcTimeout(RpcError):
     """No reply arrived within the call's timeout."""
 
 
+class NotSent(RpcTimeout):
+    """The request itself could not be queued within the call's timeout (no connection to the
+    peer takes messages): no reply can come, however long one waits."""
+
+
 class PeerDied(RpcError):
     """The peer a call waits on died (its heartbeat expired) before it replied."""
 

@@ -29,7 +29,8 @@ from typing import Any, Callable, Mapping, TypedDict
 
 import zmq
 
-from system.errors import ConfigError, RemoteError, RpcError, RpcTimeout, WireError
+from system.errors import (ConfigError, NotSent, RemoteError, RpcError, RpcTimeout,
+                           WireError)
 from system.replay import LateReply, ReplyReceiver, Receiver, Sender
 from system.sockets import bind, endpoint, make_socket, recv_frames, send_frames
 from system.wire import Channel, Codec, DropCounters, DroppedMessage, Header, recipient_id
@@ -295,7 +296,8 @@ class RpcClient:
     def submit(self, method: str, **args: Any) -> int:
         """Send a request; returns its id (the request's counter) for :meth:`result`. A
         request that could not be queued within the client's timeout fails there, as
-        :class:`RpcTimeout` (so a fan-out still collects every other reply)."""
+        :class:`~system.errors.NotSent` (an :class:`RpcTimeout`; so a fan-out still collects
+        every other reply)."""
         sealed = self._out.seal({"m": method, "a": args}, self._server)
         self._in.expect(sealed.counter)
         try:
@@ -312,7 +314,7 @@ class RpcClient:
         """The reply to ``req_id``. On :class:`RpcTimeout` the call is abandoned (a late reply
         is discarded) unless ``abandon`` is False: then it can be waited for again."""
         if req_id in self._unsent:
-            raise RpcTimeout(self._unsent.pop(req_id))
+            raise NotSent(self._unsent.pop(req_id))
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while req_id not in self._replies:

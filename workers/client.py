@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Generic, Sequence, TypeVar, cast
 
-from system.errors import CallAbandoned, PeerDied, RpcError, RpcTimeout
+from system.errors import CallAbandoned, NotSent, PeerDied, RpcError, RpcTimeout
 from system.rpc import RpcClient
 from workers.schema import ConfigureReply, PingReply, WorkerReport, WorkerSetup
 
@@ -61,6 +61,8 @@ class Pending(Generic[T]):
             try:
                 return cast(T, self._rpc.result(self._id, max(0.0, min(check_every, left)),
                                                 abandon=last))
+            except NotSent:  # no reply can come: not worth the rest of the wait
+                raise
             except RpcTimeout:
                 if last:
                     raise

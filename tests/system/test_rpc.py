@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import zmq
 
-from system.errors import RemoteError, RpcTimeout, WireError
+from system.errors import NotSent, RemoteError, RpcTimeout, WireError
 from system.replay import Receiver, Sender
 from system.rpc import RpcClient, RpcServer, StreamPuller, StreamPusher
 from system.sockets import bind, endpoint, make_socket
 from system.wire import Channel, Codec, new_secret, recipient_id
+from workers.client import Pending
 
 
 @pytest.fixture
@@ -86,7 +87,7 @@ def test_a_send_nobody_takes_fails_the_call_after_its_timeout(codec):
             if time.monotonic() - t0 >= 0.25:
                 found.update(req=req, queued=i)
                 t0 = time.monotonic()
-                with pytest.raises(RpcTimeout, match="not sent within 0.3s"):
+                with pytest.raises(NotSent, match="not sent within 0.3s"):
                     c.result(req, timeout=10)
                 found["raised_in"] = time.monotonic() - t0
                 return
@@ -99,6 +100,12 @@ def test_a_send_nobody_takes_fails_the_call_after_its_timeout(codec):
     assert found["raised_in"] < 0.1  # it was never sent: no reply to wait for
     with pytest.raises(RpcTimeout, match="no reply"):  # one queued before: waited for as ever
         c.result(found["req"] - 1, timeout=0.05)
+    # a wait in slices (Pending.result_unless, result_while) ends at once too, not at its end
+    pending = Pending(c, "add", {"a": 1, "b": 2})
+    t0 = time.monotonic()
+    with pytest.raises(NotSent):
+        pending.result_unless(lambda: False, timeout=10)
+    assert time.monotonic() - t0 < 0.1
     c.close()
 
 
