@@ -284,7 +284,7 @@ class RpcClient:
         # a DEALER with no peer to send to, or whose queue to it is full (ZeroMQ's "mute"
         # state: a peer gone, or not reading), blocks a send; it may do so for the call's
         # timeout, not forever
-        self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
+        self._sock.setsockopt(zmq.SNDTIMEO, int(min(max(timeout, 0.001), 2e6) * 1000))
         self._sock.connect(endpoint(address))
         self._server = recipient_id(address)
         self._out = Sender(codec, Channel.REQUEST)
