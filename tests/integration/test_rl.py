@@ -150,7 +150,7 @@ def _launch_signalling(fileroot: str, trial: str, args: list[str],
     import subprocess
     import time
 
-    from tests.helpers import REPO, launch_argv
+    from tests.helpers import REPO, launch_argv, print_stacks
 
     root = os.path.join(fileroot, "arith-tiny", trial)
     proc = subprocess.Popen(launch_argv("exp=arith-tiny", f"trial={trial}",
@@ -175,6 +175,7 @@ def _launch_signalling(fileroot: str, trial: str, args: list[str],
         _, err = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
+            print_stacks(["exp=arith-tiny", f"trial={trial}", f"cluster.fileroot={fileroot}"])
             proc.kill()
     return proc.returncode, err
 

@@ -13,7 +13,8 @@ from typing import Iterator
 import pytest
 
 from system.paths import PROJECT_ROOT
-from tests.helpers import REPO, launch_argv, metrics_rows, overridden, read_summary
+from tests.helpers import (REPO, launch_argv, metrics_rows, overridden, print_stacks,
+                           read_summary)
 from tests.scheduler.test_slurm_e2e import SLURM, job_of, squeue, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.skipif(
@@ -76,6 +77,8 @@ def _rl_trial(slurm_cluster, root: str, trial: str, *args: str
         yield proc, err
     finally:
         if proc.poll() is None:
+            print_stacks(["exp=arith-tiny", f"trial={trial}", f"cluster.fileroot={root}"],
+                         slurm_cluster.env)
             proc.kill()
 
 
