@@ -83,7 +83,7 @@ def parser() -> argparse.ArgumentParser:
     p_lo.add_argument("-n", "--lines", type=_lines, default=None,
                       help="only the last LINES lines (default: all; 20 with -f)")
     p_sk = sub.add_parser("stacks", help="every live worker writes its threads' stacks to its "
-                                         "log (SIGQUIT; it goes on): print them")
+                                         "log (SIGURG; it goes on): print them")
     p_sk.add_argument("words", nargs="+", metavar="KEY=VALUE", help=TRIAL_HELP)
     return p
 

@@ -44,19 +44,6 @@ def trial_processes(root: str) -> list[int]:
     return sorted(pids)
 
 
-def catches(pid: int, sig: int) -> bool:
-    """Whether live process ``pid`` has a handler of its own for ``sig`` (``SigCgt`` in
-    ``/proc/PID/status``): one still starting, before it installed it, would die of it."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
-
-
 def launcher_alive(pid: int, exp: str, trial: str) -> bool:
     args = cmdline(pid) if pid > 0 else None
     return args is not None and is_launcher(args, exp, trial)

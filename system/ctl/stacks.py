@@ -1,13 +1,12 @@
 """``stacks``: every live worker of a trial writes each of its threads' Python stacks to its
-log (:data:`~system.thread_stacks.STACKS_SIGNAL`, SIGQUIT), and this prints what they wrote:
+log (:data:`~system.thread_stacks.STACKS_SIGNAL`, SIGURG), and this prints what they wrote:
 where a trial that makes no progress is stuck, without stopping it.
 
-- Local workers and warm spares are signalled through ``/proc``: only processes whose command
-  line is one of the trial's and that already handle the signal (one still importing would
-  die of it).
-- A Slurm job is signalled with ``scancel --signal=QUIT`` (its tasks, not its batch script),
-  once every worker it runs has a live heartbeat, so each task has set its handler up. A job
-  whose workers are still starting is named and left alone.
+- Local workers and warm spares (processes whose command line is one of the trial's) are
+  signalled through ``/proc``, those that handle the signal; one still importing is named.
+- Slurm jobs the controller last saw running are signalled with ``scancel --signal=URG``
+  (their tasks, not their batch scripts). A process that has not set the handler up ignores
+  SIGURG: nothing is harmed, whatever runs in the job.
 
 The trial's logs are then read until they have stopped growing (at most :data:`WAIT`
 seconds), and what each log that got stacks grew by is printed under its name.
@@ -19,10 +18,9 @@ import os
 import time
 
 from system.ctl import output, procs, slurm_query
-from system.ctl.live import read_live
 from system.ctl.trial_state import TrialView, read_trial
 from system.paths import TrialPaths
-from system.thread_stacks import STACKS_SIGNAL
+from system.thread_stacks import STACKS_SIGNAL, ask_for_stacks
 
 WAIT = 5.0
 """Seconds at most that the logs are watched for the stacks (a Slurm node's shared file system
@@ -42,44 +40,27 @@ def log_sizes(logs_dir: str) -> dict[str, int]:
     return sizes
 
 
-def slurm_ready(jobs: list[dict], beating: tuple[str, ...]) -> tuple[list[str], list[str]]:
-    """Of the recorded ``jobs``, the ids of the running ones whose workers all beat, and a line
-    for each running one that is left alone (pure)."""
-    ready, skipped = [], []
-    for job in jobs:
-        if str(job.get("state")) != "RUNNING":
-            continue
-        missing = [w for w in job.get("workers") or [] if w not in beating]
-        if missing:
-            skipped.append(f"job {job.get('id')}: {', '.join(missing)} not started yet")
-        else:
-            ready.append(str(job.get("id")))
-    return ready, skipped
+def running_jobs(view: TrialView) -> list[str]:
+    """The trial's jobs that its record says run, but a ``--detach`` controller's own."""
+    controller = view.controller_job()
+    return [str(j.get("id")) for j in view.record.get("jobs") or []
+            if str(j.get("state")) == "RUNNING" and str(j.get("id")) != controller]
 
 
 def _signal_slurm(view: TrialView) -> tuple[list[str], list[str]]:
-    live = read_live(view.paths, view.exp, view.trial)
-    if live.problem:
-        return [], [live.problem]
-    controller = view.controller_job()  # (a --detach controller's job: no worker in it)
-    jobs = [j for j in view.record.get("jobs") or [] if str(j.get("id")) != controller]
-    ready, skipped = slurm_ready(list(jobs), live.heartbeats)
-    if ready and not slurm_query.scancel(ready, f"--signal={STACKS_SIGNAL.name[3:]}"):
-        return [], skipped + [f"scancel --signal=QUIT {' '.join(ready)} failed"]
-    return [f"job {j}" for j in ready], skipped
+    ids = running_jobs(view)
+    if ids and not slurm_query.scancel(ids, f"--signal={STACKS_SIGNAL.name[3:]}"):
+        return [], [f"scancel --signal={STACKS_SIGNAL.name[3:]} {' '.join(ids)} failed"]
+    return [f"job {j}" for j in ids], []
 
 
 def _signal_local(view: TrialView) -> tuple[list[str], list[str]]:
     signalled, skipped = [], []
     for pid in procs.trial_processes(view.paths.root):
-        if not procs.catches(pid, STACKS_SIGNAL):
+        if ask_for_stacks(pid):
+            signalled.append(f"pid {pid}")
+        elif procs.cmdline(pid) is not None:  # (not one that has just ended)
             skipped.append(f"pid {pid}: still starting (no handler yet)")
-            continue
-        try:
-            os.kill(pid, STACKS_SIGNAL)
-        except ProcessLookupError:
-            continue
-        signalled.append(f"pid {pid}")
     return signalled, skipped
 
 
@@ -114,7 +95,8 @@ def run(paths: TrialPaths, wait: float = WAIT) -> int:
     if not signalled:
         output.say(f"{view.exp}/{view.trial} ({view.state}): no worker to ask for its stacks")
         return 1
-    output.say(f"SIGQUIT to {', '.join(signalled)}: every thread's stack, from the logs")
+    output.say(f"{STACKS_SIGNAL.name} to {', '.join(signalled)}: every thread's stack, from the "
+               "logs")
     for path, text in grown(before, paths.logs, wait).items():
         if b"(most recent call first)" not in text:  # it only logged meanwhile
             continue

@@ -31,7 +31,7 @@ from workers.kinds import KINDS, worker_class
 
 
 def main(argv: list[str] | None = None) -> int:
-    dump_stacks_on_signal()  # SIGQUIT: every thread's stack to the log (system.ctl stacks)
+    dump_stacks_on_signal()  # SIGURG: every thread's stack to the log (system.ctl stacks)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--trial-dir", required=True)
     p.add_argument("--kind", required=True, choices=sorted(KINDS))

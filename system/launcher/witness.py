@@ -42,6 +42,7 @@ from system.bootstrap import Bootstrap, read_secret
 from system.errors import NameEntryNotFound
 from system.launcher.standby import set_process_name
 from system.name_resolve import NameResolve, NameResolveConfig, make_name_resolve
+from system.thread_stacks import STACKS_SIGNAL
 
 POLL = 0.2
 """Seconds between the witness's looks at its parent where the kernel has no pidfd."""
@@ -53,9 +54,10 @@ with its step) vouches for a dead worker. Refreshed every heartbeat TTL, it cost
 heartbeat's writes."""
 
 IGNORED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-           signal.SIGUSR2)
+           signal.SIGUSR2, STACKS_SIGNAL)
 """Signals Slurm or a terminal sends to every task's process group: the witness ends with its
-parent, whatever they do to it."""
+parent, whatever they do to it. The stacks signal too: the worker's handler, inherited with
+the fork, would write the witness's stack into the worker's log, amid the worker's own."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,7 +96,7 @@ def test_detached_trial_status_and_cancel(slurm_cluster, tmp_path):
     print(text)  # shown with pytest -s: what an operator sees
     assert "reason=BeginTime" in text and "controller.log" in text
     assert len(queued(slurm_cluster.env, "smoke", "op")) == 5
-    r = ctl_env(slurm_cluster.env, "stacks", *words)  # the running jobs' tasks: QUIT, go on
+    r = ctl_env(slurm_cluster.env, "stacks", *words)  # the running jobs' tasks: URG, go on
     assert r.returncode == 0, r.stdout + r.stderr
     for kind in ("master", "model", "rollout"):
         assert f"job {jobs[kind]['id']}" in r.stdout.splitlines()[0], r.stdout

@@ -1,5 +1,5 @@
-"""Every live thread's stack as text, named; and written on SIGQUIT, in C, by a process that
-goes on."""
+"""Every live thread's stack as text, named; and written on SIGURG, in C, by a process that
+goes on (and ignored by one that did not set that up)."""
 from __future__ import annotations
 
 import os
@@ -8,9 +8,10 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
-from system.ctl.procs import catches
-from system.thread_stacks import STACKS_SIGNAL, thread_stacks
+from system.thread_stacks import (STACKS_SIGNAL, ask_for_stacks, handles_stacks_signal,
+                                  thread_stacks)
 from tests.helpers import REPO
 
 
@@ -32,10 +33,10 @@ def test_every_thread_is_named_with_where_it_waits():
     assert "in test_every_thread_is_named_with_where_it_waits" in text
 
 
-def test_sigquit_writes_every_stack_and_the_process_goes_on():
-    """A process set up by dump_stacks_on_signal writes each thread's stack on SIGQUIT (also
+def test_the_stacks_signal_writes_every_stack_and_the_process_goes_on():
+    """A process set up by dump_stacks_on_signal writes each thread's stack on SIGURG (also
     one parked inside a call that never returns to the interpreter) and goes on; before that,
-    it does not catch the signal (what ``system.ctl stacks`` checks before sending it)."""
+    it does not catch the signal (``system.ctl stacks`` names it) and ignores one sent."""
     code = textwrap.dedent("""
         import signal, sys, threading, time
         print("before", flush=True)
@@ -55,12 +56,13 @@ def test_sigquit_writes_every_stack_and_the_process_goes_on():
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline() == "before\n"
-        assert not catches(p.pid, STACKS_SIGNAL)
+        assert not handles_stacks_signal(p.pid) and not ask_for_stacks(p.pid)  # (not sent)
+        os.kill(p.pid, STACKS_SIGNAL)  # sent anyway (scancel does): ignored
+        time.sleep(0.2)
         p.stdin.write("\n")
         p.stdin.flush()
         assert p.stdout.readline() == "ready\n"
-        assert catches(p.pid, STACKS_SIGNAL)
-        os.kill(p.pid, STACKS_SIGNAL)
+        assert handles_stacks_signal(p.pid) and ask_for_stacks(p.pid)
         dump: list[str] = []  # until the main thread's frame (the last one written)
         while not any(" in <module>" in line for line in dump):
             dump.append(p.stderr.readline())
@@ -70,8 +72,9 @@ def test_sigquit_writes_every_stack_and_the_process_goes_on():
     finally:
         p.kill()
     assert p.returncode == 0 and out == "still here\n", (out, err)
+    assert err.count("Current thread") == 1, err  # (the signal before the set-up: none)
     assert err.count("(most recent call first)") >= 2, err
     assert 'File "<string>", line 9 in parked_here' in err, err
     main = err[err.index("Current thread"):]  # (the one the handler ran on)
     assert re.search(r'File "<string>", line 1[23] in <module>', main), err  # print or input
-    assert not catches(p.pid, STACKS_SIGNAL)  # (gone)
+    assert not handles_stacks_signal(p.pid)  # (gone)
