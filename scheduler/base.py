@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import sys
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from scheduler.jobs import JobState, JobStatus
 from scheduler.requeue import RequeuePolicy
@@ -134,6 +134,13 @@ class Scheduler(abc.ABC):
         """Whether worker ``name`` is stopping for a requeue of its job (a scheduler without
         requeues: never)."""
         return False
+
+    def dump_stacks(self, workers: Collection[str]) -> list[str]:
+        """Ask the running processes of ``workers`` (``kind/index``, each past its start: it
+        registered) to write every thread's stack to their logs and go on
+        (:data:`~system.thread_stacks.STACKS_SIGNAL`); what was signalled (pids, job ids).
+        Nothing is stopped. Default: nothing to ask."""
+        return []
 
     @abc.abstractmethod
     def stop_worker(self, name: str, grace: float) -> None:

@@ -27,6 +27,7 @@ from scheduler.cpu_plan import cpu_env, cpus_env
 from scheduler.gpu_plan import GpuDemand, parse_visible, plan_gpus
 from scheduler.spares import Activation, ForkedWorker, Spares
 from system.errors import SchedulerError
+from system.thread_stacks import ask_for_stacks
 
 _PR_SET_PDEATHSIG = 1
 
@@ -317,6 +318,12 @@ class LocalScheduler(Scheduler):
             print(f"{name}, forked from its group's warm spare, failed while the trial started "
                   f"({exit_detail(code)}): {kind} workers start as new processes from now on",
                   file=sys.stderr)
+
+    def dump_stacks(self, workers: Collection[str]) -> list[str]:
+        """SIGURG to each live worker process of ``workers`` that handles it, not to its
+        process group."""
+        return [str(p.pid) for w in workers if w in self._procs
+                for p in [self._procs[w][0]] if p.poll() is None and ask_for_stacks(p.pid)]
 
     def stop_worker(self, name: str, grace: float) -> None:
         """Terminate worker ``name``'s process group (SIGTERM, SIGKILL after ``grace``) and

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import time
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from scheduler import slurm_preflight
 from scheduler.base import GroupSpec, JobRequest, JobState, JobStatus, Scheduler
@@ -28,6 +28,7 @@ from scheduler.slurm_render import (HETJOB, job_label, job_name, render_hetjob_s
                                     render_worker_script, requeue_mark_prefix, script_name)
 from system.errors import SchedulerError
 from system.held_signals import held_signals
+from system.thread_stacks import STACKS_SIGNAL
 
 log = logging.getLogger("slurm")
 
@@ -319,6 +320,18 @@ class SlurmScheduler(Scheduler):
             self._no_requeue(j)
         self._cancel([j for j in ids if j not in shared], grace, f"jobs of the {kind} group")
         self._forget(ids)
+
+    def dump_stacks(self, workers: Collection[str]) -> list[str]:
+        """``scancel --signal=URG`` (the job's tasks, not its batch script) to each running job
+        of one of ``workers`` (a task of another worker, or one still starting, ignores it
+        or writes its stacks too)."""
+        wanted = set(workers)
+        ids = [j for j in self._jobs if wanted & set(self._live(j)[0])]
+        in_queue = queued(ids, self.scancel_timeout) or {}
+        ids = [j for j in ids if in_queue.get(j) == JobState.RUNNING]
+        if ids:
+            scancel(ids, f"--signal={STACKS_SIGNAL.name[3:]}", timeout=self.scancel_timeout)
+        return ids
 
     def stop_worker(self, name: str, grace: float) -> None:
         """Stop worker ``name`` and forget it. Its job is cancelled (as :meth:`stop_group`

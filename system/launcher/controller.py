@@ -355,6 +355,8 @@ class Controller(RecoveringController):
                 self._await_report(REPORT_GRACE)  # a worker that says why is named with it
                 hung = f", nor {cc.hang_grace:.0f}s more while its process ran" if (
                     cc.hang_grace and dead[0] in running) else ""
+                stacks = self._dump_stacks() if dead[0] in running else ""
+                hung += f"; {stacks}" if stacks else ""
                 raise WorkerFailure(
                     f"worker {', '.join(dead)} stopped heart-beating (no refresh within "
                     f"{cc.heartbeat_ttl:.1f}s{hung}); log: {self.logs[dead[0]]}", dead[0],
@@ -369,8 +371,11 @@ class Controller(RecoveringController):
                 except RpcError:  # (a master whose process runs may be slow: see hang_grace)
                     if time.monotonic() - last_master_answer > cc.heartbeat_ttl + (
                             cc.hang_grace if self._vouched(statuses, ["master/0"]) else 0):
-                        raise WorkerFailure(f"master does not answer; log: {self.logs['master/0']}",
-                                            "master/0", self.logs["master/0"]) from None
+                        stacks = self._dump_stacks()
+                        stacks = f" ({stacks})" if stacks else ""
+                        raise WorkerFailure(f"master does not answer{stacks}; log: "
+                                            f"{self.logs['master/0']}", "master/0",
+                                            self.logs["master/0"]) from None
                     ping = {}
             state = ping.get("state")
             prog = ping.get("progress") or {}

@@ -9,6 +9,7 @@ calls its phases (register, configure, start, watch) again for the restarted wor
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from typing import Any, Callable
@@ -37,6 +38,10 @@ from system.wire import Codec
 from workers.client import WorkerClient, collect_settled
 from workers.kinds import KINDS, client_for
 
+log = logging.getLogger("controller")
+
+STACKS_WAIT = 1.0
+"""Seconds the workers asked for their stacks get to write them before they are stopped."""
 RESTART_GRACE = 0.0
 """Seconds a recovery gives the stateful workers it stops before SIGKILL: none, their state is
 abandoned for the checkpoint's (written atomically: a kill cannot tear it), and a survivor
@@ -282,9 +287,27 @@ class RecoveringController:
         stall = self.cfg.controller.stall_timeout
         if stall and self.watch.unchanged_for() > stall:
             log_path = self.logs["master/0"]
+            stacks = self._dump_stacks()
             raise WorkerFailure(f"master made no progress for {stall:.0f}s "
-                                f"(controller.stall_timeout; last: {self.watch.progress}); "
-                                f"log: {log_path}", "master/0", log_path)
+                                f"(controller.stall_timeout; last: {self.watch.progress}"
+                                f"{'; ' + stacks if stacks else ''}); log: {log_path}",
+                                "master/0", log_path)
+
+    def _dump_stacks(self) -> str:
+        """Before a hung worker (silent while its process runs, or a master that does not
+        answer or progress) is stopped: ask every registered worker, but those rejoining, to
+        write its threads' stacks to its log (where each one waits is the clue, a collective
+        stuck on one rank, say). Returns what the failure says of it ("" if none was asked)."""
+        workers = [w for w in self.addresses if w not in self.requeue.rejoining]
+        try:
+            asked = self.scheduler.dump_stacks(workers)
+        except Exception as e:  # (a diagnosis: it must not hide the failure itself)
+            log.warning("could not ask the workers for their stacks: %s", e)
+            return ""
+        if not asked:
+            return ""
+        time.sleep(STACKS_WAIT)  # (written from the signal handler itself: at once)
+        return "every worker's threads' stacks are at the end of its log"
 
     def _requeue_record(self, seconds: float | None) -> dict[str, Any]:
         """What ``summary.json`` says of the controller's own requeue: whether the checkpoint

@@ -87,9 +87,19 @@ def test_crash_is_detected_named_and_cleaned_up(fileroot, mode, how):
     elapsed = time.time() - t0
     assert r.returncode != 0
     assert "rollout/1" in r.stderr and how in r.stderr and "rollout-1.log" in r.stderr
+    stacks = "every worker's threads' stacks are at the end of its log"
     if mode == "stop":
         assert "worker rollout/1: no heartbeat within 2.0s, but its process runs" in r.stderr
-        assert "nor 3s more while its process ran" in r.stderr
+        assert f"nor 3s more while its process ran; {stacks})" in r.stderr
+        # a hang: every worker wrote where it waited before it was stopped (SIGURG)
+        logs = os.path.join(fileroot, "smoke", trial, "logs")
+        with open(os.path.join(logs, "master-0.log")) as f:
+            text = f.read()
+        assert "(most recent call first)" in text and " in master_role\n" in text, text
+        with open(os.path.join(logs, "rollout-0.log")) as f:
+            assert "(most recent call first)" in f.read()
+    else:  # a dead process: nothing to ask
+        assert stacks not in r.stderr
     s = read_summary(fileroot, "smoke", trial)
     assert s["status"] == "failed" and s["failure"]["worker"] == "rollout/1"
     # detection within 10 s of the crash (the crash is 1 s after start), the grace included

@@ -134,7 +134,14 @@ def test_a_hung_task_of_a_shared_job_is_vouched_for_by_its_witness(slurm_cluster
     assert r.returncode != 0
     assert "worker rollout/1: no heartbeat within 3.0s, but its process runs" in r.stderr
     assert ("worker rollout/1 stopped heart-beating (no refresh within 3.0s, nor 3s more "
-            "while its process ran)") in r.stderr
+            "while its process ran; every worker's threads' stacks are at the end of its "
+            "log)") in r.stderr
+    # every running job got SIGURG (scancel --signal): its tasks wrote their stacks and went
+    # on (the stopped one too, if the SIGCONT its witness sends with SIGTERM comes first)
+    logs = os.path.join(root, "smoke", "hung", "logs")
+    for name in ("master-0", "rollout-0", "model-1"):
+        with open(os.path.join(logs, f"{name}.log")) as f:
+            assert "(most recent call first)" in f.read(), name
     assert read_summary(root, "smoke", "hung")["failure"]["worker"] == "rollout/1"
     assert squeue(slurm_cluster.env, "smoke", "hung") == []
     wait_for(lambda: not trial_processes(os.path.join(root, "smoke", "hung")), 10,
