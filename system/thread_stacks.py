@@ -31,11 +31,11 @@ def thread_stacks() -> str:
 
 def dump_stacks_on_signal() -> None:
     """From now on :data:`STACKS_SIGNAL` writes every thread's Python stack to standard error
-    (the worker's log) and the process goes on. faulthandler writes
-    from the signal handler itself, in C: a main thread stuck inside a call that never returns
-    to the interpreter (a collective, a blocking socket) is shown as well. A child forked later
-    inherits it; its file is descriptor 2, whatever is on it then (a spare's worker, forked,
-    puts its own log there)."""
+    (the worker's log) and the process goes on. faulthandler writes from the signal handler
+    itself, in C: a main thread stuck inside a call that never returns to the interpreter (a
+    collective, a blocking socket) is shown as well. A child forked later inherits it; its
+    file is descriptor 2, whatever is on it then (a spare's worker, forked, puts its own log
+    there)."""
     faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
 
 
