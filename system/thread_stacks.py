@@ -1,10 +1,17 @@
 """Where every thread of this process is: as text, what a worker logs before it exits because
 its role did not stop (a hang that left no other trace); and on demand, :data:`STACKS_SIGNAL`
 makes a worker write every thread's stack to its log and go on, as a JVM's thread dump does
-(``python -m system.ctl stacks`` and the controller, before it stops a hung trial, send it)."""
+(``python -m system.ctl stacks`` and the controller, before it stops a hung trial, send it).
+
+The signal is taken by a thread of its own (``sigwait``; it is blocked in every other thread),
+which reads the stacks under the interpreter lock (``sys._current_frames``): a main thread
+stuck in a call that never returns to the interpreter (a collective, a socket) is shown at the
+frame that made the call. Not faulthandler's dump, which reads the other threads' frames from
+the signal handler without that lock: a CI run saw it crash a busy vLLM server (SIGSEGV in
+``dump_frame``). The one process it cannot show is one whose lock a thread never releases.
+"""
 from __future__ import annotations
 
-import faulthandler
 import os
 import signal
 import sys
@@ -14,9 +21,14 @@ import traceback
 STACKS_SIGNAL = signal.SIGURG
 """The signal on which a process set up by :func:`dump_stacks_on_signal` writes its stacks.
 SIGURG (out-of-band data on a socket that asked for it with ``F_SETOWN``: none here), because
-its default is to be ignored: a process that has not set the handler up (still importing, a
-worker's child of another program, a Slurm batch script) is not harmed by it, where SIGQUIT
-or SIGUSR1 would end it. Slurm's ``scancel --signal=URG`` sends it to a job's tasks."""
+its default is to be ignored: a process that has not set it up (still importing, a worker's
+child of another program, a Slurm batch script) is not harmed by it, where SIGQUIT or SIGUSR1
+would end it. Slurm's ``scancel --signal=URG`` sends it to a job's tasks."""
+
+STACKS_HEADER = "every thread's stack, on request"
+"""The first line of what :data:`STACKS_SIGNAL` writes (then :func:`thread_stacks`)."""
+
+_listening = 0  # the pid whose thread waits for the signal (a forked child must start its own)
 
 
 def thread_stacks() -> str:
@@ -31,21 +43,37 @@ def thread_stacks() -> str:
 
 def dump_stacks_on_signal() -> None:
     """From now on :data:`STACKS_SIGNAL` writes every thread's Python stack to standard error
-    (the worker's log) and the process goes on. faulthandler writes from the signal handler
-    itself, in C: a main thread stuck inside a call that never returns to the interpreter (a
-    collective, a blocking socket) is shown as well. A child forked later inherits it; its
-    file is descriptor 2, whatever is on it then (a spare's worker, forked, puts its own log
-    there)."""
-    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    (the worker's log, descriptor 2 whatever is on it then) and the process goes on. Call it
+    in the main thread before any other thread starts (threads made later, by any library,
+    inherit the signal blocked), and again in a child forked later (threads do not survive a
+    fork; the blocked signal does)."""
+    global _listening
+    if _listening == os.getpid():
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {STACKS_SIGNAL})
+    _listening = os.getpid()
+    threading.Thread(target=_write_stacks_on_signal, name="stacks", daemon=True).start()
+
+
+def _write_stacks_on_signal() -> None:
+    while True:
+        signal.sigwait({STACKS_SIGNAL})
+        text = f"{STACKS_HEADER}:\n{thread_stacks()}\n"
+        try:  # (no Python lock: a stuck thread may hold the logging's or stderr's)
+            data = text.encode(errors="replace")
+            while data:
+                data = data[os.write(2, data):]
+        except OSError:
+            pass
 
 
 def handles_stacks_signal(pid: int) -> bool:
-    """Whether live process ``pid`` has a handler of its own for :data:`STACKS_SIGNAL`
-    (``SigCgt`` in ``/proc/PID/status``): one still starting ignores the signal."""
+    """Whether live process ``pid`` waits for :data:`STACKS_SIGNAL` (blocked in its main
+    thread: ``SigBlk`` in ``/proc/PID/status``); one still starting ignores the signal."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("SigCgt:"):
+                if line.startswith("SigBlk:"):
                     return bool(int(line.split()[1], 16) >> (STACKS_SIGNAL - 1) & 1)
     except (OSError, ValueError, IndexError):
         pass
@@ -64,5 +92,5 @@ def ask_for_stacks(pid: int) -> bool:
     return True
 
 
-__all__ = ["STACKS_SIGNAL", "ask_for_stacks", "dump_stacks_on_signal", "handles_stacks_signal",
+__all__ = ["STACKS_HEADER", "STACKS_SIGNAL", "ask_for_stacks", "dump_stacks_on_signal", "handles_stacks_signal",
            "thread_stacks"]

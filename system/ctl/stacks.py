@@ -20,7 +20,7 @@ import time
 from system.ctl import output, procs, slurm_query
 from system.ctl.trial_state import TrialView, read_trial
 from system.paths import TrialPaths
-from system.thread_stacks import STACKS_SIGNAL, ask_for_stacks
+from system.thread_stacks import STACKS_HEADER, STACKS_SIGNAL, ask_for_stacks
 
 WAIT = 5.0
 """Seconds at most that the logs are watched for the stacks (a Slurm node's shared file system
@@ -98,7 +98,7 @@ def run(paths: TrialPaths, wait: float = WAIT) -> int:
     output.say(f"{STACKS_SIGNAL.name} to {', '.join(signalled)}: every thread's stack, from the "
                "logs")
     for path, text in grown(before, paths.logs, wait).items():
-        if b"(most recent call first)" not in text:  # it only logged meanwhile
+        if STACKS_HEADER.encode() not in text:  # it only logged meanwhile
             continue
         output.say(f"==> {path}")
         output.say(text.decode(errors="replace").rstrip("\n"))

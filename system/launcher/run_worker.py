@@ -27,11 +27,14 @@ from system.launcher import witness
 from system.launcher.standby import fork_workers, set_process_name, warm
 from system.private_files import set_umask
 from system.thread_stacks import dump_stacks_on_signal
-from workers.kinds import KINDS, worker_class
 
 
 def main(argv: list[str] | None = None) -> int:
-    dump_stacks_on_signal()  # SIGURG: every thread's stack to the log (system.ctl stacks)
+    dump_stacks_on_signal()  # first, before any thread: SIGURG writes every thread's stack
+    # (imported after it: numpy's thread pool starts as it is imported, and a thread started
+    # before would take the signal and drop it)
+    from workers.kinds import KINDS, worker_class
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--trial-dir", required=True)
     p.add_argument("--kind", required=True, choices=sorted(KINDS))
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         if forked is None:
             return 0
         activation, prepared = forked
+        dump_stacks_on_signal()  # (this forked worker's own thread for it)
         args.index = activation.index
         bind_from_env()  # this worker's own CPUs (its activation's environment)
         logging.getLogger().handlers.clear()  # the worker's own log format, on its log file

@@ -95,9 +95,9 @@ def test_crash_is_detected_named_and_cleaned_up(fileroot, mode, how):
         logs = os.path.join(fileroot, "smoke", trial, "logs")
         with open(os.path.join(logs, "master-0.log")) as f:
             text = f.read()
-        assert "(most recent call first)" in text and " in master_role\n" in text, text
+        assert "every thread's stack, on request:" in text and ", in master_role\n" in text, text
         with open(os.path.join(logs, "rollout-0.log")) as f:
-            assert "(most recent call first)" in f.read()
+            assert "every thread's stack, on request:" in f.read()
     else:  # a dead process: nothing to ask
         assert stacks not in r.stderr
     s = read_summary(fileroot, "smoke", trial)

@@ -141,7 +141,7 @@ def test_a_hung_task_of_a_shared_job_is_vouched_for_by_its_witness(slurm_cluster
     logs = os.path.join(root, "smoke", "hung", "logs")
     for name in ("master-0", "rollout-0", "model-1"):
         with open(os.path.join(logs, f"{name}.log")) as f:
-            assert "(most recent call first)" in f.read(), name
+            assert "every thread's stack, on request:" in f.read(), name
     assert read_summary(root, "smoke", "hung")["failure"]["worker"] == "rollout/1"
     assert squeue(slurm_cluster.env, "smoke", "hung") == []
     wait_for(lambda: not trial_processes(os.path.join(root, "smoke", "hung")), 10,

@@ -1,5 +1,5 @@
-"""Every live thread's stack as text, named; and written on SIGURG, in C, by a process that
-goes on (and ignored by one that did not set that up)."""
+"""Every live thread's stack as text, named; and written on SIGURG by a process that goes on
+(and ignored by one that did not set that up)."""
 from __future__ import annotations
 
 import os
@@ -10,8 +10,8 @@ import textwrap
 import threading
 import time
 
-from system.thread_stacks import (STACKS_SIGNAL, ask_for_stacks, handles_stacks_signal,
-                                  thread_stacks)
+from system.thread_stacks import (STACKS_HEADER, STACKS_SIGNAL, ask_for_stacks,
+                                  handles_stacks_signal, thread_stacks)
 from tests.helpers import REPO
 
 
@@ -34,11 +34,12 @@ def test_every_thread_is_named_with_where_it_waits():
 
 
 def test_the_stacks_signal_writes_every_stack_and_the_process_goes_on():
-    """A process set up by dump_stacks_on_signal writes each thread's stack on SIGURG (also
-    one parked inside a call that never returns to the interpreter) and goes on; before that,
-    it does not catch the signal (``system.ctl stacks`` names it) and ignores one sent."""
+    """A process set up by dump_stacks_on_signal writes each thread's stack on SIGURG (the
+    main thread parked in a call that has not returned to the interpreter too) and goes on;
+    before that, it does not wait for the signal (``system.ctl stacks`` names it) and ignores
+    one sent. A forked child, set up again, answers for itself."""
     code = textwrap.dedent("""
-        import signal, sys, threading, time
+        import os, signal, sys, threading, time
         print("before", flush=True)
         input()
         from system.thread_stacks import dump_stacks_on_signal
@@ -63,18 +64,43 @@ def test_the_stacks_signal_writes_every_stack_and_the_process_goes_on():
         p.stdin.flush()
         assert p.stdout.readline() == "ready\n"
         assert handles_stacks_signal(p.pid) and ask_for_stacks(p.pid)
-        dump: list[str] = []  # until the main thread's frame (the last one written)
-        while not any(" in <module>" in line for line in dump):
-            dump.append(p.stderr.readline())
-            assert dump[-1], "".join(dump)
-        out, err = p.communicate("\n", timeout=30)
-        err = "".join(dump) + err
+        # (written at once, in one piece: once its first line is read, all of it is there)
+        assert p.stderr.readline() == f"{STACKS_HEADER}:\n"
+        p.stdin.write("\n")
+        p.stdin.close()
+        out, err = p.stdout.read(), p.stderr.read()  # (to the end: it exits)
+        p.wait(30)
     finally:
         p.kill()
     assert p.returncode == 0 and out == "still here\n", (out, err)
-    assert err.count("Current thread") == 1, err  # (the signal before the set-up: none)
-    assert err.count("(most recent call first)") >= 2, err
-    assert 'File "<string>", line 9 in parked_here' in err, err
-    main = err[err.index("Current thread"):]  # (the one the handler ran on)
-    assert re.search(r'File "<string>", line 1[23] in <module>', main), err  # print or input
+    assert STACKS_HEADER not in err, err  # one dump: the signal before the set-up wrote none
+    assert 'thread parked (' in err and 'File "<string>", line 9, in parked_here' in err, err
+    main = err[err.index("thread MainThread ("):]
+    assert re.match(r'[^\n]*\n  File "<string>", line 1[23], in <module>', main), err
     assert not handles_stacks_signal(p.pid)  # (gone)
+
+
+def test_a_forked_child_set_up_again_writes_its_own_stacks():
+    """Threads do not survive a fork: the child (a spare's worker) starts its own listener."""
+    code = textwrap.dedent("""
+        import os, sys, time
+        from system.thread_stacks import dump_stacks_on_signal
+        dump_stacks_on_signal()
+        pid = os.fork()
+        if pid == 0:
+            dump_stacks_on_signal()
+            print(os.getpid(), flush=True)
+            time.sleep(30)
+            os._exit(0)
+        time.sleep(30)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        child = int(p.stdout.readline())
+        assert ask_for_stacks(child)
+        assert p.stderr.readline() == f"{STACKS_HEADER}:\n"
+        assert p.stderr.readline().startswith("thread ")
+    finally:
+        os.killpg(p.pid, 9)
+        p.communicate()
