@@ -30,9 +30,8 @@ from system.thread_stacks import dump_stacks_on_signal
 
 
 def main(argv: list[str] | None = None) -> int:
-    dump_stacks_on_signal()  # first, before any thread: SIGURG writes every thread's stack
-    # (imported after it: numpy's thread pool starts as it is imported, and a thread started
-    # before would take the signal and drop it)
+    # (imported here, after the stacks signal was blocked in __main__: numpy's thread pool
+    # starts as it is imported, and a thread started before would take the signal and drop it)
     from workers.kinds import KINDS, worker_class
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -112,4 +111,5 @@ def task_identity(index: int | None) -> tuple[int, int]:
 
 
 if __name__ == "__main__":
+    dump_stacks_on_signal()  # first, before any thread: SIGURG writes every thread's stack
     exit_now(main())  # without the interpreter's tear-down of torch et al. (1 CPU-s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -33,6 +34,11 @@ def test_every_thread_is_named_with_where_it_waits():
     assert "in test_every_thread_is_named_with_where_it_waits" in text
 
 
+def _unblocked() -> None:
+    """(In the child: a blocked signal is inherited, from a test process that has it blocked.)"""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {STACKS_SIGNAL})
+
+
 def test_the_stacks_signal_writes_every_stack_and_the_process_goes_on():
     """A process set up by dump_stacks_on_signal writes each thread's stack on SIGURG (the
     main thread parked in a call that has not returned to the interpreter too) and goes on;
@@ -54,7 +60,8 @@ def test_the_stacks_signal_writes_every_stack_and_the_process_goes_on():
         print("still here", flush=True)
     """)
     p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=_unblocked)
     try:
         assert p.stdout.readline() == "before\n"
         assert not handles_stacks_signal(p.pid) and not ask_for_stacks(p.pid)  # (not sent)
