@@ -8,7 +8,7 @@ which reads the stacks under the interpreter lock (``sys._current_frames``): a m
 stuck in a call that never returns to the interpreter (a collective, a socket) is shown at the
 frame that made the call. Not faulthandler's dump, which reads the other threads' frames from
 the signal handler without that lock: a CI run saw it crash a busy vLLM server (SIGSEGV in
-``dump_frame``). The one process it cannot show is one whose lock a thread never releases.
+``dump_frame``). The one process it cannot show is one where a thread never releases that lock.
 """
 from __future__ import annotations
 
@@ -92,5 +92,5 @@ def ask_for_stacks(pid: int) -> bool:
     return True
 
 
-__all__ = ["STACKS_HEADER", "STACKS_SIGNAL", "ask_for_stacks", "dump_stacks_on_signal", "handles_stacks_signal",
-           "thread_stacks"]
+__all__ = ["STACKS_HEADER", "STACKS_SIGNAL", "ask_for_stacks", "dump_stacks_on_signal",
+           "handles_stacks_signal", "thread_stacks"]
