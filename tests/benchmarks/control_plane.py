@@ -198,7 +198,9 @@ def startup(root: str) -> tuple[float, float]:
     t = time.time()
     procs = []
     for kind, count in STARTUP_COUNTS.items():
-        code = "import system.launcher.run_worker, " + ", ".join(KIND_MODULES[kind])
+        # (workers.kinds: run_worker imports it in main(), after its stacks listener is up)
+        code = ("import system.launcher.run_worker, workers.kinds, "
+                + ", ".join(KIND_MODULES[kind]))
         procs += [subprocess.Popen([sys.executable, "-c", code], cwd=REPO) for _ in range(count)]
     for p in procs:
         assert p.wait() == 0
