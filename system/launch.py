@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
-from experiments.catalog import all_experiments, get_experiment
+from experiments.catalog import get_experiment
 from experiments.registry import Experiment
 from scheduler.base import Scheduler
 from scheduler.registry import make_scheduler
@@ -40,7 +40,7 @@ from system.launcher.name_claim import name_taken
 from system.errors import ConfigError, RLSystemError
 from system.name_resolve import make_name_resolve
 from system.name_resolve_api import NameResolveBackend, redis_password
-from system.launcher.help import describe
+from system.launcher.help import help_text
 from system.launcher.overrides import CliArgs, apply_overrides, parse_cli
 from system.launcher.own_preemption import PreemptionWatch
 from system.launcher.self_requeue import (REQUEUE_WAIT, ControllerRequeue,
@@ -53,38 +53,6 @@ from system.launcher.submit import (controller_request, detach, dry_run, queued_
 from system.launcher.trial_dir import PreparedTrial, name_resolve_root, prepare_trial
 from system.paths import TrialPaths
 from system.private_files import set_umask
-
-
-def help_text(exp: str = "") -> str:
-    lines = [__doc__.strip().splitlines()[0], "",
-             "usage: python -m system.launch exp=NAME trial=T [key=value ...] [--dry-run] "
-             "[--test-only] [--detach] [--help]",
-             "", "experiments:"]
-    lines += [f"  {e.name:<14} {e.doc.splitlines()[0] if e.doc else ''}"
-              for e in all_experiments().values()]
-    lines += ["", "Set a key with its dotted path (rollout.count=8); a section with a type key takes "
-              "it as shorthand (scheduler=slurm)."]
-    if exp:
-        lines += ["", f"keys of {exp}:", *describe(get_experiment(exp).make_config())]
-        return "\n".join(lines)
-    base = ExperimentConfig()
-    lines += ["", "keys of every experiment:", *describe(base)]
-    shared = {f.name for f in dataclasses.fields(base)}
-    for names, cfg in _own_sections(shared):
-        lines += ["", f"keys of {', '.join(names)} only (defaults of {names[0]}; "
-                  f"exp={names[0]} --help shows its own):",
-                  *describe(cfg, skip=tuple(shared))]
-    return "\n".join(lines)
-
-
-def _own_sections(shared: set[str]) -> list[tuple[list[str], ExperimentConfig]]:
-    """Experiments grouped by the config class that adds sections to the shared ones."""
-    groups: dict[type, tuple[list[str], ExperimentConfig]] = {}
-    for e in all_experiments().values():
-        cfg = e.make_config()
-        if {f.name for f in dataclasses.fields(cfg)} - shared:
-            groups.setdefault(type(cfg), ([], cfg))[0].append(e.name)
-    return list(groups.values())
 
 
 def build_config(exp: str, trial: str, overrides: list[str]) -> ExperimentConfig:

@@ -6,7 +6,8 @@ import os
 import pytest
 
 from system.structs import field_docs
-from system.launch import build_config, help_text
+from system.launch import build_config
+from system.launcher.help import help_text
 from tests.helpers import run_launch
 
 

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from system.errors import ConfigError
-from system.launch import build_config, help_text, main
+from system.launch import build_config, main
+from system.launcher.help import help_text
 from system.launcher.config import RunMode
 from system.launcher.trial_dir import prepare_trial
 from system.paths import TrialPaths

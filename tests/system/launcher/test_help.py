@@ -6,7 +6,7 @@ import re
 import pytest
 
 from experiments.catalog import all_experiments
-from system.launch import help_text
+from system.launcher.help import help_text
 from system.launcher.help import leaf_keys, walk
 from tests.helpers import run_launch
 
