@@ -27,12 +27,15 @@ from scheduler.cpu_plan import cpu_env, cpus_env
 from scheduler.gpu_plan import GpuDemand, parse_visible, plan_gpus
 from scheduler.spares import Activation, ForkedWorker, Spares
 from system.errors import SchedulerError
-from system.thread_stacks import ask_for_stacks
+from system.thread_stacks import STACKS_SIGNAL, ask_for_stacks
 
 _PR_SET_PDEATHSIG = 1
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec
+    # the launcher blocks SIGURG for its stacks thread; a worker sets its own listener up, and
+    # until then takes none (python -m system.ctl stacks names it as still starting)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {STACKS_SIGNAL})
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

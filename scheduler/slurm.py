@@ -28,7 +28,7 @@ from scheduler.slurm_render import (HETJOB, job_label, job_name, render_hetjob_s
                                     render_worker_script, requeue_mark_prefix, script_name)
 from system.errors import SchedulerError
 from system.held_signals import held_signals
-from system.thread_stacks import STACKS_SIGNAL
+from system.thread_stacks import SCANCEL_STACKS
 
 log = logging.getLogger("slurm")
 
@@ -330,7 +330,7 @@ class SlurmScheduler(Scheduler):
         in_queue = queued(ids, self.scancel_timeout) or {}
         ids = [j for j in ids if in_queue.get(j) == JobState.RUNNING]
         if ids:
-            scancel(ids, f"--signal={STACKS_SIGNAL.name[3:]}", timeout=self.scancel_timeout)
+            scancel(ids, SCANCEL_STACKS, timeout=self.scancel_timeout)
         return ids
 
     def stop_worker(self, name: str, grace: float) -> None:

@@ -13,6 +13,11 @@ master reports completion.
 """
 from __future__ import annotations
 
+from system.thread_stacks import dump_stacks_on_signal
+
+if __name__ == "__main__":  # before the imports below start threads (numpy's BLAS pool), so
+    dump_stacks_on_signal()  # that they inherit SIGURG blocked: `python -m system.ctl stacks`
+
 import dataclasses
 import errno
 import logging
@@ -365,7 +370,7 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
     shown = args.dry_run or "--test-only" in args.flags
     try:
         if not shown and "--detach" not in args.flags:
-            # logs/launcher.log, for `python -m system.ctl logs`
+            # logs/launcher.log, for `python -m system.ctl logs` (and `stacks`)
             tee_stderr(paths.logs, "python -m system.launch " + shlex.join(argv))
         if trial.changes:
             print(describe_changes(f"{cfg.exp}/{cfg.trial}", trial.changes), file=sys.stderr)

@@ -25,10 +25,14 @@ its default is to be ignored: a process that has not set it up (still importing,
 child of another program, a Slurm batch script) is not harmed by it, where SIGQUIT or SIGUSR1
 would end it. Slurm's ``scancel --signal=URG`` sends it to a job's tasks."""
 
+SCANCEL_STACKS = f"--signal={STACKS_SIGNAL.name[3:]}"
+"""``scancel``'s option that sends :data:`STACKS_SIGNAL` to a job's tasks."""
+
 STACKS_HEADER = "every thread's stack, on request"
 """The first line of what :data:`STACKS_SIGNAL` writes (then :func:`thread_stacks`)."""
 
 _listening = 0  # the pid whose thread waits for the signal (a forked child must start its own)
+_copies: list[str] = []  # files that get the stacks too
 
 
 def thread_stacks() -> str:
@@ -55,16 +59,38 @@ def dump_stacks_on_signal() -> None:
     threading.Thread(target=_write_stacks_on_signal, name="stacks", daemon=True).start()
 
 
+def copy_stacks_to(path: str) -> None:
+    """Append what :data:`STACKS_SIGNAL` writes to file ``path`` too (the launcher's standard
+    error is a terminal; its ``launcher.log`` is where ``python -m system.ctl stacks`` reads)."""
+    if path not in _copies:
+        _copies.append(path)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def _write_stacks_on_signal() -> None:
     while True:
         signal.sigwait({STACKS_SIGNAL})
-        text = f"{STACKS_HEADER}:\n{thread_stacks()}\n"
-        try:  # (no Python lock: a stuck thread may hold the logging's or stderr's)
-            data = text.encode(errors="replace")
-            while data:
-                data = data[os.write(2, data):]
+        # (no Python lock: a stuck thread may hold the logging's or stderr's)
+        data = f"{STACKS_HEADER}:\n{thread_stacks()}\n".encode(errors="replace")
+        try:
+            _write_all(2, data)
         except OSError:
             pass
+        for path in list(_copies):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                _write_all(fd, data)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
 
 
 def handles_stacks_signal(pid: int) -> bool:
@@ -92,5 +118,5 @@ def ask_for_stacks(pid: int) -> bool:
     return True
 
 
-__all__ = ["STACKS_HEADER", "STACKS_SIGNAL", "ask_for_stacks", "dump_stacks_on_signal",
-           "handles_stacks_signal", "thread_stacks"]
+__all__ = ["SCANCEL_STACKS", "STACKS_HEADER", "STACKS_SIGNAL", "ask_for_stacks",
+           "copy_stacks_to", "dump_stacks_on_signal", "handles_stacks_signal", "thread_stacks"]

@@ -14,9 +14,9 @@ needs the process that launched it.
 ``status`` exit codes: 0 live (pending, starting, running, stopping), 1 failed, 2 usage error or
 no such trial, 3 completed, 4 interrupted, 5 cancelled, 6 lost (the controller died without
 recording an end), 7 unknown (never ran). ``cancel``: 0 once nothing of the trial is left, 1 if
-something is. ``stacks``: 0 once a worker was asked, 1 if none could be. ``ls`` and ``logs``: 0,
-or 2 for a usage error. Output whose reader has gone
-(``| head -1``) is dropped without a message; the exit code stays the same.
+something is. ``stacks``: 0 once a worker or the controller was asked, 1 if none could be.
+``ls`` and ``logs``: 0, or 2 for a usage error. Output whose reader has gone (``| head -1``) is
+dropped without a message; the exit code stays the same.
 """
 from __future__ import annotations
 
@@ -82,8 +82,9 @@ def parser() -> argparse.ArgumentParser:
                       help="follow the log until the trial ends (or Ctrl-C)")
     p_lo.add_argument("-n", "--lines", type=_lines, default=None,
                       help="only the last LINES lines (default: all; 20 with -f)")
-    p_sk = sub.add_parser("stacks", help="every live worker writes its threads' stacks to its "
-                                         "log (SIGURG; it goes on): print them")
+    p_sk = sub.add_parser("stacks", help="every live worker, and the controller, writes its "
+                                         "threads' stacks to its log (SIGURG; it goes on): "
+                                         "print them")
     p_sk.add_argument("words", nargs="+", metavar="KEY=VALUE", help=TRIAL_HELP)
     return p
 

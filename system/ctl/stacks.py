@@ -1,12 +1,15 @@
-"""``stacks``: every live worker of a trial writes each of its threads' Python stacks to its
-log (:data:`~system.thread_stacks.STACKS_SIGNAL`, SIGURG), and this prints what they wrote:
-where a trial that makes no progress is stuck, without stopping it.
+"""``stacks``: every live worker of a trial, and its controller, writes each of its threads'
+Python stacks to its log (:data:`~system.thread_stacks.STACKS_SIGNAL`, SIGURG), and this prints
+what they wrote: where a trial that makes no progress is stuck, without stopping it.
 
 - Local workers and warm spares (processes whose command line is one of the trial's) are
   signalled through ``/proc``, those that handle the signal; one still importing is named.
 - Slurm jobs the controller last saw running are signalled with ``scancel --signal=URG``
   (their tasks, not their batch scripts). A process that has not set the handler up ignores
   SIGURG: nothing is harmed, whatever runs in the job.
+- The controller: a ``--detach`` controller's job with ``scancel --batch`` (the controller is
+  its batch script, exec'd; it writes to ``controller.log``), a launcher on this machine
+  through ``/proc`` (it writes to its terminal and to ``launcher.log``).
 
 The trial's logs are then read until they have stopped growing (at most :data:`WAIT`
 seconds), and what each log that got stacks grew by is printed under its name.
@@ -15,12 +18,13 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 import time
 
 from system.ctl import output, procs, slurm_query
 from system.ctl.trial_state import TrialView, read_trial
 from system.paths import TrialPaths
-from system.thread_stacks import STACKS_HEADER, STACKS_SIGNAL, ask_for_stacks
+from system.thread_stacks import SCANCEL_STACKS, STACKS_HEADER, STACKS_SIGNAL, ask_for_stacks
 
 WAIT = 5.0
 """Seconds at most that the logs are watched for the stacks (a Slurm node's shared file system
@@ -49,8 +53,8 @@ def running_jobs(view: TrialView) -> list[str]:
 
 def _signal_slurm(view: TrialView) -> tuple[list[str], list[str]]:
     ids = running_jobs(view)
-    if ids and not slurm_query.scancel(ids, f"--signal={STACKS_SIGNAL.name[3:]}"):
-        return [], [f"scancel --signal={STACKS_SIGNAL.name[3:]} {' '.join(ids)} failed"]
+    if ids and not slurm_query.scancel(ids, SCANCEL_STACKS):
+        return [], [f"scancel {SCANCEL_STACKS} {' '.join(ids)} failed"]
     return [f"job {j}" for j in ids], []
 
 
@@ -84,16 +88,36 @@ def grown(before: dict[str, int], logs_dir: str, wait: float = WAIT) -> dict[str
     return out
 
 
+def _signal_controller(view: TrialView) -> tuple[list[str], list[str]]:
+    holder = view.holder
+    if holder is None:  # no controller runs
+        return [], []
+    job = view.controller_job() or str(holder.get("slurm_job") or "")
+    if job:
+        if not slurm_query.scancel([job], "--batch", SCANCEL_STACKS):
+            return [], [f"scancel --batch {SCANCEL_STACKS} {job} (the controller's) failed"]
+        return [f"the controller's job {job}"], []
+    pid, host = int(holder.get("pid") or 0), holder.get("host")
+    if host != socket.gethostname() or not procs.launcher_alive(pid, view.exp, view.trial):
+        return [], [f"the controller, pid {pid} on {host!r}: not a launcher on this machine"]
+    if not ask_for_stacks(pid):
+        return [], [f"the controller, pid {pid}: no handler (a launcher from before it had one)"]
+    return [f"the controller (pid {pid})"], []
+
+
 def run(paths: TrialPaths, wait: float = WAIT) -> int:
-    """0 once some worker was signalled, 1 when none could be."""
+    """0 once some worker or the controller was signalled, 1 when none could be."""
     view = read_trial(paths)
     before = log_sizes(paths.logs)
     slurm = view.scheduler == "slurm"
     signalled, skipped = _signal_slurm(view) if slurm else _signal_local(view)
+    controller = _signal_controller(view)
+    signalled, skipped = signalled + controller[0], skipped + controller[1]
     for line in skipped:
         output.say(f"left alone: {line}")
     if not signalled:
-        output.say(f"{view.exp}/{view.trial} ({view.state}): no worker to ask for its stacks")
+        output.say(f"{view.exp}/{view.trial} ({view.state}): no worker or controller to ask for "
+                   "its stacks")
         return 1
     output.say(f"{STACKS_SIGNAL.name} to {', '.join(signalled)}: every thread's stack, from the "
                "logs")

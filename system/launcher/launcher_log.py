@@ -1,5 +1,6 @@
 """``logs/launcher.log``: a copy of what the launcher prints while it runs a controller, so
-``python -m system.ctl logs`` can show it from another shell.
+``python -m system.ctl logs`` can show it from another shell (and ``stacks``: what SIGURG makes
+the launcher write, :func:`system.thread_stacks.copy_stacks_to`).
 
 Everything still reaches the launcher's own stderr unchanged (the terminal, with its live
 progress line). The file gets complete lines only, without terminal control sequences, and a
@@ -15,6 +16,8 @@ import socket
 import sys
 import time
 from typing import IO, Any
+
+from system.thread_stacks import copy_stacks_to
 
 ANSI = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07]*\x07|[@-Z\\-_])")
 """Terminal control sequences (CSI, OSC, and two-byte escapes)."""
@@ -70,11 +73,12 @@ def run_header(command: str) -> str:
 def tee_stderr(logs_dir: str, command: str) -> None:
     """Copy this process's stderr (``print``, logging, tracebacks) to
     ``<logs_dir>/launcher.log`` after a :func:`run_header` naming ``command``, unless stderr
-    already is ``<logs_dir>/controller.log``."""
+    already is ``<logs_dir>/controller.log``; the stacks SIGURG writes too."""
     if _same_file(2, os.path.join(logs_dir, "controller.log")):
         return
+    path = os.path.join(logs_dir, "launcher.log")
     try:
-        log = open(os.path.join(logs_dir, "launcher.log"), "a", encoding="utf-8")
+        log = open(path, "a", encoding="utf-8")
         log.write(("\n" if log.tell() else "") + run_header(command) + "\n")
         log.flush()
     except OSError as e:
@@ -85,3 +89,4 @@ def tee_stderr(logs_dir: str, command: str) -> None:
     for handler in logging.getLogger().handlers:  # basicConfig's handler holds the old stream
         if isinstance(handler, logging.StreamHandler) and handler.stream is old:
             handler.setStream(sys.stderr)
+    copy_stacks_to(path)

@@ -87,12 +87,15 @@ def test_ls_status_logs_cancel(fileroot):
         assert r.returncode == 0 and "rollout/1 registered at" in r.stdout
         assert ctl("logs", *words, "rollout:9").returncode == 2
         assert ctl("logs", *words).returncode == 0  # the launcher's own log
-        r = ctl("stacks", *words)  # every worker writes its stacks to its log, and goes on
+        r = ctl("stacks", *words)  # every worker and the launcher write their stacks, go on
         assert r.returncode == 0, r.stdout + r.stderr
-        assert r.stdout.count("every thread's stack, on request:") == 9, r.stdout
+        assert f"the controller (pid {proc.pid})" in r.stdout.splitlines()[0], r.stdout
+        assert r.stdout.count("every thread's stack, on request:") == 10, r.stdout
         logs = os.path.join(trial_dir, "logs")
         assert f"==> {os.path.join(logs, 'master-0.log')}\n" in r.stdout, r.stdout
         assert ", in master_role\n" in r.stdout and "rollout-3.log" in r.stdout
+        assert f"==> {os.path.join(logs, 'launcher.log')}\n" in r.stdout, r.stdout
+        assert ", in run_trial\n" in r.stdout, r.stdout  # (the launcher's main thread)
         assert len(trial_processes(trial_dir)) == 9 and status(fileroot, "op")[0] == 0
         follow = subprocess.Popen([sys.executable, "-m", "system.ctl", "logs", *words,
                                    "master:0", "-f"], cwd=REPO, stdout=subprocess.PIPE,

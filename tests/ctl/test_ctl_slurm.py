@@ -100,11 +100,12 @@ def test_detached_trial_status_and_cancel(slurm_cluster, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     for kind in ("master", "model", "rollout"):
         assert f"job {jobs[kind]['id']}" in r.stdout.splitlines()[0], r.stdout
+    assert f"the controller's job {controller}" in r.stdout.splitlines()[0], r.stdout
     logs = os.path.join(root, "smoke", "op", "logs")
     for name in ("master-0", "model-1", "rollout-3"):
         assert f"==> {os.path.join(logs, name)}.log\n" in r.stdout, r.stdout
-    assert r.stdout.count("every thread's stack, on request:") == 7, r.stdout
-    assert "controller.log" not in r.stdout
+    assert r.stdout.count("every thread's stack, on request:") == 8, r.stdout
+    assert f"==> {os.path.join(logs, 'controller.log')}\n" in r.stdout, r.stdout
     st = ctl_env(slurm_cluster.env, "status", *words, "--json")
     assert len(json.loads(st.stdout)["workers"]["alive"]) == 7
     r = ctl_env(slurm_cluster.env, "ls", "--fileroot", root)

@@ -111,3 +111,36 @@ def test_a_forked_child_set_up_again_writes_its_own_stacks():
     finally:
         os.killpg(p.pid, 9)
         p.communicate()
+
+
+def test_the_stacks_are_copied_to_a_named_file_too(tmp_path):
+    """A launcher's stderr is a terminal: its dump goes to ``launcher.log`` as well, appended
+    after what the file holds; a file that cannot be opened costs only that copy."""
+    log = tmp_path / "launcher.log"
+    log.write_text("earlier\n")
+    code = textwrap.dedent(f"""
+        import sys
+        from system.thread_stacks import copy_stacks_to, dump_stacks_on_signal
+        dump_stacks_on_signal()
+        copy_stacks_to({str(tmp_path / "gone" / "x.log")!r})
+        copy_stacks_to({str(log)!r})
+        print("ready", flush=True)
+        sys.stdin.read()
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=_unblocked)
+    try:
+        assert p.stdout.readline() == "ready\n"
+        assert ask_for_stacks(p.pid)
+        assert p.stderr.readline() == f"{STACKS_HEADER}:\n"  # (stderr is written first)
+        deadline = time.time() + 10
+        while "in <module>" not in log.read_text() and time.time() < deadline:
+            time.sleep(0.05)
+        p.stdin.close()
+        assert p.wait(30) == 0
+    finally:
+        p.kill()
+    text = log.read_text()
+    assert text.startswith(f"earlier\n{STACKS_HEADER}:\nthread "), text
+    assert text.count(STACKS_HEADER) == 1 and 'File "<string>", line 8, in <module>\n' in text, text
