@@ -56,6 +56,10 @@ class NotSent(RpcTimeout):
     peer takes messages): no reply can come, however long one waits."""
 
 
+class ClientClosed(RpcError):
+    """A call on a client that was closed (replaced: its peer registered at a new address)."""
+
+
 class PeerDied(RpcError):
     """The peer a call waits on died (its heartbeat expired) before it replied."""
 

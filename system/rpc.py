@@ -29,8 +29,8 @@ from typing import Any, Callable, Mapping, TypedDict
 
 import zmq
 
-from system.errors import (ConfigError, NotSent, RemoteError, RpcError, RpcTimeout,
-                           WireError)
+from system.errors import (ClientClosed, ConfigError, NotSent, RemoteError, RpcError,
+                           RpcTimeout, WireError)
 from system.replay import LateReply, ReplyReceiver, Receiver, Sender
 from system.sockets import bind, endpoint, make_socket, recv_frames, send_frames
 from system.wire import Channel, Codec, DropCounters, DroppedMessage, Header, recipient_id
@@ -291,21 +291,30 @@ class RpcClient:
         self._in = ReplyReceiver(codec, self._out)
         self._replies: dict[int, Reply] = {}
         self._unsent: dict[int, str] = {}  # request id -> why it could not be sent
+        self._mute = False  # the last send found no peer to take it
         self.drops = DropCounters()
 
     def submit(self, method: str, **args: Any) -> int:
         """Send a request; returns its id (the request's counter) for :meth:`result`. A
         request that could not be queued within the client's timeout fails there, as
         :class:`~system.errors.NotSent` (an :class:`RpcTimeout`; so a fan-out still collects
-        every other reply)."""
+        every other reply). After such a send, the next ones do not wait: each is queued if
+        the queue has room again (the peer took what was queued, or reconnected), else fails
+        at once, so a client of a peer that is gone costs its timeout once, not per call.
+        :class:`~system.errors.ClientClosed` once :meth:`close` was called."""
+        if self._sock.closed:
+            raise ClientClosed(f"{method} to {self.address}: this client was closed")
         sealed = self._out.seal({"m": method, "a": args}, self._server)
         self._in.expect(sealed.counter)
         try:
-            send_frames(self._sock, sealed.frames)
+            send_frames(self._sock, sealed.frames, zmq.NOBLOCK if self._mute else 0)
+            self._mute = False
         except zmq.Again:
             self._in.abandon(sealed.counter)
-            self._unsent[sealed.counter] = (f"{method} to {self.address}: not sent within "
-                                            f"{self.timeout:.1f}s (no peer took it)")
+            why = ("at once (no peer took the request before it either)" if self._mute else
+                   f"within {self.timeout:.1f}s (no peer took it)")
+            self._unsent[sealed.counter] = f"{method} to {self.address}: not sent {why}"
+            self._mute = True
             while len(self._unsent) > UNSENT_KEPT:  # (calls whose result nobody asks for)
                 del self._unsent[next(iter(self._unsent))]
         return sealed.counter
@@ -315,6 +324,8 @@ class RpcClient:
         is discarded) unless ``abandon`` is False: then it can be waited for again."""
         if req_id in self._unsent:
             raise NotSent(self._unsent.pop(req_id))
+        if self._sock.closed and req_id not in self._replies:
+            raise ClientClosed(f"no reply from {self.address}: this client was closed")
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while req_id not in self._replies:

@@ -8,8 +8,9 @@ import threading
 import time
 
 import pytest
+import zmq
 
-from system.errors import NotSent, RpcTimeout
+from system.errors import ClientClosed, NotSent, RpcError, RpcTimeout
 from system.rpc import RpcClient
 from system.wire import Codec, new_secret
 from workers.client import Pending
@@ -88,6 +89,10 @@ def test_a_send_to_a_port_now_held_by_another_service_fails_after_its_timeout():
                 with pytest.raises(RpcTimeout, match="not sent within"):
                     c.result(req)
                 found["waited"] = time.monotonic() - t0
+                t0 = time.monotonic()  # the next call does not wait the timeout again
+                with pytest.raises(NotSent, match="not sent at once"):
+                    c.call("add", a=1, b=2, timeout=10)
+                found["next"] = time.monotonic() - t0
                 return
             time.sleep(0.1)  # (queued: the handshake has not failed yet)
 
@@ -96,8 +101,64 @@ def test_a_send_to_a_port_now_held_by_another_service_fails_after_its_timeout():
     t.join(30)
     try:
         assert not t.is_alive(), "a send blocked past the client's timeout"
-        assert 0.25 <= found["waited"] < 5, found
+        assert 0.25 <= found["waited"] < 5 and found["next"] < 0.1, found
     finally:
         stop.set()
         c.close()
         listener.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_client_whose_peer_takes_requests_again_waits_as_before(codec):
+    """After a send that found no peer, the next ones fail at once while the queue stays full
+    (not the timeout each), and go through again as soon as a peer takes what was queued."""
+    port = _free_port()
+    c = RpcClient(codec, f"tcp://127.0.0.1:{port}", timeout=0.2)
+    sent = 0
+    while True:  # (no listener yet: the requests queue up to the high-water mark)
+        req = c.submit("add", a=1, b=2)
+        try:
+            c.result(req, timeout=0)
+        except NotSent:
+            break
+        except RpcTimeout:
+            sent += 1
+    t0 = time.monotonic()
+    for _ in range(20):
+        with pytest.raises(NotSent, match="not sent at once"):
+            c.call("add", a=1, b=2)
+    assert time.monotonic() - t0 < 0.1 and sent >= 100
+    ctx = zmq.Context.instance()
+    peer = ctx.socket(zmq.ROUTER)  # a peer that reads (and answers nothing)
+    peer.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        assert peer.poll(5000), "the queued requests never reached the peer"
+        drained = 0
+        while peer.poll(200):
+            peer.recv_multipart()
+            drained += 1
+        assert drained >= sent
+        with pytest.raises(RpcTimeout, match="no reply"):  # sent this time: no NotSent
+            c.call("add", a=1, b=2, timeout=0.2)
+        assert peer.poll(1000)
+    finally:
+        peer.close(linger=0)
+        c.close()
+
+
+def test_a_closed_client_says_so(codec):
+    """A client replaced (and closed) while someone still held it: an RpcError saying so, not
+    ZeroMQ's error on a closed socket."""
+    c = RpcClient(codec, "tcp://127.0.0.1:9", timeout=0.2)
+    req = c.submit("add", a=1, b=2)
+    c.close()
+    with pytest.raises(ClientClosed, match="this client was closed"):
+        c.result(req)
+    with pytest.raises(ClientClosed, match="add to tcp://127.0.0.1:9"):
+        Pending(c, "add", {"a": 1, "b": 2})
+    assert issubclass(ClientClosed, RpcError)
