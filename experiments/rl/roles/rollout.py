@@ -14,12 +14,12 @@ from experiments.rl.common import (encode_prompt, load_tokenizer, model_path, re
                                    rl_config)
 from experiments.rl.config import RLConfig
 from experiments.rl.episodes import run_episodes, score, unservable
+from experiments.rl.roles.master_link import MasterLink
 from experiments.rl.openai_agent import OpenAIAgent, Session, group_trajectories
 from experiments.rl.tasks import dataset, get_task
 from system import names
-from system.errors import NameEntryNotFound, RemoteError, RpcError, RpcTimeout
+from system.errors import RemoteError, RpcError
 from workers.generation import GenerationClient
-from workers.master import MasterClient
 from workers.rollout import RolloutWorker
 from workers.schema import GroupMessage, Task, Trajectory
 
@@ -53,24 +53,7 @@ class _Rollouts:
         self.gens: dict[int, GenerationClient] = {}
         self.incarnation = uuid.uuid4().hex
         """This process, as the master knows it: a restarted worker asks under a new one."""
-        self._connect(worker.name_resolve.wait(self._master_key(), 60), 60.0)
-
-    def _connect(self, address: str, stream_timeout: float) -> None:
-        """Talk to the master at ``address`` and push to the stream it publishes."""
-        self.master_address = address
-        self.master = MasterClient(self.worker.client(address, 30.0), "master/0")
-        self.pusher = self.worker.trajectory_stream(timeout=stream_timeout)
-        self.stream_address = self._stream_address()
-
-    def _master_key(self) -> str:
-        return names.worker_address(self.worker.exp, self.worker.trial, "master", 0)
-
-    def _stream_address(self) -> str | None:
-        try:
-            return self.worker.name_resolve.get(
-                names.stream(self.worker.exp, self.worker.trial, "trajectories"))
-        except NameEntryNotFound:
-            return None
+        self.link = MasterLink(worker, rl.startup_timeout)
 
     def _server_key(self, index: int) -> str:
         return names.worker_address(self.worker.exp, self.worker.trial, "generation", index)
@@ -81,39 +64,6 @@ class _Rollouts:
         address = self.worker.serving_at("generation", index)
         client = self.gens.get(index)
         return address is not None and client is not None and client.rpc.address == address
-
-    def master_moved(self) -> bool:
-        """The master was restarted (a recovery): it serves, and streams, at new addresses."""
-        try:
-            address = self.worker.name_resolve.get(self._master_key())
-        except NameEntryNotFound:
-            return True
-        return address != self.master_address or self._stream_address() != self.stream_address
-
-    def reconnect(self) -> None:
-        """Wait for the restarted master, then talk to it (its new task source does not know
-        our old tasks: their groups would be dropped, so nothing in flight is kept)."""
-        w = self.worker
-        deadline = time.monotonic() + self.rl.startup_timeout
-        while not w.stopping:
-            try:
-                address = w.name_resolve.get(self._master_key())
-                if address != self.master_address:
-                    break
-                if _answers(self.master):
-                    return  # the same master, only slow to answer: keep talking to it
-            except NameEntryNotFound:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the master did not come back within "
-                                   f"{self.rl.startup_timeout:.0f}s")
-            time.sleep(0.5)
-        else:
-            return
-        log.warning("the master moved to %s: reconnecting", address)
-        self.master.close()
-        self.pusher.close(linger=0)
-        self._connect(address, self.rl.startup_timeout)
 
     def server(self, index: int) -> GenerationClient:
         """A client of generation server ``index`` at the address it is registered at now (a
@@ -231,22 +181,10 @@ class _Rollouts:
                 "server": t["server"], "trajs": out.trajs, "failed": bool(out.error),
                 "error": out.error, "unservable": out.refused, "agent_error": out.agent_error}
 
-    def push(self, msg: GroupMessage) -> bool:
-        """Push, retrying while the master's queue is full; gives up once stopping or once the
-        master was restarted."""
-        while True:
-            try:
-                self.pusher.send(msg, timeout=1.0)
-                return True
-            except RpcTimeout:
-                if self.worker.stopping or self.master_moved():
-                    return False
-
     def close(self) -> None:
-        self.master.close()
+        self.link.close()
         for c in self.gens.values():
             c.close()
-        self.pusher.close(linger=0.5)
 
 
 def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
@@ -257,20 +195,20 @@ def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
         while not worker.stopping:
             try:
                 # a master that dies or is restarted while we wait is noticed within 0.5 s
-                reply = r.master.next_task(worker.index, rl.tasks_per_request,
-                                           r.incarnation).result_while(
-                    lambda: not r.master_moved(), 10.0, check_every=0.5)
+                reply = r.link.master.next_task(worker.index, rl.tasks_per_request,
+                                                r.incarnation).result_while(
+                    lambda: not r.link.moved(), 10.0, check_every=0.5)
             except RemoteError as e:
                 if e.type_name == "WireError":
                     # the live master's answer could not be sent (a task it cannot encode):
                     # asking again would get it again, for ever
                     raise RuntimeError(f"the master failed to answer next_task: {e}") from e
                 log.warning("next_task failed (%s): waiting for the master", e)
-                r.reconnect()
+                r.link.reconnect()
                 continue
             except RpcError as e:  # a restarted master (recover=auto) comes back elsewhere
                 log.warning("next_task failed (%s): waiting for the master", e)
-                r.reconnect()
+                r.link.reconnect()
                 continue
             if reply.get("done"):
                 done = 1
@@ -280,9 +218,9 @@ def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
                 continue
             tasks = reply["tasks"]
             for t, out in zip(tasks, r.run_tasks(tasks)):
-                if not r.push(r.group(t, out)):
+                if not r.link.push(r.group(t, out)):
                     if not worker.stopping:
-                        r.reconnect()
+                        r.link.reconnect()
                     break
                 groups += 1
                 failed += bool(out.error)
@@ -290,10 +228,3 @@ def rollout_role(worker: RolloutWorker) -> dict[str, Any]:
         r.close()
     return {"groups": groups, "failed": failed, "finished": bool(done)}
 
-
-def _answers(master: MasterClient) -> bool:
-    try:
-        master.ping().result(1.0)
-        return True
-    except RpcError:
-        return False
