@@ -303,3 +303,44 @@ def test_bad_frames_to_live_worker_are_dropped_and_counted(fileroot):
     s = read_summary(fileroot, "smoke", "frames")
     assert s["status"] == "completed" and s["results"]["dropped_messages"] == 4
     _assert_nothing_left(fileroot, "smoke", "frames")
+
+
+def _close_stderr() -> None:
+    os.close(2)
+
+
+@pytest.mark.parametrize("where", ["full", "closed-pipe", "closed"])
+def test_a_stderr_that_takes_no_output_does_not_end_the_trial(fileroot, where):
+    """The launcher's stderr fails its first write (``> out.log 2>&1`` on a full disk;
+    ``2>&1 | head -1`` once the reader has gone) or is not there (``2>&-``): the trial ran
+    nonetheless and completed, with its records and ``launcher.log``. Before, that first
+    write (the progress line) ended the launcher, its clean-up failed on the next, and the
+    trial was left ``lost`` with no summary."""
+    trial = "err-" + where
+    argv = launch_argv("exp=smoke", f"trial={trial}", f"cluster.fileroot={fileroot}",
+                       "rollout.count=1", "model.count=1", "generation.count=1",
+                       "smoke.trajectories_per_worker=20", "controller.progress=true", *FAST)
+    if where == "closed-pipe":
+        read, write = os.pipe()
+        os.close(read)  # the reader has gone: every write fails (EPIPE)
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=write)
+        os.close(write)
+    elif where == "full":
+        with open("/dev/full", "w") as full:
+            proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=full)
+    else:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL,
+                                preexec_fn=_close_stderr)
+    try:
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert read_summary(fileroot, "smoke", trial)["status"] == "completed"
+    with open(os.path.join(fileroot, "smoke", trial, "logs", "launcher.log")) as f:
+        log = f.read()
+    assert f"completed: {os.path.join(fileroot, 'smoke', trial)}" in log, log
+    if where != "closed":
+        assert "(standard error takes no more output: " in log, log
+    assert "Traceback" not in log, log
+    _assert_nothing_left(fileroot, "smoke", trial)

@@ -62,8 +62,28 @@ def test_no_copy_when_stderr_is_the_controller_log(tmp_path, monkeypatch):
         try:
             before = sys.stderr
             tee_stderr(str(logs), "python -m system.launch trial=t")
-            assert sys.stderr is before
+            assert isinstance(sys.stderr, LineTee) and sys.stderr.stream is before
+            assert sys.stderr.log is None  # (no copy: only guarded, see the next test)
+            sys.stderr = before
         finally:
             os.dup2(saved, 2)
             os.close(saved)
     assert not (logs / "launcher.log").exists()
+
+
+def test_a_stream_that_fails_a_write_is_written_to_no_more(tmp_path):
+    """The first write that fails (a full disk, a pipe whose reader has gone) turns the stream
+    off, its descriptor to /dev/null; the copy goes on and says so, and no write raises."""
+    log = io.StringIO()
+    with open("/dev/full", "w") as full:
+        fd = full.fileno()
+        tee = LineTee(full, log)
+        tee.write("a line\n")
+        tee.flush()  # (buffered: the flush is what fails)
+        assert tee.lost is not None and "No space left on device" in tee.lost
+        tee.write("another line\n")
+        tee.flush()
+        assert os.write(fd, b"x") == 1  # /dev/null now
+    assert log.getvalue() == ("a line\n(standard error takes no more output: OSError: [Errno 28] "
+                              "No space left on device; this file goes on)\nanother line\n")
+    assert LineTee(None, None).write("nowhere\n") == 8  # (no stderr at all: 2>&-)
