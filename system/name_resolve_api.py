@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from typing import ClassVar, Iterator, NamedTuple
+from typing import Callable, ClassVar, Iterator, NamedTuple
 
 from system.errors import ConfigError, NameEntryExists, NameEntryNotFound, NameResolveError
 from system.name_auth import EntrySealer, unverified_value
@@ -231,8 +231,10 @@ class NameResolve(abc.ABC):
         stored = self._get(_check_key(key))
         return None if stored is None else unverified_value(stored)
 
-    def wait(self, key: str, timeout: float | None = None, poll: float = 0.05) -> str:
-        """Block until ``key`` exists; :class:`NameEntryNotFound` after ``timeout`` seconds."""
+    def wait(self, key: str, timeout: float | None = None, poll: float = 0.05,
+             stop: Callable[[], bool] | None = None) -> str:
+        """Block until ``key`` exists; :class:`NameEntryNotFound` after ``timeout`` seconds, or
+        as soon as ``stop()`` says to wait no longer (a worker told to stop)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             value = self._value(_check_key(key))
@@ -240,6 +242,8 @@ class NameResolve(abc.ABC):
                 return value
             if deadline is not None and time.monotonic() >= deadline:
                 raise NameEntryNotFound(f"{key} (waited {timeout:.1f}s)")
+            if stop is not None and stop():
+                raise NameEntryNotFound(f"{key} (no longer waited for: stopping)")
             time.sleep(poll)
 
     def read_many(self, keys: list[str]) -> dict[str, Entry]:

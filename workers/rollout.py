@@ -34,8 +34,10 @@ class RolloutWorker(Worker):
         self.rollout_cfg = RolloutWorkerConfig(**config["worker"])
 
     def trajectory_stream(self, name: str = "trajectories", timeout: float = 60.0) -> StreamPusher:
-        """A pusher connected to the master's stream ``name`` (waits for it to be published)."""
-        address = self.name_resolve.wait(names.stream(self.exp, self.trial, name), timeout)
+        """A pusher connected to the master's stream ``name`` (waits for it to be published,
+        until this worker is told to stop)."""
+        address = self.name_resolve.wait(names.stream(self.exp, self.trial, name), timeout,
+                                         stop=lambda: self.stopping)
         return StreamPusher(self.codec, address, self.rpc_cfg.stream_hwm)
 
 

@@ -65,6 +65,12 @@ def test_wait(nr):
         nr.wait("e/t/late", timeout=0.2)
     threading.Timer(0.2, nr.add, args=("e/t/late", "here")).start()
     assert nr.wait("e/t/late", timeout=5) == "here"
+    told = threading.Event()  # a worker told to stop waits no longer (not the timeout)
+    threading.Timer(0.2, told.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(NameEntryNotFound, match="no longer waited for: stopping"):
+        nr.wait("e/t/never", timeout=60, stop=told.is_set)
+    assert time.monotonic() - t0 < 5
 
 
 def test_ttl_expires_without_keepalive(nr):

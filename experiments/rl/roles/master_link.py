@@ -29,7 +29,8 @@ class MasterLink:
         self.worker = worker
         self.startup_timeout = startup_timeout
         """How long :meth:`reconnect` waits for a master that has gone."""
-        self._connect(worker.name_resolve.wait(self._master_key(), 60), 60.0)
+        self._connect(worker.name_resolve.wait(self._master_key(), 60,
+                                               stop=lambda: worker.stopping), 60.0)
 
     def _connect(self, address: str, stream_timeout: float) -> None:
         self.master_address = address

@@ -69,7 +69,7 @@ class _Rollouts:
         """A client of generation server ``index`` at the address it is registered at now (a
         restarted or requeued server comes back elsewhere)."""
         w = self.worker
-        address = w.name_resolve.wait(self._server_key(index), 60)
+        address = w.name_resolve.wait(self._server_key(index), 60, stop=lambda: w.stopping)
         client = self.gens.get(index)
         if client is None or client.rpc.address != address:
             if client is not None:
@@ -105,8 +105,9 @@ class _Rollouts:
         servers = sorted({t["server"] for t in tasks})
         records, error = {}, ""
         try:
-            http = {i: self.worker.name_resolve.wait(
-                names.http_address(self.worker.exp, self.worker.trial, i), 60) for i in servers}
+            w = self.worker
+            http = {i: w.name_resolve.wait(names.http_address(w.exp, w.trial, i), 60,
+                                           stop=lambda: w.stopping) for i in servers}
             for i in servers:
                 self.server(i)
             self.openai.run(flat, http, self.server_alive)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
 from experiments.rl.roles.master_link import MasterLink
 from system import names
 from system.bootstrap import Bootstrap
+from system.errors import NameEntryNotFound
 from system.rpc import StreamPuller
 from tests.helpers import write_secret_file
 from workers.master import MasterWorker
@@ -92,3 +94,15 @@ def test_a_master_that_moved_gets_a_new_client_and_stream(trial):
         assert link.push(_group(2)) and stream.recv(5.0) == {"n": 2}
     finally:
         link.close()
+
+
+def test_a_worker_told_to_stop_waits_no_longer_for_the_master_s_stream(trial):
+    """A master that failed before it published its stream: the rollout workers waited for it
+    up to 60 s, deaf to the stop (SIGTERM included), and were SIGKILLed."""
+    rollout, start_master, publish = trial
+    start_master()  # registered; its stream is never published
+    threading.Timer(0.3, rollout.stop).start()
+    t0 = time.monotonic()
+    with pytest.raises(NameEntryNotFound, match="no longer waited for: stopping"):
+        MasterLink(rollout, startup_timeout=10.0)
+    assert time.monotonic() - t0 < 5
