@@ -9,21 +9,31 @@ import shutil
 from typing import Any
 
 from system import json_text
+from system.errors import ConfigError, first_line
 from system.launcher.config import MetricsConfig
 
 log = logging.getLogger("rl-metrics")
 
+
 class WandbRun:
-    """One W&B run per trial process that logs (the master); its charts use ``step``."""
+    """One W&B run per trial process that logs (the master); its charts use ``step``. A run
+    W&B refuses for its settings (online without an API key, a key it rejects) is a
+    ConfigError naming ``metrics.wandb``: starting the master again cannot change it."""
 
     def __init__(self, cfg: MetricsConfig, trial_dir: str, name: str) -> None:
         import wandb
 
-        self.run = wandb.init(
-            mode=cfg.wandb, dir=trial_dir, project=cfg.wandb_project,
-            entity=cfg.wandb_entity or None, name=name, group=name.split("/")[0],
-            config={"trial_dir": trial_dir},
-            settings=wandb.Settings(console="off", x_disable_stats=True))
+        try:
+            self.run = wandb.init(
+                mode=cfg.wandb, dir=trial_dir, project=cfg.wandb_project,
+                entity=cfg.wandb_entity or None, name=name, group=name.split("/")[0],
+                config={"trial_dir": trial_dir},
+                settings=wandb.Settings(console="off", x_disable_stats=True))
+        except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as e:
+            raise ConfigError(
+                f"metrics.wandb={cfg.wandb}: W&B refused the run ({type(e).__name__}: "
+                f"{first_line(e)}); log in (wandb login, or WANDB_API_KEY in the workers' "
+                f"environment), or set metrics.wandb=offline") from e
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 

@@ -5,6 +5,7 @@ import json
 import logging
 
 from experiments.rl.metrics import MetricsLog, read_rows
+from system.errors import ConfigError
 
 
 def _write(path, text: str) -> None:
@@ -35,7 +36,6 @@ def test_wandb_is_off_by_default_and_validated(tmp_path):
     import pytest
 
     from experiments.rl.metrics import MetricsConfig
-    from system.errors import ConfigError
 
     m = MetricsLog(str(tmp_path))
     m.log(1, reward=0.5)
@@ -98,3 +98,21 @@ def test_tensorboard_follows_the_log_on_resume_and_start_over(tmp_path):
     m.log(1, reward=7.0)
     m.close()
     assert _tb_scalars(tmp_path, "reward") == [(1, 7.0)]
+
+
+def test_wandb_online_without_a_key_is_a_config_error(tmp_path, monkeypatch):
+    """W&B refuses an online run with no API key (no network is needed to find out): one line
+    naming metrics.wandb, a ConfigError (not recovered: a restart cannot change it). Before,
+    the master raised UsageError, was restarted three times, and a traceback ended the trial."""
+    import pytest
+
+    pytest.importorskip("wandb")
+    from experiments.rl.metrics import MetricsConfig
+
+    for var in ("WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # (no ~/.netrc with a key)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    with pytest.raises(ConfigError, match=r"^metrics.wandb=online: W&B refused the run "
+                                          r"\(UsageError: .*metrics.wandb=offline$"):
+        MetricsLog(str(tmp_path), cfg=MetricsConfig(wandb="online"), name="arith-tiny/t1")
