@@ -27,6 +27,11 @@ class Pending(Generic[T]):
         self._rpc = rpc
         self._id = rpc.submit(method, **args)
 
+    @property
+    def address(self) -> str:
+        """The server's address."""
+        return self._rpc.address
+
     def result(self, timeout: float | None = None) -> T:
         return cast(T, self._rpc.result(self._id, timeout))
 
@@ -72,25 +77,38 @@ class Pending(Generic[T]):
                     raise error from None
 
 
-def _result(p: Pending[T], timeout: float | None, stopping: Callable[[], bool] | None) -> T:
-    return p.result(timeout) if stopping is None else p.result_unless(stopping, timeout)
+def _result(p: Pending[T], timeout: float | None, deadline: float | None,
+            stopping: Callable[[], bool] | None) -> T:
+    """``p``'s reply by the fan-out's ``deadline`` (``timeout`` after it began)."""
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    try:
+        return p.result(left) if stopping is None else p.result_unless(stopping, left)
+    except RpcTimeout as e:
+        if timeout is None or isinstance(e, NotSent):
+            raise
+        # (said as the fan-out's timeout, not as what was left of it)
+        raise RpcTimeout(f"no reply from {p.address} within {timeout:.1f}s") from None
 
 
 def collect(pending: Sequence[Pending[T]], timeout: float | None = None,
             stopping: Callable[[], bool] | None = None) -> list[T]:
     """Every reply, in order; the first failure raises (after the earlier replies arrived).
-    ``stopping``: see :meth:`Pending.result_unless`."""
-    return [_result(p, timeout, stopping) for p in pending]
+    ``timeout`` is the whole fan-out's (its requests went out together: a peer that never
+    answers costs it once, not once per such peer); None: each client's own. ``stopping``:
+    see :meth:`Pending.result_unless`."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return [_result(p, timeout, deadline, stopping) for p in pending]
 
 
 def collect_settled(pending: Sequence[Pending[T]], timeout: float | None = None,
                     stopping: Callable[[], bool] | None = None) -> list[T | RpcError]:
     """Every reply, or the :class:`RpcError` its call raised (the caller decides what a failure
-    means). ``stopping``: see :meth:`Pending.result_unless`."""
+    means). ``timeout`` and ``stopping``: see :func:`collect`."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     out: list[T | RpcError] = []
     for p in pending:
         try:
-            out.append(_result(p, timeout, stopping))
+            out.append(_result(p, timeout, deadline, stopping))
         except RpcError as e:
             out.append(e)
     return out

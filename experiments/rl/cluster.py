@@ -70,8 +70,11 @@ class Cluster:
         while True:
             self.peers.refresh()
             models, gens = self.peers.models(), self.peers.generation_servers()
-            ok_m = [_answer(c.ready()) for c in models]
-            ok_g = [_answer(g.engine_stats()) for g in gens]
+            # (asked together, answered within 5 s in all: a stop meanwhile is seen at once)
+            answers = collect_settled([*[c.ready() for c in models],
+                                       *[g.engine_stats() for g in gens]], 5.0, self._stopping)
+            answers = [None if isinstance(a, RpcError) else a for a in answers]
+            ok_m, ok_g = answers[:len(models)], answers[len(models):]
             if (len(models) == self.n_model and len(gens) == self.n_gen and all(ok_m)
                     and all(r is not None for r in ok_g)):
                 break

@@ -86,3 +86,20 @@ def test_a_caller_asked_to_stop_abandons_its_waits(served):
     out = collect_settled([Pending(served, "echo", {"x": 1}),
                            Pending(served, "slow", {"delay": 0})], 60, stopped.is_set)
     assert out[0] == 1 and isinstance(out[1], CallAbandoned)
+
+
+def test_a_fan_out_s_timeout_is_the_whole_fan_out_s(served):
+    """Requests that went out together share the timeout: peers that never answer (a stop sent
+    to workers that already ended) cost it once, not once each (the controller's stop of 8
+    gone workers took 16 s at 2 s each)."""
+    calls = [Pending(served, "slow", {"delay": 0}) for _ in range(4)] + \
+        [Pending(served, "echo", {"x": 7})]
+    t0 = time.monotonic()
+    out = collect_settled(calls, 0.5)
+    assert time.monotonic() - t0 < 1.5
+    assert all(isinstance(e, RpcTimeout) and "within 0.5s" in str(e) for e in out[:4]), out
+    assert out[4] == 7  # (answered meanwhile: read though the deadline has passed)
+    t0 = time.monotonic()
+    with pytest.raises(RpcTimeout, match="within 0.3s"):
+        collect([Pending(served, "slow", {"delay": 0}) for _ in range(4)], 0.3)
+    assert time.monotonic() - t0 < 1.0
