@@ -152,6 +152,13 @@ class StopOnSignal:
                 signal.signal(sig, self)
                 self.handled.append(sig)
 
+    def ignore(self) -> None:
+        """From now on (the trial has ended) the stop signals are ignored by the kernel: the
+        interpreter's exit sets a signal it handles back to its default, and one that came then
+        (a hang-up just after a Ctrl-C's clean stop) ended the launcher as killed by it."""
+        for sig in self.handled:
+            signal.signal(sig, signal.SIG_IGN)
+
     def _cleaning_up(self) -> bool:
         """The controller ignores SIGINT while it stops everything."""
         return (signal.SIGINT in self.handled
@@ -398,6 +405,7 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
         code = controller.run()
     finally:
         stop.first = stop.first or "the end"  # (a signal after run() is ignored, as within)
+        stop.ignore()
         if watch is not None:
             watch.close()
     if requeue_job is None or controller.outcome != "requeued":

@@ -405,9 +405,14 @@ class Controller(RecoveringController):
         for first in (True, False):  # the master first: what its calls then raise is no failure
             collect_settled([c.stop() for c in clients if (c.kind == "master") == first],
                             1.0 if first else 2.0)
+        # the jobs of workers asked to stop get the grace to end by themselves; one of a worker
+        # that was not asked (not registered with this controller yet: forked from a spare
+        # just now) cannot end that way: waiting for it would only delay its SIGTERM
+        asked = {c.name for c in clients}
         deadline = time.monotonic() + self.cfg.scheduler.stop_grace
         while time.monotonic() < deadline and any(
-                s.state.active and s.state != JobState.UNKNOWN for s in self.scheduler.poll()):
+                s.state.active and s.state != JobState.UNKNOWN and set(s.workers) <= asked
+                for s in self.scheduler.poll()):
             time.sleep(0.05)
         try:
             self.scheduler.stop_all(self.cfg.scheduler.stop_grace)

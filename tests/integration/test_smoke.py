@@ -138,6 +138,29 @@ def test_ctrl_c_stops_everything(fileroot):
     _assert_nothing_left(fileroot, "smoke", "ctrlc")
 
 
+def test_ctrl_c_before_the_workers_register_does_not_wait_out_the_grace(fileroot):
+    """Ctrl-C while the workers still import: none is registered, so none can be asked to
+    stop; the launcher no longer waits ``scheduler.stop_grace`` (here 30 s) for them to end
+    by themselves before their SIGTERM."""
+    trial_dir = os.path.join(fileroot, "smoke", "early")
+    proc = subprocess.Popen(launch_argv("exp=smoke", "trial=early", f"cluster.fileroot={fileroot}",
+                                        "smoke.min_duration=120", "controller.heartbeat_ttl=2",
+                                        "scheduler.stop_grace=30"),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not trial_processes(trial_dir) and time.time() < deadline:
+        time.sleep(0.05)
+    nr = trial_name_resolve(fileroot, "smoke", "early")
+    assert nr.find_subtree("smoke/early/heartbeat") == []  # (still importing)
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert time.time() - t0 < 20, err  # (SIGTERM's own grace included: they end at once)
+    assert proc.returncode != 0 and "interrupted" in err
+    assert read_summary(fileroot, "smoke", "early")["status"] == "interrupted"
+    _assert_nothing_left(fileroot, "smoke", "early")
+
+
 def _state(root: str) -> str | None:
     try:
         with open(os.path.join(root, "status.json")) as f:
