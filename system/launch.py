@@ -13,10 +13,12 @@ master reports completion.
 """
 from __future__ import annotations
 
+from system.cli_entry import main_begins, quiet_while_importing
 from system.thread_stacks import dump_stacks_on_signal
 
 if __name__ == "__main__":  # before the imports below start threads (numpy's BLAS pool), so
     dump_stacks_on_signal()  # that they inherit SIGURG blocked: `python -m system.ctl stacks`
+    quiet_while_importing()  # (a Ctrl-C meanwhile: one line, no traceback)
 
 import dataclasses
 import errno
@@ -210,6 +212,7 @@ def _terminal(fd: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    main_begins()
     argv = sys.argv[1:] if argv is None else argv
     restarted: list[str] = []  # a requeued controller's trial directory, once known
     try:

@@ -20,6 +20,11 @@ dropped without a message; the exit code stays the same.
 """
 from __future__ import annotations
 
+from system.cli_entry import INTERRUPTED, main_begins, quiet_while_importing
+
+if __name__ == "__main__":
+    quiet_while_importing()  # (a Ctrl-C while the imports below run: one line, no traceback)
+
 import argparse
 import os
 import sys
@@ -143,9 +148,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    main_begins()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return dispatch(args)
+    except KeyboardInterrupt:  # (cancel says what its request still does)
+        output.say("interrupted", sys.stderr)
+        return INTERRUPTED
     except ConfigError as e:
         output.say(f"error: {e}", sys.stderr)
         return 2

@@ -24,6 +24,7 @@ import time
 from typing import Any, Iterable, Sequence
 
 from scheduler.slurm_jobs import NamedJob, stdout_under
+from system.cli_entry import INTERRUPTED
 from system.ctl import output, procs, slurm_query
 from system.ctl.live import request_cancel
 from system.ctl.trial_state import TrialView, read_trial
@@ -182,9 +183,16 @@ def run(paths: TrialPaths, grace: float = GRACE) -> int:
         _say(t0, f"cancel requested for {view.exp}/{view.trial} ({view.state})"
              + (f"; the cancel key could not be set: {why}" if why else ""))
         signalled = bool(why) or (view.state == "pending" and bool(view.controller_job()))
-        if signalled:  # no key to see, or a controller still queued (it never ran a worker)
-            _signal_controller(view, t0)
-        view = _wait_controller(view, t0, grace, signalled)
+        try:
+            if signalled:  # no key to see, or a controller still queued (it never ran a worker)
+                _signal_controller(view, t0)
+            view = _wait_controller(view, t0, grace, signalled)
+        except KeyboardInterrupt:
+            _say(t0, "interrupted: " + (
+                "the cancel key stands: the controller stops the trial when it reads it "
+                "(`python -m system.ctl status` shows when it has)" if not why else
+                "the controller may still run: cancel again"))
+            return INTERRUPTED
         if view.holder is None:
             _say(t0, f"the controller has stopped; trial {view.state}")
         else:

@@ -182,3 +182,25 @@ def test_a_real_launch_where_the_name_service_directory_cannot_be_made_is_one_li
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("error: ") and root in r.stderr and (
         "name_resolve.file_root" in r.stderr or "cluster.fileroot" in r.stderr), r.stderr
+
+
+def test_ctrl_c_while_the_launcher_imports_is_one_line():
+    """SIGINT while ``python -m system.launch`` still imports its modules (it has done
+    nothing yet): ``interrupted`` and exit code 130, not a traceback through the imports."""
+    import signal
+    import subprocess
+    import time
+
+    from system.thread_stacks import handles_stacks_signal
+    from tests.helpers import REPO, launch_argv
+
+    proc = subprocess.Popen(launch_argv("exp=smoke", "trial=t", "--dry-run"), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not handles_stacks_signal(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.002)  # (set up first thing: the imports follow, about a second here)
+    time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("interrupted"), err
