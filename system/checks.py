@@ -60,3 +60,14 @@ def check_int(key: str, value: object, minimum: int) -> None:
         raise ConfigError(f"{key}={value!r} must be an integer >= {minimum}")
     if value < minimum:
         raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+
+
+MAX_WORKERS = 100_000
+"""The most workers of one kind: more than any cluster runs (a count past it is a typo, and
+planning a few million workers alone takes minutes and gigabytes)."""
+
+
+def check_count(key: str, value: int) -> None:
+    """A count of workers of one kind: 0 to :data:`MAX_WORKERS`."""
+    if not 0 <= value <= MAX_WORKERS:
+        raise ConfigError(f"{key}={value} is not valid; valid: 0 to {MAX_WORKERS} workers")

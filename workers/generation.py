@@ -17,6 +17,7 @@ import numpy as np
 
 from system import names
 from system.api_key import read_api_key
+from system.checks import check_count
 from system.errors import ConfigError
 from system.errors import NameEntryNotFound
 from system.paths import TrialPaths
@@ -70,8 +71,7 @@ class GenerationServerConfig:
     """Seconds a session may go untouched before it is dropped (its rollout worker is gone)."""
 
     def __post_init__(self) -> None:
-        if self.count < 0:
-            raise ConfigError(f"count must be >= 0, got {self.count}")
+        check_count("count", self.count)
         self.http_limits()  # raises for a bad http_* value
         self.session_limits()
 

@@ -22,6 +22,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from system import names
+from system.checks import check_count
 from system.errors import ConfigError
 from system.rendezvous import host_store, lookup_store, store_prefix
 from system.reshard.backend import device_identity
@@ -49,8 +50,7 @@ class ModelWorkerConfig:
     """Seconds to wait for all ranks when a process group forms."""
 
     def __post_init__(self) -> None:
-        if self.count < 0:
-            raise ConfigError(f"count must be >= 0, got {self.count}")
+        check_count("count", self.count)
         if self.group_timeout <= 0:
             raise ConfigError(f"group_timeout must be > 0, got {self.group_timeout}")
 

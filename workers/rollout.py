@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from system import names
+from system.checks import check_count
 from system.errors import ConfigError
 from system.rpc import StreamPusher
 from workers.base import Worker
@@ -21,8 +22,7 @@ class RolloutWorkerConfig:
     """Seconds a push may wait while the master's bounded queue is full."""
 
     def __post_init__(self) -> None:
-        if self.count < 0:
-            raise ConfigError(f"count must be >= 0, got {self.count}")
+        check_count("count", self.count)
         if self.push_timeout <= 0:
             raise ConfigError(f"push_timeout must be > 0, got {self.push_timeout}")
 

@@ -32,6 +32,11 @@ class CliArgs:
 
 FLAGS = {"--dry-run": "dry_run", "--help": "help", "-h": "help"}
 
+FLOAT_LIMIT = 1e9
+"""The largest magnitude of any float key: as seconds (most of them) about 31 years, and past
+it the waits overflow (a heartbeat TTL of 1e300 killed every process's keep-alive thread with
+OverflowError); no other float key (rates, coefficients, sizes) has a use for more."""
+
 
 LAUNCH_USAGE = "usage: python -m system.launch exp=NAME trial=T [key=value ...]"
 
@@ -139,11 +144,13 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
             if enum_type is not None:
                 msg = f"valid values: {[m.value for m in enum_type]}"
             raise ConfigError(f"bad value for {key}={raw!r}: {msg}") from None
-    bad = _non_finite(conf)  # before any section sees it: NaN passes every `x <= 0` check
+    bad = _out_of_range(conf)  # before any section sees it: NaN passes every `x <= 0` check
     if bad is not None:
         key, value = bad
         item = given.get(key)
-        raise ConfigError(f"{item if item else f'{key}={value}'}: must be a finite number")
+        raise ConfigError(f"{item if item else f'{key}={value}'}: must be a finite number"
+                          + ("" if not math.isfinite(value) else
+                             f" of magnitude at most {FLOAT_LIMIT:g} (as seconds: 31 years)"))
     try:
         cfg = OmegaConf.to_object(conf)  # runs every __post_init__
     except ConfigError as e:
@@ -155,19 +162,22 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
     return cfg
 
 
-def _non_finite(node: Any, path: str = "") -> tuple[str, float] | None:
-    """The first float-typed value under ``node`` that is NaN or infinite, with its dotted key;
-    None if there is none. Every float key of the config is a finite number: none uses inf
-    (nor NaN) as a setting (a key without a limit says so with 0, or null where optional)."""
+def _out_of_range(node: Any, path: str = "") -> tuple[str, float] | None:
+    """The first float-typed value under ``node`` that is NaN, infinite or larger in magnitude
+    than :data:`FLOAT_LIMIT`, with its dotted key; None if there is none. Every float key of
+    the config is a finite number: none uses inf (nor NaN) as a setting (a key without a limit
+    says so with 0, or null where optional)."""
     if isinstance(node, FloatNode):
         value = node._value()
-        return (path, value) if isinstance(value, float) and not math.isfinite(value) else None
+        bad = isinstance(value, float) and not (math.isfinite(value)
+                                                and abs(value) <= FLOAT_LIMIT)
+        return (path, value) if bad else None
     if not isinstance(node, (DictConfig, ListConfig)) or node._is_none() \
             or node._is_missing() or node._is_interpolation():
         return None
     keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
     for key in keys:
-        found = _non_finite(node._get_node(key), f"{path}.{key}" if path else str(key))
+        found = _out_of_range(node._get_node(key), f"{path}.{key}" if path else str(key))
         if found is not None:
             return found
     return None

@@ -26,7 +26,7 @@ def test_defaults_and_overrides():
     ("rollout.cout=3", ["rollout.cout", "count", "push_timeout"]),
     ("nosuch=1", ["nosuch", "rollout", "smoke", "scheduler"]),
     ("rollout.count=many", ["rollout.count", "many"]),
-    ("rollout.count=-1", ["rollout.count", ">= 0"]),
+    ("rollout.count=-1", ["rollout.count", "valid: 0 to 100000 workers"]),
     ("scheduler=pbs", ["scheduler.type", "local", "slurm"]),
     ("rollout=3", ["rollout", "count"]),
     ("rollout.count.x=3", ["rollout.count", "value"]),
@@ -142,6 +142,32 @@ def test_every_float_key_of_every_experiment_refuses_nan():
                 build_config(name, "t", [f"{key}=nan"])
     cfg = build_config("arith-tiny", "t", ["rl.vllm.kv_cache_gib=null", "rl.actor.lr=2e-5"])
     assert cfg.rl.vllm.kv_cache_gib is None and cfg.rl.actor.lr == 2e-5
+
+
+def test_every_float_key_of_every_experiment_refuses_a_huge_value():
+    """Found by an audit: ``controller.heartbeat_ttl=1e300`` passed (only a few timeouts had an
+    upper bound) and every process's keep-alive thread died of OverflowError; the same generic
+    check now bounds every float key at 1e9 (as seconds, 31 years)."""
+    from experiments.catalog import all_experiments
+
+    for name, experiment in all_experiments().items():
+        for key in _float_keys(experiment.make_config()):
+            for raw in ("1e300", "-2e9"):
+                with pytest.raises(ConfigError, match=rf"^{key}={raw}: must be a finite number "
+                                                      r"of magnitude at most 1e\+09 "):
+                    build_config(name, "t", [f"{key}={raw}"])
+    assert build_config("smoke", "t", ["controller.stall_timeout=1e9"]).controller \
+        .stall_timeout == 1e9
+
+
+@pytest.mark.parametrize("key", ["model.count", "generation.count", "rollout.count"])
+def test_a_worker_count_past_any_cluster_is_refused(key):
+    """``model.count=99999999999999999999999`` passed, and even ``--dry-run`` never ended
+    (planning each worker: 2 million took 27 s and 2.5 GB)."""
+    for raw in ("99999999999999999999999", "100001"):
+        with pytest.raises(ConfigError, match=rf"^{key}={raw} is not valid; valid: 0 to 100000 "
+                                              "workers$"):
+            build_config("smoke", "t", [f"{key}={raw}"])
 
 
 def test_non_finite_floats_of_a_base_config_are_refused():
