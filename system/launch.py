@@ -13,11 +13,12 @@ master reports completion.
 """
 from __future__ import annotations
 
-from system.cli_entry import main_begins, quiet_while_importing
+from system.cli_entry import main_begins, quiet_while_importing, std_fds_open
 from system.thread_stacks import dump_stacks_on_signal
 
 if __name__ == "__main__":  # before the imports below start threads (numpy's BLAS pool), so
     dump_stacks_on_signal()  # that they inherit SIGURG blocked: `python -m system.ctl stacks`
+    std_fds_open()  # (2>&-: see system.cli_entry)
     quiet_while_importing()  # (a Ctrl-C meanwhile: one line, no traceback)
 
 import dataclasses

@@ -299,8 +299,9 @@ class RpcClient:
         request that could not be queued within the client's timeout fails there, as
         :class:`~system.errors.NotSent` (an :class:`RpcTimeout`; so a fan-out still collects
         every other reply). After such a send, the next ones do not wait: each is queued if
-        the queue has room again (the peer took what was queued, or reconnected), else fails
-        at once, so a client of a peer that is gone costs its timeout once, not per call.
+        the queue has room again (the peer took what was queued), else fails at once: a
+        client whose queue is full, or whose connection ZeroMQ dropped, costs the send's
+        wait once, not per call.
         :class:`~system.errors.ClientClosed` once :meth:`close` was called."""
         if self._sock.closed:
             raise ClientClosed(f"{method} to {self.address}: this client was closed")

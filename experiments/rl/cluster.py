@@ -171,7 +171,8 @@ class Cluster:
             self._joined[r] = self.peers.address(self.gens[r].name) or ""
         if self._spec is None:  # disk mode: nothing to join
             return set(replicas)
-        pending, owner, refused = [], [], set()
+        pending: dict[int, list[Pending[Any]]] = {}
+        refused = set()
         for r in replicas:
             try:
                 spec = self.replica_spec(r)
@@ -180,12 +181,13 @@ class Cluster:
                 refused.add(r)
                 continue
             group = f"weight_sync/{r}-{uuid.uuid4().hex[:8]}"  # never an old group's store
-            pending += [c.weight_sync_init(spec, group, r) for c in self.models]
-            pending.append(self.gens[r].weight_sync_init(spec, group))
-            owner += [r] * (len(self.models) + 1)
-        failed = {r for r, res in zip(owner, collect_settled(pending, self._spec.timeout + 30,
-                                                                 self._stopping))
-                  if isinstance(res, RpcError)}
+            pending[r] = [*[c.weight_sync_init(spec, group, r) for c in self.models],
+                          self.gens[r].weight_sync_init(spec, group)]
+        # each model worker forms the groups one after another: each replica's calls get the
+        # timeout from when the one before it is done, not one deadline for them all
+        failed = {r for r, calls in pending.items()
+                  if any(isinstance(res, RpcError) for res in collect_settled(
+                      calls, self._spec.timeout + 30, self._stopping))}
         for r in sorted(failed):
             log.warning("generation server %d could not join the weight updates", r)
         return set(replicas) - failed - refused

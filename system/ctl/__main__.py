@@ -20,9 +20,10 @@ dropped without a message; the exit code stays the same.
 """
 from __future__ import annotations
 
-from system.cli_entry import INTERRUPTED, main_begins, quiet_while_importing
+from system.cli_entry import INTERRUPTED, main_begins, quiet_while_importing, std_fds_open
 
 if __name__ == "__main__":
+    std_fds_open()  # (2>&-: see system.cli_entry)
     quiet_while_importing()  # (a Ctrl-C while the imports below run: one line, no traceback)
 
 import argparse

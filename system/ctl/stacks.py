@@ -92,8 +92,8 @@ def _signal_controller(view: TrialView) -> tuple[list[str], list[str]]:
     holder = view.holder
     if holder is None:  # no controller runs
         return [], []
-    job = view.controller_job() or str(holder.get("slurm_job") or "")
-    if job:
+    job = view.controller_job()  # (a --detach controller's: the lock holder's job may be
+    if job:  # an allocation a launcher runs in, whose batch script is not the launcher)
         if not slurm_query.scancel([job], "--batch", SCANCEL_STACKS):
             return [], [f"scancel --batch {SCANCEL_STACKS} {job} (the controller's) failed"]
         return [f"the controller's job {job}"], []
