@@ -51,8 +51,11 @@ def _request(view: TrialView) -> str:
 
 
 def _signal_controller(view: TrialView, t0: float) -> None:
+    """A ``--detach`` controller's own job is cancelled; a launcher on this machine gets
+    SIGTERM. A launcher elsewhere is only named, with the Slurm job it runs in, if any: that
+    job is the user's allocation (``salloc``, a wrapper script), not the trial's to cancel."""
     holder = view.holder or {}
-    job = view.controller_job() or str(holder.get("slurm_job") or "")
+    job = view.controller_job()
     if job:
         slurm_query.scancel([job])
         _say(t0, f"scancel {job} (the controller's job)")
@@ -62,8 +65,11 @@ def _signal_controller(view: TrialView, t0: float) -> None:
                                                                             view.trial):
         os.kill(pid, signal.SIGTERM)
         _say(t0, f"SIGTERM to the controller (pid {pid})")
-    else:
-        _say(t0, f"cannot signal the controller (pid {pid} on {holder.get('host')!r})")
+        return
+    inside = str(holder.get("slurm_job") or "")
+    _say(t0, f"cannot signal the controller (pid {pid} on {holder.get('host')!r})"
+         + (f"; it runs inside Slurm job {inside}, which `scancel {inside}` would end with "
+            "everything else in it" if inside else ""))
 
 
 def _wait_controller(view: TrialView, t0: float, grace: float, signalled: bool) -> TrialView:
