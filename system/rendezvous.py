@@ -23,7 +23,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Any
+from typing import Any, Callable
 
 from system.name_resolve import NameResolve
 from system.wire import Codec
@@ -80,6 +80,7 @@ def join_store(address: str, world_size: int, timeout: float, prefix: str) -> An
 
 
 def lookup_store(name_resolve: NameResolve, key: str, world_size: int, timeout: float,
-                 prefix: str) -> Any:
-    """Wait for the address published under ``key`` and connect to it."""
-    return join_store(name_resolve.wait(key, timeout), world_size, timeout, prefix)
+                 prefix: str, stop: Callable[[], bool] | None = None) -> Any:
+    """Wait for the address published under ``key`` (no longer once ``stop()`` says the
+    caller is stopping) and connect to it."""
+    return join_store(name_resolve.wait(key, timeout, stop=stop), world_size, timeout, prefix)

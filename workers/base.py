@@ -163,8 +163,9 @@ class Worker:
                         log.warning("%s: checkpoint committed after SIGUSR2: stopping", self.name)
                         break
                 else:
-                    log.warning("%s: no checkpoint within %.0fs of SIGUSR2: stopping",
-                                self.name, timeout)
+                    if not self._stop.is_set():  # (not: stopped meanwhile by another cause)
+                        log.warning("%s: no checkpoint within %.0fs of SIGUSR2: stopping",
+                                    self.name, timeout)
             finally:
                 self.stop()
         threading.Thread(target=wait, name="preempt", daemon=True).start()
@@ -172,7 +173,12 @@ class Worker:
 
     def _on_signal(self, signum: signal.Signals) -> None:
         """SIGTERM, SIGINT (stop gracefully) or SIGUSR2 (a preemption's or time limit's
-        warning), in the relay's thread (see :mod:`system.signal_relay`: this takes locks)."""
+        warning), in the relay's thread (see :mod:`system.signal_relay`: this takes locks).
+        One during the controller's stop (the scheduler's SIGTERM after the grace, a time
+        limit's warning as the trial ends) leaves it the controller's: exit 0, no requeue."""
+        if self.stopping and self.signalled is None:
+            log.warning("%s got %s while stopping as the controller asked", self.name, signum.name)
+            return
         if signum == signal.SIGTERM and not self.stopping and self._preempting():
             log.warning("%s got SIGTERM with its job chosen for preemption: as SIGUSR2 (a "
                         "checkpoint where state is held, then the job's requeue)", self.name)
@@ -416,11 +422,14 @@ class Worker:
             # Stopped by the controller: remove our keys. Stopped by a signal (scancel,
             # requeue, preemption): stop refreshing and let the heartbeat expire, so the
             # controller sees the job's fate before it sees a dead worker.
-            if self.signalled is None:
-                for key in (names.heartbeat(self.exp, self.trial, self.kind, self.index),
-                            names.worker_address(self.exp, self.trial, self.kind, self.index)):
+            if self.signalled is None:  # (if still ours: a replacement may hold them now)
+                for key, value in ((names.heartbeat(self.exp, self.trial, self.kind,
+                                                    self.index), str(os.getpid())),
+                                   (names.worker_address(self.exp, self.trial, self.kind,
+                                                         self.index), self.server.address)):
                     try:
-                        nr.delete(key)
+                        if nr.get(key) == value:
+                            nr.delete(key)
                     except Exception:
                         pass
             nr.close()

@@ -389,7 +389,7 @@ class ModelWorker(Worker):
         prefix = store_prefix(self.codec, name)
         store = (host_store(self.name_resolve, key, self.host, world, timeout, prefix)
                  if self.index == 0 else lookup_store(self.name_resolve, key, world, timeout,
-                                                      prefix))
+                                                      prefix, stop=lambda: self.stopping))
         if keep:
             self._stores.append(store)
         return store

@@ -100,7 +100,10 @@ def clear_worker_keys(nr: NameResolve, exp: str, trial: str, workers: Iterable[s
                     names.heartbeat(exp, trial, kind, int(index)),
                     names.worker_error(exp, trial, kind, int(index)),
                     names.preempt(exp, trial, kind, int(index)),
-                    names.stop_order(exp, trial, kind, int(index))):
+                    names.stop_order(exp, trial, kind, int(index)),
+                    # (a server's OpenAI endpoint: agents must not call the dead one's)
+                    *([names.http_address(exp, trial, int(index))]
+                      if kind == "generation" else [])):
             try:
                 nr.delete(key)
             except NameEntryNotFound:

@@ -18,9 +18,10 @@ from system.wire import Codec
 from tests.helpers import REPO, write_secret_file
 from workers.client import WorkerClient
 
-# a worker whose role runs until stopped; with "stuck", a role that never looks at `stopping`
+# a worker whose role runs until stopped; with "stuck", a role that never looks at `stopping`;
+# with "slow", one that takes a second to unwind once stopped
 PROBE = """
-import logging, sys, threading
+import logging, sys, threading, time
 from system.bootstrap import Bootstrap
 from workers.base import Worker
 
@@ -32,6 +33,8 @@ def role(worker):
         threading.Event().wait()
     while not worker.wait_stop(0.1):
         pass
+    if sys.argv[2] == "slow":
+        time.sleep(1.0)
     return {"orphaned": worker.orphaned}
 
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
@@ -218,3 +221,46 @@ def test_heartbeats_missed_during_a_name_service_outage_are_no_news(trial):
     finally:
         w.name_resolve.close()
         w.server.close()
+
+
+def test_a_signal_during_the_controller_s_stop_leaves_it_the_controller_s(trial):
+    """The scheduler's SIGTERM to a worker slower than the grace (or a time limit's SIGUSR2 as
+    the trial ends) came while the worker already stopped as the controller asked: it read as
+    stopped by that signal (exit 143, its keys left to expire; SIGUSR2 also marked its job
+    for a requeue after the trial). It is now a stop like any other: exit 0, keys removed."""
+    tmp_path, nr, codec = trial
+    nr.add(names.controller("orph", "t"), "controller", keepalive_ttl=0.6)
+    proc, client = _start(tmp_path, nr, codec, mode="slow")
+    try:
+        client.stop().result()
+        proc.send_signal(signal.SIGUSR2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, _log(tmp_path, "slow")
+        log = _log(tmp_path, "slow")
+        assert "got SIGTERM while stopping as the controller asked" in log, log
+        assert "got SIGUSR2 while stopping as the controller asked" in log, log
+        assert nr.find_subtree("orph/t/heartbeat") == [] and nr.find_subtree("orph/t/preempt") == []
+        assert nr.find_subtree(names.worker_addresses("orph", "t")) == []
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_worker_leaves_keys_a_replacement_registered(trial):
+    """A stopped worker removed its keys without looking whose they were: a replacement that
+    had registered meanwhile (a respawn in a shared Slurm job) lost its own."""
+    tmp_path, nr, codec = trial
+    nr.add(names.controller("orph", "t"), "controller", keepalive_ttl=0.6)
+    proc, client = _start(tmp_path, nr, codec, mode="slow")
+    address = names.worker_address("orph", "t", "probe", 0)
+    try:
+        client.stop().result()
+        nr.add(address, "tcp://127.0.0.1:1#replacement", replace=True)
+        assert proc.wait(timeout=20) == 0, _log(tmp_path, "slow")
+        assert nr.get(address) == "tcp://127.0.0.1:1#replacement"
+        assert nr.find_subtree("orph/t/heartbeat") == []  # (its own: removed)
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()

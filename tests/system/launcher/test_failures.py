@@ -122,3 +122,20 @@ def test_a_call_refused_by_a_worker_whose_job_was_cancelled_names_the_cancelled_
     # a job of several workers (Slurm) is named after the called one
     gen1 = WorkerFailure("configure of worker generation/1 failed", "generation/1")
     assert call_failure_cause(gen1, both, "during configure").worker == "generation/1"
+
+
+def test_a_restarted_generation_server_s_endpoint_is_forgotten_with_it(tmp_path):
+    """Its OpenAI endpoint stayed registered: agents of the OpenAI kind read the dead server's
+    until the new one published its own. Another kind's index leaves it alone."""
+    from system import names
+    from system.launcher.failures import clear_worker_keys
+    from system.name_resolve import FileNameResolve
+
+    nr = FileNameResolve(str(tmp_path), secret=b"s" * 32)
+    http = names.http_address("e", "t", 1)
+    nr.add(http, "http://127.0.0.1:8001")
+    clear_worker_keys(nr, "e", "t", ["model/1", "rollout/1"], stateful=False)
+    assert nr.get(http) == "http://127.0.0.1:8001"
+    clear_worker_keys(nr, "e", "t", ["generation/1"], stateful=False)
+    assert nr.find_subtree(names.http_addresses("e", "t")) == []
+    nr.close()
