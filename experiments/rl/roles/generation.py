@@ -13,8 +13,8 @@ def generation_role(worker: GenerationServer) -> dict[str, Any]:
     path = model_path(worker, rl)
     tok = load_tokenizer(path)
     engine = worker.open_engine(path, rl.vllm, tok.eos_token_id)
-    worker.serve_http(tok, worker.boot.experiment)
-    try:
+    try:  # (the engine is closed if the HTTP endpoint cannot start, too)
+        worker.serve_http(tok, worker.boot.experiment)
         worker.serve_until_stopped()  # raises if the engine's loop dies
     finally:
         worker.close()
