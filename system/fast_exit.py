@@ -6,7 +6,8 @@ after it). A trial's five workers stop together, so on two cores the trial's sto
 longer than its workers' own work. :func:`exit_now` does what that tear-down does that anyone
 can see, then leaves with ``os._exit``:
 
-- waits for the threads that are not daemons (as ``threading._shutdown`` does);
+- waits for the threads that are not daemons, after the hooks that end them (as
+  ``threading._shutdown`` does: an idle ``ThreadPoolExecutor``'s workers);
 - runs the ``atexit`` handlers: ``weakref.finalize`` callbacks, multiprocessing's (which ends
   and joins child processes and runs its finalizers: vLLM's private directory is removed
   there), logging's;
@@ -27,6 +28,10 @@ import threading
 
 def exit_now(code: int) -> None:
     """Exit the process with ``code`` as described above (never returns)."""
+    # what threading's own shutdown runs first: concurrent.futures' hook that wakes an
+    # executor's idle workers (not daemons) so that they end; else the join below never would
+    for hook in reversed(getattr(threading, "_threading_atexits", [])):
+        hook()
     me = threading.current_thread()
     for t in threading.enumerate():
         if t is not me and not t.daemon and t.is_alive():

@@ -39,3 +39,16 @@ def test_exit_now_joins_threads_runs_atexit_flushes_files_and_keeps_the_code(tmp
     assert r.stdout == "on stdout, buffered" and r.stderr == ""
     assert target.read_text() == ("written, never flushed by the script; by a thread that is "
                                   "not a daemon; at exit")
+
+
+def test_exit_now_ends_an_executor_the_main_thread_left_open():
+    """A ThreadPoolExecutor made in the main thread and never shut down: its idle workers
+    (not daemons) wait for work until threading's exit hook wakes them; exit_now joined them
+    without running it, and the worker never exited (SIGTERM could not end it either)."""
+    code = ("from concurrent.futures import ThreadPoolExecutor\n"
+            "from system.fast_exit import exit_now\n"
+            "pool = ThreadPoolExecutor(2)\n"
+            "assert pool.submit(lambda: 41 + 1).result() == 42\n"
+            "exit_now(5)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=30)
+    assert r.returncode == 5
