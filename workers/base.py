@@ -403,18 +403,18 @@ class Worker:
             while not self._stop.wait(0.5):
                 pass
         except Exception as e:
-            if self._stop.is_set() and self.signalled is None:
-                # the controller's stop interrupted the role (the master's "stopped during
-                # training", a peer's answer that it stopped): a stop, not a failure
-                log.warning("%s stopped while its role ran (%s: %s)", self.name,
-                            type(e).__name__, first_line(e))
-                return self._exit_code(0)
-            code = 1
-            self.state = WorkerState.FAILED
-            tb = traceback.format_exc()
-            log.error("%s failed:\n%s", self.name, tb)
-            if self.signalled is None:  # stopped by a signal (scancel, preemption), the
-                self._report_failure(e, tb)  # job's fate tells the controller, not an error
+            if not self._stop.is_set():
+                tb = traceback.format_exc()
+                log.error("%s failed:\n%s", self.name, tb)
+                if self.signalled is None:  # (stopped by a signal: the job's fate tells)
+                    self._report_failure(e, tb)
+            else:  # a stop interrupted the role (the master's "stopped during training")
+                log.warning("%s stopped%s while its role ran (%s: %s)", self.name,
+                            f" by {self.signalled}" * bool(self.signalled), type(e).__name__,
+                            first_line(e))
+                if self.signalled is None:  # (after a signal, the exit code tells)
+                    return self._exit_code(0)
+            code, self.state = 1, WorkerState.FAILED
         finally:
             self._serve_stop.set()
             serve.join(timeout=5)
