@@ -60,14 +60,14 @@ def _signal_controller(view: TrialView, t0: float) -> None:
         slurm_query.scancel([job])
         _say(t0, f"scancel {job} (the controller's job)")
         return
-    pid = int(holder.get("pid") or 0)
-    if holder.get("host") == socket.gethostname() and procs.launcher_alive(pid, view.exp,
-                                                                            view.trial):
+    pid = procs.launcher_here(holder, view.exp, view.trial)
+    if pid:
         os.kill(pid, signal.SIGTERM)
         _say(t0, f"SIGTERM to the controller (pid {pid})")
         return
     inside = str(holder.get("slurm_job") or "")
-    _say(t0, f"cannot signal the controller (pid {pid} on {holder.get('host')!r})"
+    _say(t0, f"cannot signal the controller (pid {holder.get('pid') or 0} on "
+             f"{holder.get('host')!r})"
          + (f"; it runs inside Slurm job {inside}, which `scancel {inside}` would end with "
             "everything else in it" if inside else ""))
 
@@ -134,10 +134,8 @@ def _sweep_slurm(view: TrialView, t0: float, deadline: float) -> list[str]:
 def _sweep_local(view: TrialView, t0: float) -> list[int]:
     """Stop the trial's workers and spares on this machine, and its launcher; pids left."""
     pids = procs.trial_processes(view.paths.root)
-    holder = view.holder or {}
-    pid = int(holder.get("pid") or 0)
-    if holder.get("host") == socket.gethostname() and procs.launcher_alive(pid, view.exp,
-                                                                            view.trial):
+    pid = procs.launcher_here(view.holder, view.exp, view.trial)
+    if pid:
         pids.append(pid)
     if pids:
         _say(t0, f"stopping processes {' '.join(map(str, pids))}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 
@@ -47,6 +48,14 @@ def trial_processes(root: str) -> list[int]:
 def launcher_alive(pid: int, exp: str, trial: str) -> bool:
     args = cmdline(pid) if pid > 0 else None
     return args is not None and is_launcher(args, exp, trial)
+
+
+def launcher_here(holder: dict | None, exp: str, trial: str) -> int:
+    """The pid of the trial's lock ``holder`` when it is the trial's launcher, live on this
+    machine (one that can be signalled from here); else 0."""
+    pid = int((holder or {}).get("pid") or 0)
+    here = (holder or {}).get("host") == socket.gethostname()
+    return pid if here and launcher_alive(pid, exp, trial) else 0
 
 
 def _signal(pid: int, sig: int) -> None:

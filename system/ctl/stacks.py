@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 import time
 
 from system.ctl import output, procs, slurm_query
@@ -97,9 +96,10 @@ def _signal_controller(view: TrialView) -> tuple[list[str], list[str]]:
         if not slurm_query.scancel([job], "--batch", SCANCEL_STACKS):
             return [], [f"scancel --batch {SCANCEL_STACKS} {job} (the controller's) failed"]
         return [f"the controller's job {job}"], []
-    pid, host = int(holder.get("pid") or 0), holder.get("host")
-    if host != socket.gethostname() or not procs.launcher_alive(pid, view.exp, view.trial):
-        return [], [f"the controller, pid {pid} on {host!r}: not a launcher on this machine"]
+    pid = procs.launcher_here(holder, view.exp, view.trial)
+    if not pid:
+        return [], [f"the controller, pid {holder.get('pid')} on {holder.get('host')!r}: not "
+                    "a launcher on this machine"]
     if not ask_for_stacks(pid):
         return [], [f"the controller, pid {pid}: no handler (a launcher from before it had one)"]
     return [f"the controller (pid {pid})"], []
