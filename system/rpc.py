@@ -5,7 +5,9 @@
   that fails to parse, authenticate, is too large, is meant for another server or was already
   received (:mod:`system.replay`) is dropped and counted in :attr:`RpcServer.drops`; the server
   keeps serving. A handler that returns a :class:`concurrent.futures.Future` is answered when it
-  completes (long calls such as generation do not hold up the others).
+  completes (long calls such as generation do not hold up the others). A reply that cannot
+  be delivered (its caller closed or restarted, or stopped reading) is dropped, never waited
+  for, and counted in :attr:`RpcServer.unsent`.
 - :class:`RpcClient` (DEALER) sends requests; every call has a timeout
   (:class:`~system.errors.RpcTimeout`) and remote exceptions come back as
   :class:`~system.errors.RemoteError`. It accepts one reply per request in flight.
@@ -120,12 +122,15 @@ class RpcServer:
     def __init__(self, codec: Codec, host: str, handlers: Mapping[str, Handler]) -> None:
         self._handlers = dict(handlers)
         self._sock = make_socket(codec, zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # an undeliverable reply raises (counted) instead of vanishing; sends never block
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.address = bind(self._sock, host)
         self._in = Receiver(codec, Channel.REQUEST, self.address)
         self._out = Sender(codec, Channel.REPLY)
         self.drops = DropCounters()
         self.served = 0
+        self.unsent = 0
+        """Replies dropped: their caller was gone (closed, restarted) or its queue was full."""
         # deferred replies: a handler may return a Future; its reply is sent when it completes
         # (other requests are served meanwhile). Completion wakes the poller through a pipe.
         self._deferred: dict[int, tuple[bytes, Header, str]] = {}  # by key: who asked what
@@ -209,7 +214,11 @@ class RpcServer:
         # counted first: a caller that has its answer finds it counted (counted after the send,
         # a loaded CI run read served=1 after two answered calls)
         self.served += 1
-        send_frames(self._sock, [ident, *out])
+        try:
+            send_frames(self._sock, [ident, *out], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: no such caller now; EAGAIN: its queue is full
+            self.unsent += 1
+            log.debug("server %s: reply to %s dropped (%s)", self.address, request.sender, e)
 
     def _dispatch(self, method: str, args: dict[str, Any]) -> Reply:
         handler = self._handlers.get(method)

@@ -37,7 +37,6 @@ PREEMPT_WAIT = 90.0
 before it stops anyway (Slurm's warning comes ``scheduler.slurm.signal_seconds``, 120 s by
 default, before the kill)."""
 
-
 STOP_NAMES_WAIT = 3.0
 """Seconds a stopping worker waits for a name service that does not answer (per call)."""
 
@@ -123,7 +122,8 @@ class Worker:
                 "state": self.state.value, "restart": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
                 "pid": os.getpid(), "host": socket.gethostname(),
                 "uptime": time.time() - self.started_at, "drops": self.server.drops.as_dict(),
-                "served": self.server.served, "progress": self.progress()}
+                "served": self.server.served, "unsent": self.server.unsent,
+                "progress": self.progress()}
 
     def report(self) -> WorkerReport:
         """What this worker did (the role's result and its counters)."""

@@ -51,6 +51,8 @@ class PingReply(TypedDict):
     uptime: float
     drops: dict[str, int]
     served: int
+    unsent: int
+    """Replies this worker could not deliver (their caller was gone or not reading)."""
     progress: dict[str, Any]
 
 

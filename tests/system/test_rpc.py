@@ -372,6 +372,38 @@ def test_closing_answers_a_deferred_call_still_running(codec):
         srv.close()
 
 
+def test_a_reply_whose_caller_is_gone_is_dropped_and_counted(codec):
+    """A deferred call that completes after its caller closed (a master restarted while a
+    training step ran) has nobody to answer: the reply is dropped and counted in ``unsent``,
+    the send does not block, and the server goes on answering others."""
+    from concurrent.futures import Future
+
+    running: Future = Future()
+    srv = RpcServer(codec, "127.0.0.1", {"train": lambda: running, "add": lambda a, b: a + b})
+    monitor = srv._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    stop = threading.Event()
+    t = threading.Thread(target=srv.serve_forever, args=(stop, 0.02), daemon=True)
+    t.start()
+    gone, other = RpcClient(codec, srv.address, 5.0), RpcClient(codec, srv.address, 5.0)
+    try:
+        gone.submit("train")
+        wait_until = time.monotonic() + 5
+        while srv.pending < 1 and time.monotonic() < wait_until:
+            time.sleep(0.01)
+        gone.close()
+        assert monitor.poll(5000), "the server never saw its caller go"
+        running.set_result("nobody reads this")
+        assert other.call("add", a=1, b=2) == 3
+        assert srv.unsent == 1 and srv.served == 2 and srv.pending == 0
+    finally:
+        other.close()
+        stop.set()
+        t.join()
+        srv._sock.disable_monitor()
+        monitor.close(linger=0)
+        srv.close()
+
+
 def test_curve_connections_need_the_trial_secret():
     """With CURVE a peer without the secret cannot complete the handshake: nothing it sends
     reaches the server (not even to be counted); peers with the secret talk as before."""
