@@ -228,7 +228,7 @@ class Worker:
             log.error("could not request the requeue of job %s: %s",
                       os.environ.get("SLURM_JOB_ID"), e)
 
-    def _report_failure(self, e: Exception, tb: str) -> None:
+    def _report_failure(self, e: BaseException, tb: str) -> None:
         """Publish the role's exception under the trial's ``error`` key (the controller names
         it in the failure; ``config``: a configuration error, which a restart cannot mend)."""
         try:
@@ -402,7 +402,7 @@ class Worker:
             log.info("%s role finished: %s", self.name, _short(self.result))
             while not self._stop.wait(0.5):
                 pass
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # (sys.exit in a role's code: a failure too)
             if not self._stop.is_set():
                 tb = traceback.format_exc()
                 log.error("%s failed:\n%s", self.name, tb)

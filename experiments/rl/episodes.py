@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from experiments.rl.agents import Episode, GenRequest
-from experiments.rl.plugins import finite_reward
+from experiments.rl.plugins import finite_reward, no_exit
 from experiments.rl.reward_watch import RewardWatch
 from system.errors import ConfigError, RemoteError, first_line
 from workers.client import Pending
@@ -122,10 +122,11 @@ def _reward(reward_fn: Callable[[str, Any], float], text: str, answer: Any,
     for attempt in range(len(delays) + 1):
         try:
             if watch is None:
-                return reward_fn(text, answer)
+                with no_exit():
+                    return reward_fn(text, answer)
             with watch.watching(f"the reward function {_name(reward_fn)} (rl.task.reward, or "
                                 f"the task's own), on the completion {text[:60]!r} (answer "
-                                f"{str(answer)[:40]!r}),"):
+                                f"{str(answer)[:40]!r}),"), no_exit():
                 return reward_fn(text, answer)
         except Exception as e:
             what = (f"the reward function {_name(reward_fn)} (rl.task.reward, or the task's "

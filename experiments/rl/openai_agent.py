@@ -111,8 +111,8 @@ class OpenAIAgent:
     async def _one(self, base: Any, address: str, s: Session) -> None:
         url = f"{address}/sessions/{s.id}/v1" if s.record else f"{address}/v1"
         try:  # (a function that never returns would hold the rollout worker for good)
-            reward = await asyncio.wait_for(self.fn(base.with_options(base_url=url), s.task),
-                                            self.timeout)
+            reward = await asyncio.wait_for(plugins.no_exit_async(
+                self.fn(base.with_options(base_url=url), s.task)), self.timeout)
         except asyncio.CancelledError:
             raise
         except asyncio.TimeoutError:

@@ -16,15 +16,18 @@ vouches for, never name arbitrary code (see ``test_no_package_imports_code_by_na
 """
 from __future__ import annotations
 
+import contextlib
 import decimal
 import math
 import numbers
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any
+from typing import Any, Awaitable, Iterator, TypeVar
 
 import numpy as np
 
 from system.errors import ConfigError, first_line
+
+T = TypeVar("T")
 
 TASK_GROUP = "slurm_rl.tasks"
 """Entry points of task factories: ``factory(cfg: TaskConfig) -> Task``."""
@@ -68,7 +71,8 @@ def load(group: str, key: str, name: str) -> Any:
         raise ConfigError(f"{key}={name!r}: no such plugin under {group!r}; valid: "
                           f"{valid_names(group, [])}")
     try:
-        obj = ep.load()
+        with no_exit():
+            obj = ep.load()
     except Exception as e:  # an installed plugin that does not import is a setup mistake
         raise ConfigError(f"{key}={name!r}: the plugin {ep.value!r} does not load: "
                           f"{type(e).__name__}: {first_line(e)}") from e
@@ -91,3 +95,26 @@ def finite_reward(value: Any) -> float | None:
     except (OverflowError, ValueError, TypeError):
         return None
     return f if math.isfinite(f) else None
+
+
+class ExitCalled(RuntimeError):
+    """A user's code (a task factory, reward or agent function, a plugin's module) called
+    ``sys.exit`` (or ``exit()``). Left alone, it ended the worker as if its role had returned
+    (exit 0: a master read as completed, restarted until its retries ran out, the cause named
+    nowhere); raised instead, it is reported as an error of that code, by name."""
+
+
+@contextlib.contextmanager
+def no_exit() -> Iterator[None]:
+    """Run a user's code: its ``SystemExit`` becomes :class:`ExitCalled`."""
+    try:
+        yield
+    except SystemExit as e:
+        raise ExitCalled(f"it called sys.exit({e.code!r})") from None
+
+
+async def no_exit_async(call: Awaitable[T]) -> T:
+    """Await a user's coroutine: its ``SystemExit``, which asyncio would raise out of the event
+    loop itself, becomes :class:`ExitCalled`."""
+    with no_exit():
+        return await call

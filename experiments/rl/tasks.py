@@ -68,7 +68,8 @@ def _call(cfg: TaskConfig, what: str, fn: Callable[..., T], *args: Any) -> T:
     every rollout worker), so what it raises would be raised again by a restart: a
     :class:`ConfigError` naming ``rl.task.name``, not a failure to recover from."""
     try:
-        return fn(*args)
+        with plugins.no_exit():
+            return fn(*args)
     except Exception as e:
         first = (str(e).splitlines() or [""])[0][:300]  # (one line, as every config error)
         raise ConfigError(f"rl.task.name={cfg.name!r}: {what} raised {type(e).__name__}: "

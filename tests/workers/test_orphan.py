@@ -19,7 +19,8 @@ from tests.helpers import REPO, write_secret_file
 from workers.client import WorkerClient
 
 # a worker whose role runs until stopped; with "stuck", a role that never looks at `stopping`;
-# with "slow", one that takes a second to unwind once stopped
+# with "slow", one that takes a second to unwind once stopped; with "exit", one that calls
+# sys.exit(0) (as a user's code might)
 PROBE = """
 import logging, sys, threading, time
 from system.bootstrap import Bootstrap
@@ -31,6 +32,8 @@ class Probe(Worker):
 def role(worker):
     if sys.argv[2] == "stuck":
         threading.Event().wait()
+    if sys.argv[2] == "exit":
+        sys.exit(0)
     while not worker.wait_stop(0.1):
         pass
     if sys.argv[2] == "slow":
@@ -149,6 +152,27 @@ def test_a_worker_stopped_by_sigterm_reads_as_stopped_by_it_not_completed(trial)
         assert exit_code_state(code) == JobState.CANCELLED
         assert exit_detail(code) == "stopped by SIGTERM (exit code 143)"
         assert "got SIGTERM: stopping" in _log(tmp_path)
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_role_that_calls_sys_exit_fails_and_says_so(trial):
+    """``sys.exit(0)`` in a role's code (a user's function) ended the worker as if its role
+    had finished: exit 0, its keys removed, no error reported (the controller read a master
+    as completed and restarted it until its retries ran out, the cause named nowhere). It
+    fails the worker now: exit 1, the ``SystemExit`` under its error key."""
+    import json
+
+    tmp_path, nr, codec = trial
+    nr.add(names.controller("orph", "t"), "controller", keepalive_ttl=0.6)
+    proc, client = _start(tmp_path, nr, codec, "exit")
+    try:
+        assert proc.wait(timeout=20) == 1, _log(tmp_path, "exit")
+        error = json.loads(nr.get(names.worker_error("orph", "t", "probe", 0)))
+        assert error["type"] == "SystemExit" and "in role\nSystemExit: 0" in error["traceback"]
+        assert "probe/0 failed:" in _log(tmp_path, "exit")
     finally:
         client.close()
         if proc.poll() is None:

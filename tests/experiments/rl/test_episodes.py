@@ -58,6 +58,15 @@ def test_a_reward_that_raises_or_returns_no_finite_number_is_a_config_error():
     def verbose(c, a):
         raise ValueError("first line\nsecond line")
 
+    def leaves(c, a):
+        import sys
+        sys.exit(0)
+
+    # it ended the worker as if its role had finished (exit 0: a master read as completed)
+    with pytest.raises(ConfigError, match=r"leaves \(rl.task.reward, or the task's own\) "
+                                          r"raised ExitCalled: it called sys.exit\(0\)"):
+        score([traj()], tok, 2, leaves)
+
     with pytest.raises(ConfigError) as e:  # named in one line
         score([traj()], tok, 2, verbose)
     assert "raised ValueError: first line on the completion" in str(e.value)

@@ -148,3 +148,30 @@ def test_a_function_that_never_returns_fails_its_session_at_the_deadline():
         assert ok[0].reward == 0.5 and not ok[0].error
     finally:
         del openai_agent.FUNCTIONS["stuck"], openai_agent.FUNCTIONS["quick"]
+
+
+def test_a_function_that_calls_sys_exit_fails_its_session_naming_it():
+    """asyncio raises a task's ``SystemExit`` out of the event loop itself: an agent function
+    calling ``sys.exit(0)`` ended the rollout worker as if its role had finished. It fails its
+    session, named, as any error of the function does; the other sessions run on."""
+    import sys
+
+    from experiments.rl import openai_agent
+    from experiments.rl.openai_agent import OpenAIAgent
+
+    async def leaves(client, task):
+        if task["id"] == 1:
+            sys.exit(0)
+        return 0.25
+
+    openai_agent.FUNCTIONS.update(leaves=leaves)
+    try:
+        cfg = AgentConfig(kind="openai", function="calculator")
+        cfg.function = "leaves"  # (built in for this test)
+        sessions = [Session(0, {"id": 1}), Session(0, {"id": 2})]
+        OpenAIAgent(cfg, "k" * 43, 5.0).run(sessions, {0: "http://127.0.0.1:9"})
+        assert sessions[0].error == ("rl.agent.function='leaves' raised ExitCalled: it called "
+                                     "sys.exit(0)")
+        assert sessions[1].reward == 0.25 and not sessions[1].error
+    finally:
+        del openai_agent.FUNCTIONS["leaves"]

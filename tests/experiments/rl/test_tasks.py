@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 
 import pytest
@@ -207,6 +208,9 @@ def test_a_task_factory_that_raises_is_a_config_error_naming_it():
         with pytest.raises(ConfigError, match=r"^rl\.task\.name='bad_split': its "
                                               r"prompts\('eval'\) raised KeyError: 'eval'"):
             dataset(cfg, "eval")
+        with pytest.raises(ConfigError, match=r"^rl\.task\.name='leaves': the factory .* "
+                                              r"raised ExitCalled: it called sys\.exit\(3\)"):
+            get_task(_registered("leaves", lambda cfg: sys.exit(3)))  # (ended the worker)
         with pytest.raises(ConfigError, match=r"^rl\.task\.name='wrong': the factory "
                                               r"returned int, not"):
             get_task(_registered("wrong", lambda cfg: 3))
