@@ -18,7 +18,7 @@ from experiments.rl.roles.master_link import MasterLink
 from experiments.rl.openai_agent import OpenAIAgent, Session, group_trajectories
 from experiments.rl.tasks import dataset, get_task
 from system import names
-from system.errors import RemoteError, RpcError
+from system.errors import RemoteError, RpcError, first_line
 from workers.generation import GenerationClient
 from workers.rollout import RolloutWorker
 from workers.schema import GroupMessage, Task, Trajectory
@@ -64,6 +64,14 @@ class _Rollouts:
         address = self.worker.serving_at("generation", index)
         client = self.gens.get(index)
         return address is not None and client is not None and client.rpc.address == address
+
+    def _failed(self, e: Exception) -> None:
+        """Log a rollout that failed: with its traceback, or in one line when this worker is
+        stopping (the trial's end stops the servers beside it: their calls fail meanwhile)."""
+        if self.worker.stopping:
+            log.info("rollout cut short by the stop (%s: %s)", type(e).__name__, first_line(e))
+        else:
+            log.exception("rollout failed")
 
     def server(self, index: int) -> GenerationClient:
         """A client of generation server ``index`` at the address it is registered at now (a
@@ -112,7 +120,7 @@ class _Rollouts:
                 self.server(i)
             self.openai.run(flat, http, self.server_alive)
         except Exception as e:  # a server failed or was cut off: give the tasks back
-            log.exception("rollout failed")
+            self._failed(e)
             error = f"{type(e).__name__}: {e}"
         # fetch and drop (after a failure too, from every server still serving: nothing there
         # waits for its expiry, holding the session store's room)
@@ -173,7 +181,7 @@ class _Rollouts:
             if refused:  # (the server is fine: it refused this request)
                 log.warning("a server refused the request: %s", e)
             else:
-                log.exception("rollout failed")
+                self._failed(e)
                 self._forget(sorted({t["server"] for t in tasks}))
             return [], owner, f"{type(e).__name__}: {e}", refused
 
