@@ -23,7 +23,7 @@ from scheduler.gpu_plan import GpuDemand
 from system import names
 from system.launcher.config import ExperimentConfig
 from system.errors import ConfigError, RpcError
-from system.rpc import StreamPuller
+from system.streams import StreamPuller
 from workers.base import Worker
 from workers.client import WorkerClient, collect_settled
 from workers.generation import GenerationClient, GenerationServer

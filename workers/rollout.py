@@ -6,7 +6,7 @@ import dataclasses
 from system import names
 from system.checks import check_count
 from system.errors import ConfigError
-from system.rpc import StreamPusher
+from system.streams import StreamPusher
 from workers.base import Worker
 from workers.client import WorkerClient
 from workers.schema import WorkerSetup

@@ -2,7 +2,7 @@
 
 The wire authenticates who sent a message, not what shape it has: a peer that holds the trial
 secret (a buggy or mismatched one) can still send a map with missing keys or arrays of the
-wrong kind. A stream consumer passes these to :class:`system.rpc.StreamPuller` (``validate``),
+wrong kind. A stream consumer passes these to :class:`system.streams.StreamPuller` (``validate``),
 which drops and counts what fails, so the consumer never crashes on a bad message.
 """
 from __future__ import annotations

@@ -38,7 +38,7 @@ from experiments.rl.train_step import check_behaviour_logprobs, train_step
 from system import names
 from system.errors import ConfigError, RpcError
 from system.launcher.config import MetricsConfig
-from system.rpc import StreamPuller
+from system.streams import StreamPuller
 from workers.master import MasterWorker
 from workers.schema import Task
 from workers.schema_check import group_message_problem

@@ -35,7 +35,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from system.name_resolve import FileNameResolve, RedisNameResolve  # noqa: E402
-from system.rpc import RpcClient, RpcServer, StreamPuller, StreamPusher  # noqa: E402
+from system.rpc import RpcClient, RpcServer  # noqa: E402
+from system.streams import StreamPuller, StreamPusher  # noqa: E402
 from system.wire import Codec, new_secret  # noqa: E402
 
 SECRET = new_secret()  # spawned children re-import this module: pass it to them explicitly

@@ -10,7 +10,8 @@ import zmq
 
 from system.errors import RemoteError, RpcTimeout, WireError
 from system.replay import Receiver, Sender
-from system.rpc import RpcClient, RpcServer, StreamPuller, StreamPusher
+from system.rpc import RpcClient, RpcServer
+from system.streams import StreamPuller, StreamPusher
 from system.sockets import bind, endpoint, make_socket
 from system.wire import Channel, Codec, new_secret, recipient_id
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from system.rpc import StreamPuller, StreamPusher
+from system.streams import StreamPuller, StreamPusher
 from system.wire import Codec, new_secret
 from workers.schema_check import group_message_problem
 

@@ -10,7 +10,7 @@ import time
 
 from system import names
 from system.errors import NameEntryNotFound, RpcError, RpcTimeout
-from system.rpc import StreamPusher
+from system.streams import StreamPusher
 from workers.master import MasterClient
 from workers.rollout import RolloutWorker
 from workers.schema import GroupMessage

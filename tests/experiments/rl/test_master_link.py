@@ -15,7 +15,7 @@ from experiments.rl.roles.master_link import MasterLink
 from system import names
 from system.bootstrap import Bootstrap
 from system.errors import NameEntryNotFound
-from system.rpc import StreamPuller
+from system.streams import StreamPuller
 from tests.helpers import write_secret_file
 from workers.master import MasterWorker
 from workers.rollout import RolloutWorker
