@@ -13,8 +13,8 @@ that verifies (``meta.json`` readable, every listed file present with its size a
 structure, not marked corrupt) and logs a warning naming each newer one it skips, so a torn
 checkpoint costs one checkpoint interval, not the whole run. Content that changed at the same
 size is found when the checkpoint is restored: each model worker checks its share of the
-digests (:meth:`CheckpointDir.check_content`) and marks a checkpoint that differs corrupt; the
-restart that follows resumes from the one before it. Where checkpoints exist but none
+digests (:meth:`CheckpointDir.check_content`), the master its own state's, and a checkpoint that
+differs is marked corrupt; the restart that follows resumes from the one before it. Where checkpoints exist but none
 verifies, it refuses (:class:`UnreadableCheckpoints`): resuming from nothing would train from
 the base model again and prune them. The newest ``keep`` complete checkpoints are kept.
 """
@@ -27,7 +27,7 @@ import shutil
 import socket
 import struct
 import zipfile
-from typing import Any
+from typing import Any, Collection
 
 import msgpack
 
@@ -155,10 +155,10 @@ class CheckpointDir:
         return None
 
     def check_content(self, step: int, rank: int = 0, world: int = 1, under: str = "",
-                      mark: bool = True) -> str | None:
+                      mark: bool = True, only: Collection[str] | None = None) -> str | None:
         """Rank ``rank`` of ``world`` (the processes restoring checkpoint ``step``) checks its
-        share of the files' digests (those ``under`` a folder, if given): the first
-        difference, or None. A difference marks the checkpoint corrupt (:data:`CORRUPT`;
+        share of the files' digests (those ``under`` a folder, if given; ``only`` those files,
+        if given): the first difference, or None. A difference marks the checkpoint corrupt (:data:`CORRUPT`;
         ``mark=False``: a reader that must not write to the trial), so that every process
         skips it from now on. A checkpoint written without digests has nothing to check."""
         directory = self.path(step)
@@ -168,11 +168,24 @@ class CheckpointDir:
         if not isinstance(digests, dict):
             return None
         prefix = under.rstrip("/") + "/" if under else ""
-        digests = {k: v for k, v in digests.items() if k.startswith(prefix)}
+        digests = {k: v for k, v in digests.items()
+                   if k.startswith(prefix) and (only is None or k in only)}
         problem = check_share(directory, digests, meta["files"], rank, world)
         if problem is not None and mark:
             self.mark_corrupt(step, problem)
         return problem
+
+    def restorable(self, step: int, rank: int = 0, world: int = 1,
+                   only: Collection[str] | None = None) -> str:
+        """The directory of checkpoint ``step`` once this process checked its share of the
+        content (:meth:`check_content`); :class:`CorruptCheckpoint` if it differs (the
+        checkpoint is marked: the restart that follows resumes from the one before it)."""
+        problem = self.check_content(step, rank, world, only=only)
+        if problem is not None:
+            raise CorruptCheckpoint(f"checkpoint {self.path(step)} is corrupt ({problem}): it "
+                                    "is marked so, and a restart resumes from the one before "
+                                    "it")
+        return self.path(step)
 
     def mark_corrupt(self, step: int, why: str) -> None:
         """Mark checkpoint ``step`` corrupt, saying ``why`` (atomically: a reader sees the
@@ -231,6 +244,8 @@ def _check_file(path: str, size: int) -> str | None:
                 z.namelist()
     except (OSError, ValueError, zipfile.BadZipFile, msgpack.UnpackException) as e:
         return str(e) or type(e).__name__
+    except (KeyError, TypeError, AttributeError, IndexError) as e:  # a structure gone wrong
+        return f"malformed: {type(e).__name__}: {e}"
     return None
 
 
@@ -244,6 +259,15 @@ def _check_safetensors(path: str, size: int) -> str | None:
         if n > size - 8:
             return "safetensors header longer than the file"
         header = json.loads(f.read(n))
-    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
-              default=0)
+    if not isinstance(header, dict):
+        return "safetensors header is not a map"
+    end = 0
+    for name, v in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = v.get("data_offsets") if isinstance(v, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(type(o) is int and o >= 0 for o in offsets)):
+            return f"safetensors header: tensor {name[:60]!r} has no valid data_offsets"
+        end = max(end, offsets[1])
     return None if 8 + n + end == size else "safetensors data does not fill the file"

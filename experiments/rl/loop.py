@@ -32,7 +32,7 @@ from experiments.rl.episodes import unservable
 from experiments.rl.evaluate import Evaluation, evaluate
 from experiments.rl.metrics import MetricsLog
 from experiments.rl.openai_agent import trial_agent
-from experiments.rl.state import Admitted, LoopState, load_state, save_state
+from experiments.rl.state import MASTER_STATE, Admitted, LoopState, load_state, save_state
 from experiments.rl.tasks import dataset
 from experiments.rl.train_step import check_behaviour_logprobs, train_step
 from system import names
@@ -61,7 +61,10 @@ class RLLoop:
         np.random.seed(rl.seed)
         self.layout = layout_of(rl.actor, int(master.config["counts"]["model"]))
         self.resumed_from = self.resume_point()
-        self.state = (load_state(self.ckpt.path(self.resumed_from))
+        # the master's own state is checked first (it is small; the model workers check the
+        # rest, the engines, which may take minutes: a master that failed on a corrupt state
+        # before they were done had every recovery fail alike, the checkpoint never marked)
+        self.state = (load_state(self.ckpt.restorable(self.resumed_from, only=(MASTER_STATE,)))
                       if self.resumed_from is not None else LoopState())
         self.metrics = MetricsLog(self.trial_dir, resume=self.resumed_from is not None,
                                   cfg=MetricsConfig(**master.config.get("metrics", {})), name=f"{master.exp}/{master.trial}")

@@ -8,7 +8,7 @@ import random
 from typing import Any, Sequence
 
 from experiments.rl.algorithms.objectives import ActorLossConfig, actor_loss, critic_loss
-from experiments.rl.checkpoint import CheckpointDir, CorruptCheckpoint
+from experiments.rl.checkpoint import CheckpointDir
 from experiments.rl.common import model_path, rl_config
 from experiments.rl.config import model_config
 from workers.engines.configs import TorchEngineConfig
@@ -73,11 +73,7 @@ def resume_dir_of(worker: ModelWorker) -> str | None:
     step = ckpt.latest()
     if step is None:
         return None
-    problem = ckpt.check_content(step, worker.index, worker.world_size)
-    if problem is not None:
-        raise CorruptCheckpoint(f"checkpoint {ckpt.path(step)} is corrupt ({problem}): it is "
-                                "marked so, and a restart resumes from the one before it")
-    return ckpt.path(step)
+    return ckpt.restorable(step, worker.index, worker.world_size)
 
 
 def restore_rng(directory: str, rank: int, device: str) -> None:

@@ -50,6 +50,14 @@ def _garble(path: str) -> None:  # same size, bytes changed
         f.write(b"\xff\xfe{")
 
 
+def _header_byte(path: str, after: bytes, new: bytes) -> None:
+    """Change one byte of a safetensors header, after ``after`` (valid JSON still)."""
+    with open(path, "r+b") as f:
+        data = f.read()
+        f.seek(data.index(after) + len(after))
+        f.write(new)
+
+
 @pytest.mark.parametrize("tear", [
     lambda d: os.unlink(os.path.join(d, "meta.json")),
     lambda d: open(os.path.join(d, "meta.json"), "w").write('{"step": 4, "fi'),
@@ -57,8 +65,12 @@ def _garble(path: str) -> None:  # same size, bytes changed
     lambda d: _truncate(os.path.join(d, "x")),
     lambda d: _garble(os.path.join(d, "actor", "config.json")),
     lambda d: _garble(os.path.join(d, "actor", "model.safetensors")),
+    # (a KeyError out of the check: the launch, and mode=eval, ended in a traceback)
+    lambda d: _header_byte(os.path.join(d, "actor", "model.safetensors"), b"data_offse", b"z"),
+    lambda d: _header_byte(os.path.join(d, "actor", "model.safetensors"), b'"data_offsets": ',
+                           b'"'),
 ], ids=["no-meta", "torn-meta", "missing-file", "short-file", "corrupt-json",
-        "corrupt-safetensors"])
+        "corrupt-safetensors", "safetensors-no-offsets", "safetensors-offsets-no-list"])
 def test_a_torn_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caplog, tear):
     ck = CheckpointDir(str(tmp_path / "ck"), keep=2)
     _commit(ck, 2)
@@ -190,6 +202,25 @@ def test_a_model_worker_refuses_a_corrupt_checkpoint_and_the_restart_takes_the_o
         for worker in ranks:
             resume_dir_of(worker)  # type: ignore[arg-type]
     assert [resume_dir_of(w) for w in ranks] == [ck.path(2)] * 2  # type: ignore[arg-type]
+
+
+def test_the_master_checks_its_own_state_alone_and_marks_a_corrupt_one(tmp_path):
+    """The master checks the files it reads itself (``only``: its state, small) before it
+    decodes them. It left them to the model workers, whose share takes minutes on a real
+    model: a corrupt state failed the master within seconds, the model workers were stopped
+    before they were done, and every recovery failed alike with the checkpoint never
+    marked."""
+    ck = CheckpointDir(str(tmp_path / "ck"))
+    _commit(ck, 2)
+    step4 = _commit(ck, 4)
+    _flip_data_byte(os.path.join(step4, "actor", "model.safetensors"))  # not the master's
+    assert ck.restorable(4, only=("x",)) == step4
+    with open(os.path.join(step4, "x"), "r+b") as f:
+        f.write(b"9")
+    with pytest.raises(CorruptCheckpoint, match=r"step_4 is corrupt \(x: content differs "
+                                                r".*\): it is marked so, and a restart"):
+        ck.restorable(4, only=("x",))
+    assert ck.latest() == 2
 
 
 def test_a_reader_checks_one_folder_and_may_leave_the_checkpoint_unmarked(tmp_path):
