@@ -65,10 +65,19 @@ class TrialLock:
             raise RLSystemError(f"cannot lock {path} ({e.strerror}): the file root's filesystem "
                                 "does not support file locks; two launches of this trial could "
                                 "not be told apart") from e
-        f.seek(0)
-        f.truncate()
-        f.write(json.dumps(holder_record(mode)) + "\n")
-        f.flush()
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps(holder_record(mode)) + "\n")
+            f.flush()
+        except OSError as e:  # ENOSPC, EDQUOT: it was "[Errno 28] No space left on device"
+            try:
+                f.close()  # (the lock goes with it)
+            except OSError:
+                pass
+            raise RLSystemError(f"cannot write the trial's lock file {path} ({e.strerror}): "
+                                "make room on its file system (cluster.fileroot) and launch "
+                                "again") from e
         return TrialLock(path, f)
 
     def release(self) -> None:

@@ -241,3 +241,25 @@ def test_the_lock_names_its_holder_and_is_free_once_it_ends(tmp_path):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     lock.release()
     TrialLock.acquire(path, "e/t").release()  # released: free again
+
+
+def test_a_lock_file_that_cannot_be_written_is_named_in_one_line(tmp_path):
+    """A launch on a full file system (a real tmpfs, filled) said only ``[Errno 28] No space
+    left on device``: now the lock file and what to do are named, and the lock is free."""
+    from system.errors import RLSystemError
+    from tests.helpers import tmpfs
+
+    with tmpfs(str(tmp_path / "fs"), "1m") as root:
+        path = os.path.join(root, "lock")
+        TrialLock.acquire(path, "e/t").release()  # (the lock file of an earlier run)
+        with open(os.path.join(root, "filler"), "wb") as f:
+            with pytest.raises(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        with pytest.raises(RLSystemError, match=rf"^cannot write the trial's lock file {path} "
+                                                r"\(No space left on device\): make room on "
+                                                r"its file system \(cluster.fileroot\)"):
+            TrialLock.acquire(path, "e/t")
+        os.unlink(os.path.join(root, "filler"))
+        TrialLock.acquire(path, "e/t").release()  # not held by the failed attempt
