@@ -21,7 +21,8 @@ from system import json_text
 from system.errors import ConfigError
 from system.launcher.config import ExperimentConfig, RecoverMode, RunMode
 from system.launcher.config_changes import changed_settings
-from system.launcher.eval_mode import EVAL_DIR, check_evaluable, run_paths, trial_paths
+from system.launcher.eval_mode import (EVAL_DIR, check_evaluable, checkpoint_steps, run_paths,
+                                       trial_paths)
 from system.launcher.trial_lock import TrialLock
 from system.paths import TrialPaths
 from system.private_files import dir_mode, ensure_owned_dir, file_mode, write_private
@@ -81,7 +82,7 @@ def check_existing(cfg: ExperimentConfig, paths: TrialPaths, dry_run: bool = Fal
         return
     if recover is None or recover.type != RecoverMode.OFF or not os.path.isdir(paths.checkpoints):
         return
-    if not any(d.startswith("step_") for d in os.listdir(paths.checkpoints)):
+    if not checkpoint_steps(paths.checkpoints):  # (a staged one, never committed, is none)
         return
     if not recover.overwrite:
         raise ConfigError(f"trial {cfg.exp}/{cfg.trial} has checkpoints ({paths.checkpoints}): "
@@ -177,7 +178,7 @@ def continued_changes(cfg: ExperimentConfig, paths: TrialPaths, resolved_yaml: s
     recover = cfg.recovery()
     if recover is None or recover.type == RecoverMode.OFF or not os.path.isdir(paths.checkpoints):
         return []
-    if not any(d.startswith("step_") for d in os.listdir(paths.checkpoints)):
+    if not checkpoint_steps(paths.checkpoints):
         return []
     try:
         with open(paths.config, encoding="utf-8") as f:

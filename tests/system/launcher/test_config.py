@@ -25,6 +25,10 @@ def test_recover_off_refuses_a_trial_with_checkpoints_unless_asked(tmp_path):
 
     paths = TrialPaths.of(str(tmp_path), "arith-tiny", "t")
     check_existing(cfg("recover=off"), paths)  # a new trial: nothing to protect
+    os.makedirs(os.path.join(paths.checkpoints, "step_4.tmp"))  # a first save, never committed
+    with open(os.path.join(paths.checkpoints, "latest"), "w") as f:
+        f.write("4")
+    check_existing(cfg("recover=off"), paths)  # (it said "has checkpoints")
     os.makedirs(os.path.join(paths.checkpoints, "step_4"))
     os.makedirs(os.path.join(paths.root, "eval"))  # their evaluation (mode=eval)
     check_existing(cfg(), paths)  # recover=auto continues it
