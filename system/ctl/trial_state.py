@@ -129,7 +129,8 @@ def run_of(paths: TrialPaths) -> tuple[str, str, str, str]:
     """The exp and trial the run in ``paths.root`` runs as (the names of its keys in name
     resolution), the lock its controller holds and its mode, as its ``bootstrap.json`` says: an
     evaluation (``mode=eval``, in ``<trial>/eval/``) runs as its trial, under the trial's own
-    lock. Without a readable bootstrap file: the names in the path, the directory's lock."""
+    lock. A training run runs as the names in its path, under the directory's lock (not its
+    bootstrap file's names: a copy of a trial's directory was shown as the original, twice)."""
     exp, trial = os.path.basename(os.path.dirname(paths.root)), os.path.basename(paths.root)
     try:
         boot = Bootstrap.read(paths.bootstrap)
@@ -138,7 +139,7 @@ def run_of(paths: TrialPaths) -> tuple[str, str, str, str]:
     if boot.mode == RunMode.EVAL.value:
         return (boot.exp, boot.trial, TrialPaths(os.path.dirname(paths.root)).lock,
                 RunMode.EVAL.value)
-    return boot.exp, boot.trial, paths.lock, RunMode.TRAIN.value
+    return exp, trial, paths.lock, RunMode.TRAIN.value
 
 
 def read_trial(paths: TrialPaths) -> TrialView:

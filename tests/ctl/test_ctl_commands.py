@@ -252,3 +252,24 @@ def test_logs_takes_one_worker(fileroot, capsys):
     assert main(["logs", *words, "master:0", "rollout:1"]) == 2
     assert "logs shows one worker's log at a time (KIND:INDEX), got ['master:0', 'rollout:1']" \
         in capsys.readouterr().err
+
+
+def test_a_copied_trial_directory_is_shown_under_its_own_name(fileroot, capsys):
+    """A copy (``cp -a live live-backup``) holds the bootstrap file of the run it was copied
+    from: ``ls`` listed the original twice, and a cancel of the copy named the original."""
+    import shutil
+
+    live = _trial(fileroot, "smoke", "live")
+    Bootstrap(exp="smoke", trial="live", experiment="smoke", trial_dir=live.root, interface="",
+              scheduler="local", name_resolve={}, name_resolve_root="", rpc={},
+              heartbeat_ttl=5.0).write(live.bootstrap)
+    _write(live.status, {"exp": "smoke", "trial": "live", "state": "completed",
+                         "scheduler": "local", "started": time.time() - 60, "jobs": [],
+                         "progress": {}, "logs": {}})
+    shutil.copytree(live.root, live.root + "-backup")
+    backup = read_trial(TrialPaths(live.root + "-backup"))
+    assert (backup.exp, backup.trial, backup.state) == ("smoke", "live-backup", "completed")
+    assert (read_trial(live).exp, read_trial(live).trial) == ("smoke", "live")
+    assert main(["ls", f"cluster.fileroot={fileroot}"]) == 0
+    out = capsys.readouterr().out
+    assert "smoke/live-backup" in out and out.count("smoke/live ") == 1, out
