@@ -28,6 +28,7 @@ from system.name_resolve import NameResolveConfig, make_name_resolve
 from system.rpc import RpcClient, RpcConfig, RpcServer
 from system.signal_relay import SignalRelay
 from system.thread_stacks import thread_stacks
+from workers.orphan_clock import OrphanClock
 from workers.schema import ConfigureReply, PingReply, WorkerReport, WorkerSetup
 
 log = logging.getLogger("worker")
@@ -241,41 +242,27 @@ class Worker:
             log.exception("could not report the failure")
 
     def _watch_controller(self, period: float) -> None:
-        """Stop this worker, as SIGTERM would, once the controller's liveness key has been gone
-        for more than ``boot.orphan_timeout`` seconds: a controller that died (kill -9, a lost
-        login node, a cancelled ``--detach`` job) must not leave its workers holding nodes and
-        GPUs. The controller writes the key before it submits any job, so a worker that has
-        not seen it within ``orphan_timeout`` of its start stops too: its controller died
-        while the job was queued (a Slurm job that started after the launcher was killed, or
-        whose id a Ctrl-C during ``sbatch`` lost)."""
+        """Stop this worker, as SIGTERM would, once its controller is judged dead from its
+        liveness key (:class:`~workers.orphan_clock.OrphanClock` says when)."""
         key = names.controller(self.exp, self.trial)
-        seen: float | None = None  # when the key was last seen (monotonic)
-        started = time.monotonic()
+        clock = OrphanClock(self.boot.orphan_timeout, self.name_resolve.outage_timeout,
+                            time.monotonic())
         while not self._serve_stop.wait(period):
+            found: bool | None = True
             try:
                 self.name_resolve.get(key)
-                seen = time.monotonic()
-                continue
             except NameEntryNotFound:
-                pass
-            except Exception as e:  # a backend hiccup is no news, not a dead controller
+                found = False
+            except Exception as e:  # a backend hiccup is no news, not a dead controller (yet)
                 log.warning("cannot read the controller's liveness key: %s", e)
-                # the clock restarts: a name service back from an outage may have lost every
-                # key, and the controller's returns within its refresh
-                started = time.monotonic()
-                seen = None if seen is None else started
-                continue
-            gone = time.monotonic() - (started if seen is None else seen)
-            if gone > self.boot.orphan_timeout:
-                self._stop_orphaned(gone, ever_seen=seen is not None)
+                found = None
+            why = clock.read(time.monotonic(), found)
+            if why is not None:
+                self._stop_orphaned(why)
                 return
 
-    def _stop_orphaned(self, gone: float, ever_seen: bool = True) -> None:
-        how = ("has been gone for" if ever_seen else
-               "has not appeared since this worker started,")
-        log.warning("%s: the controller's liveness key %s %.0fs (orphan_timeout=%.0fs): the "
-                    "controller is dead, stopping", self.name, how, gone,
-                    self.boot.orphan_timeout)
+    def _stop_orphaned(self, why: str) -> None:
+        log.warning("%s: %s: the controller is dead, stopping", self.name, why)
         self.orphaned = True
         self.stop()
         # A role stuck where it never looks at `stopping` (a collective whose peers are gone)

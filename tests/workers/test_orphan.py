@@ -288,3 +288,46 @@ def test_a_worker_leaves_keys_a_replacement_registered(trial):
         client.close()
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.redis
+def test_a_worker_whose_name_service_and_controller_are_gone_stops(tmp_path):
+    """The login node that ran the launcher and the Redis server went down: every read of the
+    controller's key failed, and each failure restarted the orphan clock, so the workers ran
+    on for good. Now a worker stops once the key has not been seen for ``orphan_timeout``
+    plus the name service's outage budget (a live controller fails the trial by then)."""
+    from system.name_resolve import RedisNameResolve
+    from tests.helpers import free_port, start_redis
+
+    port = free_port()
+    redis = start_redis(port)
+    secret = write_secret_file(str(tmp_path))
+    nr_cfg = {"type": "redis", "redis_port": port, "redis_outage_timeout": 2.0}
+    Bootstrap(exp="orph", trial="t", experiment="smoke", trial_dir=str(tmp_path),
+              interface="127.0.0.1", scheduler="local", name_resolve=nr_cfg,
+              name_resolve_root="", rpc={}, heartbeat_ttl=2.0,
+              orphan_timeout=ORPHAN_TIMEOUT).write(str(tmp_path / "bootstrap.json"))
+    nr = RedisNameResolve("127.0.0.1", port, secret=secret, outage_timeout=2.0)
+    nr.add(names.controller("orph", "t"), "controller", keepalive_ttl=0.6)
+    proc = client = None
+    try:
+        proc, client = _start(tmp_path, nr, Codec(secret))
+        time.sleep(1.0)
+        assert client.ping().result()["state"] == "running"
+        redis.kill()  # the name service, and the controller with it
+        redis.wait(10)
+        gone = time.monotonic()
+        assert proc.wait(timeout=30) == 0, _log(tmp_path)
+        assert time.monotonic() - gone >= ORPHAN_TIMEOUT
+        log = _log(tmp_path)
+        assert "the name service has not answered for" in log, log[-3000:]
+        assert "the controller is dead, stopping" in log and "'orphaned': True" in log
+    finally:
+        if client is not None:
+            client.close()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        nr.close()
+        if redis.poll() is None:
+            redis.kill()
+            redis.wait(10)
