@@ -43,6 +43,12 @@ class NameServiceUnavailable(NameResolveError):
     """The name-resolution server did not answer within its outage timeout."""
 
 
+class NameServiceRefused(NameResolveError, ConfigError):
+    """The name service answers but refuses an operation: a read-only Redis replica, its memory
+    limit, an ACL, a password it asks for now; under the file backend, a full or read-only file
+    system. A restart would be refused alike: a configuration error, not recovered."""
+
+
 class RpcError(RLSystemError):
     """A request/reply call failed."""
 

@@ -15,7 +15,8 @@ import threading
 import time
 from typing import Callable, ClassVar, Iterator, NamedTuple
 
-from system.errors import ConfigError, NameEntryExists, NameEntryNotFound, NameResolveError
+from system.errors import (ConfigError, NameEntryExists, NameEntryNotFound, NameResolveError,
+                           first_line)
 from system.name_auth import EntrySealer, unverified_value
 from system.private_files import read_private_file
 
@@ -129,6 +130,7 @@ class NameResolve(abc.ABC):
         self._ka_put_lock = threading.RLock()  # (a refresh's call may add entries back)
         self._ka_thread: threading.Thread | None = None
         self._ka_stop = threading.Event()
+        self._ka_failing = ""  # the kind of error the last refresh failed with ("": none)
         self._verified: dict[str, tuple[str, str]] = {}  # key -> (stored, value) checked
         self._owned: dict[str, str] = {}  # key -> stored value, of entries added without TTL
         self.outage_timeout = 0.0
@@ -384,11 +386,21 @@ class NameResolve(abc.ABC):
                         if not self._refresh(key, value, ttl) and in_time:
                             lost.append(key)
                         self._refreshed[key] = time.monotonic()
-                    except Exception:  # a transient backend error must not kill the refresher
-                        pass
+                    except Exception as e:  # (a backend error must not end the refresher)
+                        self._refresh_failed(key, e)
+                        continue
+                    self._ka_failing = ""
             if lost:
                 self._lost(lost)
             self._ka_stop.wait(max(period, 0.02))
+
+    def _refresh_failed(self, key: str, e: Exception) -> None:
+        """A keep-alive refresh failed: said once for each cause until one succeeds (it was
+        silent: a heartbeat refused for good just stopped)."""
+        if type(e).__name__ != self._ka_failing:  # (by kind: an outage's text counts seconds)
+            self._ka_failing = type(e).__name__
+            log.warning("name resolution: refreshing %s failed (%s: %s); said once until a "
+                        "refresh succeeds", key, type(e).__name__, first_line(e))
 
     def _lost(self, keys: list[str]) -> None:
         """Keep-alive entries were gone before a refresh that came in time (within their

@@ -2,15 +2,21 @@
 exclusive create by ``link``, no file locks, TTLs as expiry times checked on read)."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
 import uuid
 from typing import Iterator
 
-from system.errors import NameEntryExists, NameResolveError
+from system.errors import NameEntryExists, NameResolveError, NameServiceRefused
 from system.name_resolve_api import NameResolve
 from system.private_files import ensure_owned_dir, ensure_shared_dir
+
+
+REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+"""Why a write under the file backend's root fails whatever the retries (the next write, and a
+restarted process's, would fail alike)."""
 
 
 class FileNameResolve(NameResolve):
@@ -55,6 +61,16 @@ class FileNameResolve(NameResolve):
         return os.path.join(self.root, *key.split("/"), self.ENTRY)
 
     def _put(self, key: str, value: str, ttl: float | None, replace: bool) -> None:
+        try:
+            self._write(key, value, ttl, replace)
+        except OSError as e:
+            if e.errno not in REFUSED:
+                raise
+            raise NameServiceRefused(f"the name-resolution directory {self.root} refused a "
+                                     f"write ({e.strerror}): make room on its file system, or "
+                                     "set name_resolve.file_root") from None
+
+    def _write(self, key: str, value: str, ttl: float | None, replace: bool) -> None:
         path = self._path(key)
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
         body = json.dumps({"value": value, "expires": None if ttl is None else time.time() + ttl})
@@ -70,9 +86,9 @@ class FileNameResolve(NameResolve):
                     raise
                 if attempt >= 3:  # let the sibling's delete finish its pruning
                     time.sleep(0.001)
-        with os.fdopen(fd, "w") as f:
-            f.write(body)
-        try:
+        try:  # (a write that fails, a full disk, leaves no temporary file behind either)
+            with os.fdopen(fd, "w") as f:
+                f.write(body)
             if replace:
                 os.replace(tmp, path)
                 return

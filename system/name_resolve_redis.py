@@ -16,7 +16,8 @@ import threading
 import time
 from typing import Callable, Iterator, TypeVar
 
-from system.errors import NameEntryExists, NameResolveError, NameServiceUnavailable
+from system.errors import (NameEntryExists, NameResolveError, NameServiceRefused,
+                           NameServiceUnavailable, first_line)
 from system.name_resolve_api import PASSWORD_ENV, NameResolve
 
 log = logging.getLogger("name_resolve")
@@ -37,6 +38,7 @@ class RedisNameResolve(NameResolve):
         self._watch_error = redis.WatchError
         self._response_error = redis.ResponseError
         self._unreachable = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+        self._auth_error = redis.AuthenticationError  # (a ConnectionError: caught before it)
         self._where = f"{host}:{port}"
         self.outage_timeout = outage_timeout
         """Seconds an unanswering server is retried before an operation fails."""
@@ -95,6 +97,17 @@ class RedisNameResolve(NameResolve):
         while True:
             try:
                 out = op()
+            except self._auth_error as e:  # a server restarted with a password (or another)
+                raise NameServiceRefused(
+                    f"redis at {self._where} refused this client's password, or asks for one "
+                    f"now (name_resolve.redis_password_file, or {PASSWORD_ENV}): "
+                    f"{first_line(e)}") from None
+            except self._response_error as e:
+                if "syntax" in str(e).lower():  # (SET ... GET on a server before 6.2: _refresh)
+                    raise
+                # a read-only replica (a failover, or the wrong host), its memory limit, an ACL
+                raise NameServiceRefused(f"redis at {self._where} refused an operation: "
+                                         f"{first_line(e)}") from None
             except self._unreachable as e:
                 failures += 1
                 if failures == 1:  # a pooled connection the server closed: once more at once

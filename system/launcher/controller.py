@@ -19,7 +19,7 @@ from experiments.registry import Experiment
 from scheduler.base import JobState, JobStatus, Scheduler
 from scheduler.requeue import Restart
 from system import names
-from system.errors import (NameServiceUnavailable, RLSystemError, RpcError, SchedulerError,
+from system.errors import (NameResolveError, NameServiceUnavailable, RLSystemError, RpcError, SchedulerError,
                            WorkerFailure)
 from system.launcher.config import ExperimentConfig
 from system.launcher.disk import full_disk_cause
@@ -114,8 +114,8 @@ class Controller(RecoveringController):
             failure = full_disk_cause(failure, self.paths.root, self.paths.checkpoints)
             summary.failed(failure)
             print(f"\nerror: {failure}", file=sys.stderr)
-        except NameServiceUnavailable as e:  # gone past its outage timeout
-            self._names_down = True
+        except NameResolveError as e:  # gone past its outage timeout, or refusing writes
+            self._names_down = isinstance(e, NameServiceUnavailable)
             failure = WorkerFailure(f"name resolution failed: {e}")
             summary.failed(failure)
             print(f"\nerror: {failure}", file=sys.stderr)

@@ -287,3 +287,33 @@ def test_a_process_that_stood_still_or_is_stopping_adds_nothing_back(nr):
     time.sleep(1.0)
     with pytest.raises(NameEntryNotFound):
         nr.get("e/t/addr")
+
+
+def test_a_file_backend_on_a_full_file_system_refuses_in_one_line_and_leaves_no_temporary(
+        tmp_path):
+    """A write that fails (a full disk, a read-only mount) was a raw ``OSError`` (blamed on the
+    worker, recovered in vain) and left its temporary file, one more at every refresh."""
+    from system.errors import ConfigError, NameServiceRefused
+    from tests.helpers import tmpfs
+
+    with tmpfs(str(tmp_path / "fs"), "1m") as fs:
+        root = os.path.join(fs, "nr")
+        nr = FileNameResolve(root, secret=SECRET)
+        try:
+            nr.add("e/t/a", "1")
+            with open(os.path.join(fs, "filler"), "wb", buffering=0) as f:
+                with pytest.raises(OSError):
+                    while True:
+                        f.write(b"\0" * 65536)
+            with pytest.raises(NameServiceRefused) as e:
+                nr.add("e/t/b", "2" * 8192)
+            assert isinstance(e.value, ConfigError)
+            mine = os.path.join(root, str(os.getuid()))  # (each user's entries apart)
+            assert str(e.value) == (f"the name-resolution directory {mine} refused a write (No "
+                                    "space left on device): make room on its file system, or "
+                                    "set name_resolve.file_root")
+            left = [n for _, _, files in os.walk(root) for n in files if n.endswith(".tmp")]
+            assert left == []
+            assert nr.get("e/t/a") == "1"
+        finally:
+            nr.close()

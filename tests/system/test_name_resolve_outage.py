@@ -151,6 +151,42 @@ def test_a_stopping_process_waits_out_no_outage(server):
         nr.close()
 
 
+def test_a_server_that_refuses_writes_or_the_client_fails_at_once_in_one_line(server):
+    """A read-only replica (a failover, or the wrong host) and a password asked for now (a
+    restart with ``requirepass``) answer: they are refusals, named at once, not an outage
+    waited out for ``redis_outage_timeout`` and named "did not answer" (or, for a refused
+    write, a raw ``ReadOnlyError`` traceback out of the launcher)."""
+    import redis as redis_py
+
+    from system.errors import ConfigError, NameServiceRefused
+
+    port = server[0]
+    nr = RedisNameResolve("127.0.0.1", port, namespace="r", secret=SECRET, outage_timeout=20)
+    admin = redis_py.Redis(port=port)
+    try:
+        nr.add("e/t/a", "1")
+        admin.execute_command("REPLICAOF", "127.0.0.1", "1")  # (a primary that never answers)
+        t0 = time.monotonic()
+        with pytest.raises(NameServiceRefused) as e:
+            nr.add("e/t/b", "2")
+        assert time.monotonic() - t0 < 2.0 and isinstance(e.value, ConfigError)
+        assert str(e.value) == (f"redis at 127.0.0.1:{port} refused an operation: You can't "
+                                "write against a read only replica.")
+        assert nr.get("e/t/a") == "1"  # reads are served
+        admin.execute_command("REPLICAOF", "NO", "ONE")
+        admin.config_set("requirepass", "pw")
+        admin.client_kill_filter(_type="normal", skipme=True)  # the client must log in again
+        t0 = time.monotonic()
+        with pytest.raises(NameServiceRefused, match=rf"^redis at 127.0.0.1:{port} refused this "
+                                                     r"client's password, or asks for one now "
+                                                     r"\(name_resolve.redis_password_file"):
+            nr.get("e/t/a")
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        nr.close()
+        admin.close()
+
+
 def test_the_outage_timeout_is_validated():
     assert NameResolveConfig(redis_outage_timeout=0).redis_outage_timeout == 0
     with pytest.raises(ConfigError, match="redis_outage_timeout=-1"):

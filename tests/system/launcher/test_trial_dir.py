@@ -252,11 +252,10 @@ def test_a_lock_file_that_cannot_be_written_is_named_in_one_line(tmp_path):
     with tmpfs(str(tmp_path / "fs"), "1m") as root:
         path = os.path.join(root, "lock")
         TrialLock.acquire(path, "e/t").release()  # (the lock file of an earlier run)
-        with open(os.path.join(root, "filler"), "wb") as f:
+        with open(os.path.join(root, "filler"), "wb", buffering=0) as f:
             with pytest.raises(OSError):
                 while True:
                     f.write(b"\0" * 65536)
-                    f.flush()
         with pytest.raises(RLSystemError, match=rf"^cannot write the trial's lock file {path} "
                                                 r"\(No space left on device\): make room on "
                                                 r"its file system \(cluster.fileroot\)"):
