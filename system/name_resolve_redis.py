@@ -23,6 +23,11 @@ from system.name_resolve_api import PASSWORD_ENV, NameResolve
 log = logging.getLogger("name_resolve")
 T = TypeVar("T")
 RETRY_SECONDS = 0.5
+SOCKET_TIMEOUT = 3.0
+"""Seconds one request (or connection) waits for a server that does not answer: then it is
+retried, within the outage budget. Entries are small and answered in milliseconds; with 10 s a
+frozen server (stopped, a black-holed network) made each try 10 s, past a stopping process's
+3 s budget: a stop took 52 s."""
 
 
 class RedisNameResolve(NameResolve):
@@ -39,6 +44,7 @@ class RedisNameResolve(NameResolve):
         self._response_error = redis.ResponseError
         self._unreachable = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
         self._auth_error = redis.AuthenticationError  # (a ConnectionError: caught before it)
+        self._timeout = redis.TimeoutError
         self._where = f"{host}:{port}"
         self.outage_timeout = outage_timeout
         """Seconds an unanswering server is retried before an operation fails."""
@@ -55,7 +61,8 @@ class RedisNameResolve(NameResolve):
         # new connection is noted: the client reconnects by itself to a server that restarted
         # between two calls, which then never see it fail.
         self._r = redis.Redis(host=host, port=port, db=db, password=password or None,
-                              socket_timeout=10, socket_connect_timeout=10, decode_responses=True,
+                              socket_timeout=SOCKET_TIMEOUT,
+                              socket_connect_timeout=SOCKET_TIMEOUT, decode_responses=True,
                               retry=Retry(NoBackoff(), 0), redis_connect_func=self._on_connect)
         try:
             self._run_id = self._server_run_id()
@@ -92,9 +99,10 @@ class RedisNameResolve(NameResolve):
         seconds (:meth:`retry_budget`: read at every retry, so a budget lowered meanwhile, by
         a process that is stopping, ends a call already retrying); once it answers again, or
         on any new connection, entries are added back if it is a new server process."""
-        started = None
-        failures = 0
+        started = None  # when the outage began: the start of the first try that failed
+        first = failures = 0
         while True:
+            tried = time.monotonic()
             try:
                 out = op()
             except self._auth_error as e:  # a server restarted with a password (or another)
@@ -110,12 +118,15 @@ class RedisNameResolve(NameResolve):
                                          f"{first_line(e)}") from None
             except self._unreachable as e:
                 failures += 1
-                if failures == 1:  # a pooled connection the server closed: once more at once
+                # a pooled connection the server closed: once more at once (not after a
+                # time-out, which waited already)
+                if failures == 1 and not isinstance(e, self._timeout):
+                    first = tried
                     continue
                 now = self.outage_seen = time.monotonic()
                 restoring = getattr(self._local, "restoring", False)
-                if started is None:
-                    started = now
+                if started is None:  # (counted from the first try: it took time too)
+                    started = first or tried
                     if not restoring:
                         log.warning("redis at %s does not answer (%s): retrying for up to "
                                     "%.0fs", self._where, e, self.retry_budget())

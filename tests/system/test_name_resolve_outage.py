@@ -187,6 +187,30 @@ def test_a_server_that_refuses_writes_or_the_client_fails_at_once_in_one_line(se
         admin.close()
 
 
+def test_a_frozen_server_holds_a_stopping_process_no_longer_than_its_budget(server):
+    """A server that takes connections but never answers (stopped, a black-holed network):
+    each try waited 10 s for its answer, and the first failure was tried again at once, so a
+    stopping process (3 s budget) took 30 s for one call (a trial's stop took 52 s, and
+    ``ctl cancel`` ended with the launcher SIGKILLed). Now a try waits 3 s and counts."""
+    import signal
+
+    nr = RedisNameResolve("127.0.0.1", server[0], namespace="f", secret=SECRET,
+                          outage_timeout=20)
+    try:
+        nr.add("e/t/a", "1")
+        server[1].send_signal(signal.SIGSTOP)
+        nr.stopping(3.0)
+        t0 = time.monotonic()
+        with pytest.raises(NameResolveError) as e:
+            nr.get("e/t/a")
+        took = time.monotonic() - t0
+        assert took < 8.0, took
+        assert f"redis at 127.0.0.1:{server[0]} did not answer for 3s" in str(e.value)
+    finally:
+        server[1].send_signal(signal.SIGCONT)
+        nr.close()
+
+
 def test_the_outage_timeout_is_validated():
     assert NameResolveConfig(redis_outage_timeout=0).redis_outage_timeout == 0
     with pytest.raises(ConfigError, match="redis_outage_timeout=-1"):
