@@ -120,11 +120,14 @@ def gather(view: TrialView) -> dict[str, Any]:
         "trial": f"{view.exp}/{view.trial}", "dir": view.paths.root, "state": view.state,
         "phase": view.record.get("phase", ""), "scheduler": view.scheduler,
         "started": view.started, "updated": float(view.record.get("updated") or 0.0),
-        "controller": {**(view.record.get("controller") or {}),
-                       "lock_holder": view.holder, "key_live": live.controller},
+        "controller": {**(view.record.get("controller") or {}), "lock_holder": view.holder,
+                       "key_live": None if live.problem else live.controller},
         "cancel_request": view.cancel, "other_run": view.other_line(), "jobs": jobs(view),
-        "workers": {"expected": expected, "alive": sorted(live.heartbeats),
-                    "missing": [w for w in expected if w not in live.heartbeats]},
+        # (unknown where name resolution cannot be read: every worker was shown missing)
+        "workers": {"expected": expected,
+                    "alive": None if live.problem else sorted(live.heartbeats),
+                    "missing": None if live.problem else
+                    [w for w in expected if w not in live.heartbeats]},
         "progress": live.progress or dict(view.record.get("progress") or {}),
         "metrics": last_metrics(view.paths.root), "errors": errors, "last_error": last_error,
         "recoveries": recoveries, "endpoints": live.endpoints,
@@ -150,10 +153,11 @@ def render(s: dict[str, Any]) -> str:
                      f"{reason}" + (f" node={j['node']}" if j["node"] else ""))
     w = s["workers"]
     if s["state"] in EXIT_CODES and EXIT_CODES[s["state"]] == 0:
-        lines.append(f"  workers alive (heartbeat): {len(w['alive'])}/{len(w['expected'])}"
-                     + (f"; missing: {', '.join(w['missing'])}" if w["missing"] else ""))
         if s["name_resolution"] != "ok":
-            lines.append(f"  {s['name_resolution']}")
+            lines.append(f"  workers alive (heartbeat): unknown ({s['name_resolution']})")
+        else:
+            lines.append(f"  workers alive (heartbeat): {len(w['alive'])}/{len(w['expected'])}"
+                         + (f"; missing: {', '.join(w['missing'])}" if w["missing"] else ""))
     if s["progress"]:
         lines.append("  progress: " + ", ".join(f"{k} {v}" for k, v in s["progress"].items()
                                                  if v is not None))

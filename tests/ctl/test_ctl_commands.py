@@ -273,3 +273,35 @@ def test_a_copied_trial_directory_is_shown_under_its_own_name(fileroot, capsys):
     assert main(["ls", f"cluster.fileroot={fileroot}"]) == 0
     out = capsys.readouterr().out
     assert "smoke/live-backup" in out and out.count("smoke/live ") == 1, out
+
+
+def test_status_says_the_workers_are_unknown_when_name_resolution_cannot_be_read(fileroot,
+                                                                                 capsys):
+    """A running trial whose Redis does not answer: every worker was shown missing (0/9, and
+    ``alive: []`` in the JSON) above a line saying why nothing could be read."""
+    from tests.helpers import free_port, write_secret_file
+
+    run = _trial(fileroot, "smoke", "nr")
+    write_secret_file(run.root)
+    Bootstrap(exp="smoke", trial="nr", experiment="smoke", trial_dir=run.root, interface="",
+              scheduler="local", name_resolve={"type": "redis", "redis_port": free_port()},
+              name_resolve_root="", rpc={}, heartbeat_ttl=5.0).write(run.bootstrap)
+    _write(run.status, {"exp": "smoke", "trial": "nr", "state": "running", "scheduler": "local",
+                        "started": time.time() - 5, "jobs": [], "progress": {}, "logs": {},
+                        "workers": {"master": 1, "model": 2}})
+    words = ["exp=smoke", "trial=nr", f"cluster.fileroot={fileroot}"]
+    lock = TrialLock.acquire(run.lock, "smoke/nr")
+    try:
+        capsys.readouterr()
+        assert main(["status", *words]) == 0
+        out = capsys.readouterr().out
+        assert "  workers alive (heartbeat): unknown (name resolution not readable: cannot " \
+               "reach redis at 127.0.0.1:" in out, out
+        assert "missing" not in out
+        assert main(["status", *words, "--json"]) == 0
+        s = json.loads(capsys.readouterr().out)
+        assert s["workers"] == {"expected": ["master/0", "model/0", "model/1"], "alive": None,
+                                "missing": None}
+        assert s["controller"]["key_live"] is None
+    finally:
+        lock.release()
