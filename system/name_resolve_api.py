@@ -362,8 +362,8 @@ class NameResolve(abc.ABC):
     def _ensure_keepalive_thread(self) -> None:
         if self._ka_thread is None or not self._ka_thread.is_alive():
             self._ka_stop.clear()
-            self._ka_thread = threading.Thread(target=self._keepalive_loop, name="name-resolve-keepalive",
-                                               daemon=True)
+            self._ka_thread = threading.Thread(target=self._keepalive_loop,
+                                               name="name-resolve-keepalive", daemon=True)
             self._ka_thread.start()
 
     def _keepalive_loop(self) -> None:

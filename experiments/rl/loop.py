@@ -67,7 +67,8 @@ class RLLoop:
         self.state = (load_state(self.ckpt.restorable(self.resumed_from, only=(MASTER_STATE,)))
                       if self.resumed_from is not None else LoopState())
         self.metrics = MetricsLog(self.trial_dir, resume=self.resumed_from is not None,
-                                  cfg=MetricsConfig(**master.config.get("metrics", {})), name=f"{master.exp}/{master.trial}")
+                                  cfg=MetricsConfig(**master.config.get("metrics", {})),
+                                  name=f"{master.exp}/{master.trial}")
         self.metrics.truncate(self.state.step)
         self.admission = AdmissionController(AdmissionConfig(rl.batch_size, rl.eta))
         self.buffer = TrajectoryBuffer(rl.eta)

@@ -19,8 +19,8 @@ from experiments.registry import Experiment
 from scheduler.base import JobState, JobStatus, Scheduler
 from scheduler.requeue import Restart
 from system import names
-from system.errors import (NameResolveError, NameServiceUnavailable, RLSystemError, RpcError, SchedulerError,
-                           WorkerFailure)
+from system.errors import (NameResolveError, NameServiceUnavailable, RLSystemError, RpcError,
+                           SchedulerError, WorkerFailure)
 from system.launcher.config import ExperimentConfig
 from system.launcher.disk import full_disk_cause
 from system.launcher.eval_mode import leftover_logs
