@@ -238,8 +238,8 @@ class Worker:
                 json.dumps({"type": type(e).__name__, "message": str(e), "traceback": tb,
                             "config": isinstance(e, ConfigError)}),
                 replace=True)
-        except Exception:
-            log.exception("could not report the failure")
+        except Exception as report_error:  # (its cause, in one line: often the same as e's)
+            log.error("could not report the failure: %s", first_line(report_error))
 
     def _watch_controller(self, period: float) -> None:
         """Stop this worker, as SIGTERM would, once its controller is judged dead from its
