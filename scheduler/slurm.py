@@ -82,6 +82,8 @@ class SlurmScheduler(Scheduler):
     """Seconds :meth:`stop_all` keeps cancelling after the grace period before it gives up."""
     scancel_timeout: float = 30.0
     """Seconds one ``scancel`` may take before it counts as unanswered (and is tried again)."""
+    query_timeout: float = 60.0
+    """Seconds a poll's ``squeue`` may take before the poll is no news (see :meth:`_no_news`)."""
 
     def __init__(self, slurm: SlurmConfig, exp: str, trial: str, trial_dir: str, workdir: str,
                  umask: int = 0o077, gpus_per_worker: Mapping[str, int] | None = None) -> None:
@@ -98,6 +100,7 @@ class SlurmScheduler(Scheduler):
         """Job id -> its workers :meth:`stop_worker` forgot while the job ran others."""
         self._last_poll = 0.0
         self._cache: list[JobStatus] = []
+        self._silent_since: float | None = None  # Slurm's controller has not answered since
         self._release_at: dict[str, float] = {}  # held requeued job -> when to release it
         self._submitted: dict[str, float] = {}  # job id -> when it was submitted (monotonic)
 
@@ -198,20 +201,33 @@ class SlurmScheduler(Scheduler):
         self._last_poll = time.monotonic()
         leaders = sorted({het_leader(j) for j in self._jobs})
         found: dict[str, tuple[str, str]] = {}
-        r = _run(["squeue", "-h", "--states=all", "-j", ",".join(leaders), "-o", "%i|%T|%r"])
+        try:
+            r = _run(["squeue", "-h", "--states=all", "-j", ",".join(leaders), "-o",
+                      "%i|%T|%r"], self.query_timeout)
+        except SchedulerError as e:  # (it did not answer in time: an overloaded slurmctld)
+            return self._no_news(str(e))
         if r.returncode == 0:
             for line in r.stdout.splitlines():
                 parts = line.strip().split("|", 2)
                 if len(parts) == 3 and parts[0] in self._jobs:
                     found[parts[0]] = (parts[1], parts[2])
-        else:
+        elif unreachable(r):  # (not one scontrol per job as well: each would wait too)
+            return self._no_news(last_error(r))
+        else:  # (say, a job Slurm has purged already: scontrol is asked for each below)
             log.warning("squeue failed: %s", r.stderr.strip())
+        if self._silent_since is not None:
+            log.warning("Slurm's controller answers again (silent for %.0fs)",
+                        time.monotonic() - self._silent_since)
+            self._silent_since = None
         statuses = []
         for job_id, group in self._jobs.items():
             raw, reason = found.get(job_id, ("", ""))
             restarts = 0
             if fresh or not raw or map_state(raw) in (JobState.PENDING, JobState.REQUEUED):
-                info = scontrol_job(job_id)  # finished jobs, and restart counts
+                try:
+                    info = scontrol_job(job_id, self.query_timeout)  # finished, restarts
+                except SchedulerError:  # (no news: the job's state stays unknown this time)
+                    info = {}
                 raw = raw or info.get("JobState", "")
                 reason = reason or info.get("Reason", "")
                 restarts = int(info.get("Restarts", "0") or 0)
@@ -231,6 +247,21 @@ class SlurmScheduler(Scheduler):
                                                     restarts)))
         self._cache = statuses
         return statuses
+
+    def _no_news(self, why: str) -> list[JobStatus]:
+        """Slurm's controller did not answer a poll: no news is no failure. The jobs keep the
+        states last seen (those never seen: unknown); said once an outage (a ``squeue`` that
+        timed out failed the trial, and then its clean-up, with a traceback)."""
+        if self._silent_since is None:
+            self._silent_since = time.monotonic()
+            log.warning("Slurm's controller does not answer (%s): the jobs keep the states "
+                        "last seen until it does", why)
+        kept = [s for s in self._cache if s.job_id in self._jobs]
+        seen = {s.job_id for s in kept}
+        self._cache = kept + [
+            JobStatus(j, JobState.UNKNOWN, *self._live(j), "Slurm did not answer")
+            for j in self._jobs if j not in seen]
+        return self._cache
 
     def _blocked(self, job_id: str, kind: str, state: JobState, reason: str,
                  restarts: int) -> str:

@@ -149,3 +149,37 @@ def test_stop_worker_of_a_one_task_job(slurm_env, tmp_path):
         assert [(s.job_id, s.workers) for s in sched.poll()] == [(group, ("rollout/0",))]
     finally:
         subprocess.run(["scancel", group, job_id], env={**os.environ, **slurm_env})
+
+
+def test_a_poll_while_slurmctld_does_not_answer_keeps_the_states_last_seen(
+        slurm_env, slurm_cluster, tmp_path, caplog):
+    """An overloaded slurmctld (here: stopped) answers no ``squeue``: a poll raised after its
+    time-out, which failed a healthy trial and then its clean-up with a traceback (no
+    ``summary.json``, the trial shown lost). No news is no failure: the jobs keep the states
+    last seen, said once; the poll after it answers again says so."""
+    import logging
+    import signal
+
+    sched, ids = _scheduler(tmp_path, "silent")
+    with open(os.path.join(slurm_cluster.root, "slurmctld.pid")) as f:
+        pid = int(f.read())
+    try:
+        _wait_running_and_pending(sched, ids)
+        with caplog.at_level(logging.WARNING, logger="slurm"):
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                silent = []
+                for timeout in (0.5, 30.0):  # squeue timed out; then it said it cannot connect
+                    sched.query_timeout = timeout
+                    silent.append(sched.poll(fresh=True))
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert [{s.job_id: s.state for s in got} for got in silent] == [
+                {ids[0]: JobState.RUNNING, ids[1]: JobState.PENDING}] * 2
+            assert caplog.text.count("Slurm's controller does not answer") == 1, caplog.text
+            assert "did not answer within" in caplog.text  # (the time-out: it raised)
+            wait_for(lambda: {s.job_id: s.state for s in sched.poll(fresh=True)} == {
+                ids[0]: JobState.RUNNING, ids[1]: JobState.PENDING}, 60, "an answer again")
+            assert "Slurm's controller answers again" in caplog.text
+    finally:
+        subprocess.run(["scancel", *ids], env={**os.environ, **slurm_env})
