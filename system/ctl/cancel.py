@@ -108,24 +108,34 @@ def named_here(jobs: Sequence[NamedJob], exp: str, trial: str,
                           if "+" in j.job_id and j.job_id.split("+")[0] in leaders})
 
 
-def _trial_jobs(view: TrialView) -> list[str]:
-    """Queued jobs of the trial: its recorded ones, and this user's named ``<exp>_<trial>:*``
-    that write their output under the trial directory (:func:`named_here`)."""
+def _recorded_jobs(view: TrialView) -> list[str]:
     ids = {str(j["id"]) for j in view.record.get("jobs") or []}
     ids.add(view.controller_job())
-    queued = set(slurm_query.queue(sorted(i for i in ids if i)) or {})
+    return sorted(i for i in ids if i)
+
+
+def _trial_jobs(view: TrialView) -> list[str] | None:
+    """Queued jobs of the trial: its recorded ones, and this user's named ``<exp>_<trial>:*``
+    that write their output under the trial directory (:func:`named_here`); None when
+    ``squeue`` did not answer (which is not "none")."""
+    queued = slurm_query.queue(_recorded_jobs(view))
+    named = slurm_query.mine()
+    if queued is None or named is None:
+        return None
     roots = {view.paths.root, os.path.realpath(view.paths.root)}
-    queued.update(named_here(slurm_query.mine() or [], view.exp, view.trial, roots))
-    return sorted(queued)
+    return sorted(set(queued) | set(named_here(named, view.exp, view.trial, roots)))
 
 
-def _sweep_slurm(view: TrialView, t0: float, deadline: float) -> list[str]:
-    """``scancel`` the trial's queued jobs until none is left or ``deadline``; the ids left."""
+def _sweep_slurm(view: TrialView, t0: float, deadline: float) -> list[str] | None:
+    """``scancel`` the trial's queued jobs until none is left or ``deadline``; the ids left,
+    None when ``squeue`` never answered (its recorded jobs are cancelled meanwhile, blindly)."""
     left = _trial_jobs(view)
-    if left:
+    if left is None:
+        _say(t0, "squeue does not answer: cancelling the trial's recorded jobs blindly")
+    elif left:
         _say(t0, f"scancel {' '.join(left)}")
-    while left and time.monotonic() < deadline:
-        slurm_query.scancel(left)
+    while (left is None or left) and time.monotonic() < deadline:
+        slurm_query.scancel(_recorded_jobs(view) if left is None else left)
         time.sleep(1.0)
         left = _trial_jobs(view)
     return left
@@ -211,6 +221,10 @@ def run(paths: TrialPaths, grace: float = GRACE) -> int:
     deadline = t0 + DEADLINE
     jobs_left = _sweep_slurm(view, t0, deadline) if view.scheduler == "slurm" else []
     pids_left = _sweep_local(view, t0)
+    if jobs_left is None:  # (it said "nothing is left", exit 0, and recorded "cancelled")
+        _say(t0, "Slurm did not answer squeue: whether jobs of the trial are left is unknown; "
+             "cancel again once it answers (`scontrol ping` tells)")
+        return 1
     _final_record(paths, t0)
     if jobs_left or pids_left:
         _say(t0, f"still there: jobs {jobs_left or 'none'}, processes {pids_left or 'none'}")

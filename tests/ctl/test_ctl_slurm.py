@@ -125,3 +125,51 @@ def test_detached_trial_status_and_cancel(slurm_cluster, tmp_path):
     assert "cancelled" in ctl_env(slurm_cluster.env, "ls", "--fileroot", root).stdout.split()
     r = ctl_env(slurm_cluster.env, "logs", *words)
     assert r.returncode == 0 and "cancelled: stopping every worker" in r.stdout
+
+
+def test_cancel_does_not_say_nothing_is_left_when_squeue_does_not_answer(slurm_cluster,
+                                                                        tmp_path, monkeypatch,
+                                                                        capsys):
+    """A lost Slurm trial (its launcher killed) whose slurmctld does not answer: cancel said
+    "nothing of it is left (squeue lists none of its jobs)", exit 0, and recorded it
+    cancelled, while its job stayed queued. It says it cannot tell, exit 1, records nothing;
+    once Slurm answers, a cancel removes the job."""
+    import signal
+
+    from system.ctl import cancel
+    from system.paths import TrialPaths
+
+    for k, v in slurm_cluster.env.items():
+        monkeypatch.setenv(k, v)
+    paths = TrialPaths(str(tmp_path / "runs" / "smoke" / "lost"))
+    os.makedirs(paths.logs)
+    r = subprocess.run(["sbatch", "--parsable", "-J", "smoke_lost:master", "--begin=now+3600",
+                        f"--output={paths.logs}/slurm-master-%j.log", "--wrap", "sleep 600"],
+                       capture_output=True, text=True, check=True)
+    job = r.stdout.strip().split(";")[0]
+    with open(paths.status, "w") as f:
+        json.dump({"exp": "smoke", "trial": "lost", "state": "running", "scheduler": "slurm",
+                   "started": time.time() - 60, "jobs": [{"id": job, "kind": "master"}],
+                   "progress": {}, "logs": {}}, f)
+    monkeypatch.setattr(cancel, "DEADLINE", 5.0)
+    with open(os.path.join(slurm_cluster.root, "slurmctld.pid")) as f:
+        pid = int(f.read())
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            code = cancel.run(paths)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        out = capsys.readouterr().out
+        assert code == 1, out
+        assert "whether jobs of the trial are left is unknown" in out
+        assert "nothing of smoke/lost is left" not in out
+        assert json.load(open(paths.status))["state"] == "running"  # nothing recorded
+        assert not os.path.exists(paths.summary)
+        monkeypatch.setattr(cancel, "DEADLINE", 60.0)
+        assert cancel.run(paths) == 0
+        assert "nothing of smoke/lost is left (squeue lists none of its jobs)" in \
+            capsys.readouterr().out
+        assert queued(slurm_cluster.env, "smoke", "lost") == []
+    finally:
+        subprocess.run(["scancel", job])
