@@ -26,6 +26,7 @@ from scheduler.slurm_queue import (blocked_message, held_after_launch_failure, h
                                    queue_timeout_message, unavailable_nodes)
 from scheduler.slurm_render import (HETJOB, job_label, job_name, render_hetjob_script,
                                     render_worker_script, requeue_mark_prefix, script_name)
+from scheduler.slurm_submit import submit
 from system.errors import SchedulerError
 from system.held_signals import held_signals
 from system.thread_stacks import SCANCEL_STACKS
@@ -101,6 +102,7 @@ class SlurmScheduler(Scheduler):
         self._last_poll = 0.0
         self._cache: list[JobStatus] = []
         self._silent_since: float | None = None  # Slurm's controller has not answered since
+        self._unconfirmed: set[str] = set()  # job names an unanswered sbatch may have queued
         self._release_at: dict[str, float] = {}  # held requeued job -> when to release it
         self._submitted: dict[str, float] = {}  # job id -> when it was submitted (monotonic)
 
@@ -164,25 +166,18 @@ class SlurmScheduler(Scheduler):
             return self._submit(request, path)
 
     def _submit(self, request: SlurmRequest, path: str) -> list[str]:
-        r = _run(["sbatch", "--parsable", path])
-        if r.returncode != 0:
-            if unreachable(r):
-                raise SchedulerError(f"sbatch could not reach Slurm's controller to submit "
-                                     f"{request.describe()}: {last_error(r)} (is slurmctld "
-                                     "up, and this node's Slurm configuration readable? "
-                                     "`scontrol ping` tells; after a timeout, `squeue --me` "
-                                     "shows whether the job was queued all the same)")
-            raise SchedulerError(f"sbatch refused the job of {request.describe()}: "
-                                 f"{last_error(r)} (script: {path})")
-        job_id = parse_sbatch_parsable(r.stdout)
+        label = HETJOB if isinstance(request, HetRequest) else (
+            "controller" if isinstance(request, ControllerRequest) else job_label(request.group))
+        job_id = submit(path, request.describe(), job_name(self.exp, self.trial, label),
+                        os.path.dirname(request.members()[0].log_paths[0]), self.exp,
+                        self.trial, {het_leader(j) for j in self._jobs}, self._unconfirmed)
         ids = [job_id] if not isinstance(request, HetRequest) else [
             f"{job_id}+{i}" for i in range(len(request.groups))]
         for j, group in zip(ids, request.members()):
             self._jobs[j] = group
             self._submitted[j] = time.monotonic()
         self._last_poll = 0.0
-        log.info("submitted %s as job %s", job_name(self.exp, self.trial,
-                                                    job_label(request.group)), job_id)
+        log.info("submitted %s as job %s", job_name(self.exp, self.trial, label), job_id)
         return ids
 
     @staticmethod

@@ -18,7 +18,7 @@ from experiments.registry import Experiment
 from scheduler.base import Scheduler
 from scheduler.requeue import RequeuePolicy
 from system import names
-from system.errors import NameEntryNotFound, WorkerFailure, first_line
+from system.errors import NameEntryNotFound, SchedulerError, WorkerFailure, first_line
 from system.launcher.config import ExperimentConfig
 from system.launcher.disk import full_disk_cause
 from system.launcher.eval_mode import checkpoint_steps
@@ -188,6 +188,11 @@ class RecoveringController:
                 return
             except WorkerFailure as e:
                 failure = e
+            except SchedulerError as e:  # (a stalled slurmctld: it ended the trial, retries
+                # unused) one more failure of the same worker, recovered as it was
+                failure = WorkerFailure(f"the recovery of {failure.worker} could not submit its "
+                                        f"jobs: {e}", failure.worker, failure.log_path,
+                                        failure.also)
 
     def _recover(self, failure: WorkerFailure, summary: TrialSummary,
                  every_kind: bool = False) -> None:

@@ -183,3 +183,50 @@ def test_a_poll_while_slurmctld_does_not_answer_keeps_the_states_last_seen(
             assert "Slurm's controller answers again" in caplog.text
     finally:
         subprocess.run(["scancel", *ids], env={**os.environ, **slurm_env})
+
+
+def test_a_job_that_an_unanswered_sbatch_queued_all_the_same_is_taken(slurm_env, slurm_cluster,
+                                                                       tmp_path):
+    """slurmctld stalls (here: stopped) while sbatch submits: sbatch gives up ("Socket timed
+    out"), but Slurm queues the job once it answers. The job ran untracked (until its workers
+    judged their controller gone) and the submission failed; a recovery that went on would
+    have submitted the group again beside it. Now the queue is searched for it and it is
+    taken as the submitted job."""
+    import signal
+    import threading
+
+    sched = SlurmScheduler(SlurmConfig(poll_interval=0.2), "stall", "t", str(tmp_path), REPO)
+    group = GroupSpec("master", 1, ("sleep", "300"), {}, (str(tmp_path / "master.log"),))
+    request = sched.plan(group)
+    with open(os.path.join(slurm_cluster.root, "slurmctld.pid")) as f:
+        pid = int(f.read())
+
+    def resume_once_sbatch_gave_up() -> None:
+        seen, deadline = False, time.monotonic() + 60
+        while time.monotonic() < deadline:
+            running = subprocess.run(["pgrep", "-f", f"sbatch --parsable {request.script_path}"],
+                                     capture_output=True).returncode == 0
+            if seen and not running:
+                break
+            seen = seen or running
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGCONT)
+
+    resume = threading.Thread(target=resume_once_sbatch_gave_up)
+    os.kill(pid, signal.SIGSTOP)
+    resume.start()
+    ids: list[str] = []
+    try:
+        ids = sched.schedule(request)
+        resume.join()
+        assert len(ids) == 1
+        assert _queue(slurm_env, ids) in ([f"{ids[0]}|RUNNING"], [f"{ids[0]}|PENDING"])
+        r = subprocess.run(["squeue", "-h", "-n", "stall_t:master", "-o", "%i"],
+                           capture_output=True, text=True)
+        assert r.stdout.split() == ids  # one job, the one tracked
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        resume.join()
+        r = subprocess.run(["squeue", "-h", "-n", "stall_t:master", "-o", "%i"],
+                           capture_output=True, text=True)
+        subprocess.run(["scancel", *r.stdout.split()])
