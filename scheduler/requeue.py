@@ -96,6 +96,15 @@ class RequeuePolicy:
         for w in workers:
             self.rejoining[w] = deadline
 
+    def queued(self, workers: Iterable[str]) -> None:
+        """``workers``' jobs wait in the queue (requeued, pending for resources, a partition
+        down): their time to rejoin counts from when the job runs, as at start-up (a requeued
+        job that waited past ``rejoin_timeout`` failed its worker, the wait named nowhere)."""
+        deadline = self._clock() + self.rejoin_timeout
+        for w in workers:
+            if w in self.rejoining:
+                self.rejoining[w] = max(self.rejoining[w], deadline)
+
     def overdue(self, back: Iterable[str]) -> list[str]:
         """Rejoining workers, but those in ``back``, whose deadline has passed."""
         back = set(back)

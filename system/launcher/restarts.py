@@ -100,6 +100,7 @@ class RecoveringController:
         if not rejoining:
             return
         back = [w for w in rejoining if w in found and found[w] != self.addresses.get(w)]
+        self.requeue.queued(w for st in self.scheduler.poll() if st.queued for w in st.workers)
         overdue = self.requeue.overdue(back)
         if overdue:
             w = overdue[0]

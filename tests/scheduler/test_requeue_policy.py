@@ -109,6 +109,23 @@ def test_moved_workers_rejoin_and_overdue_ones_are_named():
     assert p.overdue(back=[]) == ["rollout/1"]
 
 
+def test_time_in_the_queue_does_not_count_toward_rejoining():
+    """A requeued job pending (a partition down, no free nodes) failed its worker once
+    ``rejoin_timeout`` had passed, the wait named nowhere: the clock starts when it runs."""
+    clock = Clock()
+    p = policy(clock)
+    p.moved(["rollout/0", "rollout/1"])
+    for _ in range(10):  # ten minutes in the queue
+        clock.now += 61
+        p.queued(["rollout/0", "model/0"])  # (model/0 is not rejoining: ignored)
+        assert p.overdue(back=[]) == ["rollout/1"]
+    assert "model/0" not in p.rejoining
+    clock.now += 59  # it runs now: the full timeout from its last sight in the queue
+    assert p.overdue(back=[]) == ["rollout/1"]
+    clock.now += 2
+    assert p.overdue(back=[]) == ["rollout/0", "rollout/1"]
+
+
 def test_wait_requeued_polls_until_the_restart_shows():
     clock = Clock()
     p = policy(clock)
