@@ -18,7 +18,7 @@ from scheduler.requeue import RequeuePolicy
 from scheduler.slurm_cli import (STATE_TABLE, last_error, map_state, parse_sbatch_parsable,
                                  parse_scontrol_job, unreachable)
 from scheduler.slurm_cli import run as _run
-from scheduler.slurm_config import SlurmConfig
+from scheduler.slurm_config import SlurmConfig, short_limit_message
 from scheduler.slurm_leftovers import cancel_leftovers
 from scheduler.slurm_jobs import (cancel_until_gone, het_leader, queued, scancel, scontrol_job,
                                   scontrol_update, slurm_release, terminate)
@@ -217,7 +217,7 @@ class SlurmScheduler(Scheduler):
         statuses = []
         for job_id, group in self._jobs.items():
             raw, reason = found.get(job_id, ("", ""))
-            restarts = 0
+            restarts, info = 0, {}
             if fresh or not raw or map_state(raw) in (JobState.PENDING, JobState.REQUEUED):
                 try:
                     info = scontrol_job(job_id, self.query_timeout)  # finished, restarts
@@ -234,19 +234,20 @@ class SlurmScheduler(Scheduler):
             workers, log_paths = self._live(job_id)
             waiting = reason if state in (JobState.PENDING, JobState.REQUEUED) and \
                 reason != "None" else ""
+            short = short_limit_message(job_id, group.kind, info.get("TimeLimit", ""),
+                                        self.slurm.signal_seconds) if restarts else ""
             statuses.append(JobStatus(job_id, state, workers, log_paths,
                                       f"job {job_id} {raw or 'not found'}"
                                       + (f" ({reason})" if reason and reason != "None" else ""),
-                                      restarts, waiting,
+                                      restarts, waiting, (self.slurm.requeue and short) or
                                       self._blocked(job_id, group.kind, state, waiting,
                                                     restarts)))
         self._cache = statuses
         return statuses
 
     def _no_news(self, why: str) -> list[JobStatus]:
-        """Slurm's controller did not answer a poll: no news is no failure. The jobs keep the
-        states last seen (those never seen: unknown); said once an outage (a ``squeue`` that
-        timed out failed the trial, and then its clean-up, with a traceback)."""
+        """Slurm's controller did not answer a poll: no news is no failure (it failed the trial).
+        The jobs keep the states last seen (those never seen: unknown); said once an outage."""
         if self._silent_since is None:
             self._silent_since = time.monotonic()
             log.warning("Slurm's controller does not answer (%s): the jobs keep the states "

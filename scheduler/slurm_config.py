@@ -150,6 +150,23 @@ def min_time_s(signal_seconds: int) -> int:
     return 2 * signal_seconds + SIGNAL_EARLY_S
 
 
+def short_limit_message(job_id: str, kind: str, time_limit: str, signal_seconds: int) -> str:
+    """Why requeued job ``job_id`` (group ``kind``) will requeue over and over: its time limit
+    as Slurm has it (``TimeLimit``: set after submission, or the partition's ``DefaultTime``
+    for a group without one of its own, neither seen at launch) is below :func:`min_time_s`;
+    '' if it is not (pure). It requeued every 30 s, each time "not a failure", for good."""
+    limit = slurm_time_seconds(time_limit) if time_limit else None
+    need = min_time_s(signal_seconds)
+    if limit is None or limit >= need:
+        return ""
+    return (f"job {job_id} of the {kind} group was requeued with a time limit of {limit} s "
+            f"(Slurm's TimeLimit={time_limit}: set on the job, or the partition's DefaultTime), "
+            f"too short for scheduler.slurm.signal_seconds={signal_seconds}: SIGUSR2 stops it "
+            f"at once and it requeues over and over; valid: a time limit of at least {need} s "
+            f"(scheduler.slurm.{kind}.time or scheduler.slurm.time), a smaller signal_seconds, "
+            "or scheduler.slurm.requeue=false")
+
+
 WORKER_GROUPS = ("master", "model", "generation", "rollout")
 """The groups of worker jobs (the ``controller``'s own job, with ``--detach``, is not one)."""
 

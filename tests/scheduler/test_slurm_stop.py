@@ -230,3 +230,30 @@ def test_a_job_that_an_unanswered_sbatch_queued_all_the_same_is_taken(slurm_env,
         r = subprocess.run(["squeue", "-h", "-n", "stall_t:master", "-o", "%i"],
                            capture_output=True, text=True)
         subprocess.run(["scancel", *r.stdout.split()])
+
+
+def test_a_requeued_job_whose_time_limit_is_too_short_fails_in_one_line(slurm_env, tmp_path):
+    """A time limit below 2 x signal_seconds + 60 s set on the job after submission (or the
+    partition's DefaultTime, for a group without a limit of its own): SIGUSR2 at once, a
+    requeue, again, every 30 s, each "not a failure", for good. The requeued job is judged
+    blocked, naming its time limit and what to change."""
+    sched = SlurmScheduler(SlurmConfig(poll_interval=0.2), "short", "t", str(tmp_path), REPO)
+    job = _running_job(sched, GroupSpec("rollout", 1, ("sleep", "300"), {},
+                                        (str(tmp_path / "rollout-0.log"),)))
+    try:
+        (st,) = sched.poll(fresh=True)
+        assert st.blocked == ""  # (no limit of its own: the partition's, unlimited here)
+        env = {**os.environ, **slurm_env}
+        subprocess.run(["scontrol", "update", f"jobid={job}", "TimeLimit=2"], env=env,
+                       check=True)
+        subprocess.run(["scontrol", "requeue", job], env=env, check=True)
+        wait_for(lambda: sched.poll(fresh=True)[0].restarts == 1, 60, "the requeue")
+        (st,) = sched.poll(fresh=True)
+        assert st.blocked == (
+            f"job {job} of the rollout group was requeued with a time limit of 120 s (Slurm's "
+            "TimeLimit=00:02:00: set on the job, or the partition's DefaultTime), too short for "
+            "scheduler.slurm.signal_seconds=120: SIGUSR2 stops it at once and it requeues over "
+            "and over; valid: a time limit of at least 300 s (scheduler.slurm.rollout.time or "
+            "scheduler.slurm.time), a smaller signal_seconds, or scheduler.slurm.requeue=false")
+    finally:
+        subprocess.run(["scancel", job], env={**os.environ, **slurm_env})
