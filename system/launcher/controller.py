@@ -65,6 +65,9 @@ class Controller(RecoveringController):
                      for i, name in enumerate(g.worker_names())}
         self.clients: dict[str, WorkerClient] = {}
         self.addresses: dict[str, str] = {}
+        self.incarnations: dict[str, str] = {}
+        """Worker -> ``host:pid:nonce`` of the process registered (under Slurm: its witness's
+        record), ordered to end when its job is restarted (:meth:`_end_old_copies`)."""
         self.requeue = scheduler.requeue_policy()  # restarts, rejoining workers, incarnations
         self.timeline: dict[str, float] = {}
         self.progress = Progress(f"{cfg.exp}/{cfg.trial}", cfg.controller.progress)
@@ -177,6 +180,7 @@ class Controller(RecoveringController):
     def _restarted(self, restarts: list[Restart]) -> None:
         for r in restarts:
             self._drop_clients(r.rejoining)
+            self._end_old_copies(r.rejoining)
             print(f"\njob {r.job.job_id} ({', '.join(r.job.workers)}) was requeued "
                   f"(restart {r.job.restarts}); waiting for its workers to rejoin",
                   file=sys.stderr)
@@ -252,6 +256,7 @@ class Controller(RecoveringController):
                 self.addresses[name] = address
                 self.clients[name] = client_for(
                     name, RpcClient(self.codec, address, self.cfg.rpc.request_timeout))
+        self._remember_incarnations(expected)
 
     def _ordered(self, kinds: tuple[str, ...] = tuple(KINDS)) -> list[WorkerClient]:
         """Clients of every worker of ``kinds``, in order, but those rejoining after a requeue

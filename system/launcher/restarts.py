@@ -12,13 +12,14 @@ import json
 import logging
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from experiments.registry import Experiment
 from scheduler.base import Scheduler
 from scheduler.requeue import RequeuePolicy
 from system import names
-from system.errors import NameEntryNotFound, SchedulerError, WorkerFailure, first_line
+from system.errors import (NameEntryNotFound, NameResolveError, SchedulerError,
+                           WorkerFailure, first_line)
 from system.launcher.config import ExperimentConfig
 from system.launcher.disk import full_disk_cause
 from system.launcher.eval_mode import checkpoint_steps
@@ -30,7 +31,7 @@ from system.launcher.self_requeue import checkpoint_first, checkpoint_wait
 from system.launcher.status_file import StatusWriter
 from system.launcher.summary import TrialSummary
 from system.launcher.watch import NameWatch
-from system.launcher.witness import order_stop
+from system.launcher.witness import order_stop, order_stop_of
 from system.name_resolve import NameResolve
 from system.paths import TrialPaths
 from system.rpc import RpcClient
@@ -115,6 +116,7 @@ class RecoveringController:
             self.clients[w] = client_for(w, RpcClient(self.codec, found[w],
                                                       self.cfg.rpc.request_timeout))
             clients.append(self.clients[w])
+        self._remember_incarnations(back)
         try:
             self._configure_all(clients)
         except WorkerFailure:  # the others are configured again and started at the next poll
@@ -225,6 +227,7 @@ class RecoveringController:
         self.requeue.rejoined([w for w in workers if w in self.requeue.rejoining])
         for k in kinds:
             self.scheduler.stop_group(k, min(self.cfg.scheduler.stop_grace, RESTART_GRACE))
+        self._end_old_copies(workers)  # (those a lost node's slurmd can no longer end)
         clear_worker_keys(self.nr, self.cfg.exp, self.cfg.trial, workers,
                           stateful=bool(set(kinds) & set(self.experiment.stateful)))
         time.sleep(self.recovery.backoff())
@@ -242,6 +245,29 @@ class RecoveringController:
         self.recovery.incomplete = set()
         self.watch.restarted()
         print(f"recovered: {', '.join(workers)} running again", file=sys.stderr)
+
+    def _remember_incarnations(self, workers: Iterable[str]) -> None:
+        """Note the process each of ``workers`` registered from (its witness's record)."""
+        try:
+            self.incarnations.update(self.names.alive(list(workers)))
+        except NameResolveError as e:  # (then no order can name it: as before)
+            log.warning("could not read the workers' process records: %s", e)
+
+    def _end_old_copies(self, workers: Iterable[str]) -> None:
+        """Order the witness of each of ``workers``' previous processes to end it, should it
+        still run: a job Slurm restarted elsewhere after its node's slurmd was lost left them
+        running beside their replacements, their keep-alive refreshes overwriting the new
+        heartbeats, until their orphan timeout after the trial."""
+        for w in workers:
+            old = self.incarnations.pop(w, None)
+            if old is None:
+                continue
+            try:
+                order_stop_of(self.nr, self.cfg.exp, self.cfg.trial, w, old,
+                              self.cfg.scheduler.stop_grace)
+                log.info("%s: its previous process (%s) is ordered to end, if it runs", w, old)
+            except NameResolveError as e:
+                log.warning("could not order %s's previous process to end: %s", w, e)
 
     def _respawn(self, failure: WorkerFailure, summary: TrialSummary) -> None:
         """Restart the failed stateless worker alone, at once, and go on watching: it rejoins

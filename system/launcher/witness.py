@@ -105,9 +105,17 @@ def order_stop(nr: NameResolve, exp: str, trial: str, worker: str, grace: float)
         target = nr.get(names.alive(exp, trial, kind, int(index)))
     except NameEntryNotFound:
         return None
-    nr.add(names.stop_order(exp, trial, kind, int(index)), StopOrder(target, grace).to_json(),
-           replace=True)
+    order_stop_of(nr, exp, trial, worker, target, grace)
     return target
+
+
+def order_stop_of(nr: NameResolve, exp: str, trial: str, worker: str, incarnation: str,
+                  grace: float) -> None:
+    """Order the witness of ``worker``'s process ``incarnation`` (``host:pid:nonce``) to end
+    it, should it still run: any other incarnation's witness leaves the order alone."""
+    kind, index = worker.split("/")
+    nr.add(names.stop_order(exp, trial, kind, int(index)),
+           StopOrder(incarnation, grace).to_json(), replace=True)
 
 
 def start(boot: Bootstrap, kind: str, index: int) -> int:
