@@ -15,8 +15,9 @@ checkpoint costs one checkpoint interval, not the whole run. Content that change
 size is found when the checkpoint is restored: each model worker checks its share of the
 digests (:meth:`CheckpointDir.check_content`), the master its own state's, and a checkpoint that
 differs is marked corrupt; the restart that follows resumes from the one before it. Where
-checkpoints exist but none verifies, it refuses (:class:`UnreadableCheckpoints`): resuming from nothing would train from
-the base model again and prune them. The newest ``keep`` complete checkpoints are kept.
+checkpoints exist but none verifies, it refuses (:class:`UnreadableCheckpoints`): resuming from
+nothing would train from the base model again and prune them. The newest ``keep`` complete
+checkpoints are kept.
 """
 from __future__ import annotations
 
@@ -160,7 +161,8 @@ class CheckpointDir:
         share of the files' digests (those ``under`` a folder, if given; ``only`` those files,
         if given): the first difference, or None. A difference marks the checkpoint corrupt
         (:data:`CORRUPT`; ``mark=False``: a reader that must not write to the trial), so that
-        every process skips it from now on. A checkpoint written without digests has nothing to check."""
+        every process skips it from now on. A checkpoint written without digests has nothing
+        to check."""
         directory = self.path(step)
         with open(os.path.join(directory, META)) as f:
             meta = json.load(f)
