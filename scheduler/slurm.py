@@ -26,9 +26,8 @@ from scheduler.slurm_queue import (blocked_message, held_after_launch_failure, h
                                    queue_timeout_message, unavailable_nodes)
 from scheduler.slurm_render import (HETJOB, job_label, job_name, render_hetjob_script,
                                     render_worker_script, requeue_mark_prefix, script_name)
-from scheduler.slurm_submit import submit
+from scheduler.slurm_submit import Submitter
 from system.errors import SchedulerError
-from system.held_signals import held_signals
 from system.thread_stacks import SCANCEL_STACKS
 
 log = logging.getLogger("slurm")
@@ -102,7 +101,7 @@ class SlurmScheduler(Scheduler):
         self._last_poll = 0.0
         self._cache: list[JobStatus] = []
         self._silent_since: float | None = None  # Slurm's controller has not answered since
-        self._unconfirmed: set[str] = set()  # job names an unanswered sbatch may have queued
+        self._submitter = Submitter()
         self._release_at: dict[str, float] = {}  # held requeued job -> when to release it
         self._submitted: dict[str, float] = {}  # job id -> when it was submitted (monotonic)
 
@@ -162,22 +161,21 @@ class SlurmScheduler(Scheduler):
     def schedule(self, request: JobRequest) -> list[str]:
         assert isinstance(request, SlurmRequest)
         path = request.write()
-        with held_signals():  # a Ctrl-C now is acted on once the job id is recorded
-            return self._submit(request, path)
-
-    def _submit(self, request: SlurmRequest, path: str) -> list[str]:
         label = HETJOB if isinstance(request, HetRequest) else (
             "controller" if isinstance(request, ControllerRequest) else job_label(request.group))
-        job_id = submit(path, request.describe(), job_name(self.exp, self.trial, label),
-                        os.path.dirname(request.members()[0].log_paths[0]), self.exp,
-                        self.trial, {het_leader(j) for j in self._jobs}, self._unconfirmed)
+        return self._submitter.submit(
+            path, request.describe(), job_name(self.exp, self.trial, label),
+            os.path.dirname(request.members()[0].log_paths[0]),
+            {het_leader(j) for j in self._jobs}, lambda job_id: self._record(request, job_id))
+
+    def _record(self, request: SlurmRequest, job_id: str) -> list[str]:
         ids = [job_id] if not isinstance(request, HetRequest) else [
             f"{job_id}+{i}" for i in range(len(request.groups))]
         for j, group in zip(ids, request.members()):
             self._jobs[j] = group
             self._submitted[j] = time.monotonic()
         self._last_poll = 0.0
-        log.info("submitted %s as job %s", job_name(self.exp, self.trial, label), job_id)
+        log.info("submitted %s as job %s", request.describe(), job_id)
         return ids
 
     @staticmethod
@@ -247,16 +245,13 @@ class SlurmScheduler(Scheduler):
 
     def _no_news(self, why: str) -> list[JobStatus]:
         """Slurm's controller did not answer a poll: no news is no failure (it failed the trial).
-        The jobs keep the states last seen (those never seen: unknown); said once an outage."""
+        Every job's state is UNKNOWN (active: heartbeats judge its workers), said once."""
         if self._silent_since is None:
             self._silent_since = time.monotonic()
-            log.warning("Slurm's controller does not answer (%s): the jobs keep the states "
-                        "last seen until it does", why)
-        kept = [s for s in self._cache if s.job_id in self._jobs]
-        seen = {s.job_id for s in kept}
-        self._cache = kept + [
-            JobStatus(j, JobState.UNKNOWN, *self._live(j), "Slurm did not answer")
-            for j in self._jobs if j not in seen]
+            log.warning("Slurm's controller does not answer (%s): the jobs' states are unknown "
+                        "until it does", why)
+        self._cache = [JobStatus(j, JobState.UNKNOWN, *self._live(j), "Slurm did not answer")
+                       for j in self._jobs]
         return self._cache
 
     def _blocked(self, job_id: str, kind: str, state: JobState, reason: str,

@@ -155,7 +155,10 @@ def short_limit_message(job_id: str, kind: str, time_limit: str, signal_seconds:
     as Slurm has it (``TimeLimit``: set after submission, or the partition's ``DefaultTime``
     for a group without one of its own, neither seen at launch) is below :func:`min_time_s`;
     '' if it is not (pure). It requeued every 30 s, each time "not a failure", for good."""
-    limit = slurm_time_seconds(time_limit) if time_limit else None
+    try:
+        limit = slurm_time_seconds(time_limit) if time_limit else None
+    except ValueError:  # (``Partition_Limit``, ``NONE``: no limit of the job's own to judge)
+        limit = None
     need = min_time_s(signal_seconds)
     if limit is None or limit >= need:
         return ""

@@ -1,51 +1,90 @@
-"""``sbatch`` of one job, and adopting a job Slurm queued without saying so.
+"""``sbatch`` of one job, and taking a job Slurm queued though ``sbatch`` timed out.
 
-An ``sbatch`` that cannot reach Slurm's controller (overloaded, stalled) gives up after its
-message time-out, but the controller may still take the request once it answers: the job is
-queued and nobody tracks it (it ran until its workers judged their controller gone; a recovery
-that went on submitted the group again beside it). So after such a failure the queue is
-searched, for :data:`ADOPT_WAIT` seconds, for a job of that name writing its batch log where this
-one would, and one found is adopted as if ``sbatch`` had named it; a name not found then is
-looked for again before it is next submitted (:func:`submit`)."""
+An ``sbatch`` whose request Slurm's controller did not answer in time (overloaded, stalled:
+``Socket timed out on send/recv operation``) gives up, but the controller may still take the
+request once it answers: the job is queued and nobody tracks it (it ran until its workers judged
+their controller gone; a recovery that went on submitted the group again beside it). So after
+such a time-out the queue is searched, for :data:`ADOPT_WAIT` seconds, for a job of that name
+writing its batch log where this one would, and one found is taken as if ``sbatch`` had named
+it; a name not found then is looked for again before it is next submitted
+(:class:`Submitter`). An ``sbatch`` that could not connect at all sent nothing."""
 from __future__ import annotations
 
 import logging
+import os
 import time
-from typing import Collection
+from typing import Callable, Collection
 
-from scheduler.slurm_cli import last_error, parse_sbatch_parsable, unreachable
+from scheduler.slurm_cli import (QUEUED_STATES, last_error, parse_sbatch_parsable,
+                                 unreachable)
 from scheduler.slurm_cli import run as _run
-from scheduler.slurm_jobs import het_leader, named_jobs
-from scheduler.slurm_leftovers import leftover_jobs
+from scheduler.slurm_jobs import NamedJob, het_leader, named_jobs
 from system.errors import SchedulerError
+from system.held_signals import held_signals
 
 log = logging.getLogger("slurm")
 
 ADOPT_WAIT = 30.0
-"""Seconds the queue is searched for a job an unanswered ``sbatch`` may have queued."""
+"""Seconds the queue is searched for a job a timed-out ``sbatch`` may have queued."""
 
 LOOK_EVERY = 2.0
 QUERY_TIMEOUT = 15.0
 
 
-def queued_as(name: str, logs_dir: str, exp: str, trial: str,
-              known: Collection[str], timeout: float = QUERY_TIMEOUT) -> list[str] | None:
+class SubmitUnconfirmed(SchedulerError):
+    """``sbatch`` timed out waiting for Slurm's answer: the job may be queued all the same."""
+
+
+def sbatch(path: str, what: str) -> str:
+    """``sbatch --parsable`` the script at ``path`` (``what``: the job, for messages); its id.
+    :class:`SubmitUnconfirmed` after a time-out, SchedulerError for any other failure."""
+    try:
+        r = _run(["sbatch", "--parsable", path])
+    except SchedulerError as e:
+        if "did not answer" not in str(e):  # (sbatch not found)
+            raise
+        raise SubmitUnconfirmed(_unreachable(what, str(e))) from None
+    if r.returncode == 0:
+        return parse_sbatch_parsable(r.stdout)
+    why = last_error(r)
+    if not unreachable(r):
+        raise SchedulerError(f"sbatch refused the job of {what}: {why} (script: {path})")
+    if "socket timed out" in why.lower():  # (sent; "connection timed out": never sent)
+        raise SubmitUnconfirmed(_unreachable(what, why))
+    raise SchedulerError(_unreachable(what, why))
+
+
+def _unreachable(what: str, why: str) -> str:
+    return (f"sbatch could not reach Slurm's controller to submit {what}: {why} (is slurmctld "
+            "up, and this node's Slurm configuration readable? `scontrol ping` tells)")
+
+
+def _writes_in(job: NamedJob, logs_dir: str) -> bool:
+    """Whether ``job``'s batch log is in ``logs_dir`` (Slurm 22.05 shows the ``--output``
+    pattern, ``%`` doubled; later ones the path)."""
+    d = os.path.normpath(logs_dir)
+    return os.path.isabs(job.stdout) and os.path.dirname(os.path.normpath(job.stdout)) in (
+        d, d.replace("%", "%%"))
+
+
+def queued_as(name: str, logs_dir: str, known: Collection[str],
+              timeout: float = QUERY_TIMEOUT) -> list[str] | None:
     """Ids (leaders) of this user's queued jobs named ``name`` whose batch log is in
-    ``logs_dir``, but ``known`` ones; None when squeue does not answer."""
+    ``logs_dir``, but ``known`` ones, oldest first; None when squeue does not answer."""
     jobs = named_jobs(name, timeout)
     if jobs is None:
         return None
-    return sorted({het_leader(j.job_id) for j in leftover_jobs(jobs, exp, trial, [logs_dir])
-                   if j.name == name} - set(known), key=lambda j: (len(j), j))
+    return sorted({het_leader(j.job_id) for j in jobs if j.name == name and
+                   j.state in QUEUED_STATES and _writes_in(j, logs_dir)} - set(known),
+                  key=lambda j: (len(j), j))
 
 
-def adopt(name: str, logs_dir: str, exp: str, trial: str, known: Collection[str],
-          wait: float) -> str | None:
+def adopt(name: str, logs_dir: str, known: Collection[str], wait: float) -> str | None:
     """The job queued as ``name`` (see :func:`queued_as`), looked for up to ``wait``
     seconds; None if none shows."""
     deadline = time.monotonic() + wait
     while True:
-        found = queued_as(name, logs_dir, exp, trial, known)
+        found = queued_as(name, logs_dir, known)
         if found:
             return found[-1]  # (the newest, should there be several)
         if time.monotonic() >= deadline:
@@ -53,40 +92,36 @@ def adopt(name: str, logs_dir: str, exp: str, trial: str, known: Collection[str]
         time.sleep(LOOK_EVERY)
 
 
-def submit(path: str, what: str, name: str, logs_dir: str, exp: str, trial: str,
-           known: Collection[str], unconfirmed: set[str]) -> str:
-    """``sbatch`` the script at ``path`` (``what``: the job, for messages); its id. A job of
-    ``name`` an earlier ``sbatch`` may have queued unseen (in ``unconfirmed``) is adopted
-    instead, if queued; one this ``sbatch`` may have queued unseen is looked for
-    (:data:`ADOPT_WAIT`), else ``name`` joins ``unconfirmed`` and SchedulerError says so."""
-    if name in unconfirmed:
-        found = queued_as(name, logs_dir, exp, trial, known)
-        if found:
-            unconfirmed.discard(name)
-            log.warning("job %s (%s), queued by an sbatch that could not confirm it, is "
-                        "taken as %s", found[-1], name, what)
-            return found[-1]
-    try:
-        r = _run(["sbatch", "--parsable", path])
-        why = "" if r.returncode == 0 or not unreachable(r) else last_error(r)
-    except SchedulerError as e:  # (no answer within its time-out)
-        why = str(e)
-    if not why and r.returncode != 0:
-        raise SchedulerError(f"sbatch refused the job of {what}: {last_error(r)} "
-                             f"(script: {path})")
-    if not why:
-        unconfirmed.discard(name)
-        return parse_sbatch_parsable(r.stdout)
-    # a request sent that timed out may have been taken (one refused a connection was not)
-    if any(word in why.lower() for word in ("timed out", "did not answer")):
-        job_id = adopt(name, logs_dir, exp, trial, known, ADOPT_WAIT)
-        if job_id is not None:
-            unconfirmed.discard(name)
-            log.warning("sbatch could not confirm the job of %s (%s), which Slurm queued all "
-                        "the same as job %s: taken", what, why, job_id)
-            return job_id
-        unconfirmed.add(name)
-    raise SchedulerError(f"sbatch could not reach Slurm's controller to submit {what}: {why} "
-                         "(is slurmctld up, and this node's Slurm configuration readable? "
-                         "`scontrol ping` tells; after a time-out, a job it queued all the "
-                         "same is taken at the group's next submission)")
+class Submitter:
+    """Submits jobs, remembering the names a timed-out ``sbatch`` may have queued unseen."""
+
+    def __init__(self) -> None:
+        self.unconfirmed: set[str] = set()
+
+    def submit(self, path: str, what: str, name: str, logs_dir: str, known: Collection[str],
+               record: Callable[[str], list[str]]) -> list[str]:
+        """``sbatch`` the script at ``path`` and ``record`` the job id (signals held meanwhile:
+        a Ctrl-C is acted on once the id is recorded). A job of ``name`` an earlier time-out
+        may have queued is taken instead, if queued; after a time-out of this ``sbatch`` the
+        queue is searched (:func:`adopt`, signals acted on) before SubmitUnconfirmed."""
+        if name in self.unconfirmed:
+            found = queued_as(name, logs_dir, known)
+            if found:
+                self.unconfirmed.discard(name)
+                log.warning("job %s (%s), queued though its sbatch timed out, is taken as %s",
+                            found[-1], name, what)
+                with held_signals():
+                    return record(found[-1])
+        try:
+            with held_signals():
+                ids = record(sbatch(path, what))
+            self.unconfirmed.discard(name)
+            return ids
+        except SubmitUnconfirmed:
+            job_id = adopt(name, logs_dir, known, ADOPT_WAIT)
+            if job_id is None:
+                self.unconfirmed.add(name)
+                raise
+        log.warning("sbatch of %s timed out, but Slurm queued it as job %s: taken", what, job_id)
+        with held_signals():
+            return record(job_id)

@@ -374,7 +374,7 @@ class NameResolve(abc.ABC):
             # a refresh holds _ka_put_lock, which delete, release and clear_subtree wait for:
             # it must not retry an unanswering backend for the whole outage timeout
             self._budget.seconds = period
-            lost = []
+            lost, failed = [], False
             for key, (value, ttl) in items:
                 with self._ka_put_lock:
                     with self._ka_lock:
@@ -388,8 +388,9 @@ class NameResolve(abc.ABC):
                         self._refreshed[key] = time.monotonic()
                     except Exception as e:  # (a backend error must not end the refresher)
                         self._refresh_failed(key, e)
-                        continue
-                    self._ka_failing = ""
+                        failed = True
+            if not failed:
+                self._ka_failing = ""
             if lost:
                 self._lost(lost)
             self._ka_stop.wait(max(period, 0.02))

@@ -66,9 +66,11 @@ class FileNameResolve(NameResolve):
         except OSError as e:
             if e.errno not in REFUSED:
                 raise
+            fix = ("make room on its file system" if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                   else "make it writable")
             raise NameServiceRefused(f"the name-resolution directory {self.root} refused a "
-                                     f"write ({e.strerror}): make room on its file system, or "
-                                     "set name_resolve.file_root") from None
+                                     f"write ({e.strerror}): {fix}, or set "
+                                     "name_resolve.file_root") from None
 
     def _write(self, key: str, value: str, ttl: float | None, replace: bool) -> None:
         path = self._path(key)

@@ -42,7 +42,12 @@ class RedisNameResolve(NameResolve):
         self._ns = f"{namespace.rstrip(':')}:{os.getuid()}:"  # each user's keys apart
         self._watch_error = redis.WatchError
         self._response_error = redis.ResponseError
-        self._unreachable = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+        # (a replica whose primary is down, a busy script, a cluster resharding: as an outage)
+        self._unreachable = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError,
+                             redis.exceptions.MasterDownError, redis.exceptions.TryAgainError,
+                             redis.exceptions.ClusterDownError)
+        self._refused = (redis.exceptions.ReadOnlyError, redis.exceptions.NoPermissionError,
+                         redis.exceptions.OutOfMemoryError)
         self._auth_error = redis.AuthenticationError  # (a ConnectionError: caught before it)
         self._timeout = redis.TimeoutError
         self._where = f"{host}:{port}"
@@ -110,12 +115,6 @@ class RedisNameResolve(NameResolve):
                     f"redis at {self._where} refused this client's password, or asks for one "
                     f"now (name_resolve.redis_password_file, or {PASSWORD_ENV}): "
                     f"{first_line(e)}") from None
-            except self._response_error as e:
-                if "syntax" in str(e).lower():  # (SET ... GET on a server before 6.2: _refresh)
-                    raise
-                # a read-only replica (a failover, or the wrong host), its memory limit, an ACL
-                raise NameServiceRefused(f"redis at {self._where} refused an operation: "
-                                         f"{first_line(e)}") from None
             except self._unreachable as e:
                 failures += 1
                 # a pooled connection the server closed: once more at once (not after a
@@ -138,6 +137,13 @@ class RedisNameResolve(NameResolve):
                         f"(name_resolve.redis_outage_timeout): {e}") from None
                 time.sleep(min(RETRY_SECONDS, max(deadline - now, 0.0)))
                 continue
+            except self._response_error as e:
+                # a read-only replica (a failover, or the wrong host), an ACL, its memory limit,
+                # a failing disk (MISCONF) refuse; any other answer is the caller's
+                if not isinstance(e, self._refused) and not str(e).startswith("MISCONF"):
+                    raise
+                raise NameServiceRefused(f"redis at {self._where} refused an operation: "
+                                         f"{first_line(e)}") from None
             if (started is not None or self._connected) and \
                     not getattr(self._local, "restoring", False):
                 self._check_server(outage=started is not None)

@@ -110,7 +110,7 @@ def no_exit() -> Iterator[None]:
     try:
         yield
     except SystemExit as e:
-        raise ExitCalled(f"it called sys.exit({e.code!r})") from None
+        raise ExitCalled(f"it called sys.exit({e.code!r})") from e  # (its frame, in the log)
 
 
 async def no_exit_async(call: Awaitable[T]) -> T:

@@ -119,7 +119,7 @@ def _trial_jobs(view: TrialView) -> list[str] | None:
     that write their output under the trial directory (:func:`named_here`); None when
     ``squeue`` did not answer (which is not "none")."""
     queued = slurm_query.queue(_recorded_jobs(view))
-    named = slurm_query.mine()
+    named = None if queued is None else slurm_query.mine()  # (each may wait its time-out)
     if queued is None or named is None:
         return None
     roots = {view.paths.root, os.path.realpath(view.paths.root)}
@@ -134,8 +134,10 @@ def _sweep_slurm(view: TrialView, t0: float, deadline: float) -> list[str] | Non
         _say(t0, "squeue does not answer: cancelling the trial's recorded jobs blindly")
     elif left:
         _say(t0, f"scancel {' '.join(left)}")
-    while (left is None or left) and time.monotonic() < deadline:
+    tries = 0
+    while (left is None or left) and (time.monotonic() < deadline or not tries):
         slurm_query.scancel(_recorded_jobs(view) if left is None else left)
+        tries += 1
         time.sleep(1.0)
         left = _trial_jobs(view)
     return left

@@ -19,7 +19,7 @@ from experiments.registry import Experiment
 from scheduler.base import JobState, JobStatus, Scheduler
 from scheduler.requeue import Restart
 from system import names
-from system.errors import (NameResolveError, NameServiceUnavailable, RLSystemError, RpcError,
+from system.errors import (NameServiceRefused, NameServiceUnavailable, RLSystemError, RpcError,
                            SchedulerError, WorkerFailure)
 from system.launcher.config import ExperimentConfig
 from system.launcher.disk import full_disk_cause
@@ -65,9 +65,10 @@ class Controller(RecoveringController):
                      for i, name in enumerate(g.worker_names())}
         self.clients: dict[str, WorkerClient] = {}
         self.addresses: dict[str, str] = {}
-        self.incarnations: dict[str, str] = {}
-        """Worker -> ``host:pid:nonce`` of the process registered (under Slurm: its witness's
-        record), ordered to end when its job is restarted (:meth:`_end_old_copies`)."""
+        self.incarnations: dict[str, tuple[str, int]] = {}
+        """Worker -> ``host:pid:nonce`` of the process configured (under Slurm: its witness's
+        record) and its job's restart count then; ordered to end when the job is restarted
+        (:meth:`_end_old_copies`)."""
         self.requeue = scheduler.requeue_policy()  # restarts, rejoining workers, incarnations
         self.timeline: dict[str, float] = {}
         self.progress = Progress(f"{cfg.exp}/{cfg.trial}", cfg.controller.progress)
@@ -117,7 +118,7 @@ class Controller(RecoveringController):
             failure = full_disk_cause(failure, self.paths.root, self.paths.checkpoints)
             summary.failed(failure)
             print(f"\nerror: {failure}", file=sys.stderr)
-        except NameResolveError as e:  # gone past its outage timeout, or refusing writes
+        except (NameServiceUnavailable, NameServiceRefused) as e:  # gone, or refusing
             self._names_down = isinstance(e, NameServiceUnavailable)
             failure = WorkerFailure(f"name resolution failed: {e}")
             summary.failed(failure)
@@ -180,7 +181,7 @@ class Controller(RecoveringController):
     def _restarted(self, restarts: list[Restart]) -> None:
         for r in restarts:
             self._drop_clients(r.rejoining)
-            self._end_old_copies(r.rejoining)
+            self._end_old_copies(r.rejoining, r.job.restarts)
             print(f"\njob {r.job.job_id} ({', '.join(r.job.workers)}) was requeued "
                   f"(restart {r.job.restarts}); waiting for its workers to rejoin",
                   file=sys.stderr)
@@ -256,7 +257,6 @@ class Controller(RecoveringController):
                 self.addresses[name] = address
                 self.clients[name] = client_for(
                     name, RpcClient(self.codec, address, self.cfg.rpc.request_timeout))
-        self._remember_incarnations(expected)
 
     def _ordered(self, kinds: tuple[str, ...] = tuple(KINDS)) -> list[WorkerClient]:
         """Clients of every worker of ``kinds``, in order, but those rejoining after a requeue
@@ -280,6 +280,8 @@ class Controller(RecoveringController):
             if isinstance(r, dict):
                 self.requeue.configured(c.name, int(r["restart"]))
                 restarted |= int(r["restart"]) > 0
+        self._remember_incarnations([c.name for c, r in zip(clients, results)
+                                     if isinstance(r, dict)])
         if restarted:
             # a requeued job can be running again before any poll saw it pending: its workers
             # say so here; a fresh look records the restart (they are not waited for again)
@@ -339,6 +341,9 @@ class Controller(RecoveringController):
             self._check_reported_errors()
             statuses = self._poll()
             self._note_restarts(statuses)
+            blocked = blocked_failure(s for s in statuses if s.restarts)  # (a requeue loop)
+            if blocked is not None:
+                raise blocked
             self._recover_requeued_state()
             self._check_jobs("before the trial completed", statuses)
             self._rejoin()

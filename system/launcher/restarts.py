@@ -116,7 +116,6 @@ class RecoveringController:
             self.clients[w] = client_for(w, RpcClient(self.codec, found[w],
                                                       self.cfg.rpc.request_timeout))
             clients.append(self.clients[w])
-        self._remember_incarnations(back)
         try:
             self._configure_all(clients)
         except WorkerFailure:  # the others are configured again and started at the next poll
@@ -192,10 +191,9 @@ class RecoveringController:
             except WorkerFailure as e:
                 failure = e
             except SchedulerError as e:  # (a stalled slurmctld: it ended the trial, retries
-                # unused) one more failure of the same worker, recovered as it was
-                failure = WorkerFailure(f"the recovery of {failure.worker} could not submit its "
-                                        f"jobs: {e}", failure.worker, failure.log_path,
-                                        failure.also)
+                # unused) one more failure of the same kind, recovered as it was
+                failure = type(failure)(f"the recovery of {failure.worker} failed: {e}",
+                                        failure.worker, failure.log_path, failure.also)
 
     def _recover(self, failure: WorkerFailure, summary: TrialSummary,
                  every_kind: bool = False) -> None:
@@ -227,9 +225,9 @@ class RecoveringController:
         self.requeue.rejoined([w for w in workers if w in self.requeue.rejoining])
         for k in kinds:
             self.scheduler.stop_group(k, min(self.cfg.scheduler.stop_grace, RESTART_GRACE))
-        self._end_old_copies(workers)  # (those a lost node's slurmd can no longer end)
         clear_worker_keys(self.nr, self.cfg.exp, self.cfg.trial, workers,
                           stateful=bool(set(kinds) & set(self.experiment.stateful)))
+        self._end_old_copies(workers)  # (after the clear: it removes stop orders too)
         time.sleep(self.recovery.backoff())
         for k in kinds:
             group = group_spec(k, self.groups[k].count, self.paths, self.scheduler.python,
@@ -246,22 +244,29 @@ class RecoveringController:
         self.watch.restarted()
         print(f"recovered: {', '.join(workers)} running again", file=sys.stderr)
 
-    def _remember_incarnations(self, workers: Iterable[str]) -> None:
-        """Note the process each of ``workers`` registered from (its witness's record)."""
+    def _remember_incarnations(self, workers: list[str]) -> None:
+        """Note the process each of ``workers`` (configured just now) runs as: its witness's
+        record, with the job's restart count it answered ``configure`` from."""
         try:
-            self.incarnations.update(self.names.alive(list(workers)))
+            alive = self.names.alive(workers)
         except NameResolveError as e:  # (then no order can name it: as before)
             log.warning("could not read the workers' process records: %s", e)
+            return
+        for w, record in alive.items():
+            self.incarnations[w] = (record, self.requeue.incarnation.get(w, -1))
 
-    def _end_old_copies(self, workers: Iterable[str]) -> None:
+    def _end_old_copies(self, workers: Iterable[str], restart: int | None = None) -> None:
         """Order the witness of each of ``workers``' previous processes to end it, should it
         still run: a job Slurm restarted elsewhere after its node's slurmd was lost left them
         running beside their replacements, their keep-alive refreshes overwriting the new
-        heartbeats, until their orphan timeout after the trial."""
+        heartbeats, until their orphan timeout after the trial. ``restart``: the job's restart
+        count now (a requeue): only a process configured from an earlier one is named (never
+        the process that runs now); None: the controller restarts them itself (a recovery)."""
         for w in workers:
-            old = self.incarnations.pop(w, None)
-            if old is None:
+            remembered = self.incarnations.get(w)
+            if remembered is None or (restart is not None and remembered[1] >= restart):
                 continue
+            old = self.incarnations.pop(w)[0]
             try:
                 order_stop_of(self.nr, self.cfg.exp, self.cfg.trial, w, old,
                               self.cfg.scheduler.stop_grace)

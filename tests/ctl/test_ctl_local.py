@@ -56,14 +56,14 @@ def test_ls_status_logs_cancel(fileroot):
         deadline = time.time() + 30
         while (s := status(fileroot, "op"))[1]["state"] != "running" or (
                 (s[1].get("progress") or {}).get("trajectories") != "400/400") or len(
-                s[1]["workers"]["alive"]) != 9:
+                s[1]["workers"]["alive"] or []) != 9:
             assert time.time() < deadline, s
             time.sleep(0.5)
         code, s = s
         assert code == 0 and s["scheduler"] == "local" and s["controller"]["pid"] == proc.pid
         assert len(s["jobs"]) == 9 and {j["state"] for j in s["jobs"]} == {"RUNNING"}
         assert sorted(int(j["id"]) for j in s["jobs"]) == sorted(trial_processes(trial_dir))
-        assert len(s["workers"]["alive"]) == 9 and s["workers"]["missing"] == []
+        assert len(s["workers"]["alive"] or []) == 9 and s["workers"]["missing"] == []
         assert s["progress"]["trajectories"] == "400/400"
         assert all(os.path.isfile(p) for p in s["logs"].values())
         assert s["endpoints"] == {}  # smoke serves no OpenAI endpoint; one that does shows:
@@ -201,7 +201,7 @@ def test_status_and_cancel_with_redis_name_resolution(fileroot, redis_server):
         while not os.path.exists(os.path.join(fileroot, "smoke", "red", "bootstrap.json")):
             assert time.time() < deadline and proc.poll() is None, "no trial directory"
             time.sleep(0.1)
-        while len((s := status(fileroot, "red")[1])["workers"]["alive"]) < 9:
+        while len((s := status(fileroot, "red")[1])["workers"]["alive"] or []) < 9:
             assert time.time() < deadline and proc.poll() is None, s
             time.sleep(0.5)
         assert s["name_resolution"] == "ok" and s["controller"]["key_live"] is True

@@ -151,12 +151,12 @@ def test_stop_worker_of_a_one_task_job(slurm_env, tmp_path):
         subprocess.run(["scancel", group, job_id], env={**os.environ, **slurm_env})
 
 
-def test_a_poll_while_slurmctld_does_not_answer_keeps_the_states_last_seen(
+def test_a_poll_while_slurmctld_does_not_answer_is_no_news(
         slurm_env, slurm_cluster, tmp_path, caplog):
     """An overloaded slurmctld (here: stopped) answers no ``squeue``: a poll raised after its
     time-out, which failed a healthy trial and then its clean-up with a traceback (no
-    ``summary.json``, the trial shown lost). No news is no failure: the jobs keep the states
-    last seen, said once; the poll after it answers again says so."""
+    ``summary.json``, the trial shown lost). No news is no failure: the jobs' states are
+    unknown (active), said once; the poll after it answers again says so."""
     import logging
     import signal
 
@@ -175,7 +175,7 @@ def test_a_poll_while_slurmctld_does_not_answer_keeps_the_states_last_seen(
             finally:
                 os.kill(pid, signal.SIGCONT)
             assert [{s.job_id: s.state for s in got} for got in silent] == [
-                {ids[0]: JobState.RUNNING, ids[1]: JobState.PENDING}] * 2
+                {ids[0]: JobState.UNKNOWN, ids[1]: JobState.UNKNOWN}] * 2  # (active: no news)
             assert caplog.text.count("Slurm's controller does not answer") == 1, caplog.text
             assert "did not answer within" in caplog.text  # (the time-out: it raised)
             wait_for(lambda: {s.job_id: s.state for s in sched.poll(fresh=True)} == {

@@ -4,6 +4,7 @@ down fails an operation in one line. Each test runs a redis-server of its own, k
 started again on the same port."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -205,7 +206,8 @@ def test_a_frozen_server_holds_a_stopping_process_no_longer_than_its_budget(serv
             nr.get("e/t/a")
         took = time.monotonic() - t0
         assert took < 8.0, took
-        assert f"redis at 127.0.0.1:{server[0]} did not answer for 3s" in str(e.value)
+        assert re.search(rf"redis at 127.0.0.1:{server[0]} did not answer for [3-7]s",
+                         str(e.value)), str(e.value)
     finally:
         server[1].send_signal(signal.SIGCONT)
         nr.close()

@@ -171,7 +171,8 @@ def test_a_role_that_calls_sys_exit_fails_and_says_so(trial):
     try:
         assert proc.wait(timeout=20) == 1, _log(tmp_path, "exit")
         error = json.loads(nr.get(names.worker_error("orph", "t", "probe", 0)))
-        assert error["type"] == "SystemExit" and "in role\nSystemExit: 0" in error["traceback"]
+        assert error["type"] == "SystemExit" and ", in role\n" in error["traceback"]
+        assert error["traceback"].rstrip().endswith("SystemExit: 0")
         assert "probe/0 failed:" in _log(tmp_path, "exit")
     finally:
         client.close()
