@@ -166,7 +166,8 @@ class SlurmScheduler(Scheduler):
         return self._submitter.submit(
             path, request.describe(), job_name(self.exp, self.trial, label),
             os.path.dirname(request.members()[0].log_paths[0]),
-            {het_leader(j) for j in self._jobs}, lambda job_id: self._record(request, job_id))
+            {het_leader(j) for j in self._submitted},  # (every job it ever had: never taken)
+            lambda job_id: self._record(request, job_id))
 
     def _record(self, request: SlurmRequest, job_id: str) -> list[str]:
         ids = [job_id] if not isinstance(request, HetRequest) else [

@@ -15,8 +15,8 @@ import os
 import time
 from typing import Callable, Collection
 
-from scheduler.slurm_cli import (QUEUED_STATES, last_error, parse_sbatch_parsable,
-                                 unreachable)
+from scheduler.slurm_cli import (ENDING_STATES, QUEUED_STATES, last_error,
+                                 parse_sbatch_parsable, unreachable)
 from scheduler.slurm_cli import run as _run
 from scheduler.slurm_jobs import NamedJob, het_leader, named_jobs
 from system.errors import SchedulerError
@@ -70,13 +70,15 @@ def _writes_in(job: NamedJob, logs_dir: str) -> bool:
 def queued_as(name: str, logs_dir: str, known: Collection[str],
               timeout: float = QUERY_TIMEOUT) -> list[str] | None:
     """Ids (leaders) of this user's queued jobs named ``name`` whose batch log is in
-    ``logs_dir``, but ``known`` ones, oldest first; None when squeue does not answer."""
+    ``logs_dir``, but ``known`` ones (every job the trial had: a group's job cancelled for a
+    recovery may still be completing) and ending ones, oldest first; None when squeue does not
+    answer."""
     jobs = named_jobs(name, timeout)
     if jobs is None:
         return None
     return sorted({het_leader(j.job_id) for j in jobs if j.name == name and
-                   j.state in QUEUED_STATES and _writes_in(j, logs_dir)} - set(known),
-                  key=lambda j: (len(j), j))
+                   j.state in QUEUED_STATES - ENDING_STATES and _writes_in(j, logs_dir)}
+                  - set(known), key=lambda j: (len(j), j))
 
 
 def adopt(name: str, logs_dir: str, known: Collection[str], wait: float) -> str | None:
