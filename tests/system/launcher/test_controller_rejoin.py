@@ -42,6 +42,7 @@ def _controller(monkeypatch, fail_configure: set[str], fail_start: set[str]
     ctl.cfg = types.SimpleNamespace(rpc=types.SimpleNamespace(request_timeout=1.0))
     ctl.codec = None
     ctl.names = types.SimpleNamespace(addresses=lambda workers, rejoining: dict(BACK))
+    ctl.scheduler = types.SimpleNamespace(poll=lambda: [])  # (no job waits in the queue)
     running: list[list[str]] = []
     ctl.recovery = types.SimpleNamespace(running=running.append)
     ctl._recover_requeued_state = lambda: None
