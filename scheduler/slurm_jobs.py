@@ -14,6 +14,7 @@ import getpass
 import logging
 import os
 import time
+from typing import Collection
 
 from scheduler.base import JobState
 from scheduler.slurm_cli import map_state, parse_scontrol_job
@@ -207,6 +208,13 @@ def stdout_under(stdout: str, root: str) -> bool:
     path = os.path.normpath(stdout)
     return any(path.startswith(os.path.join(os.path.normpath(r), "")) for r in
                {root, root.replace("%", "%%")})
+
+
+def writes_in(job: NamedJob, dirs: Collection[str]) -> bool:
+    """Whether ``job``'s batch log (``StdOut``) is in one of ``dirs`` (pure). Slurm 22.05 shows
+    the ``--output`` pattern, ``%`` doubled; later ones the path."""
+    forms = {p for d in dirs for p in (os.path.normpath(d), os.path.normpath(d).replace("%", "%%"))}
+    return os.path.isabs(job.stdout) and os.path.dirname(os.path.normpath(job.stdout)) in forms
 
 
 def named_jobs(name: str | None, timeout: float) -> list[NamedJob] | None:

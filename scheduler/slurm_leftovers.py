@@ -15,7 +15,7 @@ import time
 from typing import Collection, Sequence
 
 from scheduler.slurm_cli import ENDING_STATES, QUEUED_STATES
-from scheduler.slurm_jobs import NamedJob, cancel_until_gone, het_leader, named_jobs
+from scheduler.slurm_jobs import NamedJob, cancel_until_gone, het_leader, named_jobs, writes_in
 from system.errors import SchedulerError
 
 LEFTOVER_STATES = QUEUED_STATES - ENDING_STATES
@@ -31,12 +31,9 @@ def leftover_jobs(jobs: Sequence[NamedJob], exp: str, trial: str,
     name under another file root writes its logs elsewhere and is not touched. Slurm 22.05
     shows the ``--output`` pattern, ``%`` doubled; later ones the path."""
     prefix = f"{exp}_{trial}:"
-    dirs = {p for d in logs_dirs for p in (os.path.normpath(d),
-                                           os.path.normpath(d).replace("%", "%%"))}
     return [j for j in jobs
             if j.name.startswith(prefix) and j.name != prefix + "controller"
-            and j.state in LEFTOVER_STATES and os.path.isabs(j.stdout)
-            and os.path.dirname(os.path.normpath(j.stdout)) in dirs]
+            and j.state in LEFTOVER_STATES and writes_in(j, logs_dirs)]
 
 
 def cancel_leftovers(exp: str, trial: str, logs_dirs: Sequence[str], deadline_s: float,

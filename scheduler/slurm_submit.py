@@ -11,14 +11,13 @@ it; a name not found then is looked for again before it is next submitted
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Callable, Collection
 
 from scheduler.slurm_cli import (ENDING_STATES, QUEUED_STATES, last_error,
                                  parse_sbatch_parsable, unreachable)
 from scheduler.slurm_cli import run as _run
-from scheduler.slurm_jobs import NamedJob, het_leader, named_jobs
+from scheduler.slurm_jobs import het_leader, named_jobs, writes_in
 from system.errors import SchedulerError
 from system.held_signals import held_signals
 
@@ -59,14 +58,6 @@ def _unreachable(what: str, why: str) -> str:
             "up, and this node's Slurm configuration readable? `scontrol ping` tells)")
 
 
-def _writes_in(job: NamedJob, logs_dir: str) -> bool:
-    """Whether ``job``'s batch log is in ``logs_dir`` (Slurm 22.05 shows the ``--output``
-    pattern, ``%`` doubled; later ones the path)."""
-    d = os.path.normpath(logs_dir)
-    return os.path.isabs(job.stdout) and os.path.dirname(os.path.normpath(job.stdout)) in (
-        d, d.replace("%", "%%"))
-
-
 def queued_as(name: str, logs_dir: str, known: Collection[str],
               timeout: float = QUERY_TIMEOUT) -> list[str] | None:
     """Ids (leaders) of this user's queued jobs named ``name`` whose batch log is in
@@ -77,7 +68,7 @@ def queued_as(name: str, logs_dir: str, known: Collection[str],
     if jobs is None:
         return None
     return sorted({het_leader(j.job_id) for j in jobs if j.name == name and
-                   j.state in QUEUED_STATES - ENDING_STATES and _writes_in(j, logs_dir)}
+                   j.state in QUEUED_STATES - ENDING_STATES and writes_in(j, [logs_dir])}
                   - set(known), key=lambda j: (len(j), j))
 
 
