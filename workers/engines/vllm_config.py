@@ -61,6 +61,11 @@ class VllmConfig:
     thread: a (re)start takes seconds, as nothing imports torch and vLLM again), separate (vLLM's
     engine-core and worker processes), or auto (inline on CPU with tensor_parallel_size=1,
     separate otherwise)."""
+    step_timeout: float = 300.0
+    """Seconds one step of the engine (the next tokens of its whole batch) may take before the
+    server counts its engine core as hung (stopped, deadlocked, stuck in a device call: vLLM
+    only notices a dead one) and fails, so the controller restarts it; 0: never. An engine's
+    first step, which also warms it up, gets at least 600 s."""
 
     def __post_init__(self) -> None:
         if self.engine_process not in ("auto", "inline", "separate"):
@@ -90,6 +95,9 @@ class VllmConfig:
         if self.max_model_len < 8:
             raise ConfigError(f"max_model_len must be >= 8 (tokens of prompt + completion), "
                               f"got {self.max_model_len}")
+        if not (isinstance(self.step_timeout, (int, float)) and 0 <= self.step_timeout < 1e9):
+            raise ConfigError(f"step_timeout={self.step_timeout!r} is not valid; valid: seconds "
+                              ">= 0 (0: never judged hung)")
         if not 0 <= self.seed < 1 << 32:
             raise ConfigError(f"seed must be in [0, 2**32) (vLLM seeds numpy with it), got "
                               f"{self.seed}")

@@ -31,6 +31,7 @@ import numpy as np
 
 from system.errors import ConfigError
 from workers.engines.output_stream import OutputStream, SampleDelta
+from workers.engines.step_clock import EngineHung, GenerationLoopDied, StepClock
 from workers.engines.vllm_config import (Sampling, VllmConfig, as_int, check_context,
                                          check_vocab, cpu_tensor_parallel_problem, memory_nodes,
                                          prompt_ids)
@@ -44,11 +45,6 @@ __all__ = ["GenerationEngine", "GenerationLoopDied", "Sampling", "VllmConfig", "
 log = logging.getLogger("vllm-server")
 
 WEIGHT_SYNC_EXTENSION = "workers.engines.vllm_weight_sync.WeightSyncExtension"
-
-
-class GenerationLoopDied(RuntimeError):
-    """The engine's loop thread raised: every pending and later request fails with this error,
-    which names the cause (also its ``__cause__``)."""
 
 
 class GenerationEngine:
@@ -124,6 +120,7 @@ class GenerationEngine:
         self._stops: collections.deque[tuple[_Group, tuple[int, ...]]] = collections.deque()
         self._ids = itertools.count()
         self._stop = False
+        self._clock = StepClock(cfg.step_timeout)
         self.stats = {"requests": 0, "samples": 0, "tokens": 0, "cut": 0, "updates": 0,
                       "update_seconds": 0.0}
         self._closed = threading.Event()
@@ -188,9 +185,13 @@ class GenerationEngine:
     def check(self) -> None:
         """Raise :attr:`error` if the loop has died. Also notice a death the loop cannot see:
         when vLLM's engine core process is killed (the OOM killer), ``engine.step()`` waits
-        forever for outputs that never come, so the loop hangs instead of raising."""
+        forever for outputs that never come, so the loop hangs instead of raising; likewise
+        for a core that lives but hangs (:mod:`workers.engines.step_clock`)."""
         if self.error is None and not self._stop and self._core_dead():
             self._die(RuntimeError("the vLLM engine core process died"))
+        hung = "" if self.error is not None or self._stop else self._clock.overdue()
+        if hung:
+            self._die(EngineHung(hung))
         if self.error is not None:
             raise GenerationLoopDied(str(self.error)) from self.error.__cause__
 
@@ -220,8 +221,8 @@ class GenerationEngine:
             self._cv.notify()
         self._closed.set()
         self._thread.join(timeout=1 if self.error is not None else 30)  # a dead core: it hangs
-        if self._owns:
-            shut_down(self.engine.engine_core, teardown)
+        if self._owns:  # a core that died or hangs is not waited for
+            shut_down(self.engine.engine_core, teardown, None if self.error is None else 0.0)
 
     def _watch(self, period: float = 0.5) -> None:
         """Fail the loop when vLLM's engine core dies under it without an exception (see
@@ -351,8 +352,10 @@ class GenerationEngine:
 
     def _step(self) -> None:
         """Step the engine (its failure is the loop's) and hand each output to its sample (a
-        failure there is that request's)."""
-        for out in self.engine.step():
+        failure there is that request's). The watch judges a step that never returns."""
+        with self._clock.step():
+            outs = self.engine.step()
+        for out in outs:
             seq = self._active.get(out.request_id)
             if seq is None:
                 continue

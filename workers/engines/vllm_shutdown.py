@@ -5,7 +5,9 @@ default, ``rl.vllm.engine_process=inline``) frees its memory: a garbage collecti
 heap and its world-of-one process group, 2.5 s on two cores for arith-tiny's engine. When the
 process exits next that buys nothing, so :func:`shut_down` with ``teardown=False`` skips it
 (and the ``weakref.finalize`` that would run it at exit). An engine core in a process of its
-own is always shut down: that ends the process.
+own is always shut down: that ends the process, SIGTERM then SIGKILL after vLLM's 5 s grace,
+or at once (``grace=0``) for a core that died or hangs: a stopped one would wait out the grace
+(a hung server then reported its failure, and was replaced, 6 s late).
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from typing import Any
 log = logging.getLogger("vllm-server")
 
 
-def shut_down(core: Any, teardown: bool = True) -> None:
-    """Shut ``core`` (an ``LLMEngine``'s ``engine_core`` client) down; see the module."""
+def shut_down(core: Any, teardown: bool = True, grace: float | None = None) -> None:
+    """Shut ``core`` (an ``LLMEngine``'s ``engine_core`` client) down; see the module
+    (``grace``: seconds its processes get before SIGKILL; ``None``: vLLM's)."""
     from vllm.v1.engine.core_client import InprocClient
 
     if not teardown and isinstance(core, InprocClient):
@@ -25,6 +28,6 @@ def shut_down(core: Any, teardown: bool = True) -> None:
             finalizer.detach()
         return
     try:
-        core.shutdown()
+        core.shutdown(timeout=grace)
     except Exception:
         log.exception("vLLM shutdown failed")

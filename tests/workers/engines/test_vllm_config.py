@@ -33,6 +33,10 @@ def test_settings_are_validated():
     for bad in (0, -1.0, "1"):
         with pytest.raises(ConfigError, match="kv_cache_gib"):
             VllmConfig(kv_cache_gib=bad)  # type: ignore[arg-type]
+    for bad in (-1, "5", float("inf")):
+        with pytest.raises(ConfigError, match="step_timeout"):
+            VllmConfig(step_timeout=bad)  # type: ignore[arg-type]
+    assert build_config("arith-tiny", "t", ["rl.vllm.step_timeout=0"]).rl.vllm.step_timeout == 0
     with pytest.raises(ConfigError, match="resolved dtype"):
         VllmEngineArgs("float16", 0.5, True, True)
 

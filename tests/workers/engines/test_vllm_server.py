@@ -307,6 +307,9 @@ def doomed_llm(tiny_model_dir):
               worker_extension_cls="workers.engines.vllm_weight_sync.WeightSyncExtension")
     yield llm
     try:
+        for core in llm.llm_engine.engine_core.resources.engine_manager.processes:
+            if core.is_alive():  # a stopped one would take vLLM's 5 s grace to end
+                os.kill(core.pid, signal.SIGCONT)
         llm.llm_engine.engine_core.shutdown()
     except Exception:
         pass
@@ -318,16 +321,23 @@ def _kill_engine_core(eng: GenerationEngine, how: str) -> tuple[list, str]:
 
     - ``sigkill``: the OOM killer's way; vLLM's client then waits for outputs forever, so the
       loop hangs in ``step()`` rather than raising (the engine's watch notices).
+    - ``sigstop``: the core lives but never answers (a deadlock, a device call that never
+      returns, a frozen container); vLLM notices nothing, ``step()`` waits forever, and the
+      engine's step clock judges it hung (``step_timeout``).
     - ``oov``: an out-of-vocabulary token id reaches the model's embedding and the core dies of
       it; ``step()`` raises. The one fault injected is lifting our own vocabulary check (what
       the engine did before it had one).
     """
+    if how == "sigstop":  # judged at step_timeout once warm (the first step gets 600 s)
+        eng.submit(PROMPT, 1, Sampling(max_tokens=2)).result(60)
     in_flight = eng.submit(PROMPT, 2, Sampling(max_tokens=400, ignore_eos=True))
     time.sleep(0.3)
-    if how == "sigkill":
+    if how in ("sigkill", "sigstop"):
         core = eng.engine.engine_core.resources.engine_manager.processes[0]
-        os.kill(core.pid, signal.SIGKILL)
-        return [in_flight], "engine core process died"
+        os.kill(core.pid, getattr(signal, how.upper()))
+        return [in_flight], ("engine core process died" if how == "sigkill" else
+                             r"EngineHung: vLLM's engine step has not returned in 2s "
+                             r"\(rl.vllm.step_timeout\)")
     eng.vocab_size = 1 << 30
     # the core reports its death (step raises) and exits (vLLM's monitor marks it dead):
     # whichever the loop meets first names the cause
@@ -343,11 +353,12 @@ def _bootstrap(tmp_path) -> Bootstrap:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["sigkill", "oov"])
+@pytest.mark.parametrize("how", ["sigkill", "sigstop", "oov"])
 def test_loop_death_fails_every_request_and_the_server(doomed_llm, tmp_path, how):
-    """The engine core dies under the loop: the request in flight and the one that killed it
-    fail at once with an error naming the cause, later requests and control tasks are refused,
-    and the generation server's role raises it, so the worker fails under its error key."""
+    """The engine core dies (or hangs) under the loop: the request in flight and the one that
+    killed it fail at once with an error naming the cause, later requests and control tasks are
+    refused, and the generation server's role raises it, so the worker fails under its error
+    key."""
     from system import names
     from system.bootstrap import read_secret
     from system.name_resolve import FileNameResolve
@@ -356,7 +367,8 @@ def test_loop_death_fails_every_request_and_the_server(doomed_llm, tmp_path, how
     from system.wire import Codec
     from workers.generation import GenerationServer
 
-    eng = GenerationEngine.from_llm(doomed_llm, VllmConfig(max_model_len=512))
+    eng = GenerationEngine.from_llm(doomed_llm, VllmConfig(
+        max_model_len=512, step_timeout=2 if how == "sigstop" else 300))
     futures, cause = _kill_engine_core(eng, how)
     for fut in futures:
         with pytest.raises(GenerationLoopDied, match=f"generation loop died: .*({cause})"):
