@@ -151,13 +151,20 @@ class NameResolve(abc.ABC):
     @abc.abstractmethod
     def _put(self, key: str, value: str, ttl: float | None, replace: bool) -> None: ...
 
-    def _refresh(self, key: str, value: str, ttl: float) -> bool:
-        """Write a keep-alive entry again (``_put`` with ``replace``); whether it was there
-        before (False: the backend lost it). Backends override it to tell in one operation;
-        this default reads first."""
-        there = self._get(key) is not None
-        self._put(key, value, ttl, True)
-        return there
+    def _refresh(self, key: str, value: str, ttl: float) -> str | None:
+        """Write a keep-alive entry again (``_put`` with ``replace``), unless another process's
+        holds ``key`` now (:meth:`_taken`); the stored value found (None: the backend lost
+        it). Backends override it to do so in one operation; this default reads first."""
+        before = self._get(key)
+        if not self._taken(key, value, before):
+            self._put(key, value, ttl, True)
+        return before
+
+    def _taken(self, key: str, value: str, stored: str | None) -> bool:
+        """Whether ``stored``, found under ``key`` where this process keeps ``value`` alive,
+        is another process's: authentic, and another value (a replacement of a worker that
+        stood still past its TTL registered since)."""
+        return stored is not None and stored != value and self._sealer.authentic(key, stored)
 
     @abc.abstractmethod
     def _get(self, key: str) -> str | None: ...
@@ -383,7 +390,11 @@ class NameResolve(abc.ABC):
                     try:
                         self.ops["write"] += 1
                         in_time = time.monotonic() - self._refreshed.get(key, 0.0) < ttl
-                        if not self._refresh(key, value, ttl) and in_time:
+                        before = self._refresh(key, value, ttl)
+                        if self._taken(key, value, before):
+                            self._let_go(key, (value, ttl))
+                            continue
+                        if before is None and in_time:
                             lost.append(key)
                         self._refreshed[key] = time.monotonic()
                     except Exception as e:  # (a backend error must not end the refresher)
@@ -394,6 +405,16 @@ class NameResolve(abc.ABC):
             if lost:
                 self._lost(lost)
             self._ka_stop.wait(max(period, 0.02))
+
+    def _let_go(self, key: str, held: tuple[str, float]) -> None:
+        """Another process holds ``key`` now: stop refreshing it (each refresh overwrote the
+        replacement's heartbeat, hiding its death, until this process was stopped)."""
+        with self._ka_lock:
+            if self._keepalive.get(key) == held:
+                del self._keepalive[key]
+            self._refreshed.pop(key, None)
+        log.warning("name resolution: %s is another process's now (this one's replacement?): "
+                    "no longer refreshed by this process", key)
 
     def _refresh_failed(self, key: str, e: Exception) -> None:
         """A keep-alive refresh failed: said once for each cause until one succeeds (it was

@@ -105,10 +105,6 @@ class FileNameResolve(NameResolve):
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
-    def _refresh(self, key: str, value: str, ttl: float) -> bool:
-        there = os.path.isfile(self._path(key))  # (a stat: no read on every refresh)
-        self._put(key, value, ttl, True)
-        return there
 
     @staticmethod
     def _read(path: str) -> tuple[str | None, float | None]:

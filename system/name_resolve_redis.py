@@ -192,17 +192,32 @@ class RedisNameResolve(NameResolve):
         if not self._call(lambda: self._replace_refused(key, value, px)):
             raise NameEntryExists(key)
 
-    def _refresh(self, key: str, value: str, ttl: float) -> bool:
+    def _refresh(self, key: str, value: str, ttl: float) -> str | None:
         px = max(1, int(ttl * 1000))
         if self._set_get:
             try:  # SET ... GET (Redis 6.2): the old value, in the same round trip
-                return self._call(lambda: self._r.set(self._k(key), value, px=px,
-                                                      get=True)) is not None
+                before = self._call(lambda: self._r.set(self._k(key), value, px=px, get=True))
             except self._response_error as e:
                 if "syntax" not in str(e).lower():  # (a refusal: read-only, OOM, NOPERM)
                     raise
                 self._set_get = False  # a server older than 6.2: read first from now on
+            else:
+                if self._taken(key, value, before):  # (rare: write theirs back)
+                    self._call(lambda: self._give_back(key, value, before, px))
+                return before
         return super()._refresh(key, value, ttl)
+
+    def _give_back(self, key: str, ours: str, theirs: str, px: int) -> None:
+        """Undo a refresh that overwrote another process's entry, unless it changed since."""
+        with self._r.pipeline() as pipe:
+            try:
+                pipe.watch(self._k(key))
+                if pipe.get(self._k(key)) == ours:
+                    pipe.multi()
+                    pipe.set(self._k(key), theirs, px=px)
+                    pipe.execute()
+            except self._watch_error:
+                pass  # written again meanwhile: that write stands
 
     def _replace_refused(self, key: str, value: str, px: int | None) -> bool:
         """``add(replace=False)`` met an entry: take its place if it is not authentic, unless

@@ -289,6 +289,39 @@ def test_a_process_that_stood_still_or_is_stopping_adds_nothing_back(nr):
         nr.get("e/t/addr")
 
 
+def _twin(nr):
+    """Another process's client of the same store (same namespace or root, same secret)."""
+    if isinstance(nr, FileNameResolve):
+        return FileNameResolve(nr.shared, secret=SECRET)
+    host, port = nr._where.split(":")
+    return RedisNameResolve(host, int(port), namespace=nr._ns.split(":")[0], secret=SECRET)
+
+
+def test_a_replaced_process_stops_refreshing_its_replacements_heartbeat(nr):
+    """A worker that stood still past its TTL (stopped, a frozen VM) is replaced: the new one
+    registers the heartbeat under the same key. When the old one runs again, its keep-alive
+    refresh wrote its own value over the replacement's at every period, so the key lived on
+    while either did: the replacement's death was hidden until the old process was stopped.
+    Now the old one finds another process's value there, leaves it (Redis: writes it back)
+    and stops refreshing that key; the key expires once its holder stops."""
+    nr.add("e/t/hb", "old-pid", keepalive_ttl=0.6)
+    new = _twin(nr)
+    try:
+        new.add("e/t/hb", "new-pid", replace=True, keepalive_ttl=0.6)
+        seen = set()
+        deadline = time.monotonic() + 1.5  # several refreshes of both
+        while time.monotonic() < deadline:
+            seen.add(nr.get("e/t/hb"))
+            time.sleep(0.01)
+        assert seen == {"new-pid"}
+        assert "e/t/hb" not in nr._keepalive
+    finally:
+        new.close()  # the replacement dies: nothing refreshes its heartbeat any more
+    time.sleep(1.0)
+    with pytest.raises(NameEntryNotFound):
+        nr.get("e/t/hb")
+
+
 def test_a_file_backend_on_a_full_file_system_refuses_in_one_line_and_leaves_no_temporary(
         tmp_path):
     """A write that fails (a full disk, a read-only mount) was a raw ``OSError`` (blamed on the
