@@ -118,10 +118,11 @@ class GenerationServer(Worker):
                 "engine_stats": self.engine_stats, "take_sessions": self.take_sessions}
 
     # --- what a role installs ---
-    def open_engine(self, model_path: str, vllm_cfg: VllmConfig, eos_token_id: int | None
-                    ) -> GenerationEngine:
+    def open_engine(self, model_path: str, vllm_cfg: VllmConfig, eos_token_id: int | None,
+                    control_timeout: float = 0.0) -> GenerationEngine:
         """vLLM for ``model_path``: the engine a warm spare built for this restart when it is
-        the same one (:attr:`prepared`), a new one otherwise."""
+        the same one (:attr:`prepared`), a new one otherwise. A control task (a weight
+        update) running past ``control_timeout`` seconds (0: no limit) fails the server."""
         ready, self.prepared = self.prepared, None
         if isinstance(ready, GenerationEngine) and ready.made_for(model_path, vllm_cfg,
                                                                  eos_token_id):
@@ -131,6 +132,7 @@ class GenerationServer(Worker):
             if isinstance(ready, GenerationEngine):
                 ready.close()
             self.engine = GenerationEngine(model_path, vllm_cfg, eos_token_id)
+        self.engine.limit_controls(control_timeout)
         return self.engine
 
     def serve_http(self, tokenizer: Any, model_name: str) -> OpenAIEndpoint | None:

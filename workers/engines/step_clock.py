@@ -3,8 +3,9 @@
 vLLM notices an engine core that died (its monitor sets ``engine_dead``), not one that lives
 but never answers: stopped (SIGSTOP, a frozen container), deadlocked, stuck in a device call.
 Its client then waits for the step's outputs forever, and the server would heart-beat on with
-an engine that answers nothing. :class:`StepClock` times each step; the engine's watch asks it
-whether the step in progress has run past ``rl.vllm.step_timeout``. Pure but for the clock.
+an engine that answers nothing. :class:`StepClock` times each step and control task; the
+engine's watch asks it whether the one in progress has run past its limit (a step:
+``rl.vllm.step_timeout``). Pure but for the clock.
 
 An engine's first step also warms it up (kernels compiled or tuned on first use, its first
 forward): 1.7 s for arith-tiny's inline engine on this 2-core machine against 10-20 ms for the
@@ -26,7 +27,8 @@ class GenerationLoopDied(RuntimeError):
 
 
 class EngineHung(RuntimeError):
-    """An engine step ran past ``rl.vllm.step_timeout`` (the loop dies of it)."""
+    """An engine step ran past ``rl.vllm.step_timeout``, or a control task (a weight update)
+    past its limit (the loop dies of it)."""
 
 
 FIRST_STEP_LIMIT = 600.0
@@ -35,32 +37,55 @@ module); ``rl.startup_timeout``'s default."""
 
 
 class StepClock:
-    """When the engine step in progress began, and whether it has run too long."""
+    """When the engine step (or control task) in progress began, and whether it has run too
+    long."""
 
     def __init__(self, limit: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = limit
         """Seconds a step may take (0: never judged hung)."""
+        self.control_limit = 0.0
+        """Seconds a control task may take (0: never judged hung): a weight update waits for
+        the trainer's send, which the master waits for ``rl.call_timeout``; it drops the
+        server then, and one whose update still runs would heart-beat on, out of routing."""
         self._clock = clock
-        self._since: float | None = None
+        self._running: tuple[str, float] | None = None  # what runs, since when (one write)
         self._warm = False
         """Whether a step has returned (the first may take :data:`FIRST_STEP_LIMIT`)."""
 
     @contextmanager
     def step(self) -> Iterator[None]:
         """Time one step (on the loop thread)."""
-        self._since = self._clock()
+        with self._timing("step"):
+            yield
+        self._warm = True
+
+    @contextmanager
+    def control(self) -> Iterator[None]:
+        """Time one control task (on the loop thread)."""
+        with self._timing("control"):
+            yield
+
+    @contextmanager
+    def _timing(self, what: str) -> Iterator[None]:
+        self._running = (what, self._clock())
         try:
             yield
-            self._warm = True
         finally:
-            self._since = None
+            self._running = None
 
     def overdue(self) -> str:
         """Why the engine counts as hung ("" if it does not), from any thread."""
-        since = self._since
-        limit = self.limit if self._warm else max(self.limit, FIRST_STEP_LIMIT)
-        if since is None or not self.limit or self._clock() - since <= limit:
+        running = self._running
+        if running is None:
             return ""
-        first = "" if self._warm else ", its first"
-        return (f"vLLM's engine step{first} has not returned in {limit:g}s "
-                "(rl.vllm.step_timeout): its engine core hangs")
+        what, since = running
+        if what == "control":
+            limit, key = self.control_limit, "rl.call_timeout"
+            doing = "a control task of vLLM's engine (a weight update or its group's set-up)"
+        else:
+            limit, key = self.limit, "rl.vllm.step_timeout"
+            doing = "vLLM's engine step" + ("" if self._warm else ", its first")
+            limit = limit if self._warm or not limit else max(limit, FIRST_STEP_LIMIT)
+        if not limit or self._clock() - since <= limit:
+            return ""
+        return f"{doing} has not returned in {limit:g}s ({key}): its engine core hangs"

@@ -67,3 +67,20 @@ def segment_seed(seed: int | None, index: int, done: int) -> int | None:
         return first
     digest = hashlib.blake2b(f"{first}:{done}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
+
+
+def vllm_request(seq: _Seq, eos: int | None) -> tuple[Any, Any]:
+    """vLLM's prompt and sampling parameters for what is left of ``seq`` (its prompt and the
+    tokens so far: a sample cut at an update continues there, with a seed of its own)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    s = seq.sampling
+    stop = list(s.stop_token_ids) + ([eos] if eos is not None and not s.ignore_eos else [])
+    params = SamplingParams(max_tokens=s.max_tokens - len(seq.tokens), temperature=s.temperature,
+                            top_p=s.top_p, stop_token_ids=stop or None, logprobs=s.top_logprobs,
+                            detokenize=False, ignore_eos=s.ignore_eos,
+                            seed=segment_seed(s.seed, seq.index, len(seq.tokens)),
+                            output_kind=RequestOutputKind.DELTA)
+    return TokensPrompt(prompt_token_ids=seq.prompt + seq.tokens), params

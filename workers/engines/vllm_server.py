@@ -35,7 +35,7 @@ from workers.engines.step_clock import EngineHung, GenerationLoopDied, StepClock
 from workers.engines.vllm_config import (Sampling, VllmConfig, as_int, check_context,
                                          check_vocab, cpu_tensor_parallel_problem, memory_nodes,
                                          prompt_ids)
-from workers.engines.vllm_requests import _Group, _Seq, _top, segment_seed, segments_of
+from workers.engines.vllm_requests import _Group, _Seq, _top, segments_of, vllm_request
 from workers.engines.vllm_logs import quiet_skipped_tokenizer_warmup
 from workers.engines.vllm_shutdown import shut_down
 from workers.engines.vllm_tmp import engine_temp_dir
@@ -121,6 +121,8 @@ class GenerationEngine:
         self._ids = itertools.count()
         self._stop = False
         self._clock = StepClock(cfg.step_timeout)
+        self._control: tuple[Future, list[_Seq]] | None = None
+        """The control task running: its future, and the samples it cut (held until it ends)."""
         self.stats = {"requests": 0, "samples": 0, "tokens": 0, "cut": 0, "updates": 0,
                       "update_seconds": 0.0}
         self._closed = threading.Event()
@@ -181,6 +183,10 @@ class GenerationEngine:
             self._controls.append((fn, version, fut))
             self._cv.notify()
         return fut
+
+    def limit_controls(self, seconds: float) -> None:
+        """Judge the engine hung when a control task runs past ``seconds`` (0: never)."""
+        self._clock.control_limit = seconds
 
     def check(self) -> None:
         """Raise :attr:`error` if the loop has died. Also notice a death the loop cannot see:
@@ -331,24 +337,11 @@ class GenerationEngine:
             self._done(seq)
 
     def _add(self, seq: _Seq) -> None:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        s = seq.sampling
-        left = s.max_tokens - len(seq.tokens)
-        stop = list(s.stop_token_ids) + ([self.eos] if self.eos is not None and not s.ignore_eos
-                                         else [])
-        seed = segment_seed(s.seed, seq.index, len(seq.tokens))
-        params = SamplingParams(max_tokens=left, temperature=s.temperature, top_p=s.top_p,
-                                stop_token_ids=stop or None, logprobs=s.top_logprobs,
-                                detokenize=False, ignore_eos=s.ignore_eos, seed=seed,
-                                output_kind=RequestOutputKind.DELTA)
+        prompt, params = vllm_request(seq, self.eos)
         seq.rid = f"{seq.sid}.{seq.segments}"
         seq.segments += 1
         self._active[seq.rid] = seq
-        self.engine.add_request(seq.rid, TokensPrompt(prompt_token_ids=seq.prompt + seq.tokens),
-                                params)
+        self.engine.add_request(seq.rid, prompt, params)
 
     def _step(self) -> None:
         """Step the engine (its failure is the loop's) and hand each output to its sample (a
@@ -412,18 +405,23 @@ class GenerationEngine:
             cut = list(self._active.values())
             self._active.clear()
             self.stats["cut"] += len(cut)
+        with self._cv:  # (failed with the rest if the engine is judged hung in it)
+            self._control = (fut, cut)
         t0 = time.perf_counter()
         try:
-            result = fn(self.llm)
-            self.llm.reset_prefix_cache()
+            with self._clock.control():
+                result = fn(self.llm)
+                self.llm.reset_prefix_cache()
             if version is not None:
                 self.version = version
             self.stats["updates"] += 1
             self.stats["update_seconds"] += time.perf_counter() - t0
             fut.set_result(result)
         except Exception as e:
-            fut.set_exception(e)
+            if not fut.done():
+                fut.set_exception(e)
         with self._cv:  # continue the cut ones first
+            self._control = None
             self._incoming.extendleft(reversed(cut))
 
     def _fail_all(self, e: BaseException) -> None:
@@ -434,12 +432,15 @@ class GenerationEngine:
             self._active.clear()
             controls = list(self._controls)
             self._controls.clear()
+            running_control, held = self._control or (None, [])
+            futures = [s.group.future for s in seqs + held] + [fut for _, _, fut in controls] + (
+                [running_control] if running_control is not None else [])
         try:  # a live engine (one we do not own) must not keep generating for nobody
             if running and threading.current_thread() is self._thread:  # only it touches vLLM
                 self.engine.abort_request(running)
         except Exception as abort_error:
             log.warning("could not abort %d requests: %s", len(running), abort_error)
-        for fut in [s.group.future for s in seqs] + [fut for _, _, fut in controls]:
+        for fut in futures:
             try:
                 fut.set_exception(e)
             except InvalidStateError:  # settled meanwhile (or a sibling sample's group)

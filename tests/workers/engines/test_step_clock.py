@@ -61,3 +61,19 @@ def test_a_step_that_raises_ends_its_timing_and_no_limit_never_judges():
     with never.step():
         clock.now += 1e6
         assert never.overdue() == ""
+
+
+def test_a_control_task_is_judged_at_its_own_limit():
+    """A weight update waits for the trainer's send: not judged at the step limit, but at the
+    master's wait for it (it drops the server then); no control limit, never."""
+    clock = Clock()
+    steps = _warm(StepClock(5.0, clock))
+    with steps.control():
+        clock.now += 100.0
+        assert steps.overdue() == ""  # no control limit set
+        steps.control_limit = 900.0
+        clock.now += 800.5
+        assert steps.overdue() == (
+            "a control task of vLLM's engine (a weight update or its group's set-up) has not "
+            "returned in 900s (rl.call_timeout): its engine core hangs")
+    assert steps.overdue() == ""

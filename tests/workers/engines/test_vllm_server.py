@@ -324,12 +324,21 @@ def _kill_engine_core(eng: GenerationEngine, how: str) -> tuple[list, str]:
     - ``sigstop``: the core lives but never answers (a deadlock, a device call that never
       returns, a frozen container); vLLM notices nothing, ``step()`` waits forever, and the
       engine's step clock judges it hung (``step_timeout``).
+    - ``sigstop-update``: the same during a control task (a weight update), judged at the
+      engine's control limit.
     - ``oov``: an out-of-vocabulary token id reaches the model's embedding and the core dies of
       it; ``step()`` raises. The one fault injected is lifting our own vocabulary check (what
       the engine did before it had one).
     """
-    if how == "sigstop":  # judged at step_timeout once warm (the first step gets 600 s)
+    if how.startswith("sigstop"):  # judged at step_timeout once warm (the first gets 600 s)
         eng.submit(PROMPT, 1, Sampling(max_tokens=2)).result(60)
+    if how == "sigstop-update":
+        core = eng.engine.engine_core.resources.engine_manager.processes[0]
+        os.kill(core.pid, signal.SIGSTOP)
+        eng.limit_controls(2.0)
+        return ([eng.control(lambda llm: llm.collective_rpc("rlsys_device_identity"))],
+                r"EngineHung: a control task of vLLM's engine \(a weight update or its "
+                r"group's set-up\) has not returned in 2s \(rl.call_timeout\)")
     in_flight = eng.submit(PROMPT, 2, Sampling(max_tokens=400, ignore_eos=True))
     time.sleep(0.3)
     if how in ("sigkill", "sigstop"):
@@ -353,7 +362,7 @@ def _bootstrap(tmp_path) -> Bootstrap:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["sigkill", "sigstop", "oov"])
+@pytest.mark.parametrize("how", ["sigkill", "sigstop", "sigstop-update", "oov"])
 def test_loop_death_fails_every_request_and_the_server(doomed_llm, tmp_path, how):
     """The engine core dies (or hangs) under the loop: the request in flight and the one that
     killed it fail at once with an error naming the cause, later requests and control tasks are
@@ -368,7 +377,7 @@ def test_loop_death_fails_every_request_and_the_server(doomed_llm, tmp_path, how
     from workers.generation import GenerationServer
 
     eng = GenerationEngine.from_llm(doomed_llm, VllmConfig(
-        max_model_len=512, step_timeout=2 if how == "sigstop" else 300))
+        max_model_len=512, step_timeout=2 if how.startswith("sigstop") else 300))
     futures, cause = _kill_engine_core(eng, how)
     for fut in futures:
         with pytest.raises(GenerationLoopDied, match=f"generation loop died: .*({cause})"):
