@@ -27,6 +27,16 @@ def _queue(env: dict, ids: list[str]) -> list[str]:
     return r.stdout.split()
 
 
+def _wait_none_completing() -> None:
+    """Until no job is completing: one (an earlier test's, just cancelled) whose end a stopped
+    slurmctld misses drains the node ("Kill task failed"), and no later job starts."""
+    def completing() -> list[str]:
+        r = subprocess.run(["squeue", "-h", "-t", "COMPLETING", "-o", "%i"],
+                           capture_output=True, text=True)
+        return r.stdout.split()
+    wait_for(lambda: not completing(), 60, "no job completing")
+
+
 def _scheduler(tmp_path, name: str) -> tuple[SlurmScheduler, list[str]]:
     """A running master job (a sleeping task) and a rollout job held pending."""
     slurm = SlurmConfig(poll_interval=0.2,
@@ -165,6 +175,7 @@ def test_a_poll_while_slurmctld_does_not_answer_is_no_news(
         pid = int(f.read())
     try:
         _wait_running_and_pending(sched, ids)
+        _wait_none_completing()
         with caplog.at_level(logging.WARNING, logger="slurm"):
             os.kill(pid, signal.SIGSTOP)
             try:
@@ -213,6 +224,7 @@ def test_a_job_that_an_unanswered_sbatch_queued_all_the_same_is_taken(slurm_env,
         os.kill(pid, signal.SIGCONT)
 
     resume = threading.Thread(target=resume_once_sbatch_gave_up)
+    _wait_none_completing()
     os.kill(pid, signal.SIGSTOP)
     resume.start()
     ids: list[str] = []
@@ -230,6 +242,48 @@ def test_a_job_that_an_unanswered_sbatch_queued_all_the_same_is_taken(slurm_env,
         r = subprocess.run(["squeue", "-h", "-n", "stall_t:master", "-o", "%i"],
                            capture_output=True, text=True)
         subprocess.run(["scancel", *r.stdout.split()])
+
+
+def test_a_job_an_unanswered_sbatch_queued_after_adoption_gave_up_is_taken_next_time(
+        slurm_env, slurm_cluster, tmp_path, monkeypatch):
+    """slurmctld stalls (here: stopped) through sbatch's time-out and the queue search after it
+    (cut to nothing): the submission fails unconfirmed, its job's name remembered. Slurm then
+    queues the job all the same; the group's next submission finds it and takes it instead of
+    submitting a second job beside it."""
+    import signal
+
+    from scheduler import slurm_submit
+    from scheduler.slurm_submit import SubmitUnconfirmed
+
+    monkeypatch.setattr(slurm_submit, "ADOPT_WAIT", 0.0)  # (one look, while still stalled)
+    sched = SlurmScheduler(SlurmConfig(poll_interval=0.2), "stall2", "t", str(tmp_path), REPO)
+    group = GroupSpec("master", 1, ("sleep", "300"), {}, (str(tmp_path / "master.log"),))
+    request = sched.plan(group)
+    name = "stall2_t:master"
+    with open(os.path.join(slurm_cluster.root, "slurmctld.pid")) as f:
+        pid = int(f.read())
+
+    def queued() -> list[str]:
+        r = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True,
+                           text=True)
+        return r.stdout.split()
+
+    _wait_none_completing()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(SubmitUnconfirmed):
+            sched.schedule(request)
+        assert sched._submitter.unconfirmed == {name}
+        os.kill(pid, signal.SIGCONT)
+        (job_id,) = wait_for(queued, 60, f"Slurm queuing {name} all the same")
+        ids = sched.schedule(request)
+        assert ids == [job_id]  # the queued job taken, not sbatch'ed again
+        assert queued() == [job_id]  # one job of that name
+        assert sched._submitter.unconfirmed == set()
+        assert [s.job_id for s in sched.poll(fresh=True)] == [job_id]  # and tracked
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        subprocess.run(["scancel", *queued()])
 
 
 def test_a_requeued_job_whose_time_limit_is_too_short_fails_in_one_line(slurm_env, tmp_path):
