@@ -353,6 +353,8 @@ class NameResolve(abc.ABC):
                     if self._owned.get(key) != stored:
                         continue
                 try:
+                    if self._get(key) == stored:  # (kept: the count is of those added back)
+                        continue
                     self._put(key, stored, None, False)
                     n += 1
                 except NameEntryExists:  # there (kept, or written anew by its new owner)
