@@ -17,7 +17,7 @@ from typing import Callable, Collection
 from scheduler.slurm_cli import (ENDING_STATES, QUEUED_STATES, last_error,
                                  parse_sbatch_parsable, unreachable)
 from scheduler.slurm_cli import run as _run
-from scheduler.slurm_jobs import het_leader, named_jobs, writes_in
+from scheduler.slurm_jobs import het_leader, named_jobs, scancel, writes_in
 from system.errors import SchedulerError
 from system.held_signals import held_signals
 
@@ -72,14 +72,25 @@ def queued_as(name: str, logs_dir: str, known: Collection[str],
                   - set(known), key=lambda j: (len(j), j))
 
 
-def adopt(name: str, logs_dir: str, known: Collection[str], wait: float) -> str | None:
-    """The job queued as ``name`` (see :func:`queued_as`), looked for up to ``wait``
-    seconds; None if none shows."""
+def newest_of(found: list[str], what: str) -> str:
+    """The newest of the jobs ``found`` queued for one submission; the others (two time-outs
+    in a row, each queued after all) are cancelled: copies of the same workers, untracked."""
+    if len(found) > 1:
+        log.warning("jobs %s, also queued for %s by an earlier sbatch that timed out: "
+                    "cancelled", ",".join(found[:-1]), what)
+        scancel(found[:-1], timeout=QUERY_TIMEOUT)
+    return found[-1]
+
+
+def adopt(name: str, logs_dir: str, known: Collection[str], wait: float, what: str
+          ) -> str | None:
+    """The job queued as ``name`` for ``what`` (see :func:`queued_as`, :func:`newest_of`),
+    looked for up to ``wait`` seconds; None if none shows."""
     deadline = time.monotonic() + wait
     while True:
         found = queued_as(name, logs_dir, known)
         if found:
-            return found[-1]  # (the newest, should there be several)
+            return newest_of(found, what)
         if time.monotonic() >= deadline:
             return None
         time.sleep(LOOK_EVERY)
@@ -101,17 +112,18 @@ class Submitter:
             found = queued_as(name, logs_dir, known)
             if found:
                 self.unconfirmed.discard(name)
+                job_id = newest_of(found, what)
                 log.warning("job %s (%s), queued though its sbatch timed out, is taken as %s",
-                            found[-1], name, what)
+                            job_id, name, what)
                 with held_signals():
-                    return record(found[-1])
+                    return record(job_id)
         try:
             with held_signals():
                 ids = record(sbatch(path, what))
             self.unconfirmed.discard(name)
             return ids
         except SubmitUnconfirmed:
-            job_id = adopt(name, logs_dir, known, ADOPT_WAIT)
+            job_id = adopt(name, logs_dir, known, ADOPT_WAIT, what)
             if job_id is None:
                 self.unconfirmed.add(name)
                 raise

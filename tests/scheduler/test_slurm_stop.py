@@ -247,9 +247,9 @@ def test_a_job_that_an_unanswered_sbatch_queued_all_the_same_is_taken(slurm_env,
 def test_a_job_an_unanswered_sbatch_queued_after_adoption_gave_up_is_taken_next_time(
         slurm_env, slurm_cluster, tmp_path, monkeypatch):
     """slurmctld stalls (here: stopped) through sbatch's time-out and the queue search after it
-    (cut to nothing): the submission fails unconfirmed, its job's name remembered. Slurm then
-    queues the job all the same; the group's next submission finds it and takes it instead of
-    submitting a second job beside it."""
+    (cut to nothing): the submission fails unconfirmed, its job's name remembered; twice (a
+    recovery's retry). Slurm then queues both jobs all the same; the group's next submission
+    takes the newest instead of submitting a third beside them, and cancels the other copy."""
     import signal
 
     from scheduler import slurm_submit
@@ -271,14 +271,16 @@ def test_a_job_an_unanswered_sbatch_queued_after_adoption_gave_up_is_taken_next_
     _wait_none_completing()
     os.kill(pid, signal.SIGSTOP)
     try:
-        with pytest.raises(SubmitUnconfirmed):
-            sched.schedule(request)
-        assert sched._submitter.unconfirmed == {name}
+        for _ in range(2):
+            with pytest.raises(SubmitUnconfirmed):
+                sched.schedule(request)
+            assert sched._submitter.unconfirmed == {name}
         os.kill(pid, signal.SIGCONT)
-        (job_id,) = wait_for(queued, 60, f"Slurm queuing {name} all the same")
+        older, job_id = wait_for(lambda: len(queued()) == 2 and sorted(queued(), key=int), 60,
+                                 f"Slurm queuing both jobs of {name} all the same")
         ids = sched.schedule(request)
-        assert ids == [job_id]  # the queued job taken, not sbatch'ed again
-        assert queued() == [job_id]  # one job of that name
+        assert ids == [job_id]  # the newest queued job taken, not sbatch'ed again
+        wait_for(lambda: queued() == [job_id], 60, f"the other copy, {older}, cancelled")
         assert sched._submitter.unconfirmed == set()
         assert [s.job_id for s in sched.poll(fresh=True)] == [job_id]  # and tracked
     finally:
