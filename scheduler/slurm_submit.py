@@ -76,10 +76,16 @@ def newest_of(found: list[str], what: str) -> str:
     """The newest of the jobs ``found`` queued for one submission; the others (two time-outs
     in a row, each queued after all) are cancelled: copies of the same workers, untracked."""
     if len(found) > 1:
-        log.warning("jobs %s, also queued for %s by an earlier sbatch that timed out: "
-                    "cancelled", ",".join(found[:-1]), what)
-        scancel(found[:-1], timeout=QUERY_TIMEOUT)
+        cancel_copies(found[:-1], what)
     return found[-1]
+
+
+def cancel_copies(ids: list[str], what: str) -> None:
+    """Cancel jobs queued for ``what`` by an earlier ``sbatch`` that timed out, besides the
+    one taken or submitted."""
+    log.warning("jobs %s, also queued for %s by an earlier sbatch that timed out: cancelled",
+                ",".join(ids), what)
+    scancel(ids, timeout=QUERY_TIMEOUT)
 
 
 def adopt(name: str, logs_dir: str, known: Collection[str], wait: float, what: str
@@ -120,7 +126,8 @@ class Submitter:
         try:
             with held_signals():
                 ids = record(sbatch(path, what))
-            self.unconfirmed.discard(name)
+            if name in self.unconfirmed:
+                self._sweep(name, logs_dir, [*known, *ids], what)
             return ids
         except SubmitUnconfirmed:
             job_id = adopt(name, logs_dir, known, ADOPT_WAIT, what)
@@ -130,3 +137,14 @@ class Submitter:
         log.warning("sbatch of %s timed out, but Slurm queued it as job %s: taken", what, job_id)
         with held_signals():
             return record(job_id)
+
+    def _sweep(self, name: str, logs_dir: str, known: Collection[str], what: str) -> None:
+        """``sbatch`` of ``name`` went through while an earlier one's job was not found (the
+        queue did not answer, or Slurm had not queued it yet): once Slurm answers, a late
+        copy is cancelled; the name is forgotten once the queue answered without one."""
+        found = queued_as(name, logs_dir, known)
+        if found is None:
+            return
+        if found:
+            cancel_copies(found, what)
+        self.unconfirmed.discard(name)

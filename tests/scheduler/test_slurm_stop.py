@@ -288,6 +288,58 @@ def test_a_job_an_unanswered_sbatch_queued_after_adoption_gave_up_is_taken_next_
         subprocess.run(["scancel", *queued()])
 
 
+def test_a_late_copy_of_an_unanswered_sbatch_is_cancelled_after_the_next_one(
+        slurm_env, slurm_cluster, tmp_path, monkeypatch):
+    """The submission after an unconfirmed one looks for its job first, but the queue does not
+    answer (its squeue fails): it submits, and the earlier job, queued meanwhile, ran on
+    untracked beside the new one. Once Slurm answers, it is found and cancelled."""
+    import signal
+
+    from scheduler import slurm_submit
+    from scheduler.slurm_submit import SubmitUnconfirmed
+
+    monkeypatch.setattr(slurm_submit, "ADOPT_WAIT", 0.0)
+    sched = SlurmScheduler(SlurmConfig(poll_interval=0.2), "stall3", "t", str(tmp_path), REPO)
+    request = sched.plan(GroupSpec("master", 1, ("sleep", "300"), {},
+                                   (str(tmp_path / "master.log"),)))
+    name = "stall3_t:master"
+    with open(os.path.join(slurm_cluster.root, "slurmctld.pid")) as f:
+        pid = int(f.read())
+
+    def queued() -> list[str]:
+        r = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True,
+                           text=True)
+        return r.stdout.split()
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "squeue-calls"
+    bin_dir.mkdir()
+    real = subprocess.run(["which", "squeue"], capture_output=True, text=True).stdout.strip()
+    (bin_dir / "squeue").write_text(  # its first answer after the stall: none
+        "#!/bin/sh\n"
+        f"echo x >> {calls}\n"
+        f"if [ $(wc -l < {calls}) -le 1 ]; then\n"
+        "  echo 'squeue: error: Unable to contact slurm controller (connect failure)' >&2\n"
+        "  exit 1\nfi\n"
+        f"exec {real} \"$@\"\n")
+    (bin_dir / "squeue").chmod(0o755)
+    _wait_none_completing()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(SubmitUnconfirmed):
+            sched.schedule(request)
+        os.kill(pid, signal.SIGCONT)
+        (late,) = wait_for(queued, 60, f"Slurm queuing {name} all the same")
+        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+        ids = sched.schedule(request)
+        assert calls.read_text().count("x") == 2  # the look before sbatch failed, then after
+        assert ids != [late]
+        wait_for(lambda: queued() == ids, 60, f"the late copy, {late}, cancelled")
+        assert sched._submitter.unconfirmed == set()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        subprocess.run(["scancel", *queued()])
+
+
 def test_a_requeued_job_whose_time_limit_is_too_short_fails_in_one_line(slurm_env, tmp_path):
     """A time limit below 2 x signal_seconds + 60 s set on the job after submission (or the
     partition's DefaultTime, for a group without a limit of its own): SIGUSR2 at once, a
