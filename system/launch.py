@@ -47,7 +47,7 @@ from system.launcher.launcher_log import tee_stderr
 from system.launcher.name_claim import name_taken
 from system.errors import ConfigError, RLSystemError
 from system.name_resolve import make_name_resolve
-from system.name_resolve_api import NameResolveBackend, redis_password
+from system.name_resolve_config import NameResolveBackend, redis_password
 from system.launcher.help import help_text
 from system.launcher.overrides import CliArgs, apply_overrides, parse_cli
 from system.launcher.own_preemption import PreemptionWatch

@@ -12,8 +12,9 @@ the ``redis`` backend under the key prefix ``rlsys:<uid>:``.
 """
 from __future__ import annotations
 
-from system.name_resolve_api import (PASSWORD_ENV, Entry, NameResolve, NameResolveBackend,
-                                     NameResolveConfig, redis_password)
+from system.name_resolve_api import Entry, NameResolve
+from system.name_resolve_config import (PASSWORD_ENV, NameResolveBackend, NameResolveConfig,
+                                        redis_password)
 from system.name_resolve_file import FileNameResolve
 from system.name_resolve_redis import RedisNameResolve
 

@@ -1,5 +1,6 @@
-"""Name resolution's API: its configuration and the abstract store every backend implements
-(authenticated values, TTLs, keep-alive refreshes, batch reads, subtrees).
+"""Name resolution's API: the abstract store every backend implements (authenticated values,
+TTLs, keep-alive refreshes, batch reads, subtrees); its configuration is
+:mod:`system.name_resolve_config`.
 
 See :mod:`system.name_resolve` for the backends and how one is chosen.
 """
@@ -7,96 +8,16 @@ from __future__ import annotations
 
 import abc
 import collections
-import dataclasses
-import enum
+import contextlib
 import logging
-import os
 import threading
 import time
-from typing import Callable, ClassVar, Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
-from system.errors import (ConfigError, NameEntryExists, NameEntryNotFound, NameResolveError,
-                           first_line)
+from system.errors import NameEntryExists, NameEntryNotFound, NameResolveError, first_line
 from system.name_auth import EntrySealer, unverified_value
-from system.private_files import read_private_file
 
 log = logging.getLogger("name_resolve")
-
-PASSWORD_ENV = "RLSYS_REDIS_PASSWORD"
-"""The environment variable the Redis password may come from (see ``redis_password_file``)."""
-
-
-class NameResolveBackend(str, enum.Enum):
-    FILE = "file"
-    REDIS = "redis"
-
-
-@dataclasses.dataclass
-class NameResolveConfig:
-    """Where workers find each other."""
-
-    type: NameResolveBackend = NameResolveBackend.FILE
-    """Backend: ``file`` (a directory, shared filesystem on a cluster) or ``redis``."""
-    file_root: str = ""
-    """Directory of the ``file`` backend; empty means ``<cluster.fileroot>/.name_resolve``. Each
-    user's entries live in ``<file_root>/<uid>/`` (mode 0700, refused unless owned by the user)."""
-    redis_host: str = "127.0.0.1"
-    """Redis server host (``redis`` backend)."""
-    redis_port: int = 6379
-    """Redis server port (``redis`` backend)."""
-    redis_db: int = 0
-    """Redis database number."""
-    redis_password_file: str = ""
-    """File holding the Redis password, yours and readable by you only (mode 0600 or 0400; refused
-    otherwise); empty: the RLSYS_REDIS_PASSWORD environment variable, else no password. The
-    password itself is never written to a config, a bootstrap file, a job script or a command
-    line."""
-
-    redis_outage_timeout: float = 30.0
-    """Seconds a Redis server that stopped answering (restarted, failed over, a network blip)
-    is retried before an operation fails. A server that restarted without its data gets back,
-    from every live process, the entries that process had added."""
-
-    RETIRED_KEYS: ClassVar[dict[str, str]] = {
-        "redis_password": "a password given on the command line lands in config.yaml, job scripts "
-                          "and the process list; put it in a file only you can read (chmod 600) and "
-                          "set name_resolve.redis_password_file=PATH, or export "
-                          f"{PASSWORD_ENV}"}
-
-    def __post_init__(self) -> None:
-        if isinstance(self.type, str):
-            try:
-                self.type = NameResolveBackend(self.type)
-            except ValueError:
-                raise ConfigError(
-                    f"type={self.type!r} is not one of "
-                    f"{[b.value for b in NameResolveBackend]}"
-                ) from None
-        if not 0 < self.redis_port < 65536:
-            raise ConfigError(f"redis_port={self.redis_port} is not a valid port")
-        if self.redis_outage_timeout < 0:
-            raise ConfigError(f"redis_outage_timeout={self.redis_outage_timeout} must be >= 0")
-        if self.redis_password_file:  # workers may start elsewhere: keep an absolute path
-            self.redis_password_file = os.path.abspath(os.path.expanduser(self.redis_password_file))
-
-
-def redis_password(cfg: NameResolveConfig) -> str:
-    """The Redis password: from ``cfg.redis_password_file`` (a private file of this user), else
-    from the environment variable :data:`PASSWORD_ENV`, else none."""
-    if not cfg.redis_password_file:
-        return os.environ.get(PASSWORD_ENV, "")
-    try:
-        data = read_private_file(cfg.redis_password_file, "the Redis password file "
-                                 "(name_resolve.redis_password_file)", (0o600, 0o400))
-    except FileNotFoundError:
-        raise ConfigError(f"name_resolve.redis_password_file={cfg.redis_password_file}: "
-                          "no such file") from None
-    password = data.decode().rstrip("\r\n")
-    if not password:  # (it would mean no password at all)
-        raise ConfigError(f"name_resolve.redis_password_file={cfg.redis_password_file} is "
-                          "empty; valid: a file holding the password")
-    return password
-
 
 def _check_key(key: str) -> str:
     key = key.strip("/")
@@ -139,6 +60,7 @@ class NameResolve(abc.ABC):
         self._budget = threading.local()  # .seconds: this thread's own cap on retries
         self._stopping = False
         self._refreshed: dict[str, float] = {}  # keep-alive key -> last write (monotonic)
+        self._stood_still: set[str] = set()  # keep-alive keys once refreshed past their TTL
         self.outage_seen: float | None = None
         """When (monotonic) a call of this process last found the backend not answering, or
         answering again after that (None: never): heartbeats missed meanwhile are no news
@@ -152,13 +74,18 @@ class NameResolve(abc.ABC):
     def _put(self, key: str, value: str, ttl: float | None, replace: bool) -> None: ...
 
     def _refresh(self, key: str, value: str, ttl: float) -> str | None:
-        """Write a keep-alive entry again (``_put`` with ``replace``), unless another process's
-        holds ``key`` now (:meth:`_taken`); the stored value found (None: the backend lost
-        it). Backends override it to do so in one operation; this default reads first."""
+        """Write a keep-alive entry again (``_put`` with ``replace``); the stored value found
+        before (None: the backend lost it). Backends override it to tell in one operation;
+        this default reads first."""
         before = self._get(key)
-        if not self._taken(key, value, before):
-            self._put(key, value, ttl, True)
+        self._put(key, value, ttl, True)
         return before
+
+    def _give_back(self, key: str, ours: str, theirs: str, ttl: float) -> None:
+        """Undo a refresh that wrote ``ours`` over another process's ``theirs``, unless the
+        entry changed since (this default reads first: a write in between is theirs again)."""
+        if self._get(key) == ours:
+            self._put(key, theirs, ttl, True)
 
     def _taken(self, key: str, value: str, stored: str | None) -> bool:
         """Whether ``stored``, found under ``key`` where this process keeps ``value`` alive,
@@ -215,14 +142,18 @@ class NameResolve(abc.ABC):
             raise NameResolveError(f"keepalive_ttl must be > 0, got {keepalive_ttl}")
         stored = self._sealer.seal(key, str(value))
         self.ops["write"] += 1
-        self._put(key, stored, keepalive_ttl, replace)
-        with self._ka_lock:
-            if keepalive_ttl is not None:
-                self._keepalive[key] = (stored, keepalive_ttl)
-                self._refreshed[key] = time.monotonic()
-                self._owned.pop(key, None)
-            else:
-                self._owned[key] = stored
+        # a keep-alive key's: not between a refresh's snapshot and its write (it would write
+        # the old value back, then take it for another process's)
+        with self._ka_put_lock if keepalive_ttl is not None else contextlib.nullcontext():
+            self._put(key, stored, keepalive_ttl, replace)
+            with self._ka_lock:
+                if keepalive_ttl is not None:
+                    self._keepalive[key] = (stored, keepalive_ttl)
+                    self._refreshed[key] = time.monotonic()
+                    self._stood_still.discard(key)
+                    self._owned.pop(key, None)
+                else:
+                    self._owned[key] = stored
         if keepalive_ttl is not None:
             self._ensure_keepalive_thread()
 
@@ -283,6 +214,7 @@ class NameResolve(abc.ABC):
         with self._ka_put_lock, self._ka_lock:
             self._keepalive.pop(key, None)
             self._refreshed.pop(key, None)
+            self._stood_still.discard(key)
             self._owned.pop(key, None)
         if not self._delete(key):
             raise NameEntryNotFound(key)
@@ -294,6 +226,7 @@ class NameResolve(abc.ABC):
         with self._ka_put_lock, self._ka_lock:
             self._keepalive.pop(key, None)
             self._refreshed.pop(key, None)
+            self._stood_still.discard(key)
             self._owned.pop(key, None)
 
     def release(self, key: str) -> None:
@@ -302,6 +235,7 @@ class NameResolve(abc.ABC):
         with self._ka_put_lock, self._ka_lock:
             self._keepalive.pop(key, None)
             self._refreshed.pop(key, None)
+            self._stood_still.discard(key)
 
     def clear_subtree(self, prefix: str) -> int:
         """Remove every key at or below ``prefix`` (e.g. a whole trial); returns how many."""
@@ -310,6 +244,8 @@ class NameResolve(abc.ABC):
             for held in (self._keepalive, self._refreshed, self._owned):
                 for k in [k for k in held if k == prefix or k.startswith(prefix + "/")]:
                     del held[k]
+            self._stood_still = {k for k in self._stood_still
+                                 if k != prefix and not k.startswith(prefix + "/")}
         n = 0
         for k in list(self._keys_under(prefix)):
             n += int(self._delete(k))
@@ -392,9 +328,11 @@ class NameResolve(abc.ABC):
                     try:
                         self.ops["write"] += 1
                         in_time = time.monotonic() - self._refreshed.get(key, 0.0) < ttl
+                        if not in_time:
+                            self._stood_still.add(key)
                         before = self._refresh(key, value, ttl)
-                        if self._taken(key, value, before):
-                            self._let_go(key, (value, ttl))
+                        if key in self._stood_still and self._taken(key, value, before):
+                            self._let_go(key, (value, ttl), before)
                             continue
                         if before is None and in_time:
                             lost.append(key)
@@ -408,13 +346,21 @@ class NameResolve(abc.ABC):
                 self._lost(lost)
             self._ka_stop.wait(max(period, 0.02))
 
-    def _let_go(self, key: str, held: tuple[str, float]) -> None:
-        """Another process holds ``key`` now: stop refreshing it (each refresh overwrote the
-        replacement's heartbeat, hiding its death, until this process was stopped)."""
+    def _let_go(self, key: str, held: tuple[str, float], theirs: str) -> None:
+        """This process stood still past ``key``'s TTL, and another one holds it now (its
+        replacement): give it back and stop refreshing it (each refresh wrote over the
+        replacement's heartbeat, hiding its death, until this process was stopped). A process
+        that never stood still is never replaced: it writes its own back over such a one's
+        (the two may meet between that one's read and write; only the stale one lets go)."""
+        try:
+            self._give_back(key, held[0], theirs, held[1])
+        except Exception as e:  # noqa: BLE001 - theirs comes back with its owner's refresh
+            log.warning("name resolution: giving %s back failed: %s", key, first_line(e))
         with self._ka_lock:
             if self._keepalive.get(key) == held:
                 del self._keepalive[key]
             self._refreshed.pop(key, None)
+            self._stood_still.discard(key)
         log.warning("name resolution: %s is another process's now (this one's replacement?): "
                     "no longer refreshed by this process", key)
 

@@ -105,7 +105,6 @@ class FileNameResolve(NameResolve):
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
-
     @staticmethod
     def _read(path: str) -> tuple[str | None, float | None]:
         """The value and expiry in the entry file ``path``; ``(None, None)`` if absent or

@@ -18,7 +18,8 @@ from typing import Callable, Iterator, TypeVar
 
 from system.errors import (NameEntryExists, NameResolveError, NameServiceRefused,
                            NameServiceUnavailable, first_line)
-from system.name_resolve_api import PASSWORD_ENV, NameResolve
+from system.name_resolve_api import NameResolve
+from system.name_resolve_config import PASSWORD_ENV
 
 log = logging.getLogger("name_resolve")
 T = TypeVar("T")
@@ -202,13 +203,13 @@ class RedisNameResolve(NameResolve):
                     raise
                 self._set_get = False  # a server older than 6.2: read first from now on
             else:
-                if self._taken(key, value, before):  # (rare: write theirs back)
-                    self._call(lambda: self._give_back(key, value, before, px))
                 return before
         return super()._refresh(key, value, ttl)
 
-    def _give_back(self, key: str, ours: str, theirs: str, px: int) -> None:
-        """Undo a refresh that overwrote another process's entry, unless it changed since."""
+    def _give_back(self, key: str, ours: str, theirs: str, ttl: float) -> None:
+        self._call(lambda: self._swap_back(key, ours, theirs, max(1, int(ttl * 1000))))
+
+    def _swap_back(self, key: str, ours: str, theirs: str, px: int) -> None:
         with self._r.pipeline() as pipe:
             try:
                 pipe.watch(self._k(key))

@@ -313,24 +313,44 @@ def test_a_replaced_process_stops_refreshing_its_replacements_heartbeat(nr):
     registers the heartbeat under the same key. When the old one runs again, its keep-alive
     refresh wrote its own value over the replacement's at every period, so the key lived on
     while either did: the replacement's death was hidden until the old process was stopped.
-    Now the old one finds another process's value there, leaves it (Redis: writes it back)
-    and stops refreshing that key; the key expires once its holder stops."""
+    Now the old one, late, finds another process's value there, gives it back and stops
+    refreshing that key; the key expires once its holder stops."""
     nr.add("e/t/hb", "old-pid", keepalive_ttl=0.6)
     new = _twin(nr)
     try:
-        new.add("e/t/hb", "new-pid", replace=True, keepalive_ttl=0.6)
+        with nr._ka_put_lock:  # (no refresh in between: it judges its lateness under this lock)
+            nr._refreshed["e/t/hb"] = time.monotonic() - 10  # as if it stood still for 10 s
+            new.add("e/t/hb", "new-pid", replace=True, keepalive_ttl=0.6)  # its replacement
+        deadline = time.monotonic() + 10
+        while "e/t/hb" in nr._keepalive:
+            assert time.monotonic() < deadline, "the old process never let go"
+            time.sleep(0.05)
         seen = set()
-        deadline = time.monotonic() + 1.5  # several refreshes of both
+        deadline = time.monotonic() + 1.2  # several refreshes of the replacement
         while time.monotonic() < deadline:
             seen.add(nr.get("e/t/hb"))
             time.sleep(0.01)
         assert seen == {"new-pid"}
-        assert "e/t/hb" not in nr._keepalive
     finally:
         new.close()  # the replacement dies: nothing refreshes its heartbeat any more
     time.sleep(1.0)
     with pytest.raises(NameEntryNotFound):
         nr.get("e/t/hb")
+
+
+def test_a_process_that_never_stood_still_keeps_its_key_against_a_stale_write(nr):
+    """The two may meet: a stale process reads its own value, its replacement registers, then
+    the stale one's write lands on top. The replacement, which never stood still, must not take
+    that for being replaced (it would stop refreshing its own heartbeat and be judged dead):
+    it writes its own back, and only the stale one lets go, at its next refresh."""
+    nr.add("e/t/hb", "mine", keepalive_ttl=0.6)
+    stale = _twin(nr)
+    try:
+        stale._put("e/t/hb", stale._sealer.seal("e/t/hb", "stale"), 0.6, True)  # its write
+        time.sleep(1.0)  # several refreshes
+        assert nr.get("e/t/hb") == "mine" and "e/t/hb" in nr._keepalive
+    finally:
+        stale.close()
 
 
 def test_a_file_backend_on_a_full_file_system_refuses_in_one_line_and_leaves_no_temporary(
