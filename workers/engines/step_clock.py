@@ -45,29 +45,36 @@ class StepClock:
         """Seconds a step may take (0: never judged hung)."""
         self.control_limit = 0.0
         """Seconds a control task may take (0: never judged hung): a weight update waits for
-        the trainer's send, which the master waits for ``rl.call_timeout``; it drops the
-        server then, and one whose update still runs would heart-beat on, out of routing."""
+        the trainer's send, which the master waits for (``rl.call_timeout``; a group's set-up:
+        twice ``rl.weight_sync.timeout``); it drops the server then, and one whose update
+        still ran heart-beat on, out of routing."""
         self._clock = clock
-        self._running: tuple[str, float] | None = None  # what runs, since when (one write)
+        self._running: tuple[str, float, float] | None = None
+        """What runs (its words in a message), since when, and its limit: one write, read by
+        the watch thread at any time."""
         self._warm = False
         """Whether a step has returned (the first may take :data:`FIRST_STEP_LIMIT`)."""
 
     @contextmanager
     def step(self) -> Iterator[None]:
         """Time one step (on the loop thread)."""
-        with self._timing("step"):
+        limit = self.limit if self._warm or not self.limit else max(self.limit, FIRST_STEP_LIMIT)
+        first = "" if self._warm else ", its first"
+        with self._timing(f"vLLM's engine step{first}", limit, "rl.vllm.step_timeout"):
             yield
         self._warm = True
 
     @contextmanager
     def control(self) -> Iterator[None]:
         """Time one control task (on the loop thread)."""
-        with self._timing("control"):
+        with self._timing("a control task of vLLM's engine (a weight update or its group's "
+                          "set-up)", self.control_limit,
+                          "rl.call_timeout; a set-up: 2 x rl.weight_sync.timeout"):
             yield
 
     @contextmanager
-    def _timing(self, what: str) -> Iterator[None]:
-        self._running = (what, self._clock())
+    def _timing(self, what: str, limit: float, key: str) -> Iterator[None]:
+        self._running = (f"{what}|{key}", self._clock(), limit)
         try:
             yield
         finally:
@@ -78,14 +85,8 @@ class StepClock:
         running = self._running
         if running is None:
             return ""
-        what, since = running
-        if what == "control":
-            limit, key = self.control_limit, "rl.call_timeout"
-            doing = "a control task of vLLM's engine (a weight update or its group's set-up)"
-        else:
-            limit, key = self.limit, "rl.vllm.step_timeout"
-            doing = "vLLM's engine step" + ("" if self._warm else ", its first")
-            limit = limit if self._warm or not limit else max(limit, FIRST_STEP_LIMIT)
+        what, since, limit = running
         if not limit or self._clock() - since <= limit:
             return ""
+        doing, key = what.split("|")
         return f"{doing} has not returned in {limit:g}s ({key}): its engine core hangs"

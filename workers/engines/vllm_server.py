@@ -397,16 +397,14 @@ class GenerationEngine:
                 "versions": versions, "segments": segments_of(versions), "finish": seq.finish}
 
     def _run_control(self) -> None:
-        with self._cv:
+        with self._cv:  # (all of it failed with the rest if the engine is judged hung in it)
             fn, version, fut = self._controls.popleft()
-        cut: list[_Seq] = []
-        if self._active:  # interrupt=cut: stop them here, continue after the update
-            self.engine.abort_request(list(self._active))
-            cut = list(self._active.values())
+            cut = list(self._active.values())  # interrupt=cut: stopped here, continued after
             self._active.clear()
-            self.stats["cut"] += len(cut)
-        with self._cv:  # (failed with the rest if the engine is judged hung in it)
             self._control = (fut, cut)
+        if cut:
+            self.engine.abort_request([seq.rid for seq in cut])
+            self.stats["cut"] += len(cut)
         t0 = time.perf_counter()
         try:
             with self._clock.control():

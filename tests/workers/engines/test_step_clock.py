@@ -29,6 +29,17 @@ def test_the_first_step_warms_the_engine_up_and_gets_longer():
         assert slow.overdue() == ""
 
 
+def test_a_slow_first_step_is_judged_at_the_limit_it_began_with():
+    """The limit is fixed when a step begins: a first step that ran past the step limit (but
+    not the first step's) is not judged at the plain limit as it returns."""
+    clock = Clock()
+    steps = StepClock(5.0, clock)
+    with steps.step():
+        clock.now += 60.0
+        steps._warm = True  # (what its return does: the watch may read in between)
+        assert steps.overdue() == ""
+
+
 def _warm(steps: StepClock) -> StepClock:
     with steps.step():
         pass
@@ -69,11 +80,13 @@ def test_a_control_task_is_judged_at_its_own_limit():
     clock = Clock()
     steps = _warm(StepClock(5.0, clock))
     with steps.control():
-        clock.now += 100.0
+        clock.now += 1000.0
         assert steps.overdue() == ""  # no control limit set
-        steps.control_limit = 900.0
-        clock.now += 800.5
+    steps.control_limit = 900.0
+    with steps.control():
+        clock.now += 900.5
         assert steps.overdue() == (
             "a control task of vLLM's engine (a weight update or its group's set-up) has not "
-            "returned in 900s (rl.call_timeout): its engine core hangs")
+            "returned in 900s (rl.call_timeout; a set-up: 2 x rl.weight_sync.timeout): its "
+            "engine core hangs")
     assert steps.overdue() == ""

@@ -338,7 +338,7 @@ def _kill_engine_core(eng: GenerationEngine, how: str) -> tuple[list, str]:
         eng.limit_controls(2.0)
         return ([eng.control(lambda llm: llm.collective_rpc("rlsys_device_identity"))],
                 r"EngineHung: a control task of vLLM's engine \(a weight update or its "
-                r"group's set-up\) has not returned in 2s \(rl.call_timeout\)")
+                r"group's set-up\) has not returned in 2s \(rl.call_timeout; ")
     in_flight = eng.submit(PROMPT, 2, Sampling(max_tokens=400, ignore_eos=True))
     time.sleep(0.3)
     if how in ("sigkill", "sigstop"):
