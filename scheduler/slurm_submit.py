@@ -17,7 +17,7 @@ from typing import Callable, Collection
 from scheduler.slurm_cli import (ENDING_STATES, QUEUED_STATES, last_error,
                                  parse_sbatch_parsable, unreachable)
 from scheduler.slurm_cli import run as _run
-from scheduler.slurm_jobs import het_leader, named_jobs, scancel, writes_in
+from scheduler.slurm_jobs import cancel_until_gone, het_leader, named_jobs, writes_in
 from system.errors import SchedulerError
 from system.held_signals import held_signals
 
@@ -26,6 +26,8 @@ log = logging.getLogger("slurm")
 ADOPT_WAIT = 30.0
 """Seconds the queue is searched for a job a timed-out ``sbatch`` may have queued."""
 
+CANCEL_WAIT = 60.0
+"""Seconds the cancel of such a job's copies is retried (a stalled slurmctld made them)."""
 LOOK_EVERY = 2.0
 QUERY_TIMEOUT = 15.0
 
@@ -62,19 +64,25 @@ def queued_as(name: str, logs_dir: str, known: Collection[str],
               timeout: float = QUERY_TIMEOUT) -> list[str] | None:
     """Ids (leaders) of this user's queued jobs named ``name`` whose batch log is in
     ``logs_dir``, but ``known`` ones (every job the trial had: a group's job cancelled for a
-    recovery may still be completing) and ending ones, oldest first; None when squeue does not
-    answer."""
+    recovery may still be completing) and ending ones, the one to take last: pending ones
+    before running ones (whose workers may have registered), each oldest first; None when
+    squeue does not answer."""
     jobs = named_jobs(name, timeout)
     if jobs is None:
         return None
-    return sorted({het_leader(j.job_id) for j in jobs if j.name == name and
-                   j.state in QUEUED_STATES - ENDING_STATES and writes_in(j, [logs_dir])}
-                  - set(known), key=lambda j: (len(j), j))
+    found: dict[str, bool] = {}  # leader -> running
+    for j in jobs:
+        leader = het_leader(j.job_id)
+        if (j.name == name and j.state in QUEUED_STATES - ENDING_STATES
+                and writes_in(j, [logs_dir]) and leader not in known):
+            found[leader] = found.get(leader, False) or j.state == "RUNNING"
+    return sorted(found, key=lambda j: (found[j], len(j), j))
 
 
 def newest_of(found: list[str], what: str) -> str:
-    """The newest of the jobs ``found`` queued for one submission; the others (two time-outs
-    in a row, each queued after all) are cancelled: copies of the same workers, untracked."""
+    """The last of the jobs ``found`` queued for one submission (see :func:`queued_as`); the
+    others (two time-outs in a row, each queued after all) are cancelled: copies of the same
+    workers, untracked."""
     if len(found) > 1:
         cancel_copies(found[:-1], what)
     return found[-1]
@@ -85,7 +93,10 @@ def cancel_copies(ids: list[str], what: str) -> None:
     one taken or submitted."""
     log.warning("jobs %s, also queued for %s by an earlier sbatch that timed out: cancelled",
                 ",".join(ids), what)
-    scancel(ids, timeout=QUERY_TIMEOUT)
+    left = cancel_until_gone(ids, time.monotonic() + CANCEL_WAIT, QUERY_TIMEOUT)
+    if left:  # (recorded nowhere: the trial's stop would not cancel them either)
+        log.error("jobs %s, copies of %s, could not be cancelled within %.0fs: cancel them "
+                  "(scancel %s)", ",".join(left), what, CANCEL_WAIT, " ".join(left))
 
 
 def adopt(name: str, logs_dir: str, known: Collection[str], wait: float, what: str

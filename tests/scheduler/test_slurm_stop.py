@@ -249,7 +249,7 @@ def test_a_job_an_unanswered_sbatch_queued_after_adoption_gave_up_is_taken_next_
     """slurmctld stalls (here: stopped) through sbatch's time-out and the queue search after it
     (cut to nothing): the submission fails unconfirmed, its job's name remembered; twice (a
     recovery's retry). Slurm then queues both jobs all the same; the group's next submission
-    takes the newest instead of submitting a third beside them, and cancels the other copy."""
+    takes one instead of submitting a third beside them, and cancels the other copy."""
     import signal
 
     from scheduler import slurm_submit
@@ -276,13 +276,14 @@ def test_a_job_an_unanswered_sbatch_queued_after_adoption_gave_up_is_taken_next_
                 sched.schedule(request)
             assert sched._submitter.unconfirmed == {name}
         os.kill(pid, signal.SIGCONT)
-        older, job_id = wait_for(lambda: len(queued()) == 2 and sorted(queued(), key=int), 60,
-                                 f"Slurm queuing both jobs of {name} all the same")
+        both = wait_for(lambda: len(queued()) == 2 and sorted(queued(), key=int), 60,
+                        f"Slurm queuing both jobs of {name} all the same")
         ids = sched.schedule(request)
-        assert ids == [job_id]  # the newest queued job taken, not sbatch'ed again
-        wait_for(lambda: queued() == [job_id], 60, f"the other copy, {older}, cancelled")
+        assert len(ids) == 1 and ids[0] in both  # one queued job taken, not sbatch'ed again
+        (other,) = set(both) - set(ids)  # (the newest, or the one already running)
+        wait_for(lambda: queued() == ids, 60, f"the other copy, {other}, cancelled")
         assert sched._submitter.unconfirmed == set()
-        assert [s.job_id for s in sched.poll(fresh=True)] == [job_id]  # and tracked
+        assert [s.job_id for s in sched.poll(fresh=True)] == ids  # and tracked
     finally:
         os.kill(pid, signal.SIGCONT)
         subprocess.run(["scancel", *queued()])
@@ -331,7 +332,7 @@ def test_a_late_copy_of_an_unanswered_sbatch_is_cancelled_after_the_next_one(
         (late,) = wait_for(queued, 60, f"Slurm queuing {name} all the same")
         monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
         ids = sched.schedule(request)
-        assert calls.read_text().count("x") == 2  # the look before sbatch failed, then after
+        assert calls.read_text().count("x") >= 2  # the look before sbatch failed, then after
         assert ids != [late]
         wait_for(lambda: queued() == ids, 60, f"the late copy, {late}, cancelled")
         assert sched._submitter.unconfirmed == set()
