@@ -48,9 +48,9 @@ class NameResolveConfig:
     from every live process, the entries that process had added."""
 
     RETIRED_KEYS: ClassVar[dict[str, str]] = {
-        "redis_password": "a password given on the command line lands in config.yaml, job scripts "
-                          "and the process list; put it in a file only you can read (chmod 600) and "
-                          "set name_resolve.redis_password_file=PATH, or export "
+        "redis_password": "a password given on the command line lands in config.yaml, job "
+                          "scripts and the process list; put it in a file only you can read "
+                          "(chmod 600) and set name_resolve.redis_password_file=PATH, or export "
                           f"{PASSWORD_ENV}"}
 
     def __post_init__(self) -> None:
