@@ -103,6 +103,8 @@ def queued(ids: list[str], timeout: float) -> dict[str, JobState] | None:
     for line in r.stdout.splitlines():
         job_id, _, raw = line.strip().partition("|")
         state = map_state(raw)
+        if job_id not in ids:  # a het job asked for by its leader: its components' lines
+            job_id = het_leader(job_id)
         if job_id in ids and state.active:
             out[job_id] = state
     return out

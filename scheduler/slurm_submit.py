@@ -70,6 +70,7 @@ def queued_as(name: str, logs_dir: str, known: Collection[str],
     jobs = named_jobs(name, timeout)
     if jobs is None:
         return None
+    known = {het_leader(k) for k in known}  # (a het job's components, or its leader)
     found: dict[str, bool] = {}  # leader -> running
     for j in jobs:
         leader = het_leader(j.job_id)
@@ -79,18 +80,10 @@ def queued_as(name: str, logs_dir: str, known: Collection[str],
     return sorted(found, key=lambda j: (found[j], len(j), j))
 
 
-def newest_of(found: list[str], what: str) -> str:
-    """The last of the jobs ``found`` queued for one submission (see :func:`queued_as`); the
-    others (two time-outs in a row, each queued after all) are cancelled: copies of the same
-    workers, untracked."""
-    if len(found) > 1:
-        cancel_copies(found[:-1], what)
-    return found[-1]
-
-
 def cancel_copies(ids: list[str], what: str) -> None:
     """Cancel jobs queued for ``what`` by an earlier ``sbatch`` that timed out, besides the
-    one taken or submitted."""
+    one taken or submitted (two time-outs in a row, each queued after all: copies of the same
+    workers, untracked)."""
     log.warning("jobs %s, also queued for %s by an earlier sbatch that timed out: cancelled",
                 ",".join(ids), what)
     left = cancel_until_gone(ids, time.monotonic() + CANCEL_WAIT, QUERY_TIMEOUT)
@@ -99,15 +92,14 @@ def cancel_copies(ids: list[str], what: str) -> None:
                   "(scancel %s)", ",".join(left), what, CANCEL_WAIT, " ".join(left))
 
 
-def adopt(name: str, logs_dir: str, known: Collection[str], wait: float, what: str
-          ) -> str | None:
-    """The job queued as ``name`` for ``what`` (see :func:`queued_as`, :func:`newest_of`),
+def adopt(name: str, logs_dir: str, known: Collection[str], wait: float) -> list[str] | None:
+    """The jobs queued as ``name`` (see :func:`queued_as`: the last one is to be taken),
     looked for up to ``wait`` seconds; None if none shows."""
     deadline = time.monotonic() + wait
     while True:
         found = queued_as(name, logs_dir, known)
         if found:
-            return newest_of(found, what)
+            return found
         if time.monotonic() >= deadline:
             return None
         time.sleep(LOOK_EVERY)
@@ -129,11 +121,9 @@ class Submitter:
             found = queued_as(name, logs_dir, known)
             if found:
                 self.unconfirmed.discard(name)
-                job_id = newest_of(found, what)
                 log.warning("job %s (%s), queued though its sbatch timed out, is taken as %s",
-                            job_id, name, what)
-                with held_signals():
-                    return record(job_id)
+                            found[-1], name, what)
+                return self._take(found, what, record)
         try:
             with held_signals():
                 ids = record(sbatch(path, what))
@@ -141,13 +131,23 @@ class Submitter:
                 self._sweep(name, logs_dir, [*known, *ids], what)
             return ids
         except SubmitUnconfirmed:
-            job_id = adopt(name, logs_dir, known, ADOPT_WAIT, what)
-            if job_id is None:
+            found = adopt(name, logs_dir, known, ADOPT_WAIT)
+            if found is None:
                 self.unconfirmed.add(name)
                 raise
-        log.warning("sbatch of %s timed out, but Slurm queued it as job %s: taken", what, job_id)
+        log.warning("sbatch of %s timed out, but Slurm queued it as job %s: taken", what,
+                    found[-1])
+        return self._take(found, what, record)
+
+    @staticmethod
+    def _take(found: list[str], what: str, record: Callable[[str], list[str]]) -> list[str]:
+        """Record the last of ``found`` (signals held), then cancel the others: the job taken
+        is never left unrecorded while they are (a stop meanwhile cancels it)."""
         with held_signals():
-            return record(job_id)
+            ids = record(found[-1])
+        if len(found) > 1:
+            cancel_copies(found[:-1], what)
+        return ids
 
     def _sweep(self, name: str, logs_dir: str, known: Collection[str], what: str) -> None:
         """``sbatch`` of ``name`` went through while an earlier one's job was not found (the
