@@ -60,7 +60,9 @@ class NameResolve(abc.ABC):
         self._budget = threading.local()  # .seconds: this thread's own cap on retries
         self._stopping = False
         self._refreshed: dict[str, float] = {}  # keep-alive key -> last write (monotonic)
-        self._stood_still: set[str] = set()  # keep-alive keys once refreshed past their TTL
+        self._stood_still: set[str] = set()  # keep-alive keys refreshed after this process
+        # stood still (see _keepalive_loop); when the keep-alive thread last ran (monotonic)
+        self._ka_alive = time.monotonic()
         self.outage_seen: float | None = None
         """When (monotonic) a call of this process last found the backend not answering, or
         answering again after that (None: never): heartbeats missed meanwhile are no news
@@ -307,6 +309,7 @@ class NameResolve(abc.ABC):
     def _ensure_keepalive_thread(self) -> None:
         if self._ka_thread is None or not self._ka_thread.is_alive():
             self._ka_stop.clear()
+            self._ka_alive = time.monotonic()
             self._ka_thread = threading.Thread(target=self._keepalive_loop,
                                                name="name-resolve-keepalive", daemon=True)
             self._ka_thread.start()
@@ -320,6 +323,8 @@ class NameResolve(abc.ABC):
             # it must not retry an unanswering backend for the whole outage timeout
             self._budget.seconds = period
             lost, failed = [], False
+            if not items:  # (nothing held: nothing can be late)
+                self._ka_alive = time.monotonic()
             for key, (value, ttl) in items:
                 with self._ka_put_lock:
                     with self._ka_lock:
@@ -327,9 +332,13 @@ class NameResolve(abc.ABC):
                             continue  # deleted (or added anew) since the snapshot
                     try:
                         self.ops["write"] += 1
-                        in_time = time.monotonic() - self._refreshed.get(key, 0.0) < ttl
-                        if not in_time:
+                        now = time.monotonic()
+                        # this thread did not run for a TTL: the process stood still (stopped,
+                        # frozen) and may have been replaced; not so when its refreshes failed
+                        # (an outage: they are tried every period all the same)
+                        if now - self._ka_alive >= ttl:
                             self._stood_still.add(key)
+                        in_time = now - self._refreshed.get(key, 0.0) < ttl
                         before = self._refresh(key, value, ttl)
                         if key in self._stood_still and self._taken(key, value, before):
                             self._let_go(key, (value, ttl), before)
@@ -340,6 +349,8 @@ class NameResolve(abc.ABC):
                     except Exception as e:  # (a backend error must not end the refresher)
                         self._refresh_failed(key, e)
                         failed = True
+                    finally:
+                        self._ka_alive = time.monotonic()
             if not failed:
                 self._ka_failing = ""
             if lost:

@@ -13,6 +13,7 @@ import enum
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -366,7 +367,10 @@ class Worker:
         code."""
         SignalRelay((signal.SIGTERM, signal.SIGINT, signal.SIGUSR2), self._on_signal).install()
         nr = self.name_resolve
-        nr.add(names.heartbeat(self.exp, self.trial, self.kind, self.index), str(os.getpid()),
+        # host:pid:nonce: a replacement's never equals it (another node's, or another pid
+        # namespace's process of the same pid), so a stale refresh tells it from its own
+        beat = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        nr.add(names.heartbeat(self.exp, self.trial, self.kind, self.index), beat,
                replace=True, keepalive_ttl=self.boot.heartbeat_ttl)
         serve = threading.Thread(target=self.server.serve_forever, args=(self._serve_stop,),
                                  name="rpc-server", daemon=True)
@@ -411,7 +415,7 @@ class Worker:
             # controller sees the job's fate before it sees a dead worker.
             if self.signalled is None:  # (if still ours: a replacement may hold them now)
                 for key, value in ((names.heartbeat(self.exp, self.trial, self.kind,
-                                                    self.index), str(os.getpid())),
+                                                    self.index), beat),
                                    (names.worker_address(self.exp, self.trial, self.kind,
                                                          self.index), self.server.address)):
                     try:

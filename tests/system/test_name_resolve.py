@@ -319,7 +319,7 @@ def test_a_replaced_process_stops_refreshing_its_replacements_heartbeat(nr):
     new = _twin(nr)
     try:
         with nr._ka_put_lock:  # (no refresh in between: it judges its lateness under this lock)
-            nr._refreshed["e/t/hb"] = time.monotonic() - 10  # as if it stood still for 10 s
+            nr._refreshed["e/t/hb"] = nr._ka_alive = time.monotonic() - 10  # stood still 10 s
             new.add("e/t/hb", "new-pid", replace=True, keepalive_ttl=0.6)  # its replacement
         deadline = time.monotonic() + 10
         while "e/t/hb" in nr._keepalive:
@@ -348,6 +348,36 @@ def test_a_process_that_never_stood_still_keeps_its_key_against_a_stale_write(nr
     try:
         stale._put("e/t/hb", stale._sealer.seal("e/t/hb", "stale"), 0.6, True)  # its write
         time.sleep(1.0)  # several refreshes
+        assert nr.get("e/t/hb") == "mine" and "e/t/hb" in nr._keepalive
+    finally:
+        stale.close()
+
+
+def test_an_outage_past_the_ttl_is_not_standing_still(nr):
+    """Refreshes that fail for longer than the TTL (the name service down) do not mark the
+    process as one that stood still (and might have been replaced): it never lets its key go
+    to a stale process's write after the outage. Marked so, every process of a trial did after
+    an outage of 5 s, and one stale write then made a healthy replacement stop refreshing its
+    own heartbeat."""
+    nr.add("e/t/hb", "mine", keepalive_ttl=0.6)
+    real = nr._refresh
+    failing = threading.Event()
+
+    def refresh(key, value, ttl):
+        if failing.is_set():
+            raise NameResolveError("the name service does not answer")
+        return real(key, value, ttl)
+
+    nr._refresh = refresh
+    failing.set()
+    time.sleep(1.5)  # two and a half TTLs of failed refreshes
+    failing.clear()
+    time.sleep(0.5)
+    assert "e/t/hb" not in nr._stood_still
+    stale = _twin(nr)
+    try:
+        stale._put("e/t/hb", stale._sealer.seal("e/t/hb", "stale"), 0.6, True)
+        time.sleep(1.0)
         assert nr.get("e/t/hb") == "mine" and "e/t/hb" in nr._keepalive
     finally:
         stale.close()
