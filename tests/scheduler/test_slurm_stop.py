@@ -27,6 +27,12 @@ def _queue(env: dict, ids: list[str]) -> list[str]:
     return r.stdout.split()
 
 
+def _jobs_named(name: str) -> list[str]:
+    """Ids of the queued jobs named ``name``."""
+    r = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True)
+    return r.stdout.split()
+
+
 def _wait_none_completing() -> None:
     """Until no job is completing: one (an earlier test's, just cancelled) whose end a stopped
     slurmctld misses drains the node ("Kill task failed"), and no later job starts."""
@@ -270,9 +276,7 @@ def test_a_job_an_unanswered_sbatch_queued_after_adoption_gave_up_is_taken_next_
         pid = int(f.read())
 
     def queued() -> list[str]:
-        r = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True,
-                           text=True)
-        return r.stdout.split()
+        return _jobs_named(name)
 
     _wait_none_completing()
     os.kill(pid, signal.SIGSTOP)
@@ -314,9 +318,7 @@ def test_a_late_copy_of_an_unanswered_sbatch_is_cancelled_after_the_next_one(
         pid = int(f.read())
 
     def queued() -> list[str]:
-        r = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True,
-                           text=True)
-        return r.stdout.split()
+        return _jobs_named(name)
 
     bin_dir, calls = tmp_path / "bin", tmp_path / "squeue-calls"
     bin_dir.mkdir()
