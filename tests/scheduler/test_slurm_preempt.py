@@ -1,11 +1,11 @@
-"""The detached controller's look at its own job for a preemption (the pure parts; the whole
+"""How long Slurm leaves a job it warned or chose for preemption (the pure parts; the whole
 path runs in tests/integration/test_rl_slurm.py on a real Slurm)."""
 from __future__ import annotations
 
 import pytest
 
-from system.launcher.own_preemption import (ASSUMED_GRACE, Preemption, chosen_at,
-                                            preemption)
+from scheduler.slurm_preempt import (ASSUMED_GRACE, Preemption, chosen_at,
+                                     preemption)
 
 
 def _job(at=None, start=None, end=None) -> dict:
