@@ -36,6 +36,9 @@ class Bootstrap:
     :attr:`evaluated_dir` (whose ``eval/`` subdirectory is then :attr:`trial_dir`)."""
     evaluated_dir: str = ""
     """With ``mode=eval``: the directory of the trial whose checkpoints are evaluated."""
+    preempt_warning: float = 0.0
+    """Seconds between a job's time-limit warning (SIGUSR2) and its end:
+    ``scheduler.slurm.signal_seconds`` under Slurm; 0: no such warning (the local scheduler)."""
 
     def write(self, path: str) -> None:
         write_private(path, json.dumps(dataclasses.asdict(self), indent=1).encode(),

@@ -29,15 +29,15 @@ from system.name_resolve import NameResolveConfig, make_name_resolve
 from system.rpc import RpcClient, RpcConfig, RpcServer
 from system.signal_relay import SignalRelay
 from system.thread_stacks import thread_stacks
+from workers import preempt_wait
 from workers.orphan_clock import OrphanClock
 from workers.schema import ConfigureReply, PingReply, WorkerReport, WorkerSetup
 
 log = logging.getLogger("worker")
 
-PREEMPT_WAIT = 90.0
-"""Seconds a worker that holds training state waits after SIGUSR2 for the master's checkpoint
-before it stops anyway (Slurm's warning comes ``scheduler.slurm.signal_seconds``, 120 s by
-default, before the kill)."""
+SIGNAL_CUT = 5.0
+"""Seconds a worker stopped by SIGTERM or SIGINT gives what it has in flight (a rollout worker's
+episodes) before it cuts it short: Slurm's ``KillWait`` (30 s by default) follows SIGTERM."""
 
 STOP_NAMES_WAIT = 3.0
 """Seconds a stopping worker waits for a name service that does not answer (per call)."""
@@ -79,6 +79,9 @@ class Worker:
         self._stop = threading.Event()
         self._serve_stop = threading.Event()
         self.signalled: str | None = None  # the signal that stopped us, if any
+        self.stop_by: float | None = None
+        """``time.monotonic()`` by which a worker stopped by a signal cuts short what it has in
+        flight (its job ends soon after); None: no such limit."""
         self.orphaned = False  # stopped because the controller's liveness key expired
         self._alive_before: dict[str, set[int]] = {}  # kind -> alive at the last read
         self._served: dict[tuple[str, int], str] = {}  # (kind, index) -> address last read
@@ -147,30 +150,12 @@ class Worker:
         at once."""
         return False
 
-    def stop_after_checkpoint(self, timeout: float = PREEMPT_WAIT) -> bool:
+    def stop_after_checkpoint(self, timeout: float | None = None) -> bool:
         """:meth:`on_preempt` of a worker that holds training state: ask the master for a
-        checkpoint now (the ``preempt`` key) and stop once the master has committed one (it
-        deletes the key), or after ``timeout`` seconds. Returns True (the stop comes later)."""
-        key = names.preempt(self.exp, self.trial, self.kind, self.index)
-
-        def wait() -> None:
-            try:
-                self.name_resolve.add(key, str(time.time()), replace=True)
-                deadline = time.monotonic() + timeout
-                while time.monotonic() < deadline and not self._stop.wait(0.5):
-                    try:
-                        self.name_resolve.get(key)
-                    except NameEntryNotFound:  # (answered: not to be added back)
-                        self.name_resolve.forget(key)
-                        log.warning("%s: checkpoint committed after SIGUSR2: stopping", self.name)
-                        break
-                else:
-                    if not self._stop.is_set():  # (not: stopped meanwhile by another cause)
-                        log.warning("%s: no checkpoint within %.0fs of SIGUSR2: stopping",
-                                    self.name, timeout)
-            finally:
-                self.stop()
-        threading.Thread(target=wait, name="preempt", daemon=True).start()
+        checkpoint now and stop once it is committed, or after ``timeout`` seconds (None: what
+        Slurm leaves before it ends the job, :mod:`workers.preempt_wait`). Returns True (the
+        stop comes later)."""
+        preempt_wait.stop_after_checkpoint(self, timeout)
         return True
 
     def _on_signal(self, signum: signal.Signals) -> None:
@@ -195,6 +180,9 @@ class Worker:
                     return
             except Exception:
                 log.exception("on_preempt failed")
+            self.stop_by = preempt_wait.stop_deadline(self)[0]
+        else:
+            self.stop_by = time.monotonic() + SIGNAL_CUT
         log.warning("%s got %s: stopping", self.name, self.signalled)
         self.stop()
 
@@ -403,8 +391,8 @@ class Worker:
                 log.warning("%s stopped%s while its role ran (%s: %s)", self.name,
                             f" by {self.signalled}" * bool(self.signalled), type(e).__name__,
                             first_line(e))
-                if self.signalled is None:  # (after a signal, the exit code tells)
-                    return self._exit_code(0)
+                if self.signalled in (None, "SIGUSR2"):  # (SIGUSR2: a stop for a requeue,
+                    return self._exit_code(0)  # after the checkpoint; else the code tells)
             code, self.state = 1, WorkerState.FAILED
         finally:
             self._serve_stop.set()

@@ -164,7 +164,9 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
                   rpc=plain(cfg.rpc), heartbeat_ttl=cfg.controller.heartbeat_ttl,
                   orphan_timeout=cfg.controller.orphan_timeout,
                   group_readable=cfg.cluster.group_readable, mode=cfg.mode.value,
-                  evaluated_dir=(trial_paths(cfg).root if cfg.mode == RunMode.EVAL else "")
+                  evaluated_dir=(trial_paths(cfg).root if cfg.mode == RunMode.EVAL else ""),
+                  preempt_warning=(float(cfg.scheduler.slurm.signal_seconds)
+                                   if cfg.scheduler.type.value == "slurm" else 0.0)
                   ).write(paths.bootstrap)
     except BaseException:
         lock.release()

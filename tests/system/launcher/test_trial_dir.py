@@ -56,6 +56,18 @@ def test_trial_files_are_private_unless_group_readable(fileroot, group, dirs, fi
     assert Bootstrap.read(os.path.join(trial_dir, "bootstrap.json")).group_readable is group
 
 
+def test_workers_are_told_how_long_slurms_warning_is(fileroot):
+    """A warned worker sizes its checkpoint wait by it when ``scontrol`` does not answer
+    (``workers/preempt_wait.py``); the local scheduler sends no such warning."""
+    assert _dry_run(fileroot, "warned", "scheduler.slurm.signal_seconds=300").returncode == 0
+    boot = Bootstrap.read(os.path.join(fileroot, "smoke", "warned", "bootstrap.json"))
+    assert boot.preempt_warning == 300.0
+    r = run_launch("exp=smoke", "trial=here", f"cluster.fileroot={fileroot}", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert Bootstrap.read(os.path.join(fileroot, "smoke", "here", "bootstrap.json")
+                          ).preempt_warning == 0.0
+
+
 def test_a_dry_run_of_an_existing_trial_leaves_its_files(fileroot):
     """A dry run shows what a launch would run; the trial's config (read by mode=eval and the
     next launch), secret, API key and bootstrap file stay as they were."""
