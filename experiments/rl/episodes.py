@@ -10,7 +10,7 @@ import numpy as np
 from experiments.rl.agents import Episode, GenRequest
 from experiments.rl.plugins import finite_reward, no_exit
 from experiments.rl.reward_watch import RewardWatch
-from system.errors import ConfigError, RemoteError, first_line
+from system.errors import CallAbandoned, ConfigError, PeerDied, RemoteError, first_line
 from workers.client import Pending
 from workers.generation import GenerationClient
 from workers.schema import Sample, Trajectory
@@ -23,12 +23,14 @@ ALIVE_EVERY = 0.5
 
 
 def run_episodes(episodes: Sequence[tuple[Episode, int]], clients: dict[int, GenerationClient],
-                 timeout: float, alive: Callable[[int], bool] | None = None
-                 ) -> list[list[Trajectory]]:
+                 timeout: float, alive: Callable[[int], bool] | None = None,
+                 cut: Callable[[], bool] = lambda: False) -> list[list[Trajectory]]:
     """Drive episodes (``(generator, server)``) together: every round submits each live
     episode's request to its server, then feeds back the samples. Returns each episode's
     trajectories. ``alive(server)``, asked every :data:`ALIVE_EVERY` seconds while a call
-    waits, fails the call at once when its server died (:class:`~system.errors.PeerDied`)."""
+    waits, fails the call at once when its server died (:class:`~system.errors.PeerDied`);
+    ``cut()``, asked as often, abandons it once the caller may wait no longer (a rollout worker
+    whose job ends soon: :class:`~system.errors.CallAbandoned`)."""
     results: list[list[Trajectory] | None] = [None] * len(episodes)
     pending: dict[int, GenRequest] = {i: next(ep) for i, (ep, _) in enumerate(episodes)}
     while pending:
@@ -38,8 +40,14 @@ def run_episodes(episodes: Sequence[tuple[Episode, int]], clients: dict[int, Gen
         nxt: dict[int, GenRequest] = {}
         for i, call in calls.items():
             server = episodes[i][1]
-            samples = (call.result(timeout) if alive is None
-                       else call.result_while(lambda: alive(server), timeout, ALIVE_EVERY))
+            try:
+                samples = call.result_while(
+                    lambda: not cut() and (alive is None or alive(server)), timeout, ALIVE_EVERY)
+            except PeerDied:
+                if not cut():
+                    raise
+                raise CallAbandoned(f"generate on generation server {server}: cut short, this "
+                                    "worker was stopped by a signal and waits no longer") from None
             try:
                 nxt[i] = episodes[i][0].send(samples)
             except StopIteration as stop:

@@ -65,6 +65,13 @@ class _Rollouts:
         client = self.gens.get(index)
         return address is not None and client is not None and client.rpc.address == address
 
+    def past_stop_by(self) -> bool:
+        """Whether this worker, stopped by a signal, may wait for its episodes no longer
+        (:attr:`~workers.base.Worker.stop_by`): they are cut short and their tasks go back to
+        the master as failed groups, handed out again at once, before Slurm ends the job."""
+        by = self.worker.stop_by
+        return by is not None and time.monotonic() >= by
+
     def _failed(self, e: Exception) -> None:
         """Log a rollout that failed: with its traceback, or in one line when this worker is
         stopping (the trial's end stops the servers beside it: their calls fail meanwhile)."""
@@ -174,8 +181,8 @@ class _Rollouts:
                 episodes.append((ep, t["server"]))
                 owner.append(k)
         try:
-            return (run_episodes(episodes, self.gens, self.rl.call_timeout, self.server_alive),
-                    owner, "", False)
+            return (run_episodes(episodes, self.gens, self.rl.call_timeout, self.server_alive,
+                                 self.past_stop_by), owner, "", False)
         except Exception as e:  # a server failed or was cut off: give the tasks back
             refused = unservable(e)
             if refused:  # (the server is fine: it refused this request)

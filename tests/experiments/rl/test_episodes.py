@@ -142,3 +142,73 @@ def test_which_reward_errors_are_transient():
     refused.status_code, failed.status_code = 404, 503
     assert not transient(requests.HTTPError("404", response=refused))  # asking again: 404
     assert transient(requests.HTTPError("503", response=failed))
+
+
+def _generation_server(answer_after: float | None):
+    """A real RPC server whose ``generate`` answers one sample after ``answer_after`` seconds
+    (None: never), and a :class:`GenerationClient` of it; returns (client, close)."""
+    import threading
+    from concurrent.futures import Future
+
+    from system.rpc import RpcClient, RpcServer
+    from system.wire import Codec, new_secret
+    from workers.generation import GenerationClient
+
+    codec = Codec(new_secret())
+
+    def generate(prompt, n, sampling) -> Future:
+        fut: Future = Future()
+        sample = {"tokens": np.array([7], np.int32), "logprobs": np.array([-0.5], np.float32),
+                  "versions": np.array([0], np.int32), "finish": "stop"}
+        if answer_after is not None:
+            threading.Timer(answer_after, fut.set_result, args=([sample] * n,)).start()
+        return fut
+
+    server = RpcServer(codec, "127.0.0.1", {"generate": generate})
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve_forever, args=(stop,), daemon=True)
+    thread.start()
+    client = GenerationClient(RpcClient(codec, server.address, timeout=30), "generation/0")
+
+    def close() -> None:
+        client.close()
+        stop.set()
+        thread.join(5)
+        server.close()
+    return client, close
+
+
+def _episodes():
+    from experiments.rl.agents import SingleTurnAgent
+    from experiments.rl.config import AgentConfig
+
+    return [(ep, 0) for ep in SingleTurnAgent(AgentConfig()).episodes([1, 2, 3], 2)]
+
+
+def test_a_rollout_worker_stopped_by_a_signal_cuts_its_waiting_episodes_short():
+    """A rollout worker stopped by a signal (its job ends soon) abandons the generate calls it
+    still waits on once its ``stop_by`` has passed (CallAbandoned: the tasks go back to the
+    master as failed groups), instead of waiting up to ``rl.call_timeout`` (900 s) while Slurm
+    kills the job; a call that answers is not cut."""
+    import time
+
+    import pytest
+
+    from experiments.rl.episodes import run_episodes
+    from system.errors import CallAbandoned
+
+    client, close = _generation_server(None)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CallAbandoned, match="cut short"):
+            run_episodes(_episodes(), {0: client}, 60.0, lambda s: True,
+                         lambda: time.monotonic() - t0 > 0.3)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        close()
+    client, close = _generation_server(0.3)
+    try:  # (no cut, no alive: the reply across several checks)
+        (trajs,) = run_episodes(_episodes(), {0: client}, 60.0)
+        assert len(trajs) == 2 and list(trajs[0]["tokens"]) == [1, 2, 3, 7]
+    finally:
+        close()
