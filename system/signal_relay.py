@@ -7,11 +7,21 @@ logger, a name-resolution client) then waits for itself forever: the process nei
 nor answers. So the handler installed here only notes the signal and writes its number into a
 pipe (``os.write``: no Python lock); a daemon thread reads the pipe and calls ``on_signal``
 there, where taking locks is safe.
+
+And a Python handler runs only once the main thread is back in Python: one in a long call of C
+(a gloo collective waiting for a peer, a call of a native library) hears of Slurm's warning
+only when that call returns, perhaps after the job was killed. So the signal's number is also
+written by the interpreter's own C handler, the moment the signal comes
+(:func:`signal.set_wakeup_fd`, on a second pipe), and the thread acts on that. The Python
+handler's note then only tells the thread that it already acted; it acts on the note itself
+where the wakeup pipe said nothing (another part of the process took the wakeup fd for its own).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import select
 import signal
 import threading
 from typing import Any, Callable
@@ -21,20 +31,25 @@ log = logging.getLogger("signals")
 
 class SignalRelay:
     """Relay ``signals`` to ``on_signal``, called in the relay's thread in the order they
-    came. Install with :meth:`install` (main thread only)."""
+    came, once each. Install with :meth:`install` (main thread only)."""
 
     def __init__(self, signals: tuple[signal.Signals, ...],
                  on_signal: Callable[[signal.Signals], None]) -> None:
         self.signals = signals
         self.on_signal = on_signal
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._write, False)  # a full pipe drops a signal, never blocks
+        self._read, self._write = os.pipe()  # the Python handler's notes
+        self._wake_read, self._wake_write = os.pipe()  # the C handler's, at once
+        for fd in (self._write, self._wake_write):
+            os.set_blocking(fd, False)  # a full pipe drops a signal, never blocks
+        self._early: collections.Counter[int] = collections.Counter()
+        """Signals acted on from the wakeup pipe whose Python handler's note is yet to come."""
         self._thread = threading.Thread(target=self._relay, name="signals", daemon=True)
 
     def install(self) -> None:
         self._thread.start()
         for sig in self.signals:
             signal.signal(sig, self._note)
+        signal.set_wakeup_fd(self._wake_write, warn_on_full_buffer=False)
 
     def _note(self, signum: int, _frame: Any) -> None:
         try:
@@ -45,13 +60,26 @@ class SignalRelay:
     def _relay(self) -> None:
         while True:
             try:
-                data = os.read(self._read, 64)
+                ready, _, _ = select.select([self._wake_read, self._read], [], [])
+                # the wakeup pipe first: its byte is written before the same signal's note
+                woke = os.read(self._wake_read, 64) if self._wake_read in ready else b""
+                noted = os.read(self._read, 64) if self._read in ready else None
             except OSError:
                 return
-            if not data:
+            if noted == b"":
                 return
-            for signum in data:
-                try:
-                    self.on_signal(signal.Signals(signum))
-                except Exception:
-                    log.exception("handling %s failed", signal.Signals(signum).name)
+            for signum in woke:
+                if signum in self.signals:
+                    self._early[signum] += 1
+                    self._act(signum)
+            for signum in noted or b"":
+                if self._early[signum]:
+                    self._early[signum] -= 1  # (acted on already, from the wakeup pipe)
+                else:
+                    self._act(signum)
+
+    def _act(self, signum: int) -> None:
+        try:
+            self.on_signal(signal.Signals(signum))
+        except Exception:
+            log.exception("handling %s failed", signal.Signals(signum).name)

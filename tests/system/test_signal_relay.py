@@ -53,3 +53,44 @@ def test_the_same_in_a_plain_handler_hangs():
     except subprocess.TimeoutExpired:
         return
     raise AssertionError(f"a plain handler did not hang: {out}")
+
+
+# The main thread is in one long call of C that releases the GIL (as a gloo collective waiting
+# for a peer does) when SIGUSR2 comes; prints how long after the signal it was acted on, and
+# how long after it the call returned.
+IN_C = """
+import hashlib, os, signal, sys, threading, time
+from system.signal_relay import SignalRelay
+
+acted = []
+SignalRelay((signal.SIGUSR2,), lambda sig: acted.append(time.monotonic())).install()
+if sys.argv[1] == "taken":  # another part of the process takes the wakeup fd for its own
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w)
+t0 = time.monotonic()
+threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGUSR2)).start()
+hashlib.pbkdf2_hmac("sha256", b"x", b"salt", 20_000_000)  # seconds in C, no Python
+returned = time.monotonic()
+time.sleep(0.5)
+print(len(acted), acted[0] - t0 if acted else None, returned - t0)
+"""
+
+
+def test_a_signal_is_acted_on_while_the_main_thread_is_in_a_long_call_of_c():
+    """Slurm's warning must be acted on (the requeue marked, the checkpoint asked for) while the
+    main thread is still in C; a Python handler alone runs only once the call returns."""
+    out = subprocess.run([sys.executable, "-c", IN_C, "own"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    count, acted, returned = out.stdout.split()
+    assert float(returned) > 1.5, out.stdout  # (the call really outlasted the signal)
+    assert count == "1" and float(acted) < 1.2, out.stdout  # once, at once
+
+
+def test_the_python_handler_acts_where_the_wakeup_fd_was_taken():
+    out = subprocess.run([sys.executable, "-c", IN_C, "taken"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    count, acted, returned = out.stdout.split()
+    assert count == "1" and float(acted) >= float(returned) - 0.05, out.stdout  # once, late
