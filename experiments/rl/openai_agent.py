@@ -28,7 +28,7 @@ from experiments.rl import openai_calculator, plugins
 from experiments.rl.agents import AgentConfig, SingleTurnAgent, make_agent
 from experiments.rl.sessions import session_trajectories
 from system.api_key import read_api_key
-from system.errors import ConfigError, PeerDied, first_line
+from system.errors import CallAbandoned, ConfigError, PeerDied, first_line
 from system.paths import TrialPaths
 from workers.schema import SessionRecord, Trajectory
 
@@ -77,31 +77,31 @@ class OpenAIAgent:
         return cls(cfg, read_api_key(TrialPaths(trial_dir).api_key), timeout)
 
     def run(self, sessions: Sequence[Session], http: dict[int, str],
-            alive: Callable[[int], bool] | None = None) -> None:
+            alive: Callable[[int], bool] | None = None,
+            cut: Callable[[], bool] = lambda: False) -> None:
         """Run every session's call concurrently (``http``: endpoint address per server);
         sets each one's reward or error. A server that stops serving (``alive``) fails the
-        whole run with :class:`~system.errors.PeerDied`."""
+        whole run with :class:`~system.errors.PeerDied`; ``cut()`` saying the caller may wait
+        no longer (a rollout worker stopped by a signal), with
+        :class:`~system.errors.CallAbandoned`."""
         for name in ("httpx", "openai"):  # a line per request would flood the worker's log
             logging.getLogger(name).setLevel(logging.WARNING)
-        asyncio.run(self._run(sessions, http, alive))
+        asyncio.run(self._run(sessions, http, alive, cut))
 
     async def _run(self, sessions: Sequence[Session], http: dict[int, str],
-                   alive: Callable[[int], bool] | None) -> None:
+                   alive: Callable[[int], bool] | None, cut: Callable[[], bool]) -> None:
         import openai
 
         base = openai.AsyncOpenAI(base_url=f"{next(iter(http.values()))}/v1",
                                   api_key=self.api_key, timeout=self.timeout, max_retries=2)
         try:
             calls = asyncio.gather(*(self._one(base, http[s.server], s) for s in sessions))
-            if alive is None:
-                await calls
-                return
-            watch = asyncio.ensure_future(_watch({s.server for s in sessions}, alive))
+            watch = asyncio.ensure_future(_watch({s.server for s in sessions}, alive, cut))
             done, _ = await asyncio.wait({calls, watch}, return_when=asyncio.FIRST_COMPLETED)
             if watch in done:
                 calls.cancel()
                 await asyncio.gather(calls, return_exceptions=True)
-                watch.result()  # raises PeerDied
+                watch.result()  # raises PeerDied or CallAbandoned
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
             calls.result()
@@ -131,10 +131,14 @@ class OpenAIAgent:
         s.reward = value
 
 
-async def _watch(servers: set[int], alive: Callable[[int], bool]) -> None:
+async def _watch(servers: set[int], alive: Callable[[int], bool] | None,
+                 cut: Callable[[], bool]) -> None:
     while True:
         await asyncio.sleep(ALIVE_EVERY)
-        for server in servers:
+        if cut():
+            raise CallAbandoned("the agent function's calls: cut short, this worker was "
+                                "stopped by a signal and waits no longer")
+        for server in servers if alive is not None else ():
             if not alive(server):
                 raise PeerDied(f"generation server {server} stopped serving")
 

@@ -125,7 +125,7 @@ class _Rollouts:
                                            stop=lambda: w.stopping) for i in servers}
             for i in servers:
                 self.server(i)
-            self.openai.run(flat, http, self.server_alive)
+            self.openai.run(flat, http, self.server_alive, self.past_stop_by)
         except Exception as e:  # a server failed or was cut off: give the tasks back
             self._failed(e)
             error = f"{type(e).__name__}: {e}"

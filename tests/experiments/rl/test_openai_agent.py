@@ -175,3 +175,33 @@ def test_a_function_that_calls_sys_exit_fails_its_session_naming_it():
         assert sessions[1].reward == 0.25 and not sessions[1].error
     finally:
         del openai_agent.FUNCTIONS["leaves"]
+
+
+def test_a_rollout_worker_stopped_by_a_signal_cuts_the_agent_functions_short():
+    """As for the single-turn episodes: once the worker's ``stop_by`` has passed, the run ends
+    with CallAbandoned (its tasks go back to the master) instead of at ``rl.call_timeout``."""
+    import asyncio
+    import time
+
+    import pytest
+
+    from experiments.rl import openai_agent
+    from experiments.rl.openai_agent import OpenAIAgent
+    from system.errors import CallAbandoned
+
+    async def slow(client, task):
+        await asyncio.sleep(3600)
+        return 1.0
+
+    openai_agent.FUNCTIONS.update(slow=slow)
+    try:
+        cfg = AgentConfig(kind="openai", function="calculator")
+        cfg.function = "slow"  # (built in for this test)
+        t0 = time.monotonic()
+        with pytest.raises(CallAbandoned, match="cut short"):
+            OpenAIAgent(cfg, "k" * 43, 600.0).run([Session(0, {"id": 1})],
+                                                  {0: "http://127.0.0.1:9"}, lambda s: True,
+                                                  lambda: time.monotonic() - t0 > 0.3)
+        assert time.monotonic() - t0 < 5
+    finally:
+        del openai_agent.FUNCTIONS["slow"]
