@@ -18,7 +18,6 @@ where the wakeup pipe said nothing (another part of the process took the wakeup 
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import select
@@ -41,8 +40,10 @@ class SignalRelay:
         self._wake_read, self._wake_write = os.pipe()  # the C handler's, at once
         for fd in (self._write, self._wake_write):
             os.set_blocking(fd, False)  # a full pipe drops a signal, never blocks
-        self._early: collections.Counter[int] = collections.Counter()
-        """Signals acted on from the wakeup pipe whose Python handler's note is yet to come."""
+        self._early: set[int] = set()
+        """Signals acted on from the wakeup pipe whose Python handler's note is yet to come (a
+        second wakeup byte meanwhile is the same signal again, which Python runs its handler
+        for once: not acted on twice)."""
         self._thread = threading.Thread(target=self._relay, name="signals", daemon=True)
 
     def install(self) -> None:
@@ -50,6 +51,23 @@ class SignalRelay:
         for sig in self.signals:
             signal.signal(sig, self._note)
         signal.set_wakeup_fd(self._wake_write, warn_on_full_buffer=False)
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        """In a child forked from this process (vLLM's engine core, forked by
+        multiprocessing on a GPU): its signals are its own; neither pipe, both inherited, may
+        carry them to this process's relay thread (the worker would act on the child's
+        SIGTERM as its own)."""
+        try:
+            theirs = signal.set_wakeup_fd(-1)
+            if theirs != self._wake_write:  # (another part's own: put back)
+                signal.set_wakeup_fd(theirs)
+            for sig in self.signals:
+                if signal.getsignal(sig) == self._note:
+                    signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                                  else signal.SIG_DFL)
+        except ValueError:  # (forked from a thread that is not the main one: nothing installed)
+            pass
 
     def _note(self, signum: int, _frame: Any) -> None:
         try:
@@ -58,23 +76,29 @@ class SignalRelay:
             pass
 
     def _relay(self) -> None:
+        poll = select.poll()  # (not select(): a worker's fds may be numbered past 1024)
+        poll.register(self._wake_read, select.POLLIN)
+        poll.register(self._read, select.POLLIN)
         while True:
             try:
-                ready, _, _ = select.select([self._wake_read, self._read], [], [])
+                ready = {fd for fd, _ in poll.poll()}
                 # the wakeup pipe first: its byte is written before the same signal's note
                 woke = os.read(self._wake_read, 64) if self._wake_read in ready else b""
                 noted = os.read(self._read, 64) if self._read in ready else None
-            except OSError:
+            except InterruptedError:
+                continue
+            except Exception:  # noqa: BLE001 - said, not silent: no signal is relayed after
+                log.exception("the signal relay stopped")
                 return
             if noted == b"":
                 return
             for signum in woke:
-                if signum in self.signals:
-                    self._early[signum] += 1
+                if signum in self.signals and signum not in self._early:
+                    self._early.add(signum)
                     self._act(signum)
             for signum in noted or b"":
-                if self._early[signum]:
-                    self._early[signum] -= 1  # (acted on already, from the wakeup pipe)
+                if signum in self._early:
+                    self._early.discard(signum)  # (acted on already, from the wakeup pipe)
                 else:
                     self._act(signum)
 

@@ -2,6 +2,7 @@
 the interrupted main thread holds (a Python handler doing the same would wait for itself)."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -94,3 +95,59 @@ def test_the_python_handler_acts_where_the_wakeup_fd_was_taken():
     assert out.returncode == 0, out.stderr
     count, acted, returned = out.stdout.split()
     assert count == "1" and float(acted) >= float(returned) - 0.05, out.stdout  # once, late
+
+
+# A child forked after the relay is installed (vLLM forks its engine core on a GPU) inherits
+# both pipes and the wakeup fd: its signals must stay its own. The child takes SIGTERM with a
+# handler of its own, then gets SIGUSR2, whose handler is the default again: it ends by it.
+FORKED = """
+import os, signal, sys, time
+from system.signal_relay import SignalRelay
+
+acted = []
+SignalRelay((signal.SIGTERM, signal.SIGUSR2), lambda sig: acted.append(sig.name)).install()
+pid = os.fork()
+if pid == 0:
+    signal.signal(signal.SIGTERM, lambda n, f: None)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGUSR2)
+    time.sleep(5)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+time.sleep(0.5)
+os.kill(os.getpid(), signal.SIGTERM)  # (the relay still acts on this process's own)
+time.sleep(0.5)
+print(os.waitstatus_to_exitcode(status), acted)
+"""
+
+
+def test_a_forked_childs_signals_are_its_own():
+    out = subprocess.run([sys.executable, "-c", FORKED], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{-signal.SIGUSR2} ['SIGTERM']", out.stdout
+
+
+# A worker raises its fd limit and may hold over 1024 fds before it installs the relay.
+HIGH_FDS = """
+import os, resource, signal, time
+from system.signal_relay import SignalRelay
+
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+acted = []
+relay = SignalRelay((signal.SIGTERM,), lambda sig: acted.append(sig.name))
+relay.install()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)
+print(min(relay._read, relay._wake_read) > 1024, acted)
+"""
+
+
+def test_the_relay_works_with_fds_numbered_past_1024():
+    out = subprocess.run([sys.executable, "-c", HIGH_FDS], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True ['SIGTERM']", out.stdout

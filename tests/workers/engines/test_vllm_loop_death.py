@@ -127,6 +127,8 @@ def test_loop_death_fails_every_request_and_the_server(doomed_llm, tmp_path, how
 
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT,
                                                      signal.SIGUSR2)}
+    wakeup = signal.set_wakeup_fd(-1)  # (the relay takes it too)
+    signal.set_wakeup_fd(wakeup)
     starter = threading.Thread(target=controller)
     starter.start()
     try:
@@ -134,6 +136,7 @@ def test_loop_death_fails_every_request_and_the_server(doomed_llm, tmp_path, how
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+        signal.set_wakeup_fd(wakeup)
         starter.join(30)
         eng.close()
     assert code == 1
