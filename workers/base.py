@@ -57,6 +57,9 @@ class Worker:
     :meth:`rpc_handlers` (an explicit table, mirrored by the kind's client class)."""
 
     kind: ClassVar[str] = ""
+    cuts_in_flight: ClassVar[bool] = False
+    """Whether a signal's stop sets :attr:`stop_by` by what Slurm leaves the job (a rollout
+    worker's episodes; an ``scontrol`` look, not asked of the other kinds)."""
 
     def __init__(self, boot: Bootstrap, index: int, local_rank: int = 0) -> None:
         self.boot = boot
@@ -180,9 +183,10 @@ class Worker:
                     return
             except Exception:
                 log.exception("on_preempt failed")
-            self.stop_by = preempt_wait.stop_deadline(self)[0]
+            if self.cuts_in_flight:
+                preempt_wait.cut_in_flight(self)
         else:
-            self.stop_by = time.monotonic() + SIGNAL_CUT
+            preempt_wait.tighten(self, time.monotonic() + SIGNAL_CUT)
         log.warning("%s got %s: stopping", self.name, self.signalled)
         self.stop()
 

@@ -13,10 +13,11 @@ follow; capped where no end is near (a SIGUSR2 sent by hand).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from system import names
 from system.bootstrap import Bootstrap
@@ -30,7 +31,7 @@ class Warned(Protocol):
 
     exp: str
     trial: str
-    kind: str
+    kind: ClassVar[str]
     index: int
     boot: Bootstrap
     name_resolve: Any
@@ -103,6 +104,24 @@ def stop_deadline(worker: Warned) -> tuple[float, float | None]:
     return time.monotonic() + checkpoint_wait(left, worker.boot.preempt_warning), left
 
 
+_TIGHTEN = threading.Lock()
+
+
+def tighten(worker: Warned, by: float) -> None:
+    """``worker.stop_by`` no later than ``by`` (a later signal never pushes it further out)."""
+    with _TIGHTEN:
+        worker.stop_by = by if worker.stop_by is None else min(worker.stop_by, by)
+
+
+def cut_in_flight(worker: Warned) -> None:
+    """A warned ``worker`` that holds no state to checkpoint but has work in flight: its
+    :attr:`stop_by` at once by the warning's length, then (a thread: ``scontrol`` may take
+    seconds, and the stop does not wait for it) by what Slurm really leaves the job."""
+    tighten(worker, time.monotonic() + checkpoint_wait(None, worker.boot.preempt_warning))
+    threading.Thread(target=lambda: tighten(worker, stop_deadline(worker)[0]),
+                     name="preempt-look", daemon=True).start()
+
+
 def stop_after_checkpoint(worker: Warned, timeout: float | None = None) -> None:
     """Ask the master for a checkpoint (``worker``'s ``preempt`` key, which the master deletes
     once one is committed) and stop ``worker`` once it is, or after ``timeout`` seconds (None:
@@ -118,7 +137,7 @@ def stop_after_checkpoint(worker: Warned, timeout: float | None = None) -> None:
                 ends = "" if left is None else f"; Slurm ends its job in {left:.0f}s"
             else:
                 deadline, ends = t0 + timeout, ""
-            worker.stop_by = deadline
+            tighten(worker, deadline)
             log.warning("%s waits up to %.0fs for the trial's checkpoint%s", worker.name,
                         deadline - t0, ends)
             while time.monotonic() < deadline and not worker.wait_stop(
@@ -139,3 +158,42 @@ def stop_after_checkpoint(worker: Warned, timeout: float | None = None) -> None:
         finally:
             worker.stop()
     threading.Thread(target=wait, name="preempt", daemon=True).start()
+
+
+def warning_needed(need: float) -> int:
+    """The shortest ``scheduler.slurm.signal_seconds`` whose wait (:func:`checkpoint_wait` of a
+    warning that long, as long before the end) is at least ``need`` seconds (pure)."""
+    return math.ceil(2 * need if need <= STOP_RESERVE else need + STOP_RESERVE)
+
+
+class WindowCheck:
+    """Whether the master's checkpoint, after the step that may be running when Slurm's warning
+    comes, fits in what a warned worker waits for it; said once, and again only if the need
+    grew by a quarter (a model whose checkpoint grows with it)."""
+
+    def __init__(self, warning: float) -> None:
+        self.warning = warning
+        self.said = 0.0
+        self.notes: list[str] = []
+        """What was said, for the run's summary (printed as it ends)."""
+
+    def check(self, cost: float, step_s: float) -> str:
+        """The warning for a checkpoint of ``cost`` seconds after a step of ``step_s``; '' when
+        it fits, when said already, or with no Slurm warning to fit in."""
+        need = cost + step_s
+        wait = checkpoint_wait(None, self.warning)
+        if not self.warning or need <= wait or need <= self.said * 1.25:
+            return ""
+        self.said = need
+        note = (f"a checkpoint took {_s(cost)} after a step of {_s(step_s)}: more than the "
+                f"{_s(wait)} a worker warned by Slurm waits for one (scheduler.slurm."
+                f"signal_seconds={self.warning:.0f} less {_s(reserve(self.warning))} for the "
+                "stop and requeue), so a time limit or preemption would lose the steps since "
+                "the last checkpoint; valid: scheduler.slurm.signal_seconds of at least "
+                f"{warning_needed(need)}")
+        self.notes.append(note)
+        return note
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.0f}s" if seconds >= 10 else f"{seconds:.1f}s"

@@ -29,6 +29,7 @@ class RolloutWorkerConfig:
 
 class RolloutWorker(Worker):
     kind = "rollout"
+    cuts_in_flight = True  # (its episodes: see Worker.stop_by)
 
     def on_configure(self, config: WorkerSetup) -> None:
         self.rollout_cfg = RolloutWorkerConfig(**config["worker"])

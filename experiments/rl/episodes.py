@@ -34,6 +34,9 @@ def run_episodes(episodes: Sequence[tuple[Episode, int]], clients: dict[int, Gen
     results: list[list[Trajectory] | None] = [None] * len(episodes)
     pending: dict[int, GenRequest] = {i: next(ep) for i, (ep, _) in enumerate(episodes)}
     while pending:
+        if cut():  # (a fast round is never waited on: not one more submitted after the cut)
+            raise CallAbandoned("generate: cut short before the next round, this worker was "
+                                "stopped by a signal and waits no longer")
         calls: dict[int, Pending[list[Sample]]] = {
             i: clients[episodes[i][1]].generate(r.prompt, r.n, r.sampling)
             for i, r in pending.items()}

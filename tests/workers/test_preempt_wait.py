@@ -180,3 +180,51 @@ def test_the_wait_follows_the_end_slurm_gives_the_job(slurm_cluster, tmp_path):
             nr.close()
     finally:
         subprocess.run(["scancel", job], env={**os.environ, **env}, capture_output=True)
+
+
+def test_the_signal_seconds_asked_for_give_the_wait_needed():
+    from workers.preempt_wait import warning_needed
+
+    assert [warning_needed(n) for n in (0.4, 10.0, 30.0, 30.5, 105.0)] == [1, 20, 60, 61, 135]
+    for tenths in range(1, 3000, 7):
+        need = tenths / 10
+        warning = warning_needed(need)
+        assert checkpoint_wait(None, warning) >= need
+        assert warning == 1 or checkpoint_wait(None, warning - 1) < need
+
+
+def test_a_checkpoint_that_outlasts_the_wait_is_said_once_with_the_key_that_fits_it():
+    from workers.preempt_wait import WindowCheck
+
+    assert WindowCheck(0.0).check(500.0, 50.0) == ""  # no Slurm warning (the local scheduler)
+    window = WindowCheck(120.0)
+    assert window.check(80.0, 9.0) == ""  # 89 s of the 90 s
+    note = window.check(100.0, 5.0)
+    assert note == ("a checkpoint took 100s after a step of 5.0s: more than the 90s a worker "
+                    "warned by Slurm waits for one (scheduler.slurm.signal_seconds=120 less "
+                    "30s for the stop and requeue), so a time limit or preemption would lose "
+                    "the steps since the last checkpoint; valid: "
+                    "scheduler.slurm.signal_seconds of at least 135")
+    assert window.check(100.0, 5.0) == "" and window.check(120.0, 10.0) == ""  # (+24%)
+    assert "at least 170" in window.check(130.0, 10.0)  # grown by more than a quarter
+    assert len(window.notes) == 2
+
+
+def test_a_later_signal_never_pushes_the_cut_further_out(monkeypatch):
+    """SIGTERM's 5 s, then a SIGUSR2 (up to 90 s): the rollout worker still cuts at the first;
+    and the look at Slurm's end only ever brings it nearer."""
+    import types
+
+    from workers.preempt_wait import cut_in_flight, tighten
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    worker = types.SimpleNamespace(stop_by=None, started_at=time.time(),
+                                   boot=types.SimpleNamespace(preempt_warning=120.0))
+    soon = time.monotonic() + 5.0
+    tighten(worker, soon)
+    cut_in_flight(worker)
+    time.sleep(0.2)  # (its look: none outside Slurm)
+    assert worker.stop_by == soon
+    worker.stop_by = None
+    cut_in_flight(worker)
+    assert 80.0 < worker.stop_by - time.monotonic() <= 90.0  # the warning's, less 30 s

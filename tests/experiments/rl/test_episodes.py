@@ -155,8 +155,10 @@ def _generation_server(answer_after: float | None):
     from workers.generation import GenerationClient
 
     codec = Codec(new_secret())
+    asked = []
 
     def generate(prompt, n, sampling) -> Future:
+        asked.append(prompt)
         fut: Future = Future()
         sample = {"tokens": np.array([7], np.int32), "logprobs": np.array([-0.5], np.float32),
                   "versions": np.array([0], np.int32), "finish": "stop"}
@@ -175,6 +177,7 @@ def _generation_server(answer_after: float | None):
         stop.set()
         thread.join(5)
         server.close()
+    close.asked = asked  # type: ignore[attr-defined]
     return client, close
 
 
@@ -210,5 +213,12 @@ def test_a_rollout_worker_stopped_by_a_signal_cuts_its_waiting_episodes_short():
     try:  # (no cut, no alive: the reply across several checks)
         (trajs,) = run_episodes(_episodes(), {0: client}, 60.0)
         assert len(trajs) == 2 and list(trajs[0]["tokens"]) == [1, 2, 3, 7]
+    finally:
+        close()
+    client, close = _generation_server(0.0)
+    try:  # cut already: not one more round submitted
+        with pytest.raises(CallAbandoned, match="before the next round"):
+            run_episodes(_episodes(), {0: client}, 60.0, cut=lambda: True)
+        assert close.asked == []
     finally:
         close()
