@@ -40,6 +40,7 @@ from system.errors import ConfigError, RpcError
 from system.launcher.config import MetricsConfig
 from system.streams import StreamPuller
 from workers.master import MasterWorker
+from workers.preempt_wait import WindowCheck
 from workers.schema import Task
 from workers.schema_check import group_message_problem
 
@@ -109,6 +110,7 @@ class RLLoop:
         self._preempts_read_at = 0.0    # and the preemption requests
         self._last_save: float | None = None  # when the last checkpoint was committed
         self._last_cost: float | None = None  # how long it took (seconds)
+        self.window = WindowCheck(master.boot.preempt_warning)  # (does a checkpoint fit it)
 
     def start(self) -> None:
         """Wait for the engines, join the weight-sync groups, give the servers a restored
@@ -221,6 +223,9 @@ class RLLoop:
         preempts = self.preempt_requests()
         if preempts or self.checkpoint_due():
             self.checkpoint()
+            note = self.window.check(self._last_cost or 0.0, row["step_seconds"])
+            if note:
+                log.warning("%s", note)
         if preempts:
             self.hold_for_restart(preempts)
         if rl.crash_at_step and state.step == rl.crash_at_step and self.resumed_from is None:
@@ -425,7 +430,8 @@ class RLLoop:
                 "steps": state.step, "resumed_from_step": self.resumed_from,
                 "samples_per_s": state.consumed * rl.group_size / max(loop_seconds, 1e-9),
                 "loop_seconds": loop_seconds, "total_seconds": time.monotonic() - t_start,
-                "plot": plot, "tensorboard": os.path.join(self.trial_dir, "tensorboard")}
+                "plot": plot, "tensorboard": os.path.join(self.trial_dir, "tensorboard"),
+                **({"warnings": self.window.notes} if self.window.notes else {})}
 
 
 def _describe(tasks: list[Task], most: int = 8) -> str:
