@@ -44,12 +44,13 @@ class SignalRelay:
         """Signals acted on from the wakeup pipe whose Python handler's note is yet to come (a
         second wakeup byte meanwhile is the same signal again, which Python runs its handler
         for once: not acted on twice)."""
+        self._before: dict[int, Any] = {}  # what install() replaced
         self._thread = threading.Thread(target=self._relay, name="signals", daemon=True)
 
     def install(self) -> None:
         self._thread.start()
         for sig in self.signals:
-            signal.signal(sig, self._note)
+            self._before[sig] = signal.signal(sig, self._note)
         signal.set_wakeup_fd(self._wake_write, warn_on_full_buffer=False)
         os.register_at_fork(after_in_child=self._forked)
 
@@ -57,17 +58,23 @@ class SignalRelay:
         """In a child forked from this process (vLLM's engine core, forked by
         multiprocessing on a GPU): its signals are its own; neither pipe, both inherited, may
         carry them to this process's relay thread (the worker would act on the child's
-        SIGTERM as its own)."""
+        SIGTERM as its own). Each relayed signal gets back what it had before :meth:`install`,
+        but SIGUSR2: Slurm's warning reaches every process of the job, and is this process's to
+        act on (it stops its children), not a kill of the child (its default)."""
         try:
             theirs = signal.set_wakeup_fd(-1)
             if theirs != self._wake_write:  # (another part's own: put back)
                 signal.set_wakeup_fd(theirs)
-            for sig in self.signals:
+        except (ValueError, OSError) as e:  # (theirs closed since, say)
+            log.debug("the forked child's wakeup fd: %s", e)
+        for sig in self.signals:
+            try:
                 if signal.getsignal(sig) == self._note:
-                    signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
-                                  else signal.SIG_DFL)
-        except ValueError:  # (forked from a thread that is not the main one: nothing installed)
-            pass
+                    before = self._before.get(sig)  # (None: not set from Python)
+                    signal.signal(sig, _ignore_warning if sig == signal.SIGUSR2
+                                  else signal.SIG_DFL if before is None else before)
+            except (ValueError, OSError, TypeError) as e:
+                log.debug("the forked child's %s handler: %s", signal.Signals(sig).name, e)
 
     def _note(self, signum: int, _frame: Any) -> None:
         try:
@@ -107,3 +114,8 @@ class SignalRelay:
             self.on_signal(signal.Signals(signum))
         except Exception:
             log.exception("handling %s failed", signal.Signals(signum).name)
+
+
+def _ignore_warning(_signum: int, _frame: Any) -> None:
+    """SIGUSR2 in a forked child: the parent acts on Slurm's warning (a Python handler, not
+    ``SIG_IGN``, which an ``exec`` would keep)."""
