@@ -166,31 +166,43 @@ def warning_needed(need: float) -> int:
     return math.ceil(2 * need if need <= STOP_RESERVE else need + STOP_RESERVE)
 
 
+PREEMPT_READ_S = 1.5
+"""Seconds, at most, before the master reads a preemption request once a step is done (it reads
+them at most once a second, each wait for a trajectory lasting 0.5 s)."""
+
+HEADROOM = 1.25
+"""The ``signal_seconds`` a :class:`WindowCheck` asks for fits this much more than was needed
+(checkpoints grow with the model, and vary), and it speaks again only once that is outgrown."""
+
+
 class WindowCheck:
-    """Whether the master's checkpoint, after the step that may be running when Slurm's warning
-    comes, fits in what a warned worker waits for it; said once, and again only if the need
-    grew by a quarter (a model whose checkpoint grows with it)."""
+    """Whether the master's checkpoint, after the training part of the step that may be running
+    when Slurm's warning comes (a preemption request is read, and the checkpoint taken, between
+    steps: the wait for the batch never delays it), fits in what a warned worker waits for it;
+    said once, and again only once the ``signal_seconds`` it asked for no longer fits."""
 
     def __init__(self, warning: float) -> None:
         self.warning = warning
-        self.said = 0.0
+        self.covered = 0.0  # what the value last asked for waits
         self.notes: list[str] = []
         """What was said, for the run's summary (printed as it ends)."""
 
-    def check(self, cost: float, step_s: float) -> str:
-        """The warning for a checkpoint of ``cost`` seconds after a step of ``step_s``; '' when
-        it fits, when said already, or with no Slurm warning to fit in."""
-        need = cost + step_s
+    def check(self, cost: float, train_s: float) -> str:
+        """The warning for a checkpoint of ``cost`` seconds after ``train_s`` seconds of a step's
+        training; '' when it fits, when said already, or with no Slurm warning to fit in."""
+        need = cost + train_s
         wait = checkpoint_wait(None, self.warning)
-        if not self.warning or need <= wait or need <= self.said * 1.25:
+        if not self.warning or need <= max(wait, self.covered):
             return ""
-        self.said = need
-        note = (f"a checkpoint took {_s(cost)} after a step of {_s(step_s)}: more than the "
-                f"{_s(wait)} a worker warned by Slurm waits for one (scheduler.slurm."
-                f"signal_seconds={self.warning:.0f} less {_s(reserve(self.warning))} for the "
-                "stop and requeue), so a time limit or preemption would lose the steps since "
-                "the last checkpoint; valid: scheduler.slurm.signal_seconds of at least "
-                f"{warning_needed(need)}")
+        asked = warning_needed(need * HEADROOM)
+        self.covered = checkpoint_wait(None, asked)
+        note = (f"a step's training and its checkpoint took {_s(train_s)} + {_s(cost)}: more "
+                f"than the {_s(wait)} a worker warned by Slurm waits for the checkpoint "
+                f"(scheduler.slurm.signal_seconds={self.warning:.0f} less "
+                f"{_s(reserve(self.warning))} for the stop and requeue), so a time limit would "
+                "lose the steps since the last checkpoint; valid: "
+                f"scheduler.slurm.signal_seconds={asked} or more (a preemption's wait is what "
+                "the partition's GraceTime leaves)")
         self.notes.append(note)
         return note
 

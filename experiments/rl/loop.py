@@ -40,7 +40,7 @@ from system.errors import ConfigError, RpcError
 from system.launcher.config import MetricsConfig
 from system.streams import StreamPuller
 from workers.master import MasterWorker
-from workers.preempt_wait import WindowCheck
+from workers.preempt_wait import PREEMPT_READ_S, WindowCheck
 from workers.schema import Task
 from workers.schema_check import group_message_problem
 
@@ -223,9 +223,11 @@ class RLLoop:
         preempts = self.preempt_requests()
         if preempts or self.checkpoint_due():
             self.checkpoint()
-            note = self.window.check(self._last_cost or 0.0, row["step_seconds"])
-            if note:
-                log.warning("%s", note)
+            if state.step > (self.resumed_from or 0) + 1:  # (not the first: it warms up)
+                note = self.window.check(self._last_cost or 0.0, row["step_seconds"] - t_wait
+                                         + PREEMPT_READ_S)
+                if note:
+                    log.warning("%s", note)
         if preempts:
             self.hold_for_restart(preempts)
         if rl.crash_at_step and state.step == rl.crash_at_step and self.resumed_from is None:

@@ -200,13 +200,15 @@ def test_a_checkpoint_that_outlasts_the_wait_is_said_once_with_the_key_that_fits
     window = WindowCheck(120.0)
     assert window.check(80.0, 9.0) == ""  # 89 s of the 90 s
     note = window.check(100.0, 5.0)
-    assert note == ("a checkpoint took 100s after a step of 5.0s: more than the 90s a worker "
-                    "warned by Slurm waits for one (scheduler.slurm.signal_seconds=120 less "
-                    "30s for the stop and requeue), so a time limit or preemption would lose "
-                    "the steps since the last checkpoint; valid: "
-                    "scheduler.slurm.signal_seconds of at least 135")
-    assert window.check(100.0, 5.0) == "" and window.check(120.0, 10.0) == ""  # (+24%)
-    assert "at least 170" in window.check(130.0, 10.0)  # grown by more than a quarter
+    assert note == ("a step's training and its checkpoint took 5.0s + 100s: more than the 90s "
+                    "a worker warned by Slurm waits for the checkpoint (scheduler.slurm."
+                    "signal_seconds=120 less 30s for the stop and requeue), so a time limit "
+                    "would lose the steps since the last checkpoint; valid: scheduler.slurm."
+                    "signal_seconds=162 or more (a preemption's wait is what the partition's "
+                    "GraceTime leaves)")  # 105 s, and a quarter more: 131.25 s, + 30 s
+    assert checkpoint_wait(None, 162) >= 105 * 1.25
+    assert window.check(100.0, 5.0) == "" and window.check(120.0, 12.0) == ""  # (162 waits 132)
+    assert "signal_seconds=197 or more" in window.check(120.0, 13.0)  # 133 s: outgrown
     assert len(window.notes) == 2
 
 
