@@ -48,6 +48,7 @@ class Warned(Protocol):
 
     def stop(self) -> None: ...
 
+
 PREEMPT_WAIT = 90.0
 """Seconds a warned worker waits for the checkpoint where nothing says when its job ends (the
 local scheduler, a SIGUSR2 sent by hand): as long as Slurm's default 120 s warning allows."""
