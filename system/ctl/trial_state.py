@@ -129,16 +129,17 @@ def run_of(paths: TrialPaths) -> tuple[str, str, str, str]:
     """The exp and trial the run in ``paths.root`` runs as (the names of its keys in name
     resolution), the lock its controller holds and its mode, as its ``bootstrap.json`` says: an
     evaluation (``mode=eval``, in ``<trial>/eval/``) runs as its trial, under the trial's own
-    lock. A training run runs as the names in its path, under the directory's lock (not its
-    bootstrap file's names: a copy of a trial's directory was shown as the original, twice)."""
+    lock. Either runs as the names in its path, not its bootstrap file's (a copy of a trial's
+    directory, its ``eval/`` with it, was shown as the original, twice)."""
     exp, trial = os.path.basename(os.path.dirname(paths.root)), os.path.basename(paths.root)
     try:
         boot = Bootstrap.read(paths.bootstrap)
     except (OSError, ValueError, TypeError):
         return exp, trial, paths.lock, RunMode.TRAIN.value
     if boot.mode == RunMode.EVAL.value:
-        return (boot.exp, boot.trial, TrialPaths(os.path.dirname(paths.root)).lock,
-                RunMode.EVAL.value)
+        evaluated = os.path.dirname(paths.root)
+        return (os.path.basename(os.path.dirname(evaluated)), os.path.basename(evaluated),
+                TrialPaths(evaluated).lock, RunMode.EVAL.value)
     return exp, trial, paths.lock, RunMode.TRAIN.value
 
 

@@ -266,10 +266,18 @@ def test_a_copied_trial_directory_is_shown_under_its_own_name(fileroot, capsys):
     _write(live.status, {"exp": "smoke", "trial": "live", "state": "completed",
                          "scheduler": "local", "started": time.time() - 60, "jobs": [],
                          "progress": {}, "logs": {}})
+    evaluated = TrialPaths(os.path.join(live.root, "eval"))  # (its evaluation, copied with it)
+    os.makedirs(evaluated.root)
+    Bootstrap(exp="smoke", trial="live", experiment="smoke", trial_dir=evaluated.root,
+              interface="", scheduler="local", name_resolve={}, name_resolve_root="", rpc={},
+              heartbeat_ttl=5.0, mode="eval", evaluated_dir=live.root).write(evaluated.bootstrap)
     shutil.copytree(live.root, live.root + "-backup")
     backup = read_trial(TrialPaths(live.root + "-backup"))
     assert (backup.exp, backup.trial, backup.state) == ("smoke", "live-backup", "completed")
     assert (read_trial(live).exp, read_trial(live).trial) == ("smoke", "live")
+    backup_eval = read_trial(TrialPaths(os.path.join(live.root + "-backup", "eval")))
+    assert (backup_eval.exp, backup_eval.trial) == ("smoke", "live-backup")
+    assert (read_trial(evaluated).exp, read_trial(evaluated).trial) == ("smoke", "live")
     assert main(["ls", f"cluster.fileroot={fileroot}"]) == 0
     out = capsys.readouterr().out
     assert "smoke/live-backup" in out and out.count("smoke/live ") == 1, out
