@@ -49,9 +49,9 @@ class StepClock:
         twice ``rl.weight_sync.timeout``); it drops the server then, and one whose update
         still ran heart-beat on, out of routing."""
         self._clock = clock
-        self._running: tuple[str, float, float] | None = None
-        """What runs (its words in a message), since when, and its limit: one write, read by
-        the watch thread at any time."""
+        self._running: tuple[str, str, float, float] | None = None
+        """What runs (its words in a message), the key that sets its limit, since when, and the
+        limit: one write, read by the watch thread at any time."""
         self._warm = False
         """Whether a step has returned (the first may take :data:`FIRST_STEP_LIMIT`)."""
 
@@ -74,7 +74,7 @@ class StepClock:
 
     @contextmanager
     def _timing(self, what: str, limit: float, key: str) -> Iterator[None]:
-        self._running = (f"{what}|{key}", self._clock(), limit)
+        self._running = (what, key, self._clock(), limit)
         try:
             yield
         finally:
@@ -85,8 +85,7 @@ class StepClock:
         running = self._running
         if running is None:
             return ""
-        what, since, limit = running
+        doing, key, since, limit = running
         if not limit or self._clock() - since <= limit:
             return ""
-        doing, key = what.split("|")
         return f"{doing} has not returned in {limit:g}s ({key}): its engine core hangs"
