@@ -21,12 +21,13 @@ from scheduler.slurm_cli import run as _run
 from scheduler.slurm_config import SlurmConfig, short_limit_message
 from scheduler.slurm_leftovers import cancel_leftovers
 from scheduler.slurm_jobs import (cancel_until_gone, het_leader, queued, scancel, scontrol_job,
-                                  scontrol_update, slurm_release, terminate)
+                                  terminate)
 from scheduler.slurm_queue import (blocked_message, held_after_launch_failure, hopeless,
                                    queue_timeout_message, unavailable_nodes)
 from scheduler.slurm_render import (HETJOB, job_label, job_name, render_hetjob_script,
                                     render_worker_script, requeue_mark_prefix, script_name)
 from scheduler.slurm_submit import Submitter
+from scheduler.slurm_updates import JobUpdates
 from system.errors import SchedulerError
 from system.thread_stacks import SCANCEL_STACKS
 
@@ -102,7 +103,7 @@ class SlurmScheduler(Scheduler):
         self._cache: list[JobStatus] = []
         self._silent_since: float | None = None  # Slurm's controller has not answered since
         self._submitter = Submitter()
-        self._release_at: dict[str, float] = {}  # held requeued job -> when to release it
+        self._updates = JobUpdates(slurm.requeue_release)
         self._submitted: dict[str, float] = {}  # job id -> when it was submitted (monotonic)
 
     @property
@@ -213,6 +214,8 @@ class SlurmScheduler(Scheduler):
             log.warning("Slurm's controller answers again (silent for %.0fs)",
                         time.monotonic() - self._silent_since)
             self._silent_since = None
+        if r.returncode == 0:
+            self._updates.after_answer(self._jobs, self.scancel_timeout)
         statuses = []
         for job_id, group in self._jobs.items():
             raw, reason = found.get(job_id, ("", ""))
@@ -227,9 +230,9 @@ class SlurmScheduler(Scheduler):
                 restarts = int(info.get("Restarts", "0") or 0)
             state = map_state(raw) if raw else JobState.UNKNOWN
             if restarts and state == JobState.PENDING and reason == "BeginTime":
-                self._release_when_due(job_id)
+                self._updates.release_when_due(job_id, self.scancel_timeout)
             elif state == JobState.PENDING and held_after_launch_failure(reason):
-                self._release_held(job_id)
+                self._updates.release_held(job_id, self.scancel_timeout)
             workers, log_paths = self._live(job_id)
             waiting = reason if state in (JobState.PENDING, JobState.REQUEUED) and \
                 reason != "None" else ""
@@ -278,32 +281,6 @@ class SlurmScheduler(Scheduler):
             if r.returncode != 0 or not r.stdout.strip():
                 return True
         return False
-
-    def _release_when_due(self, job_id: str) -> None:
-        """A requeued job held back by Slurm: make it eligible ``requeue_release`` seconds after
-        the hold was first seen (see :attr:`SlurmConfig.requeue_release`)."""
-        if not self.slurm.requeue_release:
-            return
-        now = time.monotonic()
-        due = self._release_at.setdefault(job_id, now + self.slurm.requeue_release)
-        if now < due:
-            return
-        del self._release_at[job_id]
-        error = scontrol_update(job_id, "StartTime=now", self.scancel_timeout)
-        if error is None:
-            log.info("requeued job %s made eligible again (Slurm's hold released)", job_id)
-        else:
-            log.warning("could not release requeued job %s: %s", job_id, error)
-
-    def _release_held(self, job_id: str) -> None:
-        """A job Slurm held after its launch failed (its node went down as it started, say:
-        ``launch failed requeued held``, priority 0) would pend for good: release it, once per
-        hold, so it starts again wherever it fits (the trial rejoins it as after a requeue)."""
-        error = slurm_release(job_id, self.scancel_timeout)
-        if error is None:
-            log.warning("job %s was held by Slurm after its launch failed: released", job_id)
-        else:
-            log.warning("could not release held job %s: %s", job_id, error)
 
     def cancel_leftovers(self, logs_dirs: Sequence[str]) -> list[str]:
         """See :func:`scheduler.slurm_leftovers.cancel_leftovers`."""
@@ -374,7 +351,7 @@ class SlurmScheduler(Scheduler):
                                  f"{', '.join(others)}: stop its group instead")
         if in_queue is None or job_id in in_queue:  # running others (or squeue did not say)
             self._forgotten.setdefault(job_id, set()).add(name)
-            self._no_requeue(job_id)
+            self._updates.no_requeue(job_id, self.scancel_timeout)
         else:
             self._cancel([job_id], grace, f"job {job_id} of {name}")
             self._forget([job_id])
@@ -410,6 +387,7 @@ class SlurmScheduler(Scheduler):
         for j in ids:
             del self._jobs[j]
             self._forgotten.pop(j, None)
+            self._updates.forget(j)
         self._last_poll = 0.0
 
     def _cancel(self, ids: list[str], grace: float, what: str) -> None:
@@ -438,9 +416,3 @@ class SlurmScheduler(Scheduler):
         running = [j for j in ids if j not in pending  # those that ended need no signal
                    and (in_queue is None or j in in_queue)]
         terminate(running, grace, self.scancel_timeout)
-
-    def _no_requeue(self, job_id: str) -> None:
-        """Make job ``job_id`` never requeued (logged, never raised, if Slurm refuses)."""
-        error = scontrol_update(job_id, "Requeue=0", self.scancel_timeout)
-        if error is not None:
-            log.warning("job %s may still be requeued: %s", job_id, error)

@@ -147,6 +147,53 @@ def test_stop_worker_of_a_two_task_job(slurm_env, tmp_path):
         subprocess.run(["scancel", job_id], env={**os.environ, **slurm_env})
 
 
+def test_a_job_whose_requeue_slurm_could_not_turn_off_is_asked_again(slurm_env, tmp_path,
+                                                                      monkeypatch, caplog):
+    """One task of two is forgotten while Slurm's controller cannot be reached (its first
+    ``scontrol update`` fails to connect, as while slurmctld restarts): ``Requeue=0`` is not
+    taken, so a later requeue of the job would start that worker again beside its
+    replacement. Once Slurm answers a poll, it is asked again, and takes it."""
+    from scheduler import slurm_updates
+
+    monkeypatch.setattr(slurm_updates, "RETRY_EVERY", 0.0)
+    sched = SlurmScheduler(SlurmConfig(poll_interval=0.2), "stop", "w2s", str(tmp_path), REPO)
+    logs = (str(tmp_path / "rollout-0.log"), str(tmp_path / "rollout-1.log"))
+    job_id = _running_job(sched, GroupSpec("rollout", 2, ("sleep", "300"), {}, logs))
+    bin_dir, calls = tmp_path / "bin", tmp_path / "update-calls"
+    bin_dir.mkdir()
+    real = subprocess.run(["which", "scontrol"], capture_output=True, text=True).stdout.strip()
+    (bin_dir / "scontrol").write_text(  # its first update: not sent
+        "#!/bin/sh\n"
+        'if [ "$1" = update ]; then\n'
+        f"  echo x >> {calls}\n"
+        f"  if [ $(wc -l < {calls}) -le 1 ]; then\n"
+        "    echo 'Unable to contact slurm controller (connect failure)' >&2\n"
+        "    exit 1\n  fi\nfi\n"
+        f"exec {real} \"$@\"\n")
+    (bin_dir / "scontrol").chmod(0o755)
+
+    def requeue_setting() -> str:
+        out = subprocess.run([real, "show", "job", job_id], capture_output=True,
+                             text=True).stdout
+        return next(w for w in out.split() if w.startswith("Requeue="))
+
+    try:
+        assert requeue_setting() == "Requeue=1"
+        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+        sched.stop_worker("rollout/1", grace=3)
+        assert f"job {job_id} may still be requeued" in caplog.text
+        assert requeue_setting() == "Requeue=1"
+        wait_for(lambda: sched.poll(fresh=True) and requeue_setting() == "Requeue=0", 60,
+                 "Requeue=0 taken")
+        assert f"job {job_id} will no longer be requeued" in caplog.text
+        assert sched._updates.requeue_left == {}
+        (st,) = sched.poll(fresh=True)
+        assert st.workers == ("rollout/0",)
+        assert calls.read_text().count("x") == 2  # (not asked again once taken)
+    finally:
+        subprocess.run(["scancel", job_id], env={**os.environ, **slurm_env})
+
+
 def test_stop_worker_of_a_one_task_job(slurm_env, tmp_path):
     """A worker restarted alone (rollout/3) is its own job: stopping it cancels the job and
     leaves the group's job alone."""
