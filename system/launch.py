@@ -298,7 +298,9 @@ def launch(argv: list[str], restarted: list[str]) -> int:
         trial = prepare_trial(cfg, experiment.name, resolved,
                               dry_run=args.dry_run or "--test-only" in args.flags,
                               before_write=(lambda: check(cfg, trial_paths(cfg).root))
-                              if continues and check is not None else None)
+                              if continues and check is not None else None,
+                              requeuing_controller=(own_job(cfg.exp, cfg.trial) is not None
+                                                    and requeues(cfg)))
     except ConfigError as e:  # e.g. recover=off on a trial that has checkpoints
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -40,7 +40,7 @@ from system.errors import ConfigError, RpcError
 from system.launcher.config import MetricsConfig
 from system.streams import StreamPuller
 from workers.master import MasterWorker
-from workers.preempt_wait import PREEMPT_READ_S, WindowCheck
+from workers.checkpoint_window import PREEMPT_READ_S, WindowCheck
 from workers.schema import Task
 from workers.schema_check import group_message_problem
 
@@ -110,7 +110,8 @@ class RLLoop:
         self._preempts_read_at = 0.0    # and the preemption requests
         self._last_save: float | None = None  # when the last checkpoint was committed
         self._last_cost: float | None = None  # how long it took (seconds)
-        self.window = WindowCheck(master.boot.preempt_warning)  # (does a checkpoint fit it)
+        # (does a checkpoint fit what the warned workers, and a detached controller, wait)
+        self.window = WindowCheck(master.boot.preempt_warning, master.boot.controller_stop_grace)
 
     def start(self) -> None:
         """Wait for the engines, join the weight-sync groups, give the servers a restored

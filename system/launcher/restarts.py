@@ -27,7 +27,7 @@ from system.launcher.failures import clear_worker_keys
 from system.launcher.groups import GroupSpec, group_spec
 from system.launcher.pause_watch import PauseWatch
 from system.launcher.recovery import MasterProgress, Paused, Recovery, Requeued
-from system.launcher.self_requeue import checkpoint_first, checkpoint_wait
+from system.launcher.self_requeue import checkpoint_first
 from system.launcher.status_file import StatusWriter
 from system.launcher.summary import TrialSummary
 from system.launcher.watch import NameWatch
@@ -36,6 +36,7 @@ from system.name_resolve import NameResolve
 from system.paths import TrialPaths
 from system.rpc import RpcClient
 from system.wire import Codec
+from workers.checkpoint_window import controller_checkpoint_wait
 from workers.client import WorkerClient, collect_settled
 from workers.kinds import KINDS, client_for
 
@@ -366,8 +367,8 @@ class RecoveringController:
             return False
         sched = self.cfg.scheduler
         warning = sched.slurm.signal_seconds if seconds is None else seconds
-        return checkpoint_first(self.nr, self.cfg.exp, self.cfg.trial,
-                                checkpoint_wait(warning, sched.stop_grace), self._master_ended())
+        wait = controller_checkpoint_wait(warning, sched.stop_grace)
+        return checkpoint_first(self.nr, self.cfg.exp, self.cfg.trial, wait, self._master_ended())
 
     def _master_ended(self) -> Callable[[], bool]:
         """Whether the master's process has ended since this was made: its witness vouched

@@ -112,16 +112,6 @@ def checkpoint_first(nr: NameResolve, exp: str, trial: str, timeout: float,
     return False
 
 
-def checkpoint_wait(signal_seconds: float, stop_grace: float) -> float:
-    """How long the warned controller waits for the checkpoint: at most half the warning, and
-    no more than what it leaves once stopping every job (``stop_grace``, twice over: workers,
-    then jobs) and a margin are set aside; at least 10 s, or a third of a warning under 30 s
-    (a preemption's grace time, say). The rest is for stopping the jobs and the requeue
-    itself, before Slurm's kill at the limit."""
-    return max(min(signal_seconds / 2, signal_seconds - 2 * stop_grace - 15.0),
-               min(10.0, signal_seconds / 3))
-
-
 def requeue(job_id: str, timeout: float = 60.0) -> str | None:
     """``scontrol requeue <job_id>``: Slurm ends this job (and this process with it) and queues
     it again. Returns the error, or None once asked."""

@@ -126,7 +126,8 @@ def forget_outcome(paths: TrialPaths) -> None:
 
 def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: str,
                   dry_run: bool = False,
-                  before_write: Callable[[], None] | None = None) -> PreparedTrial:
+                  before_write: Callable[[], None] | None = None,
+                  requeuing_controller: bool = False) -> PreparedTrial:
     """Create and lock the trial directory, then write the resolved config, a fresh secret
     (0600) and the bootstrap file (:class:`~system.errors.ConfigError` for a trial that must not
     be overwritten, :class:`~system.errors.TrialLocked` for one that is running). With
@@ -135,7 +136,9 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
     of an existing trial writes none of them (its secret is then empty). ``before_write``
     (the experiment's check that an existing trial can be continued) runs once the lock is
     held, before anything is written. A previous run's ``summary.json`` and ``status.json``
-    are removed (:func:`forget_outcome`), but by a dry run."""
+    are removed (:func:`forget_outcome`), but by a dry run. ``requeuing_controller``: this is
+    the trial's detached controller, which requeues its own job at its warning (the master
+    fits its checkpoint to that controller's wait too: :attr:`Bootstrap.controller_stop_grace`)."""
     paths = run_paths(cfg)
     if cfg.mode == RunMode.EVAL:
         check_evaluable(cfg)
@@ -166,7 +169,9 @@ def prepare_trial(cfg: ExperimentConfig, experiment_name: str, resolved_yaml: st
                   group_readable=cfg.cluster.group_readable, mode=cfg.mode.value,
                   evaluated_dir=(trial_paths(cfg).root if cfg.mode == RunMode.EVAL else ""),
                   preempt_warning=(float(cfg.scheduler.slurm.signal_seconds)
-                                   if cfg.scheduler.type.value == "slurm" else 0.0)
+                                   if cfg.scheduler.type.value == "slurm" else 0.0),
+                  controller_stop_grace=(cfg.scheduler.stop_grace if requeuing_controller
+                                         else None)
                   ).write(paths.bootstrap)
     except BaseException:
         lock.release()

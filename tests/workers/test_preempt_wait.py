@@ -19,8 +19,8 @@ from system.name_resolve import FileNameResolve
 from system.rpc import RpcClient
 from system.wire import Codec
 from tests.helpers import REPO, write_secret_file
+from workers.checkpoint_window import PREEMPT_WAIT, checkpoint_wait
 from workers.client import WorkerClient
-from workers.preempt_wait import PREEMPT_WAIT, checkpoint_wait
 
 # a worker that holds training state, as the master does: on SIGUSR2 it asks for a checkpoint
 # and stops once it is committed; its role raises once stopped ("stopped during training")
@@ -43,20 +43,6 @@ def role(worker):
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 sys.exit(Probe(Bootstrap.read(sys.argv[1]), 0).run(role))
 """
-
-
-@pytest.mark.parametrize("left, warning, wait", [
-    (None, 0.0, PREEMPT_WAIT),    # nothing says when the job ends (the local scheduler)
-    (120.0, 120.0, 90.0),         # Slurm's default warning: as before
-    (30.0, 120.0, 15.0),          # a preemption's 30 s grace: half of it, not 90 s
-    (600.0, 600.0, 570.0),        # a warning set for a slow checkpoint: all of it but 30 s
-    (None, 600.0, 570.0),         # scontrol did not answer: the warning's length
-    (None, 4.0, 2.0),
-    (36000.0, 120.0, PREEMPT_WAIT),  # a SIGUSR2 sent by hand, no end near
-    (0.0, 120.0, 0.0),            # the end has come: stop at once
-])
-def test_the_wait_is_what_slurm_leaves_less_the_stop(left, warning, wait):
-    assert checkpoint_wait(left, warning) == wait
 
 
 def _trial(tmp_path, warning: float) -> tuple[FileNameResolve, Codec]:
@@ -180,36 +166,6 @@ def test_the_wait_follows_the_end_slurm_gives_the_job(slurm_cluster, tmp_path):
             nr.close()
     finally:
         subprocess.run(["scancel", job], env={**os.environ, **env}, capture_output=True)
-
-
-def test_the_signal_seconds_asked_for_give_the_wait_needed():
-    from workers.preempt_wait import warning_needed
-
-    assert [warning_needed(n) for n in (0.4, 10.0, 30.0, 30.5, 105.0)] == [1, 20, 60, 61, 135]
-    for tenths in range(1, 3000, 7):
-        need = tenths / 10
-        warning = warning_needed(need)
-        assert checkpoint_wait(None, warning) >= need
-        assert warning == 1 or checkpoint_wait(None, warning - 1) < need
-
-
-def test_a_checkpoint_that_outlasts_the_wait_is_said_once_with_the_key_that_fits_it():
-    from workers.preempt_wait import WindowCheck
-
-    assert WindowCheck(0.0).check(500.0, 50.0) == ""  # no Slurm warning (the local scheduler)
-    window = WindowCheck(120.0)
-    assert window.check(80.0, 9.0) == ""  # 89 s of the 90 s
-    note = window.check(100.0, 5.0)
-    assert note == ("a step's training and its checkpoint took 5.0s + 100s: more than the 90s "
-                    "a worker warned by Slurm waits for the checkpoint (scheduler.slurm."
-                    "signal_seconds=120 less 30s for the stop and requeue), so a time limit "
-                    "would lose the steps since the last checkpoint; valid: scheduler.slurm."
-                    "signal_seconds=162 or more (a preemption's wait is what the partition's "
-                    "GraceTime leaves)")  # 105 s, and a quarter more: 131.25 s, + 30 s
-    assert checkpoint_wait(None, 162) >= 105 * 1.25
-    assert window.check(100.0, 5.0) == "" and window.check(120.0, 12.0) == ""  # (162 waits 132)
-    assert "signal_seconds=197 or more" in window.check(120.0, 13.0)  # 133 s: outgrown
-    assert len(window.notes) == 2
 
 
 def test_a_later_signal_never_pushes_the_cut_further_out(monkeypatch):

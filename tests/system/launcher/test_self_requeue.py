@@ -13,7 +13,7 @@ import pytest
 from experiments.catalog import get_experiment
 from system import names
 from system.errors import NameEntryNotFound
-from system.launcher.self_requeue import (ControllerRequeue, checkpoint_first, checkpoint_wait,
+from system.launcher.self_requeue import (ControllerRequeue, checkpoint_first,
                                           cancelled_since, cancelled_while_requeued,
                                           end_records, own_job, requeues,
                                           restart_count, restart_overrides, stale_pending)
@@ -59,14 +59,6 @@ def test_own_job_and_restart_count(monkeypatch):
     for raw, count in (("2", 2), ("x", 0), ("-1", 0)):
         monkeypatch.setenv("SLURM_RESTART_COUNT", raw)
         assert restart_count() == count
-
-
-def test_the_checkpoint_wait_leaves_time_to_stop_every_job():
-    assert checkpoint_wait(120, 30.0) == 45.0
-    assert checkpoint_wait(120, 5.0) == 60.0  # half the warning at most
-    assert checkpoint_wait(30, 30.0) == 10.0
-    assert checkpoint_wait(27, 5.0) == 9.0  # a preemption's grace: a third of a short warning
-    assert checkpoint_wait(6, 5.0) == 2.0
 
 
 def test_checkpoint_first_waits_for_the_master_to_delete_its_key(tmp_path):

@@ -274,3 +274,19 @@ def test_a_lock_file_that_cannot_be_written_is_named_in_one_line(tmp_path):
             TrialLock.acquire(path, "e/t")
         os.unlink(os.path.join(root, "filler"))
         TrialLock.acquire(path, "e/t").release()  # not held by the failed attempt
+
+
+def test_the_master_is_told_the_stop_grace_of_a_detached_controller_that_requeues(fileroot):
+    """The detached controller of a training trial with requeue on (this launch runs in the
+    trial's controller job) waits less for the checkpoint than a worker: the master fits its
+    checkpoint to that wait too (``workers/checkpoint_window.py``). Any other launch: None."""
+    base = ("exp=arith-tiny", f"cluster.fileroot={fileroot}", "scheduler=slurm",
+            "scheduler.stop_grace=4", "--dry-run")
+    for trial, extra, job_trial, grace in (("a", (), "a", 4.0),
+                                           ("b", ("scheduler.slurm.requeue=false",), "b", None),
+                                           ("c", (), "other", None)):
+        env = {"SLURM_JOB_NAME": f"arith-tiny_{job_trial}:controller", "SLURM_JOB_ID": "7"}
+        r = run_launch(*base, f"trial={trial}", *extra, env=env)
+        assert r.returncode == 0, r.stderr
+        boot = Bootstrap.read(os.path.join(fileroot, "arith-tiny", trial, "bootstrap.json"))
+        assert boot.controller_stop_grace == grace, (trial, extra)
