@@ -122,10 +122,10 @@ class WindowCheck:
         self.covered = self.wait(asked)
         if wait < checkpoint_wait(None, self.warning):
             assert self.controller_grace is not None
-            who = ("the detached controller warned by Slurm waits for the checkpoint (at most "
-                   f"half of scheduler.slurm.signal_seconds={self.warning:.0f}, and never within "
-                   f"{_s(controller_keeps(self.controller_grace))} of its end: that is kept to "
-                   "stop every job and requeue itself)")
+            who = ("the detached controller warned by Slurm waits for the checkpoint (of "
+                   f"scheduler.slurm.signal_seconds={self.warning:.0f}: half at most, less the "
+                   f"{_s(controller_keeps(self.controller_grace))} it keeps to stop every job and "
+                   "requeue itself; a third of a short warning, up to 10s)")
         else:
             who = (f"a worker warned by Slurm waits for the checkpoint "
                    f"(scheduler.slurm.signal_seconds={self.warning:.0f} less "

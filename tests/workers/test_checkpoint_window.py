@@ -77,10 +77,10 @@ def test_a_detached_controller_that_requeues_itself_waits_less_and_is_fitted_too
     note = window.check(60.0, 5.0)
     assert WindowCheck(120.0).check(60.0, 5.0) == ""  # (the workers' 90 s: it fits)
     assert note == ("a step's training and its checkpoint took 5.0s + 60s: more than the 60s the "
-                    "detached controller warned by Slurm waits for the checkpoint (at most half "
-                    "of scheduler.slurm.signal_seconds=120, and never within 25s of its end: "
-                    "that is kept to stop every job and requeue itself), so a time limit would "
-                    "lose the steps since the last checkpoint; valid: scheduler.slurm."
+                    "detached controller warned by Slurm waits for the checkpoint (of scheduler."
+                    "slurm.signal_seconds=120: half at most, less the 25s it keeps to stop every "
+                    "job and requeue itself; a third of a short warning, up to 10s), so a time "
+                    "limit would lose the steps since the last checkpoint; valid: scheduler.slurm."
                     "signal_seconds=163 or more (a preemption's wait is what the partition's "
                     "GraceTime leaves)")  # 65 s, and a quarter more: 81.25 s, twice over
     assert window.wait(163) >= 65 * 1.25 and window.wait(162) < 65 * 1.25
