@@ -214,8 +214,6 @@ class SlurmScheduler(Scheduler):
             log.warning("Slurm's controller answers again (silent for %.0fs)",
                         time.monotonic() - self._silent_since)
             self._silent_since = None
-        if r.returncode == 0:
-            self._updates.after_answer(self._jobs, self.scancel_timeout)
         statuses = []
         for job_id, group in self._jobs.items():
             raw, reason = found.get(job_id, ("", ""))
@@ -245,6 +243,7 @@ class SlurmScheduler(Scheduler):
                                       self._blocked(job_id, group.kind, state, waiting,
                                                     restarts)))
         self._cache = statuses
+        self._updates.after_answer(self._jobs)  # (Slurm answered this poll)
         return statuses
 
     def _no_news(self, why: str) -> list[JobStatus]:
@@ -317,7 +316,7 @@ class SlurmScheduler(Scheduler):
         for j in shared:
             log.warning("job %s (%s) is a component of a heterogeneous job: forgotten, not "
                         "cancelled (the job runs on for the other groups)", j, kind)
-            self._no_requeue(j)
+            self._updates.no_requeue(j, self.scancel_timeout)
         self._cancel([j for j in ids if j not in shared], grace, f"jobs of the {kind} group")
         self._forget(ids)
 

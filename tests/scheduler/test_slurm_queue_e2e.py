@@ -123,6 +123,66 @@ def test_every_group_as_one_heterogeneous_job(slurm_cluster_4n, tmp_path):
     assert our_jobs(slurm_cluster_4n.env, "smoke", "het") == []
 
 
+def test_a_component_of_a_heterogeneous_job_stopped_alone_turns_the_jobs_requeue_off(
+        slurm_cluster_4n, tmp_path, monkeypatch, caplog):
+    """A stateful recovery stops one group of a heterogeneous job (``hetjob=true``): Slurm
+    cannot cancel one component, so it is forgotten and the job (its leader) set never to
+    requeue. Its first ``scontrol update`` cannot reach Slurm here (as while slurmctld
+    restarts): the job is asked again once Slurm answers a poll, though that component is no
+    longer tracked (the job runs on for the others)."""
+    from scheduler import slurm_updates
+    from scheduler.base import GroupSpec, JobState
+    from scheduler.slurm import SlurmScheduler
+    from scheduler.slurm_config import SlurmConfig
+    from tests.helpers import REPO
+    from tests.scheduler.test_slurm_e2e import wait_for
+
+    for k, v in slurm_cluster_4n.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(slurm_updates, "RETRY_EVERY", 0.0)
+    sched = SlurmScheduler(SlurmConfig(poll_interval=0.2, hetjob=True), "stop", "het",
+                           str(tmp_path), REPO)
+    groups = [GroupSpec(kind, 1, ("sleep", "300"), {}, (str(tmp_path / f"{kind}-0.log"),))
+              for kind in ("model", "rollout")]
+    (request,) = sched.plan_all(groups)
+    ids = sched.schedule(request)
+    leader = ids[0].split("+")[0]
+    bin_dir, calls = tmp_path / "bin", tmp_path / "update-calls"
+    bin_dir.mkdir()
+    real = subprocess.run(["which", "scontrol"], capture_output=True, text=True).stdout.strip()
+    (bin_dir / "scontrol").write_text(  # its first update: not sent
+        "#!/bin/sh\n"
+        'if [ "$1" = update ]; then\n'
+        f"  echo x >> {calls}\n"
+        f"  if [ $(wc -l < {calls}) -le 1 ]; then\n"
+        "    echo 'Unable to contact slurm controller (connect failure)' >&2\n"
+        "    exit 1\n  fi\nfi\n"
+        f"exec {real} \"$@\"\n")
+    (bin_dir / "scontrol").chmod(0o755)
+
+    def requeue_setting() -> str:
+        out = subprocess.run([real, "show", "job", leader], capture_output=True,
+                             text=True).stdout
+        return next(w for w in out.split() if w.startswith("Requeue="))
+
+    try:
+        wait_for(lambda: [s.state for s in sched.poll(fresh=True)] == [JobState.RUNNING] * 2,
+                 60, "both components running")
+        assert requeue_setting() == "Requeue=1"
+        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+        sched.stop_group("rollout", grace=3)
+        assert f"job {leader} may still be requeued" in caplog.text
+        assert [s.job_id for s in sched.poll(fresh=True)] == [ids[0]]  # the model's, running
+        wait_for(lambda: sched.poll(fresh=True) and requeue_setting() == "Requeue=0", 60,
+                 "Requeue=0 taken")
+        assert sched._updates.unsettled == []
+        assert calls.read_text().count("x") == 2  # (not asked again once taken)
+        sched.stop_group("model", grace=3)  # the last component: the job is cancelled
+        wait_for(lambda: not our_jobs(slurm_cluster_4n.env, "stop", "het"), 60, "no job left")
+    finally:
+        subprocess.run(["scancel", leader])
+
+
 def test_a_pending_reason_that_never_clears_fails_at_once(slurm_cluster, tmp_path):
     """The partition's time limit (lowered here) is below the rollout job's: sbatch takes it
     (EnforcePartLimits=NO) and it pends with PartitionTimeLimit, which waiting never clears."""

@@ -186,7 +186,7 @@ def test_a_job_whose_requeue_slurm_could_not_turn_off_is_asked_again(slurm_env, 
         wait_for(lambda: sched.poll(fresh=True) and requeue_setting() == "Requeue=0", 60,
                  "Requeue=0 taken")
         assert f"job {job_id} will no longer be requeued" in caplog.text
-        assert sched._updates.requeue_left == {}
+        assert sched._updates.unsettled == []
         (st,) = sched.poll(fresh=True)
         assert st.workers == ("rollout/0",)
         assert calls.read_text().count("x") == 2  # (not asked again once taken)
