@@ -53,6 +53,15 @@ def test_a_recovery_whose_sbatch_timed_out_takes_the_job_slurm_queued_all_the_sa
         assert [j for j, n, _ in squeue(env, "arith-tiny", "stall")
                 if n.endswith(":rollout")] == [first]  # (rollout/0 runs on in it)
         assert len(_respawned(env)) == 1, (_respawned(env), err.text[-4000:])  # no second copy
+        # the job Slurm queued for the timed-out sbatch: taken, or cancelled as a late copy
+        assert ("queued though its sbatch timed out, is taken as" in err.text
+                or "also queued for the rollout group by an earlier sbatch that timed out: "
+                "cancelled" in err.text), err.text[-4000:]
+        # rollout/1 was forgotten in the group's job while Slurm did not answer: that job is
+        # set never to requeue all the same (its requeue would start the old rollout/1 again)
+        show = subprocess.run(["scontrol", "show", "job", first], capture_output=True,
+                              text=True, env=env, check=True).stdout
+        assert "Requeue=0" in show.split(), show
         _cancel(env, root, "stall")
         proc.wait(timeout=120)
     s = read_summary(root, "arith-tiny", "stall")
