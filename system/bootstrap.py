@@ -41,8 +41,8 @@ class Bootstrap:
     ``scheduler.slurm.signal_seconds`` under Slurm; 0: no such warning (the local scheduler)."""
     controller_stop_grace: float | None = None
     """``scheduler.stop_grace`` where a detached controller requeues its own job at its warning
-    (it then waits less for the checkpoint: :func:`workers.checkpoint_window.
-    controller_checkpoint_wait`); None: no such controller."""
+    (it then waits less for the checkpoint:
+    :func:`workers.checkpoint_window.controller_checkpoint_wait`); None: no such controller."""
 
     def write(self, path: str) -> None:
         write_private(path, json.dumps(dataclasses.asdict(self), indent=1).encode(),

@@ -53,7 +53,7 @@ from system.launcher.overrides import CliArgs, apply_overrides, parse_cli
 from system.launcher.own_preemption import PreemptionWatch
 from system.launcher.self_requeue import (REQUEUE_WAIT, ControllerRequeue,
                                           cancelled_while_requeued, end_records, own_job,
-                                          requeue, requeues, restart_count, restart_overrides,
+                                          requeue, requeue_job, restart_count, restart_overrides,
                                           stale_pending, wait_for_requeue)
 from system.launcher.groups import group_specs
 from system.launcher.submit import (controller_request, detach, dry_run, queued_controller,
@@ -299,8 +299,7 @@ def launch(argv: list[str], restarted: list[str]) -> int:
                               dry_run=args.dry_run or "--test-only" in args.flags,
                               before_write=(lambda: check(cfg, trial_paths(cfg).root))
                               if continues and check is not None else None,
-                              requeuing_controller=(own_job(cfg.exp, cfg.trial) is not None
-                                                    and requeues(cfg)))
+                              requeuing_controller=requeue_job(cfg) is not None)
     except ConfigError as e:  # e.g. recover=off on a trial that has checkpoints
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -399,10 +398,9 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
     except RLSystemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    job = own_job(cfg.exp, cfg.trial)
-    requeue_job = job if job is not None and requeues(cfg) else None
-    watch = None if requeue_job is None else PreemptionWatch(requeue_job)
-    stop = StopOnSignal(requeue_job, watch.seconds_left if watch else lambda: None)
+    job = requeue_job(cfg)
+    watch = None if job is None else PreemptionWatch(job)
+    stop = StopOnSignal(job, watch.seconds_left if watch else lambda: None)
     stop.install()
     controller.status.before_tick = stop.redeliver
     if watch is not None:
@@ -414,21 +412,22 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
         stop.ignore()
         if watch is not None:
             watch.close()
-    if requeue_job is None or controller.outcome != "requeued":
+    if job is None or controller.outcome != "requeued":
         return code
     if cancelled_while_requeued(paths):  # (ctl cancel while it stopped the trial)
         end_records(paths, "cancelled", "cancelled (python -m system.ctl cancel): not requeued")
-        print(f"cancelled: job {requeue_job} is not requeued", file=sys.stderr)
+        print(f"cancelled: job {job} is not requeued", file=sys.stderr)
         return 1
     trial.lock.release()  # (before Slurm ends this process: the next start takes it)
-    error = requeue(requeue_job)
+    error = requeue(job)
     if error is None:
-        wait_for_requeue(requeue_job)
-        error = f"Slurm did not end job {requeue_job} within {REQUEUE_WAIT:.0f}s of the request"
-    print(f"error: the controller's job {requeue_job} was not requeued: {error}; continue the "
+        wait_for_requeue(job)
+        error = f"Slurm did not end job {job} within {REQUEUE_WAIT:.0f}s of the request"
+    print(f"error: the controller's job {job} was not requeued: {error}; continue the "
           f"trial by launching it again", file=sys.stderr)
     end_records(paths, "interrupted", f"not requeued: {error}")
     return 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

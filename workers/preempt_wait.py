@@ -8,8 +8,8 @@ grace (the job was killed mid-wait, its requeue never asked for), and gave up on
 that a warning of 600 s, set for a model whose checkpoint takes minutes, had room for (the steps
 since the last checkpoint were lost). So the wait is what Slurm really leaves (``scontrol``: the
 job's ``EndTime``, or its preemption's grace), less a reserve for the stop and the requeue that
-follow; capped where no end is near (a SIGUSR2 sent by hand): :func:`~workers.checkpoint_window.
-checkpoint_wait`, pure, with what the master checks its checkpoint against.
+follow; capped where no end is near (a SIGUSR2 sent by hand). The rule itself is pure, with what
+the master checks its checkpoint against: :func:`workers.checkpoint_window.checkpoint_wait`.
 """
 from __future__ import annotations
 

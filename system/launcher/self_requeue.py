@@ -63,6 +63,13 @@ def requeues(cfg: ExperimentConfig) -> bool:
             and cfg.mode == RunMode.TRAIN and cfg.recovery() is not None)
 
 
+def requeue_job(cfg: ExperimentConfig) -> str | None:
+    """This process's Slurm job when it is the trial's detached controller and requeues that
+    job at its warning (:func:`own_job`, :func:`requeues`), else None."""
+    job = own_job(cfg.exp, cfg.trial)
+    return job if job is not None and requeues(cfg) else None
+
+
 def restart_count() -> int:
     """How often Slurm has started this job before (``SLURM_RESTART_COUNT``; 0 outside one)."""
     try:

@@ -49,7 +49,6 @@ def test_a_checkpoint_that_outlasts_the_wait_is_said_once_with_the_key_that_fits
     assert len(window.notes) == 2
 
 
-
 def test_the_detached_controllers_wait_leaves_time_to_stop_every_job():
     assert controller_checkpoint_wait(120, 30.0) == 45.0
     assert controller_checkpoint_wait(120, 5.0) == 60.0  # half the warning at most
@@ -77,10 +76,11 @@ def test_a_detached_controller_that_requeues_itself_waits_less_and_is_fitted_too
     note = window.check(60.0, 5.0)
     assert WindowCheck(120.0).check(60.0, 5.0) == ""  # (the workers' 90 s: it fits)
     assert note == ("a step's training and its checkpoint took 5.0s + 60s: more than the 60s the "
-                    "detached controller warned by Slurm waits for the checkpoint (of scheduler."
-                    "slurm.signal_seconds=120: half at most, less the 25s it keeps to stop every "
-                    "job and requeue itself; a third of a short warning, up to 10s), so a time "
-                    "limit would lose the steps since the last checkpoint; valid: scheduler.slurm."
+                    "detached controller warned by Slurm waits for the checkpoint (half of "
+                    "scheduler.slurm.signal_seconds=120, or all of it but the 25s it keeps to "
+                    "stop every job and requeue itself, whichever is less; a third of a short "
+                    "warning, up to 10s), so a time limit would lose the steps since the last "
+                    "checkpoint; valid: scheduler.slurm."
                     "signal_seconds=163 or more (a preemption's wait is what the partition's "
                     "GraceTime leaves)")  # 65 s, and a quarter more: 81.25 s, twice over
     assert window.wait(163) >= 65 * 1.25 and window.wait(162) < 65 * 1.25
