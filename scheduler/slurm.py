@@ -24,8 +24,9 @@ from scheduler.slurm_jobs import (cancel_until_gone, het_leader, queued, scancel
                                   terminate)
 from scheduler.slurm_queue import (blocked_message, held_after_launch_failure, hopeless,
                                    queue_timeout_message, unavailable_nodes)
+from scheduler.slurm_marks import clear_forgotten, forgotten_mark, requeue_mark_prefix
 from scheduler.slurm_render import (HETJOB, job_label, job_name, render_hetjob_script,
-                                    render_worker_script, requeue_mark_prefix, script_name)
+                                    render_worker_script, script_name)
 from scheduler.slurm_submit import Submitter
 from scheduler.slurm_updates import JobUpdates
 from system.errors import SchedulerError
@@ -282,9 +283,12 @@ class SlurmScheduler(Scheduler):
         return False
 
     def cancel_leftovers(self, logs_dirs: Sequence[str]) -> list[str]:
-        """See :func:`scheduler.slurm_leftovers.cancel_leftovers`."""
-        return cancel_leftovers(self.exp, self.trial, logs_dirs, self.cancel_deadline,
-                                self.scancel_timeout)
+        """See :func:`scheduler.slurm_leftovers.cancel_leftovers`; then the earlier run's marks
+        of workers restarted elsewhere go (:func:`scheduler.slurm_marks.clear_forgotten`)."""
+        ids = cancel_leftovers(self.exp, self.trial, logs_dirs, self.cancel_deadline,
+                               self.scancel_timeout)
+        clear_forgotten(logs_dirs)
+        return ids
 
     def stop_all(self, grace: float) -> None:
         """Cancel every job of the trial; return once none is left in the queue.
@@ -316,6 +320,7 @@ class SlurmScheduler(Scheduler):
         for j in shared:
             log.warning("job %s (%s) is a component of a heterogeneous job: forgotten, not "
                         "cancelled (the job runs on for the other groups)", j, kind)
+            self._mark_forgotten(j, self._live(j)[0])
             self._updates.no_requeue(j, self.scancel_timeout)
         self._cancel([j for j in ids if j not in shared], grace, f"jobs of the {kind} group")
         self._forget(ids)
@@ -349,12 +354,29 @@ class SlurmScheduler(Scheduler):
             raise SchedulerError(f"worker {name} is queued in job {job_id} with "
                                  f"{', '.join(others)}: stop its group instead")
         if in_queue is None or job_id in in_queue:  # running others (or squeue did not say)
+            self._mark_forgotten(job_id, [name])
             self._forgotten.setdefault(job_id, set()).add(name)
             self._updates.no_requeue(job_id, self.scancel_timeout)
         else:
             self._cancel([job_id], grace, f"job {job_id} of {name}")
             self._forget([job_id])
         self._last_poll = 0.0
+
+    def _mark_forgotten(self, job_id: str, workers: Sequence[str]) -> None:
+        """``workers`` of running job ``job_id`` are restarted elsewhere: should the job
+        requeue all the same (with requeue on), their copies it starts exit at once
+        (:mod:`scheduler.slurm_marks`)."""
+        if not self.slurm.requeue:
+            return
+        group = self._jobs[job_id]
+        mark = requeue_mark_prefix(os.path.dirname(group.log_paths[0]), group.kind) + job_id
+        for w in workers:
+            path = forgotten_mark(mark, int(w.split("/")[1]))
+            try:
+                with open(path, "a"):
+                    pass
+            except OSError as e:  # (its copy would register over its replacement's name)
+                log.warning("could not mark %s as restarted elsewhere (%s): %s", w, path, e)
 
     def _het_siblings(self, job_id: str) -> list[str]:
         """The other components of ``job_id``'s heterogeneous job still tracked ([] for a

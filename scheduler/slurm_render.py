@@ -16,6 +16,7 @@ from scheduler.base import GroupSpec
 from scheduler.script_text import FILTERS, PATH_REFUSED, finalize, slurm_path_problem
 from scheduler.slurm_config import SlurmConfig, SlurmGroupConfig
 from scheduler.slurm_fit import Demand, mem_mb
+from scheduler.slurm_marks import requeue_mark_prefix
 from system.errors import ConfigError
 
 TEMPLATES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "slurm")
@@ -119,12 +120,6 @@ def umask_text(umask: int) -> str:
     if not 0 <= umask <= 0o777:
         raise ConfigError(f"umask {umask:o} is not a file-creation mask")
     return f"{umask:04o}"
-
-
-def requeue_mark_prefix(logs_dir: str, kind: str) -> str:
-    """Job ``J`` of ``kind`` is marked for a requeue by the file ``<prefix>J``: a worker that got
-    SIGUSR2 creates it, the job's script requeues the job once srun has returned."""
-    return os.path.join(logs_dir, f".requeue-{kind}-")
 
 
 def render_worker_script(*, exp: str, trial: str, group: GroupSpec, slurm: SlurmConfig,

@@ -18,6 +18,7 @@ import os
 import sys
 
 from scheduler.gpu_plan import task_env
+from scheduler.slurm_marks import forgotten_here
 from scheduler.spares import SERVES_START_ENV, STANDBY_FLAG
 from system.bootstrap import Bootstrap
 from system.cpu_binding import CPUS_ENV, bind_from_env
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         bind_from_env()  # this worker's own CPUs (its activation's environment)
         logging.getLogger().handlers.clear()  # the worker's own log format, on its log file
     index, local_rank = task_identity(args.index)
+    if forgotten_here(index):  # (before it registers: that would be over its replacement's)
+        print(f"{args.kind}/{index} was restarted in a job of its own while this job ran on; "
+              "this copy, started again by the job's requeue, exits", file=sys.stderr)
+        return 0
     boot = Bootstrap.read(bootstrap)
     if boot.scheduler == "slurm":
         witness.start(boot, args.kind, index)  # before the worker's own threads start

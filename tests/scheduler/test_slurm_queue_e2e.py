@@ -172,6 +172,8 @@ def test_a_component_of_a_heterogeneous_job_stopped_alone_turns_the_jobs_requeue
         monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
         sched.stop_group("rollout", grace=3)
         assert f"job {leader} may still be requeued" in caplog.text
+        # should the job requeue all the same, its copy of rollout/0 exits
+        assert (tmp_path / f".requeue-rollout-{ids[1]}.forgotten-0").exists()
         assert [s.job_id for s in sched.poll(fresh=True)] == [ids[0]]  # the model's, running
         wait_for(lambda: sched.poll(fresh=True) and requeue_setting() == "Requeue=0", 60,
                  "Requeue=0 taken")

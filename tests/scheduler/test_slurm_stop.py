@@ -140,6 +140,9 @@ def test_stop_worker_of_a_two_task_job(slurm_env, tmp_path):
         assert _queue(slurm_env, [job_id]) == [f"{job_id}|RUNNING"]
         assert "Requeue=0" in subprocess.run(["scontrol", "show", "job", job_id],
                                              capture_output=True, text=True).stdout
+        # should it requeue all the same, its copy of rollout/1 exits (scheduler/slurm_marks.py)
+        assert [f for f in os.listdir(tmp_path) if f.startswith(".requeue")] == [
+            f".requeue-rollout-{job_id}.forgotten-1"]
         sched.stop_worker("rollout/1", grace=3)  # already forgotten: nothing to do
         sched.stop_worker("rollout/0", grace=3)
         assert _queue(slurm_env, [job_id]) == [] and sched.poll() == []

@@ -119,7 +119,7 @@ def test_a_worker_whose_job_is_marked_for_a_requeue_is_preempted(tmp_path):
     workers of other jobs, and schedulers without requeues, never."""
     from scheduler.slurm import SlurmScheduler
     from scheduler.slurm_config import SlurmConfig
-    from scheduler.slurm_render import requeue_mark_prefix
+    from scheduler.slurm_marks import requeue_mark_prefix
 
     paths = TrialPaths(str(tmp_path))
     os.makedirs(paths.logs)
@@ -134,3 +134,51 @@ def test_a_worker_whose_job_is_marked_for_a_requeue_is_preempted(tmp_path):
     os.remove(mark)
     assert not slurm.preempted("generation/1")
     assert not LocalScheduler().preempted("generation/1")
+
+
+def test_a_copy_of_a_worker_restarted_elsewhere_exits_when_its_old_job_requeues(tmp_path):
+    """rollout/1 was restarted in a job of its own while job 77 ran on with rollout/0; job 77
+    requeued all the same (Slurm had not taken ``Requeue=0``) and starts both tasks again. The
+    real worker entry point, as task 1 of job 77: it finds rollout/1's mark and exits 0 before
+    it registers (its registration would be over its replacement's name), while task 0 of the
+    same job goes on (here: to read its trial's files, absent, and fail on them)."""
+    import subprocess
+    import sys
+
+    from scheduler.slurm_marks import forgotten_mark, requeue_mark_prefix
+    from tests.helpers import REPO
+
+    mark = requeue_mark_prefix(str(tmp_path), "rollout") + "77"
+    open(forgotten_mark(mark, 1), "w").close()
+    env = {**os.environ, "SLURM_JOB_ID": "77", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2",
+           "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "RLSYS_REQUEUE_MARK": mark}
+    env.pop("RLSYS_WORKER_BASE", None)
+
+    def task(rank: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "system.launcher.run_worker", "--trial-dir",
+                               str(tmp_path / "trial"), "--kind", "rollout"], cwd=REPO,
+                              env={**env, "SLURM_PROCID": str(rank)}, capture_output=True,
+                              text=True, timeout=120)
+    copy = task(1)
+    assert copy.returncode == 0, copy.stderr
+    assert ("rollout/1 was restarted in a job of its own while this job ran on; this copy, "
+            "started again by the job's requeue, exits") in copy.stderr
+    other = task(0)
+    assert other.returncode != 0 and "bootstrap.json" in other.stderr, other.stderr
+
+
+def test_an_earlier_runs_marks_of_workers_restarted_elsewhere_are_cleared(tmp_path):
+    """A new run of the trial starts with its leftovers cancelled: the marks of the earlier
+    run's jobs go (a job of the new run that Slurm numbers as one of them must not take them
+    for its own), the requeue marks and logs stay."""
+    from scheduler.slurm_marks import clear_forgotten, forgotten_mark, requeue_mark_prefix
+
+    logs = tmp_path / "it's [logs]"  # (glob's own characters in the path)
+    logs.mkdir()
+    keep = [requeue_mark_prefix(str(logs), "rollout") + "7", str(logs / "rollout-1.log")]
+    gone = [forgotten_mark(requeue_mark_prefix(str(logs), "rollout") + "7", 1),
+            forgotten_mark(requeue_mark_prefix(str(logs), "model") + "9+0", 0)]
+    for path in keep + gone:
+        open(path, "w").close()
+    assert clear_forgotten([str(logs), str(tmp_path / "absent")]) == 2
+    assert sorted(os.listdir(logs)) == sorted(os.path.basename(p) for p in keep)
