@@ -177,6 +177,7 @@ class SlurmScheduler(Scheduler):
         for j, group in zip(ids, request.members()):
             self._jobs[j] = group
             self._submitted[j] = time.monotonic()
+            clear_forgotten(self._requeue_mark(j))  # (an earlier job's of the same id)
         self._last_poll = 0.0
         log.info("submitted %s as job %s", request.describe(), job_id)
         return ids
@@ -283,12 +284,9 @@ class SlurmScheduler(Scheduler):
         return False
 
     def cancel_leftovers(self, logs_dirs: Sequence[str]) -> list[str]:
-        """See :func:`scheduler.slurm_leftovers.cancel_leftovers`; then the earlier run's marks
-        of workers restarted elsewhere go (:func:`scheduler.slurm_marks.clear_forgotten`)."""
-        ids = cancel_leftovers(self.exp, self.trial, logs_dirs, self.cancel_deadline,
-                               self.scancel_timeout)
-        clear_forgotten(logs_dirs)
-        return ids
+        """See :func:`scheduler.slurm_leftovers.cancel_leftovers`."""
+        return cancel_leftovers(self.exp, self.trial, logs_dirs, self.cancel_deadline,
+                                self.scancel_timeout)
 
     def stop_all(self, grace: float) -> None:
         """Cancel every job of the trial; return once none is left in the queue.
@@ -368,15 +366,18 @@ class SlurmScheduler(Scheduler):
         (:mod:`scheduler.slurm_marks`)."""
         if not self.slurm.requeue:
             return
-        group = self._jobs[job_id]
-        mark = requeue_mark_prefix(os.path.dirname(group.log_paths[0]), group.kind) + job_id
         for w in workers:
-            path = forgotten_mark(mark, int(w.split("/")[1]))
+            path = forgotten_mark(self._requeue_mark(job_id), int(w.split("/")[1]))
             try:
                 with open(path, "a"):
                     pass
             except OSError as e:  # (its copy would register over its replacement's name)
                 log.warning("could not mark %s as restarted elsewhere (%s): %s", w, path, e)
+
+    def _requeue_mark(self, job_id: str) -> str:
+        """Tracked job ``job_id``'s requeue mark (what its script exports to its tasks)."""
+        group = self._jobs[job_id]
+        return requeue_mark_prefix(os.path.dirname(group.log_paths[0]), group.kind) + job_id
 
     def _het_siblings(self, job_id: str) -> list[str]:
         """The other components of ``job_id``'s heterogeneous job still tracked ([] for a
@@ -390,13 +391,8 @@ class SlurmScheduler(Scheduler):
         """Whether worker ``name``'s job is marked for a requeue (its worker got SIGUSR2 and
         stops): until the job is requeued, a heartbeat that expires is the requeue under way,
         not a death."""
-        kind = name.split("/")[0]
-        for job_id, group in self._jobs.items():
-            if name in self._live(job_id)[0]:
-                logs_dir = os.path.dirname(group.log_paths[0])
-                if os.path.exists(requeue_mark_prefix(logs_dir, kind) + job_id):
-                    return True
-        return False
+        return any(name in self._live(j)[0] and os.path.exists(self._requeue_mark(j))
+                   for j in self._jobs)
 
     def _live(self, job_id: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The workers of job ``job_id`` and their logs, but those :meth:`stop_worker` forgot."""

@@ -1,6 +1,6 @@
 """Files in a trial's logs directory that a Slurm job's batch script and its workers read: the
 mark that asks for the job's requeue, and the marks of workers restarted elsewhere while the job
-ran on (each file is named after the job; pure, but for :func:`forgotten_here`).
+ran on (each file is named after the job).
 
 A job of several workers runs on when one of them is restarted alone in a job of its own (Slurm
 cannot stop one task of a step); that job is then set never to requeue. Should it requeue all the
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Sequence
 
 REQUEUE_MARK_ENV = "RLSYS_REQUEUE_MARK"
 """The job's requeue mark (its path), exported to its tasks by the batch script (requeue on)."""
@@ -30,24 +29,21 @@ def forgotten_mark(requeue_mark: str, index: int) -> str:
     return f"{requeue_mark}.forgotten-{index}"
 
 
-def forgotten_here(index: int) -> bool:
-    """Whether this task (worker ``index``, in a Slurm job with requeue on) was restarted
-    elsewhere while its job ran on, and is a copy started again by the job's requeue."""
+def forgotten_here(index: int) -> str | None:
+    """The mark of this task (worker ``index``, in a Slurm job with requeue on) if it was
+    restarted elsewhere while its job ran on: it is a copy the job started again (its
+    requeue); None otherwise."""
     mark = os.environ.get(REQUEUE_MARK_ENV)
-    return bool(mark) and os.path.exists(forgotten_mark(mark, index))
+    if not mark or not os.path.exists(forgotten_mark(mark, index)):
+        return None
+    return forgotten_mark(mark, index)
 
 
-def clear_forgotten(logs_dirs: Sequence[str]) -> int:
-    """Remove the marks of workers restarted elsewhere from ``logs_dirs``: an earlier run's
-    jobs are gone once a new run starts (its leftovers cancelled), and a job of the new run
-    that Slurm numbers as one of them (its job ids started over) must not take them for its
-    own. Returns how many were removed."""
-    n = 0
-    for d in logs_dirs:
-        for path in glob.glob(os.path.join(glob.escape(d), ".requeue-*.forgotten-*")):
-            try:
-                os.remove(path)
-                n += 1
-            except FileNotFoundError:
-                pass
-    return n
+def clear_forgotten(requeue_mark: str) -> None:
+    """Remove the marks under job mark ``requeue_mark``: the job was just submitted, so none is
+    its own (an earlier job Slurm numbered alike left them: its job ids started over)."""
+    for path in glob.glob(glob.escape(requeue_mark) + ".forgotten-*"):
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass

@@ -76,6 +76,8 @@ class JobUpdates:
             if again:
                 log.warning("job %s will no longer be requeued: Slurm took Requeue=0 now",
                             leader)
+        elif ended(error):  # (a job that ended cannot requeue)
+            log.info("job %s ended before Requeue=0: %s", leader, error)
         elif not transient(error):
             log.warning("job %s may still be requeued (its restart would start a worker "
                         "restarted elsewhere again): Slurm refused Requeue=0: %s", leader, error)
@@ -110,6 +112,13 @@ class JobUpdates:
         """Job ``job_id`` is no longer tracked: its release is no longer due (its
         ``Requeue=0`` goes once no component of its job is tracked: :meth:`after_answer`)."""
         self._release_at.pop(job_id, None)
+
+
+def ended(error: str) -> bool:
+    """Whether a Slurm command's ``error`` says the job has ended (or is no job any more)."""
+    text = error.lower()
+    return any(s in text for s in ("already completing or completed", "invalid job id",
+                                   "has already finished"))
 
 
 def transient(error: str) -> bool:

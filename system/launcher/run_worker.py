@@ -77,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         bind_from_env()  # this worker's own CPUs (its activation's environment)
         logging.getLogger().handlers.clear()  # the worker's own log format, on its log file
     index, local_rank = task_identity(args.index)
-    if forgotten_here(index):  # (before it registers: that would be over its replacement's)
-        print(f"{args.kind}/{index} was restarted in a job of its own while this job ran on; "
-              "this copy, started again by the job's requeue, exits", file=sys.stderr)
+    if _restarted_elsewhere(args.kind, index):  # (its witness would vouch over the other's)
         return 0
     boot = Bootstrap.read(bootstrap)
     if boot.scheduler == "slurm":
@@ -96,7 +94,21 @@ def main(argv: list[str] | None = None) -> int:
     role = get_experiment(boot.experiment).roles_for(boot.mode).of(args.kind)
     worker = worker_class(args.kind)(boot, index, local_rank)
     worker.prepared = prepared
+    if _restarted_elsewhere(args.kind, index):  # (marked while it imported: not registered)
+        return 0
     return worker.run(role)
+
+
+def _restarted_elsewhere(kind: str, index: int) -> bool:
+    """Whether this task is a copy of a worker restarted elsewhere while its job ran on,
+    started again by that job (:func:`scheduler.slurm_marks.forgotten_here`); said if so. It
+    must exit before it registers: that would be over its replacement's name."""
+    mark = forgotten_here(index)
+    if mark is not None:
+        print(f"{kind}/{index} was restarted elsewhere while job "
+              f"{os.environ.get('SLURM_JOB_ID', '?')} ran on ({mark}): this copy exits",
+              file=sys.stderr)
+    return mark is not None
 
 
 def task_identity(index: int | None) -> tuple[int, int]:

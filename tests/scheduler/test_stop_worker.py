@@ -161,24 +161,32 @@ def test_a_copy_of_a_worker_restarted_elsewhere_exits_when_its_old_job_requeues(
                               text=True, timeout=120)
     copy = task(1)
     assert copy.returncode == 0, copy.stderr
-    assert ("rollout/1 was restarted in a job of its own while this job ran on; this copy, "
-            "started again by the job's requeue, exits") in copy.stderr
+    assert (f"rollout/1 was restarted elsewhere while job 77 ran on ({forgotten_mark(mark, 1)}): "
+            "this copy exits") in copy.stderr
     other = task(0)
     assert other.returncode != 0 and "bootstrap.json" in other.stderr, other.stderr
 
 
-def test_an_earlier_runs_marks_of_workers_restarted_elsewhere_are_cleared(tmp_path):
-    """A new run of the trial starts with its leftovers cancelled: the marks of the earlier
-    run's jobs go (a job of the new run that Slurm numbers as one of them must not take them
-    for its own), the requeue marks and logs stay."""
-    from scheduler.slurm_marks import clear_forgotten, forgotten_mark, requeue_mark_prefix
+def test_a_job_just_submitted_has_no_marks_of_workers_restarted_elsewhere(tmp_path):
+    """Marks of an earlier job that Slurm numbered alike (its job ids started over: its state
+    lost) are not the new job's: they go as it is recorded; another job's stay."""
+    from scheduler.slurm import SlurmScheduler
+    from scheduler.slurm_config import SlurmConfig
+    from scheduler.slurm_marks import forgotten_mark, requeue_mark_prefix
 
-    logs = tmp_path / "it's [logs]"  # (glob's own characters in the path)
-    logs.mkdir()
-    keep = [requeue_mark_prefix(str(logs), "rollout") + "7", str(logs / "rollout-1.log")]
-    gone = [forgotten_mark(requeue_mark_prefix(str(logs), "rollout") + "7", 1),
-            forgotten_mark(requeue_mark_prefix(str(logs), "model") + "9+0", 0)]
-    for path in keep + gone:
+    paths = TrialPaths(str(tmp_path / "it's [a] trial"))  # (glob's own characters in the path)
+    os.makedirs(paths.logs)
+    slurm = SlurmScheduler(SlurmConfig(), "e", "t", paths.root, str(tmp_path))
+    prefix = requeue_mark_prefix(paths.logs, "rollout")
+    stale, other = forgotten_mark(prefix + "7", 1), forgotten_mark(prefix + "77", 1)
+    for path in (stale, other, prefix + "7"):
         open(path, "w").close()
-    assert clear_forgotten([str(logs), str(tmp_path / "absent")]) == 2
-    assert sorted(os.listdir(logs)) == sorted(os.path.basename(p) for p in keep)
+    slurm._record(slurm.plan(group_spec("rollout", 2, paths, "py")), "7")  # as schedule() does
+    assert not os.path.exists(stale) and os.path.exists(other)
+    assert os.path.exists(prefix + "7")  # (its requeue mark: its script's to remove)
+    slurm._mark_forgotten("7", ["rollout/1"])  # (stop_worker, as the job runs on)
+    assert os.path.exists(stale)
+    off = SlurmScheduler(SlurmConfig(requeue=False), "e", "t", paths.root, str(tmp_path))
+    off._jobs["8"] = slurm._jobs["7"]
+    off._mark_forgotten("8", ["rollout/1"])  # (no requeue: no copy can start again)
+    assert not os.path.exists(forgotten_mark(prefix + "8", 1))
