@@ -125,7 +125,7 @@ class WindowCheck:
             who = ("the detached controller warned by Slurm waits for the checkpoint (half of "
                    f"scheduler.slurm.signal_seconds={self.warning:.0f}, or all of it but the "
                    f"{_s(controller_keeps(self.controller_grace))} it keeps to stop every job and "
-                   "requeue itself, whichever is less; a third of a short warning, up to 10s)")
+                   "requeue itself, whichever is less, but at least a third of it, up to 10s)")
         else:
             who = (f"a worker warned by Slurm waits for the checkpoint "
                    f"(scheduler.slurm.signal_seconds={self.warning:.0f} less "

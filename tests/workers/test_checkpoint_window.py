@@ -78,8 +78,8 @@ def test_a_detached_controller_that_requeues_itself_waits_less_and_is_fitted_too
     assert note == ("a step's training and its checkpoint took 5.0s + 60s: more than the 60s the "
                     "detached controller warned by Slurm waits for the checkpoint (half of "
                     "scheduler.slurm.signal_seconds=120, or all of it but the 25s it keeps to "
-                    "stop every job and requeue itself, whichever is less; a third of a short "
-                    "warning, up to 10s), so a time limit would lose the steps since the last "
+                    "stop every job and requeue itself, whichever is less, but at least a third "
+                    "of it, up to 10s), so a time limit would lose the steps since the last "
                     "checkpoint; valid: scheduler.slurm."
                     "signal_seconds=163 or more (a preemption's wait is what the partition's "
                     "GraceTime leaves)")  # 65 s, and a quarter more: 81.25 s, twice over
