@@ -141,7 +141,8 @@ def test_hostile_values_reach_srun_verbatim_and_never_run(odd):
                                 slurm=nasty_config(values, tmp), workdir=workdir)
     got = run_script(text, tmp)
     assert not os.path.exists(f"{tmp}/pwned")
-    assert got["srun.args"] == [f"--output={task_log(group)}", "--open-mode=append",
+    assert got["srun.args"] == ["--wait=0", "--kill-on-bad-exit=0",
+                                f"--output={task_log(group)}", "--open-mode=append",
                                 f"--container-image={values[1]}",
                                 f"--container-mounts={values[2]}:/runs", *group.argv]
     env = dict(e.split("=", 1) for e in got["srun.env"])
@@ -159,8 +160,8 @@ def test_apptainer_args_are_arguments_not_commands(odd):
     got = run_script(text, tmp)
     assert not os.path.exists(f"{tmp}/pwned")
     args = got["srun.args"]
-    assert args[2:4] == ["apptainer", "exec"]
-    assert args[4:] == ["--nv", "$(touch", f"{tmp}/pwned)", "x;", "touch", f"{tmp}/pwned",
+    assert args[4:6] == ["apptainer", "exec"]
+    assert args[6:] == ["--nv", "$(touch", f"{tmp}/pwned)", "x;", "touch", f"{tmp}/pwned",
                         values[3], *group.argv]
 
 
