@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Protocol
 
 from system import names
 from system.bootstrap import Bootstrap
-from system.name_resolve_api import NameEntryNotFound
+from system.name_resolve_api import NameEntryNotFound, NameResolveError
 from workers.checkpoint_window import checkpoint_wait
 
 log = logging.getLogger("worker")
@@ -116,15 +116,11 @@ def stop_after_checkpoint(worker: Warned, timeout: float | None = None) -> None:
                         deadline - t0, ends)
             while time.monotonic() < deadline and not worker.wait_stop(
                     min(0.5, max(deadline - time.monotonic(), 0.0))):
-                try:
-                    worker.name_resolve.get(key)
-                except NameEntryNotFound:  # (answered: not to be added back)
-                    worker.name_resolve.forget(key)
-                    log.warning("%s: checkpoint committed after SIGUSR2 (in %.0fs): stopping",
-                                worker.name, time.monotonic() - t0)
+                if _committed(worker, key, t0):
                     break
-            else:
-                if not worker.stopping:  # (not: stopped meanwhile by another cause)
+            else:  # (stopped meanwhile by another cause: the controller's recovery, say, once
+                # the master's job requeued after its commit; looked at once more)
+                if not _committed(worker, key, t0) and not worker.stopping:
                     log.warning("%s: no checkpoint within %.0fs of SIGUSR2: stopping (the steps "
                                 "since the last checkpoint are lost; a longer "
                                 "scheduler.slurm.signal_seconds gives the checkpoint more "
@@ -132,3 +128,18 @@ def stop_after_checkpoint(worker: Warned, timeout: float | None = None) -> None:
         finally:
             worker.stop()
     threading.Thread(target=wait, name="preempt", daemon=True).start()
+
+
+def _committed(worker: Warned, key: str, t0: float) -> bool:
+    """Whether the master has answered ``worker``'s checkpoint request ``key`` (deleted it once
+    the checkpoint was committed); said if so. No answer from the name service: not yet."""
+    try:
+        worker.name_resolve.get(key)
+    except NameEntryNotFound:  # (answered: not to be added back)
+        worker.name_resolve.forget(key)
+        log.warning("%s: checkpoint committed after SIGUSR2 (in %.0fs): stopping", worker.name,
+                    time.monotonic() - t0)
+        return True
+    except NameResolveError:  # (an outage: looked at again, until the deadline)
+        pass
+    return False

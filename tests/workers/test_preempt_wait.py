@@ -128,6 +128,28 @@ def test_a_committed_checkpoint_stops_the_worker_at_once(tmp_path):
         nr.close()
 
 
+def test_a_checkpoint_committed_just_before_another_stop_is_still_said(tmp_path):
+    """The master commits the checkpoint and, at once, the worker is stopped by another cause
+    (the controller's recovery cancels its job once the master's job requeued), before its
+    next look at the request: its log still says the checkpoint was committed (it said
+    nothing; a real preemption on the test cluster failed on that)."""
+    nr, codec = _trial(tmp_path, 0.0)
+    proc = _start(tmp_path, nr, codec)
+    try:
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGUSR2)
+        _answer(nr)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)  # (143: stopped by SIGTERM)
+        log = _log(tmp_path)
+        assert "probe/0: checkpoint committed after SIGUSR2" in log, log
+        assert "no checkpoint within" not in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        nr.close()
+
+
 @pytest.mark.slurm
 def test_the_wait_follows_the_end_slurm_gives_the_job(slurm_cluster, tmp_path):
     """Under Slurm the wait is sized by the job's own end (``scontrol``: its ``EndTime``), not
