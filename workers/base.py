@@ -21,6 +21,7 @@ import time
 import traceback
 from typing import Any, Callable, ClassVar
 
+from scheduler.slurm_marks import REQUEUE_MARK_ENV
 from system import names
 from system.bootstrap import Bootstrap, bind_host, read_secret
 from system.errors import ConfigError, FdExhausted, NameEntryNotFound, first_line
@@ -195,7 +196,7 @@ class Worker:
         preemption with a grace time sends SIGTERM to the tasks (not the job's ``--signal``).
         Not asked of a worker the controller already stops (its stop ends in SIGTERM)."""
         job = os.environ.get("SLURM_JOB_ID")
-        if not job or not os.environ.get("RLSYS_REQUEUE_MARK"):
+        if not job or not os.environ.get(REQUEUE_MARK_ENV):
             return False
         from scheduler.slurm_jobs import preempting  # (Slurm's commands: under Slurm only)
 
@@ -211,7 +212,7 @@ class Worker:
         workers rejoin the trial, and the controller configures and starts them again). Made at
         the signal, so that the controller, seeing the heartbeat expire while the worker stops,
         waits for the requeue instead of judging the worker dead."""
-        mark = os.environ.get("RLSYS_REQUEUE_MARK")
+        mark = os.environ.get(REQUEUE_MARK_ENV)
         if self.signalled != "SIGUSR2" or not mark:
             return
         try:

@@ -10,6 +10,8 @@ import time
 import pytest
 
 from tests.helpers import overridden, read_summary, run_launch
+from tests.scheduler import slurm_shims
+from tests.scheduler.slurm_shims import requeue_setting
 from tests.scheduler.test_slurm_e2e import SLURM
 
 pytestmark = pytest.mark.slurm
@@ -147,38 +149,22 @@ def test_a_component_of_a_heterogeneous_job_stopped_alone_turns_the_jobs_requeue
     (request,) = sched.plan_all(groups)
     ids = sched.schedule(request)
     leader = ids[0].split("+")[0]
-    bin_dir, calls = tmp_path / "bin", tmp_path / "update-calls"
-    bin_dir.mkdir()
-    real = subprocess.run(["which", "scontrol"], capture_output=True, text=True).stdout.strip()
-    (bin_dir / "scontrol").write_text(  # its first update: not sent
-        "#!/bin/sh\n"
-        'if [ "$1" = update ]; then\n'
-        f"  echo x >> {calls}\n"
-        f"  if [ $(wc -l < {calls}) -le 1 ]; then\n"
-        "    echo 'Unable to contact slurm controller (connect failure)' >&2\n"
-        "    exit 1\n  fi\nfi\n"
-        f"exec {real} \"$@\"\n")
-    (bin_dir / "scontrol").chmod(0o755)
-
-    def requeue_setting() -> str:
-        out = subprocess.run([real, "show", "job", leader], capture_output=True,
-                             text=True).stdout
-        return next(w for w in out.split() if w.startswith("Requeue="))
+    shim = slurm_shims.shim(tmp_path, "scontrol", 1, only="update")
 
     try:
         wait_for(lambda: [s.state for s in sched.poll(fresh=True)] == [JobState.RUNNING] * 2,
                  60, "both components running")
-        assert requeue_setting() == "Requeue=1"
-        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+        assert requeue_setting(leader) == "Requeue=1"
+        monkeypatch.setenv("PATH", f"{shim.bin_dir}:{os.environ['PATH']}")
         sched.stop_group("rollout", grace=3)
         assert f"job {leader} may still be requeued" in caplog.text
         # should the job requeue all the same, its copy of rollout/0 exits
         assert (tmp_path / f".requeue-rollout-{ids[1]}.forgotten-0").exists()
         assert [s.job_id for s in sched.poll(fresh=True)] == [ids[0]]  # the model's, running
-        wait_for(lambda: sched.poll(fresh=True) and requeue_setting() == "Requeue=0", 60,
+        wait_for(lambda: sched.poll(fresh=True) and requeue_setting(leader) == "Requeue=0", 60,
                  "Requeue=0 taken")
         assert sched._updates.unsettled == []
-        assert calls.read_text().count("x") == 2  # (not asked again once taken)
+        assert shim.count() == 2  # (not asked again once taken)
         sched.stop_group("model", grace=3)  # the last component: the job is cancelled
         wait_for(lambda: not our_jobs(slurm_cluster_4n.env, "stop", "het"), 60, "no job left")
     finally:

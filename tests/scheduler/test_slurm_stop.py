@@ -13,6 +13,8 @@ from scheduler.base import GroupSpec, JobState
 from scheduler.slurm import SlurmScheduler
 from scheduler.slurm_config import SlurmConfig, SlurmGroupConfig
 from tests.helpers import REPO, read_summary, run_launch
+from tests.scheduler import slurm_shims
+from tests.scheduler.slurm_shims import requeue_setting
 from tests.scheduler.test_slurm_e2e import SLURM, squeue, wait_for
 
 pytestmark = pytest.mark.slurm
@@ -84,24 +86,16 @@ def test_stop_all_outlasts_a_scancel_that_does_not_answer(slurm_env, tmp_path, m
     """The first scancel calls hang (a busy slurmctld); stopping retries until the queue is
     empty instead of raising."""
     sched, ids = _scheduler(tmp_path, "slow")
-    bin_dir, count = tmp_path / "bin", tmp_path / "scancel-calls"
-    bin_dir.mkdir()
-    real = subprocess.run(["which", "scancel"], capture_output=True, text=True).stdout.strip()
-    (bin_dir / "scancel").write_text(
-        "#!/bin/sh\n"
-        f"echo x >> {count}\n"
-        f"if [ $(wc -l < {count}) -le 2 ]; then exec sleep 60; fi\n"
-        f"exec {real} \"$@\"\n")
-    (bin_dir / "scancel").chmod(0o755)
+    shim = slurm_shims.shim(tmp_path, "scancel", 2, then="exec sleep 60")  # hangs
     try:
         _wait_running_and_pending(sched, ids)
-        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+        monkeypatch.setenv("PATH", f"{shim.bin_dir}:{os.environ['PATH']}")
         sched.scancel_timeout = 3.0  # (the real one may be slow on a loaded machine)
         sched.stop_all(grace=1)
         assert _queue(slurm_env, ids) == []
-        assert len(count.read_text().split()) > 2
+        assert shim.count() > 2
     finally:
-        subprocess.run([real, *ids], env={**os.environ, **slurm_env})
+        subprocess.run([shim.real, *ids], env={**os.environ, **slurm_env})
 
 
 def test_failed_trial_with_a_pending_job_leaves_nothing(slurm_cluster, tmp_path):
@@ -162,37 +156,21 @@ def test_a_job_whose_requeue_slurm_could_not_turn_off_is_asked_again(slurm_env, 
     sched = SlurmScheduler(SlurmConfig(poll_interval=0.2), "stop", "w2s", str(tmp_path), REPO)
     logs = (str(tmp_path / "rollout-0.log"), str(tmp_path / "rollout-1.log"))
     job_id = _running_job(sched, GroupSpec("rollout", 2, ("sleep", "300"), {}, logs))
-    bin_dir, calls = tmp_path / "bin", tmp_path / "update-calls"
-    bin_dir.mkdir()
-    real = subprocess.run(["which", "scontrol"], capture_output=True, text=True).stdout.strip()
-    (bin_dir / "scontrol").write_text(  # its first update: not sent
-        "#!/bin/sh\n"
-        'if [ "$1" = update ]; then\n'
-        f"  echo x >> {calls}\n"
-        f"  if [ $(wc -l < {calls}) -le 1 ]; then\n"
-        "    echo 'Unable to contact slurm controller (connect failure)' >&2\n"
-        "    exit 1\n  fi\nfi\n"
-        f"exec {real} \"$@\"\n")
-    (bin_dir / "scontrol").chmod(0o755)
-
-    def requeue_setting() -> str:
-        out = subprocess.run([real, "show", "job", job_id], capture_output=True,
-                             text=True).stdout
-        return next(w for w in out.split() if w.startswith("Requeue="))
+    shim = slurm_shims.shim(tmp_path, "scontrol", 1, only="update")
 
     try:
-        assert requeue_setting() == "Requeue=1"
-        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+        assert requeue_setting(job_id) == "Requeue=1"
+        monkeypatch.setenv("PATH", f"{shim.bin_dir}:{os.environ['PATH']}")
         sched.stop_worker("rollout/1", grace=3)
         assert f"job {job_id} may still be requeued" in caplog.text
-        assert requeue_setting() == "Requeue=1"
-        wait_for(lambda: sched.poll(fresh=True) and requeue_setting() == "Requeue=0", 60,
+        assert requeue_setting(job_id) == "Requeue=1"
+        wait_for(lambda: sched.poll(fresh=True) and requeue_setting(job_id) == "Requeue=0", 60,
                  "Requeue=0 taken")
         assert f"job {job_id} will no longer be requeued" in caplog.text
         assert sched._updates.unsettled == []
         (st,) = sched.poll(fresh=True)
         assert st.workers == ("rollout/0",)
-        assert calls.read_text().count("x") == 2  # (not asked again once taken)
+        assert shim.count() == 2  # (not asked again once taken)
     finally:
         subprocess.run(["scancel", job_id], env={**os.environ, **slurm_env})
 
@@ -370,17 +348,7 @@ def test_a_late_copy_of_an_unanswered_sbatch_is_cancelled_after_the_next_one(
     def queued() -> list[str]:
         return _jobs_named(name)
 
-    bin_dir, calls = tmp_path / "bin", tmp_path / "squeue-calls"
-    bin_dir.mkdir()
-    real = subprocess.run(["which", "squeue"], capture_output=True, text=True).stdout.strip()
-    (bin_dir / "squeue").write_text(  # its first answer after the stall: none
-        "#!/bin/sh\n"
-        f"echo x >> {calls}\n"
-        f"if [ $(wc -l < {calls}) -le 1 ]; then\n"
-        "  echo 'squeue: error: Unable to contact slurm controller (connect failure)' >&2\n"
-        "  exit 1\nfi\n"
-        f"exec {real} \"$@\"\n")
-    (bin_dir / "squeue").chmod(0o755)
+    shim = slurm_shims.shim(tmp_path, "squeue", 1)  # its first answer after the stall: none
     _wait_none_completing()
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -388,9 +356,9 @@ def test_a_late_copy_of_an_unanswered_sbatch_is_cancelled_after_the_next_one(
             sched.schedule(request)
         os.kill(pid, signal.SIGCONT)
         (late,) = wait_for(queued, 60, f"Slurm queuing {name} all the same")
-        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+        monkeypatch.setenv("PATH", f"{shim.bin_dir}:{os.environ['PATH']}")
         ids = sched.schedule(request)
-        assert calls.read_text().count("x") >= 2  # the look before sbatch failed, then after
+        assert shim.count() >= 2  # the look before sbatch failed, then after
         assert ids != [late]
         wait_for(lambda: queued() == ids, 60, f"the late copy, {late}, cancelled")
         assert sched._submitter.unconfirmed == set()
