@@ -68,6 +68,18 @@ def mixed_precision_policy(mixed: bool) -> dict[str, torch.dtype | None]:
 LossFn = Callable[[list[torch.Tensor], list[int]], torch.Tensor]
 
 
+def without_dropout(model: torch.nn.Module) -> None:
+    """Turn every dropout of ``model`` off, as megatron's engine is built: RL computes
+    log-probs (and values) in eval mode and trains on them, so a dropout active in training
+    would set the first update's ratio off 1 and add noise to every value target (a
+    ``*ForTokenClassification`` critic drops 10% of its head's input by default)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):  # (functional, in training)
+            m.attention_dropout = 0.0
+
+
 class TorchEngine:
     """``head="lm"``: a causal LM (actor, reference) whose outputs are per-token log-probs;
     ``head="value"``: the same backbone with a scalar head per position (the PPO critic), whose
@@ -94,6 +106,7 @@ class TorchEngine:
         # one rank autocasts; FSDP2's MixedPrecisionPolicy casts the gathered parameters
         self._autocast = self.mixed and not self._fsdp
         model = self._load(cfg.model_path, head).to(self.device)
+        without_dropout(model)
         if not trainable:
             model.requires_grad_(False)
         if self._fsdp:

@@ -120,6 +120,26 @@ def test_logprobs_match_a_plain_forward(tiny_model_dir):
         assert torch.allclose(lp, want, atol=1e-5)
 
 
+def test_a_critic_trains_on_the_values_it_computed(tiny_model_dir):
+    """No dropout in training (a ``*ForTokenClassification`` head drops 10% of its input by
+    default): the values a training step's loss sees are the ones ``logprobs`` computed, so
+    the loss of a step equals the loss of those values."""
+    eng = TorchEngine(TorchEngineConfig(model_path=tiny_model_dir, max_tokens_per_microbatch=40),
+                      head="value")
+    seqs = _seqs()
+    values = eng.logprobs(seqs)
+    seen: dict[int, torch.Tensor] = {}
+
+    def loss(vals, idx):
+        seen.update((i, v.detach()) for i, v in zip(idx, vals))
+        return sum((v ** 2).sum() for v in vals)
+
+    eng.train_step(seqs, loss, 1)
+    assert sorted(seen) == list(range(len(seqs)))
+    for i, v in enumerate(values):
+        assert torch.allclose(seen[i], v, atol=1e-6), i
+
+
 def test_training_lowers_the_loss(tiny_model_dir):
     eng = TorchEngine(TorchEngineConfig(model_path=tiny_model_dir, lr=1e-3))
     seqs = _seqs()
