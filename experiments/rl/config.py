@@ -144,10 +144,6 @@ class RLConfig:
         if not 0 <= self.seed < 1 << 32:
             raise ConfigError(f"seed must be in [0, 2**32) (numpy is seeded with it), got "
                               f"{self.seed}")
-        if self.algorithm == "ppo" and self.actor.backend == "megatron":
-            raise ConfigError("rl.algorithm=ppo with rl.actor.backend=megatron: the megatron "
-                              "engine trains a critic but does not checkpoint its value head "
-                              "yet (use rl.actor.backend=fsdp)")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ConfigError("group_size must be >= 2 for grpo (advantages are relative)")
         if self.sync_interval - 1 > self.eta and self.mode == "sync":

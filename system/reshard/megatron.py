@@ -16,6 +16,11 @@ A megatron rank (tp rank ``r`` of ``tp``, pipeline stage ``s`` of ``pp``) holds:
   replicated;
 - ``decoder.final_layernorm.weight`` (last stage), replicated.
 
+A critic (``head="value"``) has no LM head: its last stage's ``output_layer`` is a value head of
+one column per tp rank (``weight`` ``(1, h)`` and ``bias`` ``(1,)`` on each), of which tp rank
+0's is the value. It maps to the ``score`` head of Hugging Face's ``*ForTokenClassification``
+with one label (what the FSDP engine's critic saves); the other ranks' columns hold no HF data.
+
 :func:`megatron_local_params` describes this as data (which box of which HF tensor lies where in
 each local tensor, the planner's input); :func:`hf_to_megatron_shard` and
 :func:`megatron_shards_to_hf` apply that description to tensors. Pure: torch only.
@@ -120,12 +125,33 @@ def _layer_params(shape: ModelShape, tp: int, r: int, i: int, local: int) -> lis
     return out
 
 
+HEADS = ("lm", "value")
+"""What the last stage's output layer is: the causal LM's (actor, reference) or a critic's
+value head."""
+
+VALUE_HEAD = ("score.weight", "score.bias")
+"""The HF names of a critic's value head (``*ForTokenClassification``, one label)."""
+
+
+def _value_head(shape: ModelShape, tp_rank: int) -> list[DstParam]:
+    h = shape.hidden_size
+    mine = tp_rank == 0  # (the other ranks' columns: no HF data)
+    return [DstParam("output_layer.weight", (1, h),
+                     (Piece(VALUE_HEAD[0], ((0, 1), (0, h)), 0, 0),) if mine else ()),
+            DstParam("output_layer.bias", (1,),
+                     (Piece(VALUE_HEAD[1], ((0, 1),), 0, 0),) if mine else ())]
+
+
 def megatron_local_params(shape: ModelShape, tp: int, tp_rank: int, pp: int, pp_rank: int,
-                          vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> list[DstParam]:
+                          vocab_divisible_by: int = VOCAB_DIVISIBLE_BY, head: str = "lm"
+                          ) -> list[DstParam]:
     """Every tensor megatron rank (``tp_rank``, ``pp_rank``) holds, by its megatron name, with
     the boxes of HF tensors it is made of (``Piece.dim``/``offset``: where each box starts in
-    the local tensor). Rows of padded vocabulary belong to no piece."""
+    the local tensor). Rows of padded vocabulary belong to no piece. ``head``: see
+    :data:`HEADS`."""
     check_megatron(shape, tp, pp)
+    if head not in HEADS:
+        raise LayoutError(f"megatron head={head!r} is not one of {', '.join(HEADS)}")
     if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
         raise LayoutError(f"megatron rank tp={tp_rank}, pp={pp_rank} outside tp={tp}, pp={pp}")
     first, last = pp_rank == 0, pp_rank == pp - 1
@@ -140,7 +166,9 @@ def megatron_local_params(shape: ModelShape, tp: int, tp_rank: int, pp: int, pp_
         h = shape.hidden_size
         out.append(DstParam("decoder.final_layernorm.weight", (h,),
                             (Piece("model.norm.weight", ((0, h),), 0, 0),)))
-        if not shape.tie_word_embeddings:
+        if head == "value":
+            out += _value_head(shape, tp_rank)
+        elif not shape.tie_word_embeddings:
             out.append(_vocab_param("output_layer.weight", "lm_head.weight", shape, tp, tp_rank,
                                     vocab_divisible_by))
         elif not first:  # tied, pp > 1: the last stage keeps its own copy of the embedding
@@ -161,13 +189,15 @@ def local_box(piece: Piece) -> Box:
 
 def hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], shape: ModelShape, tp: int,
                          tp_rank: int, pp: int, pp_rank: int,
-                         vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> dict[str, torch.Tensor]:
+                         vocab_divisible_by: int = VOCAB_DIVISIBLE_BY, head: str = "lm"
+                         ) -> dict[str, torch.Tensor]:
     """Megatron rank (``tp_rank``, ``pp_rank``)'s state dict from a full HF state dict (padded
-    vocabulary rows are zero). New tensors: nothing aliases ``hf_state``."""
+    vocabulary rows, and a value head's columns but the first, are zero). New tensors: nothing
+    aliases ``hf_state``."""
     import torch
 
     out: dict[str, torch.Tensor] = {}
-    for p in megatron_local_params(shape, tp, tp_rank, pp, pp_rank, vocab_divisible_by):
+    for p in megatron_local_params(shape, tp, tp_rank, pp, pp_rank, vocab_divisible_by, head):
         ref = hf_state[p.pieces[0].source] if p.pieces else hf_state["model.embed_tokens.weight"]
         t = torch.zeros(p.shape, dtype=ref.dtype, device=ref.device)
         for piece in p.pieces:
@@ -176,22 +206,34 @@ def hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], shape: ModelShape
     return out
 
 
+def hf_shapes(shape: ModelShape, head: str = "lm") -> dict[str, tuple[int, ...]]:
+    """Every HF tensor of the model with ``head`` (:data:`HEADS`) and its shape: a critic has
+    the value head instead of ``lm_head``."""
+    out = {s.name: s.shape for s in qwen2_specs(shape)}
+    if head == "value":
+        out.pop("lm_head.weight", None)
+        out.update({VALUE_HEAD[0]: (1, shape.hidden_size), VALUE_HEAD[1]: (1,)})
+    return out
+
+
 def megatron_shards_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
                           shape: ModelShape, tp: int, pp: int,
-                          vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> dict[str, torch.Tensor]:
+                          vocab_divisible_by: int = VOCAB_DIVISIBLE_BY, head: str = "lm"
+                          ) -> dict[str, torch.Tensor]:
     """The full HF state dict from every rank's shard: ``shards[(tp_rank, pp_rank)]`` is that
     rank's megatron state dict. Copies of one HF region on several ranks (replicated norms, the
     tied embedding's last-stage copy) must agree exactly, else ``ValueError``."""
     import torch
 
-    specs = qwen2_specs(shape)
+    shapes = hf_shapes(shape, head)
     dtype = next(iter(next(iter(shards.values())).values())).dtype
-    hf = {s.name: torch.empty(s.shape, dtype=dtype) for s in specs}
-    seen = {s.name: torch.zeros(s.shape, dtype=torch.bool) for s in specs}
+    hf = {name: torch.empty(s, dtype=dtype) for name, s in shapes.items()}
+    seen = {name: torch.zeros(s, dtype=torch.bool) for name, s in shapes.items()}
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             state = shards[(tp_rank, pp_rank)]
-            for p in megatron_local_params(shape, tp, tp_rank, pp, pp_rank, vocab_divisible_by):
+            for p in megatron_local_params(shape, tp, tp_rank, pp, pp_rank, vocab_divisible_by,
+                                           head):
                 for piece in p.pieces:
                     value = state[p.name][_slices(local_box(piece))]
                     box = _slices(piece.box)

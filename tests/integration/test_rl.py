@@ -307,19 +307,20 @@ def test_dead_generation_servers_and_a_rollout_worker_restart_alone_training_goe
     assert trial_processes(root) == []
 
 
-def test_megatron_tp2_pp2_trains_publishes_and_restarts_from_its_checkpoint(fileroot):
-    """rl.actor.backend=megatron over four model workers (tp=2 x pp=2): every publish reaches
-    the generation server from the ranks' own shards. One rank is killed (SIGKILL) mid-run: its
-    peers' collectives fail at once and the master's call with them; the recovery is named
-    after the killed rank (not the master that raised because of it), every rank and the
-    master restart from the megatron checkpoint, and the trial ends at the uninterrupted run's
-    step with every prompt of an epoch trained once."""
+def test_megatron_tp2_pp2_ppo_trains_publishes_and_restarts_from_its_checkpoint(fileroot):
+    """PPO with rl.actor.backend=megatron over four model workers (tp=2 x pp=2; the critic is a
+    megatron engine too): every publish reaches the generation server from the ranks' own
+    shards. One rank is killed (SIGKILL) mid-run: its peers' collectives fail at once and the
+    master's call with them; the recovery is named after the killed rank (not the master that
+    raised because of it), every rank and the master restart from the megatron checkpoint (the
+    critic's value head and optimizer shards included), and the trial ends at the
+    uninterrupted run's step with every prompt of an epoch trained once."""
     import signal
 
     root = os.path.join(fileroot, "arith-tiny", "megatron")
     code, err = _launch_signalling(fileroot, "megatron", [
         "rl.actor.backend=megatron", "rl.actor.megatron.tp=2", "rl.actor.megatron.pp=2",
-        "model.count=4", "rl.total_steps=16", "rl.save_interval=2", "rl.save_interval_s=0",
+        "rl.algorithm=ppo", "model.count=4", "rl.total_steps=16", "rl.save_interval=2", "rl.save_interval_s=0",
         "rl.save_overhead=0", "recover.backoff=0.5", *SMALL, spare_kinds("model", "master")],
         [(6, "model", 1, signal.SIGKILL)], timeout=500, spares=True)
     assert code == 0, err[-4000:]
@@ -335,6 +336,10 @@ def test_megatron_tp2_pp2_trains_publishes_and_restarts_from_its_checkpoint(file
     rows = [row for row in _metrics(root) if "sync_replicas" in row]
     assert {row["step"] for row in rows} >= set(range(1, 17)), rows
     assert all(row["sync_replicas"] == 1 and row["sync_bytes"] > 0 for row in rows), rows
+    assert all(row["value_loss"] >= 0 for row in rows), rows  # (the critic trained each step)
+    latest = os.path.join(root, "checkpoints", "step_16", "critic")
+    assert sorted(os.listdir(latest)) == ["config.json", "model.safetensors", *(
+        f"optimizer.rank{r}.pt" for r in range(4))]
     assert trial_processes(root) == []
 
 

@@ -115,9 +115,12 @@ class MegatronEngine:
         return out
 
     def _load_hf(self, path: str) -> None:
-        """Every rank reads the HF checkpoint and keeps its own shard (the value head, absent
-        from an LM checkpoint, keeps megatron's initialisation)."""
+        """Every rank reads the HF checkpoint and keeps its own shard. A critic loads its value
+        head from a critic's checkpoint (``score``, as the FSDP engine saves it); from a causal
+        LM's, which has none, the head keeps megatron's initialisation."""
         from safetensors.torch import load_file
+
+        from system.reshard.megatron import VALUE_HEAD
 
         hf: dict[str, torch.Tensor] = {}
         for name in sorted(os.listdir(path)):
@@ -125,11 +128,17 @@ class MegatronEngine:
                 hf.update(load_file(os.path.join(path, name)))
         if self.shape.tie_word_embeddings:
             hf.setdefault("lm_head.weight", hf["model.embed_tokens.weight"])
+        fresh = self.head == "value" and VALUE_HEAD[0] not in hf
+        if fresh:  # stand-ins of the head's shape, not loaded (below)
+            h = self.shape.hidden_size
+            hf.update({VALUE_HEAD[0]: torch.zeros(1, h), VALUE_HEAD[1]: torch.zeros(1)})
         tp_rank, pp_rank = self.coords
-        shard = mw.local_from_hf(hf, self.shape, self.dims.tp, tp_rank, self.dims.pp, pp_rank)
+        shard = mw.local_from_hf(hf, self.shape, self.dims.tp, tp_rank, self.dims.pp, pp_rank,
+                                 self.head)
         params = self._local_state()
-        if self.head == "value":
+        if fresh:
             shard.pop("output_layer.weight", None)
+            shard.pop("output_layer.bias", None)
         unknown = sorted(set(shard) - set(params))
         if unknown:
             raise RuntimeError(f"megatron model lacks mapped parameters {unknown[:3]}")
@@ -271,8 +280,7 @@ class MegatronEngine:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        local = {k: v.detach().to(dtype or self.dtype) for k, v in self._local_state().items()
-                 if not (self.head == "value" and k == "output_layer.weight")}
+        local = {k: v.detach().to(dtype or self.dtype) for k, v in self._local_state().items()}
         shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         group = ps.get_model_parallel_group()
         ranks = dist.get_process_group_ranks(group)
@@ -285,22 +293,20 @@ class MegatronEngine:
                 tp_rank, pp_rank = g % self.dims.tp, g // self.dims.tp
                 got = {}
                 for p in megatron_local_params(mshape, self.dims.tp, tp_rank, self.dims.pp,
-                                               pp_rank):
+                                               pp_rank, head=self.head):
                     buf = local[p.name].contiguous() if src == dist.get_rank() else \
                         torch.empty(p.shape, dtype=dtype or self.dtype, device=self.device)
                     dist.broadcast(buf, src, group=group)
                     got[p.name] = buf.cpu()
                 shards[(tp_rank, pp_rank)] = got
-        return mw.hf_from_shards(shards, self.shape, self.dims.tp, self.dims.pp)
+        return mw.hf_from_shards(shards, self.shape, self.dims.tp, self.dims.pp, self.head)
 
     def save_hf(self, directory: str, rank: int, dtype: torch.dtype | None = None) -> None:
         """Write a Hugging Face checkpoint (config + safetensors; rank 0 writes). Collective.
-        The causal LM only: a value head has no HF export yet."""
+        A critic's is a ``*ForTokenClassification`` with one label, as the FSDP engine writes
+        it: either engine resumes from the other's."""
         from safetensors.torch import save_file
 
-        if self.head != "lm":
-            raise NotImplementedError("megatron engine: the critic's value head has no "
-                                      "Hugging Face export yet")
         state = self.full_state_dict(dtype)
         if rank != 0:
             return
@@ -313,10 +319,12 @@ class MegatronEngine:
         cfg = self.hf_config.to_diff_dict()
         cfg.pop("_name_or_path", None)
         cfg["dtype"] = str(dtype or self.dtype).replace("torch.", "")
+        if self.head == "value":
+            cfg.update(mw.critic_config(cfg))
         with open(os.path.join(directory, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
         written = ["model.safetensors", "config.json"]
-        if self.generation_config is not None:
+        if self.generation_config is not None and self.head == "lm":
             with open(os.path.join(directory, "generation_config.json"), "wb") as f:
                 f.write(self.generation_config)
             written.append("generation_config.json")

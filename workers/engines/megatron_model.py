@@ -108,8 +108,9 @@ def rope_base(hf: Any) -> float:
 
 
 def build_gpt(hf: Any, cfg: Any, spec: Any, head: str) -> torch.nn.Module:
-    """This rank's stage of ``GPTModel``. ``head="value"``: the output layer has one column per
-    tp rank, of which the value is the first (the critic)."""
+    """This rank's stage of ``GPTModel``. ``head="value"``: the output layer has one column (and
+    bias) per tp rank, of which the value is the first (the critic; HF's ``score`` head of a
+    ``*ForTokenClassification`` with one label)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
@@ -126,7 +127,7 @@ def build_gpt(hf: Any, cfg: Any, spec: Any, head: str) -> torch.nn.Module:
                      position_embedding_type="rope", rotary_base=int(rope_base(hf)))
     if head == "value" and ps.is_pipeline_last_stage():
         model.output_layer = tensor_parallel.ColumnParallelLinear(
-            shape.hidden_size, tp, config=cfg, init_method=cfg.init_method, bias=False,
+            shape.hidden_size, tp, config=cfg, init_method=cfg.init_method, bias=True,
             skip_bias_add=False, gather_output=False)
     return model
 

@@ -75,19 +75,34 @@ def collapse_kv(hf: Mapping[str, torch.Tensor], shape: ModelShape, rep: int
 
 
 def local_from_hf(hf: Mapping[str, torch.Tensor], shape: ModelShape, tp: int, tp_rank: int,
-                  pp: int, pp_rank: int) -> dict[str, torch.Tensor]:
-    """This rank's megatron state dict (local-spec names) from a full HF state dict."""
+                  pp: int, pp_rank: int, head: str = "lm") -> dict[str, torch.Tensor]:
+    """This rank's megatron state dict (local-spec names) from a full HF state dict (``head``:
+    the output layer's, :data:`system.reshard.megatron.HEADS`)."""
     rep = kv_replicas(shape, tp)
     return hf_to_megatron_shard(expand_kv(hf, shape, rep), megatron_shape(shape, tp), tp,
-                                tp_rank, pp, pp_rank)
+                                tp_rank, pp, pp_rank, head=head)
 
 
 def hf_from_shards(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
-                   shape: ModelShape, tp: int, pp: int) -> dict[str, torch.Tensor]:
+                   shape: ModelShape, tp: int, pp: int, head: str = "lm"
+                   ) -> dict[str, torch.Tensor]:
     """The full HF state dict from every rank's megatron state dict ``shards[(tp, pp)]``."""
     rep = kv_replicas(shape, tp)
-    hf = megatron_shards_to_hf(shards, megatron_shape(shape, tp), tp, pp)
+    hf = megatron_shards_to_hf(shards, megatron_shape(shape, tp), tp, pp, head=head)
     return collapse_kv(hf, shape, rep)
+
+
+def critic_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What a critic's ``config.json`` says beyond its model's (``cfg``): the architecture and
+    the one label of Hugging Face's ``*ForTokenClassification``, as ``save_pretrained`` of the
+    FSDP engine's critic writes them."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    arch = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.get(str(cfg.get("model_type")))
+    out: dict[str, Any] = {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
+    if arch:
+        out["architectures"] = [arch]
+    return out
 
 
 def sync_replicated_kv_grads(model: torch.nn.Module, shape: ModelShape, tp: int) -> None:

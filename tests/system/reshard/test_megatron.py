@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from system.reshard.layout import LayoutError
-from system.reshard.megatron import (check_megatron, hf_to_megatron_shard, megatron_local_params,
-                                     megatron_shards_to_hf, padded_vocab)
+from system.reshard.megatron import (VALUE_HEAD, check_megatron, hf_shapes, hf_to_megatron_shard,
+                                     megatron_local_params, megatron_shards_to_hf, padded_vocab)
 from system.reshard.params import ModelShape, qwen2_specs
 
 # 8 heads in 4 query groups (GQA), 2 layers; 4 layers for pp=2 with 2 layers per stage
@@ -46,6 +46,35 @@ def test_roundtrip_is_bit_exact(name: str, tp: int, pp: int, divisible_by: int):
     assert back.keys() == hf.keys()
     for k in hf:
         assert torch.equal(back[k], hf[k]), k
+
+
+@pytest.mark.parametrize("name", ["gqa_bias", "gqa_tied_nobias"])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 1)])
+def test_a_critics_value_head_roundtrips_on_tp_rank_0(name: str, tp: int, pp: int):
+    """A critic (HF ``*ForTokenClassification``, one label): no LM head (tied or not); its
+    ``score`` is the last stage's output layer on tp rank 0, the other ranks' columns zero."""
+    shape = SHAPES[name]
+    hf = {k: torch.randn(s) for k, s in hf_shapes(shape, "value").items()}
+    assert "lm_head.weight" not in hf and hf[VALUE_HEAD[0]].shape == (1, 32)
+    shards = {(t, p): hf_to_megatron_shard(hf, shape, tp, t, pp, p, head="value")
+              for t in range(tp) for p in range(pp)}
+    for t in range(tp):
+        last = shards[(t, pp - 1)]
+        assert last["output_layer.weight"].shape == (1, 32)
+        assert last["output_layer.bias"].shape == (1,)
+        if t == 0:
+            assert torch.equal(last["output_layer.weight"], hf[VALUE_HEAD[0]])
+            assert torch.equal(last["output_layer.bias"], hf[VALUE_HEAD[1]])
+        else:
+            assert not last["output_layer.weight"].any() and not last["output_layer.bias"].any()
+    if pp > 1:
+        assert "output_layer.weight" not in shards[(0, 0)]
+    back = megatron_shards_to_hf(shards, shape, tp, pp, head="value")
+    assert back.keys() == hf.keys()
+    for k in hf:
+        assert torch.equal(back[k], hf[k]), k
+    with pytest.raises(LayoutError, match="head='reward' is not one of lm, value"):
+        megatron_local_params(shape, tp, 0, pp, 0, head="reward")
 
 
 def test_fused_qkv_and_fc1_layout():

@@ -54,12 +54,19 @@ def sft_loss(lps, idx):
     return -sum(lp.sum() for lp in lps)
 
 
+def value_loss(values, idx):
+    return sum(((v - 0.5) ** 2).sum() for v in values)
+
+
+LOSSES = {"lm": sft_loss, "value": value_loss}
+
+
 def _cfg(path: str, tp: int, pp: int, **kw) -> TorchEngineConfig:
     return TorchEngineConfig(model_path=path, lr=1e-3, max_tokens_per_microbatch=40,
                              backend="megatron", megatron=MegatronConfig(tp=tp, pp=pp), **kw)
 
 
-def _worker(rank, world, port, path, tp, pp, ckpt, clip, steps, out):
+def _worker(rank, world, port, path, tp, pp, ckpt, clip, steps, head, out):
     import torch.distributed as dist
 
     from workers.engines.megatron_engine import MegatronEngine
@@ -67,7 +74,8 @@ def _worker(rank, world, port, path, tp, pp, ckpt, clip, steps, out):
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
                           timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    eng = MegatronEngine(_cfg(path, tp, pp, grad_clip=clip), world_size=world)
+    eng = MegatronEngine(_cfg(path, tp, pp, grad_clip=clip), world_size=world, head=head)
+    loss = LOSSES[head]
     dp = world // (tp * pp)
     d, t, p = (rank // tp) % dp, rank % tp, rank // (tp * dp)
     lead = t == 0 and p == pp - 1
@@ -75,17 +83,21 @@ def _worker(rank, world, port, path, tp, pp, ckpt, clip, steps, out):
     mine = seqs[d::dp]
     tokens = sum(len(s) - 1 for s in seqs)
     before = eng.logprobs(mine)
-    stats = [eng.train_step(mine, sft_loss, tokens) for _ in range(steps)]
+    stats = [eng.train_step(mine, loss, tokens) for _ in range(steps)]
     if ckpt:  # the second step runs on an engine rebuilt from the checkpoint
         eng.save(ckpt, rank)
         dist.barrier()
-        eng = MegatronEngine(_cfg(ckpt, tp, pp, grad_clip=clip), world_size=world)
+        eng = MegatronEngine(_cfg(ckpt, tp, pp, grad_clip=clip), world_size=world, head=head)
         eng.load_optimizer(ckpt, rank)
         assert eng.steps == steps
-        stats.append(eng.train_step(mine, sft_loss, tokens))
+        stats.append(eng.train_step(mine, loss, tokens))
     after = eng.logprobs(mine)
     assert all(torch.equal(a, b) for a, b in zip(after, eng.logprobs(mine)))
     state = eng.full_state_dict()
+    if head == "value":  # a critic publishes nothing
+        out.put(_result(rank, d, lead, stats, before, after, state))
+        end_rank()
+        return
     # publishing: the reshard planner's boxes of this rank, cut from its own shards, are
     # exactly those boxes of the exported weights
     from system.reshard.layout import TrainLayout
@@ -98,23 +110,27 @@ def _worker(rank, world, port, path, tp, pp, ckpt, clip, steps, out):
     assert sent.keys() == boxes.keys()
     for name, box in boxes.items():
         assert torch.equal(sent[name], state[name][tuple(slice(a, b) for a, b in box)]), name
-    out.put({"rank": rank, "dp": d, "lead": lead, "loss": stats[0]["loss"],
-             "grad_norms": [s["grad_norm"] for s in stats],
-             "before": [x.numpy().copy() for x in before],
-             "after": [x.numpy().copy() for x in after],
-             "state": {k: v.numpy().copy() for k, v in state.items()} if rank == 0 else None})
+    out.put(_result(rank, d, lead, stats, before, after, state))
     end_rank()
 
 
+def _result(rank, d, lead, stats, before, after, state) -> dict:
+    return {"rank": rank, "dp": d, "lead": lead, "loss": stats[0]["loss"],
+            "grad_norms": [s["grad_norm"] for s in stats],
+            "before": [x.numpy().copy() for x in before],
+            "after": [x.numpy().copy() for x in after],
+            "state": {k: v.numpy().copy() for k, v in state.items()} if rank == 0 else None}
+
+
 def _run(path: str, world: int, tp: int, pp: int, ckpt: str = "", clip: float = 1.0,
-         steps: int = 1) -> list[dict]:
+         steps: int = 1, head: str = "lm") -> list[dict]:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     ctx = rank_context()
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker,
-                         args=(r, world, store.port, path, tp, pp, ckpt, clip, steps, q))
+                         args=(r, world, store.port, path, tp, pp, ckpt, clip, steps, head, q))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -134,13 +150,13 @@ def _run(path: str, world: int, tp: int, pp: int, ckpt: str = "", clip: float = 
     return outs
 
 
-def _reference(path: str, steps: int, clip: float = 1.0) -> dict:
+def _reference(path: str, steps: int, clip: float = 1.0, head: str = "lm") -> dict:
     eng = TorchEngine(TorchEngineConfig(model_path=path, lr=1e-3, max_tokens_per_microbatch=40,
-                                        grad_clip=clip))
+                                        grad_clip=clip), head=head)
     seqs = _seqs()
     tokens = sum(len(s) - 1 for s in seqs)
     before = eng.logprobs(seqs)
-    stats = [eng.train_step(seqs, sft_loss, tokens) for _ in range(steps)]
+    stats = [eng.train_step(seqs, LOSSES[head], tokens) for _ in range(steps)]
     return {"before": before, "after": eng.logprobs(seqs), "stats": stats[0],
             "grad_norms": [s["grad_norm"] for s in stats], "state": eng.full_state_dict()}
 
@@ -210,6 +226,49 @@ def test_checkpoint_roundtrip_continues_training(gqa_dir, tmp_path):
     with open(os.path.join(gqa_dir, "generation_config.json")) as f, \
             open(tmp_path / "ckpt" / "generation_config.json") as g:
         assert json.load(f) == json.load(g)
+
+
+@pytest.fixture(scope="module")
+def critic_dir(gqa_dir, tmp_path_factory) -> str:
+    """The FSDP/torch engine's critic of the GQA model (HF ``Qwen2ForTokenClassification``, one
+    label), its value head's bias moved off zero so that loading it counts."""
+    eng = TorchEngine(TorchEngineConfig(model_path=gqa_dir), head="value")
+    with torch.no_grad():
+        eng.model.score.bias.fill_(0.3)
+    directory = str(tmp_path_factory.mktemp("mg-critic"))
+    eng.save(directory, 0)
+    return directory
+
+
+def test_a_critic_equals_the_torch_engines_and_resumes_from_its_checkpoint(critic_dir,
+                                                                          tmp_path):
+    """tp2 x pp2 critic from the FSDP engine's critic checkpoint: its values before and after a
+    step, a checkpoint, an engine rebuilt from it and a second step equal two torch steps; the
+    checkpoint is the FSDP engine's format (it loads there, to the same values)."""
+    ckpt = str(tmp_path / "ckpt")
+    outs = _run(critic_dir, 4, 2, 2, ckpt=ckpt, head="value")
+    ref = _reference(critic_dir, 2, head="value")
+    assert abs(float(ref["before"][0][0])) > 0.1  # (the bias: 0.3, not megatron's zero)
+    _compare(outs, ref, 4, 2, 2)
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["architectures"] == ["Qwen2ForTokenClassification"], cfg["architectures"]
+    assert cfg["id2label"] == {"0": "LABEL_0"}
+    assert not os.path.exists(os.path.join(ckpt, "generation_config.json"))
+    back = TorchEngine(TorchEngineConfig(model_path=ckpt), head="value")  # (after one step)
+    for got, want in zip(back.logprobs(_seqs()), _reference(critic_dir, 1, head="value")["after"]):
+        assert (got - want).abs().max().item() < TOL
+
+
+def test_a_critic_from_a_causal_lm_keeps_its_own_value_head(gqa_dir):
+    """From an LM checkpoint (no value head) the critic's head keeps megatron's initialisation
+    (tp rank 0's column), and it trains."""
+    outs = _run(gqa_dir, 2, 2, 1, head="value")
+    state = next(o["state"] for o in outs if o["state"] is not None)
+    assert "lm_head.weight" not in state and state["score.weight"].shape == (1, 128)
+    assert (state["score.weight"] != 0).all() and state["score.bias"].shape == (1,)
+    lead = next(o for o in outs if o["lead"])
+    assert any((a != b).any() for a, b in zip(lead["before"], lead["after"]))
 
 
 def test_config_refuses_impossible_splits():
