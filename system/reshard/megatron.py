@@ -1,6 +1,6 @@
-"""The mapping between Hugging Face Qwen2/Llama parameters and megatron-core ``GPTModel`` shards
-(local spec), owned here so that the engine, its checkpoint import/export and the reshard planner
-share one description.
+"""The mapping between Hugging Face Qwen2/Llama/Qwen3 parameters and megatron-core ``GPTModel``
+shards (local spec), owned here so that the engine, its checkpoint import/export and the reshard
+planner share one description.
 
 A megatron rank (tp rank ``r`` of ``tp``, pipeline stage ``s`` of ``pp``) holds:
 
@@ -13,7 +13,8 @@ A megatron rank (tp rank ``r`` of ``tp``, pipeline stage ``s`` of ``pp``) holds:
   rank's ``ng / tp`` groups: the group's ``np / ng`` q heads, then k head ``g``, then v head
   ``g``; ``linear_proj``/``linear_fc2``: the input dimension split; ``mlp.linear_fc1.weight``:
   ``cat(gate.chunk(tp)[r], up.chunk(tp)[r])``; ``input_layernorm``/``pre_mlp_layernorm``
-  replicated;
+  replicated; Qwen3's per-head ``q_norm``/``k_norm`` (one head's weights, shared by every head)
+  are ``self_attention.q_layernorm``/``k_layernorm``, replicated;
 - ``decoder.final_layernorm.weight`` (last stage), replicated.
 
 A critic (``head="value"``) has no LM head: its last stage's ``output_layer`` is a value head of
@@ -49,9 +50,6 @@ def check_megatron(shape: ModelShape, tp: int, pp: int) -> None:
     """Refuse, with one line, a split megatron cannot make of ``shape``."""
     if tp < 1 or pp < 1:
         raise LayoutError(f"megatron tp={tp}, pp={pp} must be >= 1")
-    if shape.qk_norm:
-        raise LayoutError("megatron sources do not map Qwen3's q_norm/k_norm (megatron's "
-                          "q_layernorm/k_layernorm) yet")
     if shape.num_heads % shape.num_kv_heads:
         raise LayoutError(f"megatron: {shape.num_heads} attention heads are not a multiple of "
                           f"{shape.num_kv_heads} query groups (kv heads)")
@@ -110,6 +108,11 @@ def _layer_params(shape: ModelShape, tp: int, r: int, i: int, local: int) -> lis
            _qkv_param(mg + "self_attention.linear_qkv.weight", hf, shape, tp, r, "weight")]
     if shape.qkv_bias:
         out.append(_qkv_param(mg + "self_attention.linear_qkv.bias", hf, shape, tp, r, "bias"))
+    if shape.qk_norm:
+        hn = shape.head_dim
+        out += [DstParam(f"{mg}self_attention.{part[0]}_layernorm.weight", (hn,),
+                         (Piece(f"{hf}self_attn.{part}.weight", ((0, hn),), 0, 0),))
+                for part in ("q_norm", "k_norm")]
     out += [
         DstParam(mg + "self_attention.linear_proj.weight", (h, qc),
                  (Piece(hf + "self_attn.o_proj.weight", ((0, h), (r * qc, (r + 1) * qc)), 1, 0),)),

@@ -117,9 +117,10 @@ TE_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weig
 linear); every other parameter name is the same."""
 
 
-def layer_spec(device: torch.device) -> tuple[Any, bool]:
+def layer_spec(device: torch.device, qk_norm: bool = False) -> tuple[Any, bool]:
     """``(spec, uses_te)``: Transformer Engine's layer spec on a GPU where it is importable,
-    the local (plain torch) spec otherwise (always on the CPU)."""
+    the local (plain torch) spec otherwise (always on the CPU). ``qk_norm``: per-head RMSNorm of
+    queries and keys (Qwen3)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if device.type == "cuda":
@@ -128,5 +129,5 @@ def layer_spec(device: torch.device) -> tuple[Any, bool]:
         except ImportError:
             pass
         else:
-            return specs.get_gpt_layer_with_transformer_engine_spec(), True
-    return specs.get_gpt_layer_local_spec(), False
+            return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm), True
+    return specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm), False

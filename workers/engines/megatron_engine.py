@@ -71,7 +71,7 @@ class MegatronEngine:
             self.tcfg = transformer_config(self.hf_config,
                                            mw.megatron_shape(self.shape, self.dims.tp),
                                            self.dims, self.mixed, params_dtype)
-            spec, self.te = compat.layer_spec(self.device)
+            spec, self.te = compat.layer_spec(self.device, self.shape.qk_norm)
             module = build_gpt(self.hf_config, self.tcfg, spec, head).to(self.device)
             self.model: Any = module
             self._load_hf(cfg.model_path)

@@ -1,4 +1,4 @@
-"""Building megatron-core's ``GPTModel`` for a Qwen2/Llama Hugging Face config: the parallel
+"""Building megatron-core's ``GPTModel`` for a Qwen2/Llama/Qwen3 Hugging Face config: the parallel
 state, the transformer config, the model (wrapped in megatron's DDP) and its optimizer.
 
 Every function here runs megatron code and must be called inside
@@ -72,7 +72,7 @@ def init_parallel(dims: ParallelDims, device: torch.device, seed: int,
 
 def transformer_config(hf: Any, shape: ModelShape, dims: ParallelDims, mixed: bool,
                        params_dtype: torch.dtype) -> Any:
-    """megatron's ``TransformerConfig`` for a Qwen2/Llama config whose shape megatron builds
+    """megatron's ``TransformerConfig`` for a Qwen2/Llama/Qwen3 config whose shape megatron builds
     is ``shape`` (kv heads possibly replicated; no dropout, no fusions;
     ``calculate_per_token_loss``: the engine scales its losses itself)."""
     from megatron.core.transformer import TransformerConfig
@@ -97,6 +97,7 @@ def transformer_config(hf: Any, shape: ModelShape, dims: ParallelDims, mixed: bo
         gradient_accumulation_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         bias_dropout_fusion=False, calculate_per_token_loss=True, batch_p2p_sync=False,
+        qk_layernorm=shape.qk_norm,
         deallocate_pipeline_outputs=False, init_method_std=float(hf.initializer_range))
 
 

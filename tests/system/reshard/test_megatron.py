@@ -31,6 +31,7 @@ SHAPES = {
     "gqa_tied_nobias": dataclasses.replace(GQA, tie_word_embeddings=True, qkv_bias=False),
     "mha_tied": dataclasses.replace(GQA, num_kv_heads=8, tie_word_embeddings=True),
     "mqa_like": dataclasses.replace(GQA, num_kv_heads=4, num_heads=16, head_dim=2),
+    "qwen3": dataclasses.replace(GQA, tie_word_embeddings=True, qkv_bias=False, qk_norm=True),
 }
 
 
