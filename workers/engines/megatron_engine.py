@@ -304,7 +304,7 @@ class MegatronEngine:
     def save_hf(self, directory: str, rank: int, dtype: torch.dtype | None = None) -> None:
         """Write a Hugging Face checkpoint (config + safetensors; rank 0 writes). Collective.
         A critic's is a ``*ForTokenClassification`` with one label, as the FSDP engine writes
-        it: either engine resumes from the other's."""
+        it: either engine loads the other's weights."""
         from safetensors.torch import save_file
 
         state = self.full_state_dict(dtype)
