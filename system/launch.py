@@ -39,6 +39,7 @@ from scheduler.base import Scheduler
 from scheduler.registry import make_scheduler
 from scheduler.slurm import SlurmScheduler
 from system.checks import check_name
+from system.ctl.output import say, silence
 from system.launcher.config import ExperimentConfig, RecoverMode, RunMode
 from system.launcher.eval_mode import run_paths, trained_base, trial_paths
 from system.launcher.config_changes import describe as describe_changes
@@ -234,7 +235,7 @@ def launch(argv: list[str], restarted: list[str]) -> int:
     try:
         args = parse_cli(argv, EXTRA_FLAGS)
         if args.help:
-            print(help_text(args.exp))
+            say(help_text(args.exp))  # (to a reader that may go: ``--help | head``)
             return 0
         job = own_job(args.exp, args.trial) if restart_count() else None
         requeued = job is not None
@@ -387,7 +388,13 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
         if trial.changes:
             print(describe_changes(f"{cfg.exp}/{cfg.trial}", trial.changes), file=sys.stderr)
         if shown:
-            return dry_run(cfg, paths, scheduler, resolved, "--test-only" in args.flags)
+            try:
+                code = dry_run(cfg, paths, scheduler, resolved, "--test-only" in args.flags)
+                sys.stdout.flush()  # (what is buffered: its reader may be gone)
+                return code
+            except BrokenPipeError:  # ``--dry-run | head``: the rest is not wanted
+                silence(sys.stdout)
+                return 0
         if "--detach" in args.flags:
             return detach(cfg, paths, scheduler,
                           absolute_argv([a for a in argv if a != "--detach"], cfg), trial.lock)

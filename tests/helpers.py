@@ -324,3 +324,18 @@ def separate_engine(model_dir: str, cfg: Any, eos_token_id: int | None) -> Any:
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
     return eng
+
+
+def to_a_closed_pipe(module: str, buffered: bool, *args: str) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS | head -0``: stdout a pipe nobody reads any more (``buffered``:
+    without ``PYTHONUNBUFFERED``)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)

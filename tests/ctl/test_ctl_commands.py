@@ -23,7 +23,7 @@ from system.launch import build_config
 from system.launcher.eval_mode import EVAL_DIR
 from system.launcher.trial_lock import TrialLock
 from system.paths import TrialPaths
-from tests.helpers import REPO
+from tests.helpers import to_a_closed_pipe
 
 
 def _write(path: str, obj: dict) -> None:
@@ -168,20 +168,6 @@ def test_the_jobs_of_a_lost_trial_are_checked(fileroot, capsys, monkeypatch):
     assert [j["state"] for j in status.jobs(read_trial(slurm))] == ["UNKNOWN", "COMPLETED"]
 
 
-def _ctl_to_a_closed_pipe(buffered: bool, *args: str) -> subprocess.CompletedProcess:
-    """``python -m system.ctl ARGS | head -0``: stdout a pipe nobody reads any more."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    if not buffered:
-        env["PYTHONUNBUFFERED"] = "1"
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    try:
-        return subprocess.run([sys.executable, "-m", "system.ctl", *args], cwd=REPO, env=env,
-                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
-    finally:
-        os.close(write_end)
-
-
 @pytest.mark.parametrize("buffered", [True, False])
 def test_a_reader_that_has_gone_is_no_error(fileroot, buffered):
     """``status ... | head -1`` exits with the trial's state (was 1, 'error: [Errno 32] Broken
@@ -192,7 +178,7 @@ def test_a_reader_that_has_gone_is_no_error(fileroot, buffered):
     words = ["exp=smoke", "trial=lost", f"cluster.fileroot={fileroot}"]
     for args, code in ((["status", *words], 6), (["status", *words, "--json"], 6),
                        (["logs", *words], 0), (["--help"], 0)):
-        r = _ctl_to_a_closed_pipe(buffered, *args)
+        r = to_a_closed_pipe("system.ctl", buffered, *args)
         assert (r.returncode, r.stderr) == (code, ""), args
 
 

@@ -8,7 +8,7 @@ import pytest
 from system.structs import field_docs
 from system.launch import build_config
 from system.launcher.help import help_text
-from tests.helpers import run_launch
+from tests.helpers import run_launch, to_a_closed_pipe
 
 
 def test_field_docs_and_help():
@@ -46,6 +46,16 @@ def test_cli_help_and_dry_run(fileroot):
     r = run_launch("exp=smoke", "trial=dry", f"cluster.fileroot={fileroot}", "--dry-run")
     assert r.returncode == 0, r.stderr
     assert "system.launcher.run_worker" in r.stdout and "rollout/3" in r.stdout and "nothing submitted" in r.stderr
+
+
+@pytest.mark.parametrize("buffered", [True, False])
+def test_help_and_dry_run_to_a_reader_that_has_gone(fileroot, buffered):
+    """``--help | head`` and ``--dry-run | head`` end with exit code 0 and no message (were 1
+    and a BrokenPipeError traceback)."""
+    for args in (["--help"], ["exp=smoke", "--help"],
+                 ["exp=smoke", "trial=dry", f"cluster.fileroot={fileroot}", "--dry-run"]):
+        r = to_a_closed_pipe("system.launch", buffered, *args)
+        assert r.returncode == 0 and "Error" not in r.stderr, (args, r.stderr[-2000:])
 
 
 def test_launcher_and_worker_entry_do_not_import_torch():
