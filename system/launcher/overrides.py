@@ -14,10 +14,11 @@ from typing import Any, Sequence
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from omegaconf.nodes import FloatNode
+from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode
 
 from system.launcher.config import ExperimentConfig
 from system.errors import ConfigError, first_line
+from system.structs import field_docs
 
 
 @dataclasses.dataclass
@@ -139,7 +140,7 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
         try:
             OmegaConf.update(conf, key, value, merge=True)
         except OmegaConfBaseException as e:
-            msg = first_line(e)
+            msg = _expected(node, raw) or first_line(e)
             enum_type = getattr(node, "enum_type", None)
             if enum_type is not None:
                 msg = f"valid values: {[m.value for m in enum_type]}"
@@ -150,7 +151,8 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
         item = given.get(key)
         raise ConfigError(f"{item if item else f'{key}={value}'}: must be a finite number"
                           + ("" if not math.isfinite(value) else
-                             f" of magnitude at most {FLOAT_LIMIT:g} (as seconds: 31 years)"))
+                             f" of magnitude at most {FLOAT_LIMIT:g}"
+                             + " (as seconds: 31 years)" * _in_seconds(conf, key)))
     try:
         cfg = OmegaConf.to_object(conf)  # runs every __post_init__
     except ConfigError as e:
@@ -160,6 +162,36 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
     assert isinstance(cfg, ExperimentConfig)
     cfg.check_paths()
     return cfg
+
+
+def _expected(node: Any, raw: str) -> str:
+    """What a value of ``node``'s type looks like, said of ``raw`` (which it refused); empty
+    for a node of another type (its own message is used)."""
+    if isinstance(node, IntegerNode):
+        try:
+            whole = float(raw).is_integer()
+        except ValueError:
+            whole = False
+        return "expected an integer" + (
+            f" ({raw} is a float: write {int(float(raw))})" if whole else
+            ", got an empty value" if not raw else "")
+    if isinstance(node, FloatNode):
+        return "expected a number" + (", got an empty value" if not raw else "")
+    if isinstance(node, BooleanNode):
+        return "expected true or false"
+    return ""
+
+
+def _in_seconds(conf: DictConfig, key: str) -> bool:
+    """Whether float key ``key`` (dotted) of ``conf`` is a time in seconds (its field's
+    docstring says so)."""
+    section, _, leaf = key.rpartition(".")
+    try:
+        kind = OmegaConf.get_type(OmegaConf.select(conf, section) if section else conf)
+    except Exception:  # noqa: BLE001 - only the wording of a message depends on it
+        return False
+    doc = field_docs(kind).get(leaf, "") if isinstance(kind, type) else ""
+    return "second" in doc.lower()
 
 
 def _out_of_range(node: Any, path: str = "") -> tuple[str, float] | None:

@@ -52,6 +52,15 @@ def test_bad_overrides_name_the_key(override, words):
     ("rpc.stream_hwm=0", "rpc.stream_hwm must be >= 1"),
     ("recover=x", "bad value for recover.type='x': valid values: ['auto', 'resume', 'off']"),
     ("recover.retries=-1", "recover.retries and backoff must be >= 0"),
+    # a type refused said "Value '2.5' of type 'str' could not be converted to Integer"
+    ("rl.batch_size=2.5", "bad value for rl.batch_size='2.5': expected an integer"),
+    ("rl.total_steps=1e3", "bad value for rl.total_steps='1e3': expected an integer (1e3 is a "
+                           "float: write 1000)"),
+    ("rl.total_steps=", "bad value for rl.total_steps='': expected an integer, got an empty "
+                        "value"),
+    ("rl.actor.lr=abc", "bad value for rl.actor.lr='abc': expected a number"),
+    ("scheduler.local.spares=maybe", "bad value for scheduler.local.spares='maybe': expected "
+                                     "true or false"),
     # a nested value in a map of strings passed the update and failed later, in a traceback
     ("rl.task.options={a: [1, 2]}", "bad value for rl.task.options='{a: [1, 2]}': [1, 2] is "
                                     "not a str; valid: a {map} of str values"),
@@ -154,10 +163,16 @@ def test_every_float_key_of_every_experiment_refuses_a_huge_value():
         for key in _float_keys(experiment.make_config()):
             for raw in ("1e300", "-2e9"):
                 with pytest.raises(ConfigError, match=rf"^{key}={raw}: must be a finite number "
-                                                      r"of magnitude at most 1e\+09 "):
+                                                      r"of magnitude at most 1e\+09( |$)"):
                     build_config(name, "t", [f"{key}={raw}"])
     assert build_config("smoke", "t", ["controller.stall_timeout=1e9"]).controller \
         .stall_timeout == 1e9
+    # the years only for a time in seconds (a learning rate was "as seconds: 31 years")
+    with pytest.raises(ConfigError, match=r"^rl.actor.lr=1e10: must be a finite number of "
+                                          r"magnitude at most 1e\+09$"):
+        build_config("arith-tiny", "t", ["rl.actor.lr=1e10"])
+    with pytest.raises(ConfigError, match=r"^rl.call_timeout=1e10: .* \(as seconds: 31 years\)$"):
+        build_config("arith-tiny", "t", ["rl.call_timeout=1e10"])
 
 
 @pytest.mark.parametrize("key", ["model.count", "generation.count", "rollout.count"])
