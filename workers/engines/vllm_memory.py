@@ -1,0 +1,89 @@
+"""A KV cache that cannot fit, said in the trial's keys once, not retried.
+
+vLLM refuses an engine whose KV cache has no room (more GiB asked than a CPU node has, a memory
+fraction that leaves none after the weights, no room for one ``max_model_len`` sequence) with a
+``ValueError`` in its own terms (``--kv-cache-memory-bytes``, ``VLLM_CPU_KVCACHE_SPACE``). The
+same settings fail the same way at every restart: :func:`kv_cache_refused` turns it into a
+:class:`~system.errors.ConfigError` naming the key (the controller does not recover a
+configuration error). :func:`kv_cache_over_machine` refuses, at launch, a size no memory of this
+machine could hold. Importable without vLLM.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from typing import Iterator
+
+from system.errors import ConfigError
+from workers.engines.vllm_config import VllmConfig
+
+SECTION = "rl.vllm"
+"""Where the engine's settings are mounted in the trial's config."""
+
+_NODE = re.compile(r"Available memory on node (\d+) \(([\d.]+)/([\d.]+) GiB\)")
+_NO_ROOM = ("No available memory for the cache blocks",
+            "larger than the available KV cache memory")
+
+
+def kv_cache_refusal(error: BaseException, cfg: VllmConfig, section: str = SECTION
+                     ) -> str | None:
+    """One line naming the setting for vLLM's refusal ``error`` of a KV cache that cannot fit
+    however often it is retried; None for any other error (and for an explicit size that fits
+    the node's memory but not what other processes left free: that may pass)."""
+    text = str(error)
+    if not isinstance(error, ValueError):
+        return None
+    node = _NODE.search(text)
+    if node and "requested memory for kv" in text:  # vLLM's CPU worker
+        where = (f"NUMA node {node.group(1)} has {float(node.group(3)):g} GiB, "
+                 f"{float(node.group(2)):g} GiB of it available")
+        if cfg.kv_cache_gib is not None:
+            if cfg.kv_cache_gib <= float(node.group(3)):
+                return None
+            return (f"{section}.kv_cache_gib={cfg.kv_cache_gib:g} does not fit this machine's "
+                    f"memory ({where}); valid: fewer GiB than are available, or null (sized by "
+                    f"{section}.gpu_memory_utilization)")
+        return (f"{section}.gpu_memory_utilization leaves vLLM no memory for the KV cache once "
+                f"the model is loaded ({where}); valid: a larger fraction, or "
+                f"{section}.kv_cache_gib=GiB")
+    if any(s in text for s in _NO_ROOM):
+        sizing = (f"{section}.kv_cache_gib={cfg.kv_cache_gib:g}" if cfg.kv_cache_gib is not None
+                  else f"{section}.gpu_memory_utilization")
+        return (f"{sizing} leaves vLLM too little memory for the KV cache of one "
+                f"{section}.max_model_len={cfg.max_model_len} sequence ({text.split('. ')[0]}); "
+                f"valid: more memory for the cache, or a shorter {section}.max_model_len")
+    return None
+
+
+@contextlib.contextmanager
+def kv_cache_refused(cfg: VllmConfig, section: str = SECTION) -> Iterator[None]:
+    """Around the engine's construction: vLLM's refusal of a KV cache that cannot fit is raised
+    as a :class:`ConfigError` (:func:`kv_cache_refusal`)."""
+    try:
+        yield
+    except ValueError as e:
+        problem = kv_cache_refusal(e, cfg, section)
+        if problem is None:
+            raise
+        raise ConfigError(problem) from None
+
+
+def machine_memory() -> int:
+    """Bytes of memory of this machine (0 where unknown)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
+def kv_cache_over_machine(kv_cache_gib: float | None, total: int,
+                          key: str = f"{SECTION}.kv_cache_gib") -> str | None:
+    """Why a KV cache of ``kv_cache_gib`` cannot be held by a CPU engine of a machine of
+    ``total`` bytes (0: unknown), or None."""
+    if kv_cache_gib is None or total <= 0 or kv_cache_gib * 2**30 < total:
+        return None
+    section = key.rpartition(".")[0]
+    return (f"{key}={kv_cache_gib:g} is more than this machine's memory ({total / 2**30:.1f} "
+            f"GiB): vLLM's CPU backend allocates the whole KV cache at start; valid: fewer GiB "
+            f"than are free here, or null (sized by {section}.gpu_memory_utilization)")
