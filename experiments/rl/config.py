@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from experiments.rl.agents import AgentConfig
 from experiments.rl.algorithms.objectives import ActorLossConfig
-from experiments.rl.tasks import TaskConfig
+from experiments.rl.tasks import TaskConfig, dataset
 from scheduler.config import SchedulerKind
 from scheduler.gpu_plan import GpuDemand
 from system.paths import PROJECT_ROOT
@@ -226,7 +226,9 @@ class RLExperimentConfig(ExperimentConfig):
         """Checks against the machine the launcher runs on, for a trial whose workers run here
         too (``scheduler=local``): a :class:`ConfigError` naming the key (a check against the
         machine: the launcher exits with code 1). A training's model must be a model directory
-        here (:func:`resolve_model_path`).
+        here (:func:`resolve_model_path`), and its prompt files readable prompts here (read as
+        the master reads them: a missing, malformed or empty one is refused at launch, not
+        once the workers started).
         On CPU (``scheduler.local.gpus`` finds none), vLLM's CPU backend binds each of
         ``rl.vllm.tensor_parallel_size`` ranks to a NUMA node of its own (``nodes``: those this
         process may use, :func:`~workers.engines.vllm_config.memory_nodes` by default), and
@@ -235,6 +237,9 @@ class RLExperimentConfig(ExperimentConfig):
             return  # (Slurm's nodes are not this one: the generation server checks there)
         if self.mode == RunMode.TRAIN:  # (an evaluation reads the trial's checkpoints)
             resolve_model_path(self.rl, self.exp)  # a model the workers here can read
+            for split in ("train", "eval"):  # prompt files the workers here read, as they will
+                if getattr(self.rl.task, f"{split}_path"):
+                    dataset(self.rl.task, split)
         from scheduler.local import local_gpus
 
         if local_gpus(self.scheduler.local.gpus, environ).ids:

@@ -156,6 +156,23 @@ def test_a_local_trials_model_must_be_a_model_directory_here(tmp_path):
     _trial(f"rl.model_path={missing}", "mode=eval").check_machine({}, nodes=[0])
 
 
+def test_a_local_trials_prompt_files_are_read_at_launch(tmp_path):
+    """A missing, malformed or empty ``rl.task.train_path`` (or ``eval_path``) passed the
+    launch and failed the master about 10 s later, every worker started; a local launch reads
+    them as the master will and refuses them (exit 1). Slurm's nodes may see other files."""
+    good, bad, empty = (tmp_path / n for n in ("good.jsonl", "bad.jsonl", "empty.jsonl"))
+    good.write_text('{"prompt": "1+1=", "answer": 2}\n')
+    bad.write_text('{"prompt": 1\n')
+    empty.write_text("")
+    _trial(f"rl.task.train_path={good}", f"rl.task.eval_path={good}").check_machine({}, [0])
+    for key in ("train_path", "eval_path"):
+        for path, words in ((tmp_path / "absent.jsonl", "does not exist on"),
+                            (bad, "line 1 is not JSON"), (empty, "holds no prompts")):
+            with pytest.raises(ConfigError, match=rf"^rl\.task\.{key}='{path}':? {words}"):
+                _trial(f"rl.task.{key}={path}").check_machine({}, nodes=[0])
+            _trial(f"rl.task.{key}={path}", "scheduler=slurm").check_machine({}, nodes=[0])
+
+
 def test_a_context_past_the_models_positions_is_left_to_vllm_where_it_may_be_valid():
     from experiments.rl.config import check_model_len
 
