@@ -11,18 +11,31 @@ MARKERS = ("config.yaml", "status.json", "summary.json")
 """A directory with one of these is a trial directory."""
 
 
+def _is_trial(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, m)) for m in MARKERS)
+
+
+def _trials_in(exp_dir: str) -> list[TrialPaths]:
+    return [TrialPaths(os.path.join(exp_dir, t)) for t in sorted(os.listdir(exp_dir))
+            if _is_trial(os.path.join(exp_dir, t))]
+
+
 def find_trials(fileroot: str) -> list[TrialPaths]:
-    """The trial directories ``<fileroot>/<exp>/<trial>/``, sorted by name."""
-    found = []
+    """The trial directories ``<fileroot>/<exp>/<trial>/``, sorted by name. Given an
+    experiment's directory (``runs/arith-tiny``) or a trial's, the trials there: not each
+    trial's ``eval/`` run taken for a trial of an experiment named after the trial."""
     root = os.path.abspath(fileroot)
-    for exp in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+    if not os.path.isdir(root):
+        return []
+    if _is_trial(root):
+        return [TrialPaths(root)]
+    if _trials_in(root):
+        return _trials_in(root)
+    found = []
+    for exp in sorted(os.listdir(root)):
         exp_dir = os.path.join(root, exp)
-        if exp.startswith(".") or not os.path.isdir(exp_dir):
-            continue
-        for trial in sorted(os.listdir(exp_dir)):
-            paths = TrialPaths(os.path.join(exp_dir, trial))
-            if any(os.path.isfile(os.path.join(paths.root, m)) for m in MARKERS):
-                found.append(paths)
+        if not exp.startswith(".") and os.path.isdir(exp_dir):
+            found += _trials_in(exp_dir)
     return found
 
 

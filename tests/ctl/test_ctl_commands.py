@@ -182,6 +182,23 @@ def test_a_reader_that_has_gone_is_no_error(fileroot, buffered):
         assert (r.returncode, r.stderr) == (code, ""), args
 
 
+def test_ls_given_an_experiments_or_a_trials_directory_lists_its_trials(tmp_path):
+    """``ls --fileroot runs/arith-tiny`` (one level down) listed each trial's ``eval/`` run as
+    a trial of an experiment named after the trial."""
+    from system.ctl.ls import find_trials
+
+    root = tmp_path / "runs"
+    for trial in ("t1", "t2"):
+        for d in (root / "smoke" / trial, root / "smoke" / trial / "eval"):
+            d.mkdir(parents=True)
+            (d / "config.yaml").write_text("{}")
+    want = [str(root / "smoke" / t) for t in ("t1", "t2")]
+    for given in (root, root / "smoke"):
+        assert [p.root for p in find_trials(str(given))] == want, given
+    assert [p.root for p in find_trials(str(root / "smoke" / "t2"))] == want[1:]
+    assert find_trials(str(tmp_path / "absent")) == []
+
+
 def test_ls_takes_the_file_root_as_the_other_commands_do(tmp_path, capsys):
     """``ls cluster.fileroot=DIR`` (the word the launcher, status, cancel and logs take) lists
     the same trials as ``ls --fileroot DIR``; anything else, or the root given twice, is a usage
