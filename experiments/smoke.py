@@ -66,6 +66,9 @@ class SmokeConfig:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.timeout <= 0:
             raise ConfigError(f"timeout must be > 0, got {self.timeout}")
+        for key in ("ping_interval", "min_duration"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0 (seconds), got {getattr(self, key)}")
         self.crash_spec()  # validate
 
     def crash_spec(self) -> tuple[str, int, float, str] | None:

@@ -125,6 +125,24 @@ def loop_seconds(seen: dict[int, float]) -> float:
     return max(trained.values()) - min(trained.values()) if len(trained) > 1 else float("nan")
 
 
+KINDS = ("master", "model", "generation", "rollout")
+"""The kinds a kill may name (the workers of the arith-tiny layout)."""
+
+
+def parse_kills(p: argparse.ArgumentParser, text: str, steps: int) -> list[tuple[str, int]]:
+    """``--kills`` as ``[(kind, step)]``; anything else is a usage error (exit 2) naming it:
+    an unknown kind or a step the run never trains killed nothing, and the run reported
+    ``recoveries: 0`` as if it had."""
+    kills = []
+    for item in filter(None, text.split(",")):
+        kind, _, step = item.partition(":")
+        if kind not in KINDS or not step.isdigit() or not 1 <= int(step) < steps:
+            p.error(f"--kills: {item!r} is not KIND:STEP with KIND one of {', '.join(KINDS)} "
+                    f"and STEP from 1 to {steps - 1} (--steps {steps})")
+        kills.append((kind, int(step)))
+    return kills
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,7 +156,7 @@ def main() -> int:
     p.add_argument("--gaps", action="store_true",
                    help="also print the slowest step gaps of each run (where the time went)")
     a = p.parse_args()
-    kills = [(k, int(s)) for k, s in (item.split(":") for item in a.kills.split(","))]
+    kills = parse_kills(p, a.kills, a.steps)
     with tempfile.TemporaryDirectory() as tmp:
         fileroot = a.keep or tmp
         base = run(fileroot, "uninterrupted", a.steps, a.prompts, [])
