@@ -103,10 +103,17 @@ class TrialView:
         return started
 
     def step(self) -> str:
-        """The master's step (``3/100``), or its first progress figure, or ``-``."""
+        """The master's step (``3/100``); for a trial that ended while its master was not
+        training (stopped during a recovery: its progress says ``phase starting``) the step
+        its summary says it reached; else its first progress figure, or ``-``."""
         progress = self.record.get("progress") or {}
         if "step" in progress:
             return str(progress["step"])
+        summary = self.summary or {}
+        reached = next((summary[k] for k in ("steps", "resumed_from_step")
+                        if isinstance(summary.get(k), int)), None)
+        if not self.live and reached is not None:
+            return str(reached)
         return next((f"{k} {v}" for k, v in progress.items() if v is not None), "-")
 
     def controller_job(self) -> str:

@@ -60,6 +60,23 @@ def test_final_states_and_cancel_requests(paths):
     lock.release()
 
 
+def test_a_trial_stopped_during_a_recovery_shows_the_step_it_reached(paths):
+    """Its progress, written while the master restarted, says ``phase starting``: ``ls``
+    showed that of a trial that trained to step 334."""
+    t0 = time.time()
+    _write(paths.status, {"state": "interrupted", "started": t0,
+                          "progress": {"phase": "starting"}})
+    _write(paths.summary, {"status": "interrupted", "t0_epoch": t0, "resumed_from_step": 334})
+    assert read_trial(paths).step() == "334"
+    _write(paths.summary, {"status": "interrupted", "t0_epoch": t0, "steps": 340,
+                           "resumed_from_step": 334})
+    assert read_trial(paths).step() == "340"
+    lock = TrialLock.acquire(paths.lock, "smoke/t1")  # live: what it does now
+    _write(paths.status, {"state": "running", "started": t0, "progress": {"phase": "starting"}})
+    assert read_trial(paths).step() == "phase starting"
+    lock.release()
+
+
 def test_trial_from_before_status_json(paths):
     _write(paths.summary, {"status": "completed", "scheduler": "slurm", "t0_epoch": 100.0,
                            "jobs": {"master": ["12"], "rollout": ["13"]}})
