@@ -117,18 +117,18 @@ class Controller(RecoveringController):
             failure = e if isinstance(e, WorkerFailure) else WorkerFailure(str(e))
             failure = full_disk_cause(failure, self.paths.root, self.paths.checkpoints)
             summary.failed(failure)
-            print(f"\nerror: {failure}", file=sys.stderr)
+            self.progress.say(f"\nerror: {failure}")
         except (NameServiceUnavailable, NameServiceRefused) as e:  # gone, or refusing
             self._names_down = isinstance(e, NameServiceUnavailable)
             failure = WorkerFailure(f"name resolution failed: {e}")
             summary.failed(failure)
-            print(f"\nerror: {failure}", file=sys.stderr)
+            self.progress.say(f"\nerror: {failure}")
         except KeyboardInterrupt as e:
             summary.interrupted(cancelled=isinstance(e, TrialCancelled)  # (or ctl's SIGTERM)
                                 or cancelled_since(self.paths, summary.t0))
             if isinstance(e, ControllerRequeue):  # its job's time limit or preemption
                 summary.requeued(str(e), self._requeue_record(e.seconds_left()))
-            print(f"\n{summary.status}: stopping every worker", file=sys.stderr)
+            self.progress.say(f"\n{summary.status}: stopping every worker")
         finally:  # cleanup and records must finish: no signal stops them (see launch.py)
             old = signal.signal(signal.SIGINT, signal.SIG_IGN)
             try:

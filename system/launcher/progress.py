@@ -38,8 +38,16 @@ class Progress:
             print(self._line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        """End the display, its last line shown (once: later calls do nothing)."""
         if self._live is not None:
             self._live.stop()
             self._live = None
         elif self.enabled and self._line:
             print(self._line, file=sys.stderr, flush=True)
+        self.enabled, self._line = False, ""
+
+    def say(self, text: str) -> None:
+        """Print ``text`` below the display, which ends first: no progress line (a stale
+        ``state running``) is printed after it."""
+        self.close()
+        print(text, file=sys.stderr, flush=True)
