@@ -392,9 +392,9 @@ def run_trial(cfg: ExperimentConfig, experiment: Experiment, trial: PreparedTria
                 code = dry_run(cfg, paths, scheduler, resolved, "--test-only" in args.flags)
                 sys.stdout.flush()  # (what is buffered: its reader may be gone)
                 return code
-            except BrokenPipeError:  # ``--dry-run | head``: the rest is not wanted
-                silence(sys.stdout)
-                return 0
+            except BrokenPipeError:  # ``--dry-run | head``: the rest is not wanted, but its
+                silence(sys.stdout)  # checks (--test-only's sbatch, the pre-flight) still say
+                return dry_run(cfg, paths, scheduler, resolved, "--test-only" in args.flags)
         if "--detach" in args.flags:
             return detach(cfg, paths, scheduler,
                           absolute_argv([a for a in argv if a != "--detach"], cfg), trial.lock)

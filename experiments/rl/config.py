@@ -237,9 +237,9 @@ class RLExperimentConfig(ExperimentConfig):
             return  # (Slurm's nodes are not this one: the generation server checks there)
         if self.mode == RunMode.TRAIN:  # (an evaluation reads the trial's checkpoints)
             resolve_model_path(self.rl, self.exp)  # a model the workers here can read
-            for split in ("train", "eval"):  # prompt files the workers here read, as they will
-                if getattr(self.rl.task, f"{split}_path"):
-                    dataset(self.rl.task, split)
+        for split in ("train", "eval") if self.mode == RunMode.TRAIN else ("eval",):
+            if getattr(self.rl.task, f"{split}_path"):  # read here as the workers will
+                dataset(self.rl.task, split)
         from scheduler.local import local_gpus
 
         if local_gpus(self.scheduler.local.gpus, environ).ids:
@@ -247,7 +247,8 @@ class RLExperimentConfig(ExperimentConfig):
         found = memory_nodes(environ) if nodes is None else nodes
         problem = cpu_tensor_parallel_problem(self.rl.vllm.tensor_parallel_size, found, environ,
                                               key="rl.vllm.tensor_parallel_size") \
-            or kv_cache_over_machine(self.rl.vllm.kv_cache_gib, machine_memory())
+            or kv_cache_over_machine(self.rl.vllm.kv_cache_gib, machine_memory(),
+                                     self.generation.count * self.rl.vllm.tensor_parallel_size)
         if problem:
             raise ConfigError(problem)
 

@@ -105,15 +105,13 @@ class TrialView:
     def step(self) -> str:
         """The master's step (``3/100``); for a trial that ended while its master was not
         training (stopped during a recovery: its progress says ``phase starting``) the step
-        its summary says it reached; else its first progress figure, or ``-``."""
-        progress = self.record.get("progress") or {}
+        its checkpoint holds, which it resumed from; else its first progress figure, or
+        ``-``."""
+        progress = self.record.get("progress") or (self.summary or {}).get("progress") or {}
         if "step" in progress:
             return str(progress["step"])
-        summary = self.summary or {}
-        reached = next((summary[k] for k in ("steps", "resumed_from_step")
-                        if isinstance(summary.get(k), int)), None)
-        if not self.live and reached is not None:
-            return str(reached)
+        if not self.live and str(progress.get("resumed_from", "")).isdigit():
+            return str(progress["resumed_from"])
         return next((f"{k} {v}" for k, v in progress.items() if v is not None), "-")
 
     def controller_job(self) -> str:

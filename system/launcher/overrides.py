@@ -182,16 +182,22 @@ def _expected(node: Any, raw: str) -> str:
     return ""
 
 
+SECONDS_DOC = re.compile(r"^(default )?seconds\b|\bthis many seconds\b")
+"""How the docstring of a key in seconds says so ("Seconds between ...", "after this many
+seconds"); not one that only mentions seconds (a KV cache's "CPU-second", a fraction's "c
+seconds")."""
+
+
 def _in_seconds(conf: DictConfig, key: str) -> bool:
     """Whether float key ``key`` (dotted) of ``conf`` is a time in seconds (its field's
-    docstring says so)."""
+    docstring says so: :data:`SECONDS_DOC`)."""
     section, _, leaf = key.rpartition(".")
     try:
         kind = OmegaConf.get_type(OmegaConf.select(conf, section) if section else conf)
     except Exception:  # noqa: BLE001 - only the wording of a message depends on it
         return False
     doc = field_docs(kind).get(leaf, "") if isinstance(kind, type) else ""
-    return "second" in doc.lower()
+    return SECONDS_DOC.search(doc.lower()) is not None
 
 
 def _out_of_range(node: Any, path: str = "") -> tuple[str, float] | None:

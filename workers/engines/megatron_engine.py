@@ -129,9 +129,15 @@ class MegatronEngine:
         if self.shape.tie_word_embeddings:
             hf.setdefault("lm_head.weight", hf["model.embed_tokens.weight"])
         fresh = self.head == "value" and VALUE_HEAD[0] not in hf
+        h = self.shape.hidden_size
         if fresh:  # stand-ins of the head's shape, not loaded (below)
-            h = self.shape.hidden_size
             hf.update({VALUE_HEAD[0]: torch.zeros(1, h), VALUE_HEAD[1]: torch.zeros(1)})
+        elif self.head == "value":  # (a head without a bias: the torch engine's starts at 0)
+            hf.setdefault(VALUE_HEAD[1], torch.zeros(1))
+            if tuple(hf[VALUE_HEAD[0]].shape) != (1, h):
+                raise ConfigError(f"{path}: {VALUE_HEAD[0]} has shape "
+                                  f"{tuple(hf[VALUE_HEAD[0]].shape)}; a critic's value head "
+                                  f"has (1, {h}) (one label)")
         tp_rank, pp_rank = self.coords
         shard = mw.local_from_hf(hf, self.shape, self.dims.tp, tp_rank, self.dims.pp, pp_rank,
                                  self.head)

@@ -5,8 +5,11 @@ fraction that leaves none after the weights, no room for one ``max_model_len`` s
 ``ValueError`` in its own terms (``--kv-cache-memory-bytes``, ``VLLM_CPU_KVCACHE_SPACE``). The
 same settings fail the same way at every restart: :func:`kv_cache_refused` turns it into a
 :class:`~system.errors.ConfigError` naming the key (the controller does not recover a
-configuration error). :func:`kv_cache_over_machine` refuses, at launch, a size no memory of this
-machine could hold. Importable without vLLM.
+configuration error). That error reaches the generation server only from an engine core in its
+own process (``rl.vllm.engine_process``: inline, the default on CPU at tensor_parallel_size=1);
+a separate engine core fails with vLLM's "Engine core initialization failed", its cause in the
+server's log, and is recovered as any failure. :func:`kv_cache_over_machine` refuses, at a local
+trial's launch, sizes this machine's memory cannot hold. Importable without vLLM.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ SECTION = "rl.vllm"
 """Where the engine's settings are mounted in the trial's config."""
 
 _NODE = re.compile(r"Available memory on node (\d+) \(([\d.]+)/([\d.]+) GiB\)")
+_ASKED = re.compile(r"requested memory for kv \((-?[\d.]+)")
 _NO_ROOM = ("No available memory for the cache blocks",
             "larger than the available KV cache memory")
 
@@ -44,6 +48,9 @@ def kv_cache_refusal(error: BaseException, cfg: VllmConfig, section: str = SECTI
             return (f"{section}.kv_cache_gib={cfg.kv_cache_gib:g} does not fit this machine's "
                     f"memory ({where}); valid: fewer GiB than are available, or null (sized by "
                     f"{section}.gpu_memory_utilization)")
+        asked = _ASKED.search(text)
+        if asked is None or float(asked.group(1)) > 0:
+            return None  # (more than other processes left free now: may pass)
         return (f"{section}.gpu_memory_utilization leaves vLLM no memory for the KV cache once "
                 f"the model is loaded ({where}); valid: a larger fraction, or "
                 f"{section}.kv_cache_gib=GiB")
@@ -69,21 +76,31 @@ def kv_cache_refused(cfg: VllmConfig, section: str = SECTION) -> Iterator[None]:
         raise ConfigError(problem) from None
 
 
-def machine_memory() -> int:
-    """Bytes of memory of this machine (0 where unknown)."""
+def machine_memory(cgroup: str = "/sys/fs/cgroup/memory.max") -> int:
+    """Bytes of memory this process may use: the machine's, or its cgroup's limit where lower
+    (0 where unknown)."""
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
-        return 0
+        total = 0
+    try:
+        with open(cgroup) as f:
+            limit = f.read().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() and total else total
 
 
-def kv_cache_over_machine(kv_cache_gib: float | None, total: int,
+def kv_cache_over_machine(kv_cache_gib: float | None, total: int, engines: int = 1,
                           key: str = f"{SECTION}.kv_cache_gib") -> str | None:
-    """Why a KV cache of ``kv_cache_gib`` cannot be held by a CPU engine of a machine of
-    ``total`` bytes (0: unknown), or None."""
-    if kv_cache_gib is None or total <= 0 or kv_cache_gib * 2**30 < total:
+    """Why ``engines`` KV caches of ``kv_cache_gib`` each (every tensor-parallel rank of every
+    generation server of a local trial allocates its own) cannot be held by CPU engines of a
+    machine of ``total`` bytes (0: unknown), or None."""
+    if kv_cache_gib is None or total <= 0 or kv_cache_gib * engines * 2**30 < total:
         return None
     section = key.rpartition(".")[0]
-    return (f"{key}={kv_cache_gib:g} is more than this machine's memory ({total / 2**30:.1f} "
-            f"GiB): vLLM's CPU backend allocates the whole KV cache at start; valid: fewer GiB "
-            f"than are free here, or null (sized by {section}.gpu_memory_utilization)")
+    times = f" x {engines} engine ranks" if engines > 1 else ""
+    return (f"{key}={kv_cache_gib:g}{times} is more than this machine's memory "
+            f"({total / 2**30:.1f} GiB): vLLM's CPU backend allocates the whole KV cache at "
+            f"start; valid: fewer GiB than are free here, or null (sized by "
+            f"{section}.gpu_memory_utilization)")

@@ -171,6 +171,10 @@ def test_a_local_trials_prompt_files_are_read_at_launch(tmp_path):
             with pytest.raises(ConfigError, match=rf"^rl\.task\.{key}='{path}':? {words}"):
                 _trial(f"rl.task.{key}={path}").check_machine({}, nodes=[0])
             _trial(f"rl.task.{key}={path}", "scheduler=slurm").check_machine({}, nodes=[0])
+    # an evaluation reads the held-out file (the training file is not its business)
+    with pytest.raises(ConfigError, match=r"^rl\.task\.eval_path=.* holds no prompts"):
+        _trial(f"rl.task.eval_path={empty}", "mode=eval").check_machine({}, nodes=[0])
+    _trial(f"rl.task.train_path={empty}", "mode=eval").check_machine({}, nodes=[0])
 
 
 def test_a_context_past_the_models_positions_is_left_to_vllm_where_it_may_be_valid():

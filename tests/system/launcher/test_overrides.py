@@ -173,6 +173,9 @@ def test_every_float_key_of_every_experiment_refuses_a_huge_value():
         build_config("arith-tiny", "t", ["rl.actor.lr=1e10"])
     with pytest.raises(ConfigError, match=r"^rl.call_timeout=1e10: .* \(as seconds: 31 years\)$"):
         build_config("arith-tiny", "t", ["rl.call_timeout=1e10"])
+    for key in ("rl.vllm.kv_cache_gib", "rl.save_overhead"):  # (their docs mention seconds)
+        with pytest.raises(ConfigError, match=r"at most 1e\+09$"):
+            build_config("arith-tiny", "t", [f"{key}=1e10"])
 
 
 @pytest.mark.parametrize("key", ["model.count", "generation.count", "rollout.count"])

@@ -274,6 +274,20 @@ def test_a_critic_equals_the_torch_engines_and_resumes_from_its_checkpoint(criti
         assert (got - want).abs().max().item() < TOL
 
 
+def test_a_critic_checkpoint_without_a_bias_starts_it_at_zero(critic_dir, tmp_path):
+    """A value head saved without its bias loads as the torch engine loads it (bias 0)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = str(tmp_path / "nobias")
+    shutil.copytree(critic_dir, path)
+    state = load_file(os.path.join(path, "model.safetensors"))
+    del state["score.bias"]
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    _compare(_run(path, 2, 2, 1, head="value"), _reference(path, 1, head="value"), 2, 2, 1)
+
+
 def test_a_critic_from_a_causal_lm_keeps_its_own_value_head(gqa_dir):
     """From an LM checkpoint (no value head) the critic's head keeps megatron's initialisation
     (tp rank 0's column), and it trains."""

@@ -10,7 +10,7 @@ import pytest
 from system.errors import ConfigError
 from workers.engines.vllm_config import VllmConfig
 from workers.engines.vllm_memory import (kv_cache_over_machine, kv_cache_refusal,
-                                         kv_cache_refused)
+                                         kv_cache_refused, machine_memory)
 from tests.helpers import REPO
 
 CPU_EXPLICIT = ("Available memory on node 0 (21.45/23.54 GiB) on kv cache allocation is less "
@@ -34,6 +34,8 @@ def test_vllms_refusals_name_the_key():
     assert kv_cache_refusal(ValueError(CPU_AUTO), VllmConfig()).startswith(
         "rl.vllm.gpu_memory_utilization leaves vLLM no memory for the KV cache once the model "
         "is loaded (NUMA node 0 has 23.54 GiB, 1.2 GiB of it available)")
+    # a fraction that asks for memory other processes hold now (a restart may find it free)
+    assert kv_cache_refusal(ValueError(CPU_AUTO.replace("-0.50/", "3.90/")), VllmConfig()) is None
     assert kv_cache_refusal(ValueError(NO_BLOCKS), VllmConfig(max_model_len=64)) == (
         "rl.vllm.gpu_memory_utilization leaves vLLM too little memory for the KV cache of one "
         "rl.vllm.max_model_len=64 sequence (No available memory for the cache blocks); valid: "
@@ -48,10 +50,22 @@ def test_vllms_refusals_name_the_key():
             raise ValueError("something else")
 
 
+def test_the_memory_a_process_may_use_is_its_cgroups_limit_where_lower(tmp_path):
+    limit = tmp_path / "memory.max"
+    limit.write_text("max\n")
+    whole = machine_memory(str(limit))
+    assert whole > 0 and machine_memory(str(tmp_path / "absent")) == whole
+    limit.write_text(f"{1 << 30}\n")
+    assert machine_memory(str(limit)) == 1 << 30
+
+
 def test_a_size_past_the_machines_memory_is_refused_at_launch():
     assert kv_cache_over_machine(None, 8 << 30) is None
     assert kv_cache_over_machine(4, 8 << 30) is None
     assert kv_cache_over_machine(4, 0) is None  # (unknown)
+    assert kv_cache_over_machine(3, 8 << 30, engines=2) is None
+    assert kv_cache_over_machine(3, 8 << 30, engines=3).startswith(  # every rank of every server
+        "rl.vllm.kv_cache_gib=3 x 3 engine ranks is more than this machine's memory (8.0 GiB)")
     assert kv_cache_over_machine(10000, 8 << 30) == (
         "rl.vllm.kv_cache_gib=10000 is more than this machine's memory (8.0 GiB): vLLM's CPU "
         "backend allocates the whole KV cache at start; valid: fewer GiB than are free here, or "
