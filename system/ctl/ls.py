@@ -29,8 +29,9 @@ def find_trials(fileroot: str) -> list[TrialPaths]:
         return []
     if _is_trial(root):
         return [TrialPaths(root)]
-    if _trials_in(root):
-        return _trials_in(root)
+    here = _trials_in(root)  # (an experiment's directory)
+    if here:
+        return here
     found = []
     for exp in sorted(os.listdir(root)):
         exp_dir = os.path.join(root, exp)

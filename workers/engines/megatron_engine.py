@@ -120,7 +120,7 @@ class MegatronEngine:
         LM's, which has none, the head keeps megatron's initialisation."""
         from safetensors.torch import load_file
 
-        from system.reshard.megatron import VALUE_HEAD
+        from system.reshard.megatron import VALUE_HEAD, hf_shapes
 
         hf: dict[str, torch.Tensor] = {}
         for name in sorted(os.listdir(path)):
@@ -129,15 +129,15 @@ class MegatronEngine:
         if self.shape.tie_word_embeddings:
             hf.setdefault("lm_head.weight", hf["model.embed_tokens.weight"])
         fresh = self.head == "value" and VALUE_HEAD[0] not in hf
-        h = self.shape.hidden_size
-        if fresh:  # stand-ins of the head's shape, not loaded (below)
-            hf.update({VALUE_HEAD[0]: torch.zeros(1, h), VALUE_HEAD[1]: torch.zeros(1)})
-        elif self.head == "value":  # (a head without a bias: the torch engine's starts at 0)
-            hf.setdefault(VALUE_HEAD[1], torch.zeros(1))
-            if tuple(hf[VALUE_HEAD[0]].shape) != (1, h):
+        if self.head == "value":
+            want = hf_shapes(self.shape, "value")
+            if fresh:  # stand-ins of the head's shape, not loaded (below)
+                hf.update({k: torch.zeros(want[k]) for k in VALUE_HEAD})
+            hf.setdefault(VALUE_HEAD[1], torch.zeros(want[VALUE_HEAD[1]]))  # (as the torch
+            if tuple(hf[VALUE_HEAD[0]].shape) != want[VALUE_HEAD[0]]:  # engine: a bias at 0)
                 raise ConfigError(f"{path}: {VALUE_HEAD[0]} has shape "
                                   f"{tuple(hf[VALUE_HEAD[0]].shape)}; a critic's value head "
-                                  f"has (1, {h}) (one label)")
+                                  f"has {want[VALUE_HEAD[0]]} (one label)")
         tp_rank, pp_rank = self.coords
         shard = mw.local_from_hf(hf, self.shape, self.dims.tp, tp_rank, self.dims.pp, pp_rank,
                                  self.head)
