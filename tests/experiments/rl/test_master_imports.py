@@ -12,7 +12,7 @@ import pytest
 from system.paths import PROJECT_ROOT
 
 CODE = """
-import sys, tempfile
+import sys
 import numpy as np
 import experiments.rl.loop, experiments.rl.roles.rollout, experiments.rl.roles.evaluator
 from experiments.rl.config import RLConfig
@@ -23,7 +23,7 @@ from experiments.rl.tokenizer import load_tokenizer
 trajs = [{"prompt_len": 2, "mask": np.ones(3, np.float32), "reward": r} for r in (1.0, 0.0)]
 advantages_grpo([trajs], 2)
 advantages_ppo(trajs, [np.zeros(4, np.float32)] * 2, RLConfig(algorithm="ppo"))
-log = MetricsLog(tempfile.mkdtemp())
+log = MetricsLog(sys.argv[2])
 log.log(1, reward=0.5)
 log.close()
 load_tokenizer(sys.argv[1])
@@ -31,11 +31,11 @@ print(sorted(m for m in ("torch", "transformers.models.auto.modeling_auto") if m
 """
 
 
-def test_a_master_and_a_rollout_worker_import_no_torch():
+def test_a_master_and_a_rollout_worker_import_no_torch(tmp_path):
     model = os.path.join(PROJECT_ROOT, ".models", "arith-tiny")
     if not os.path.isfile(os.path.join(model, "tokenizer.json")):
         pytest.skip("the models are created by scripts/setup.sh")
-    out = subprocess.run([sys.executable, "-c", CODE, model], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", CODE, model, str(tmp_path)], capture_output=True, text=True,
                          cwd=PROJECT_ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["[]"]

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from system.bootstrap import Bootstrap
-from tests.helpers import write_secret_file
+from tests.helpers import tiny_llm, write_secret_file
 from workers.engines.vllm_server import GenerationEngine, GenerationLoopDied, Sampling, VllmConfig
 
 PROMPT = [1, 5, 9, 17, 33]
@@ -22,11 +22,7 @@ PROMPT = [1, 5, 9, 17, 33]
 @pytest.fixture
 def doomed_llm(tiny_model_dir):
     """A vLLM engine of its own (not the session's): the test below kills its engine core."""
-    from vllm import LLM
-
-    llm = LLM(model=tiny_model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=0,
-              worker_extension_cls="workers.engines.vllm_weight_sync.WeightSyncExtension")
+    llm = tiny_llm(tiny_model_dir)
     yield llm
     try:
         for core in llm.llm_engine.engine_core.resources.engine_manager.processes:

