@@ -204,6 +204,7 @@ class TrainItem(TypedDict):
     adv: NotRequired[np.ndarray]
     prox_logp: NotRequired[np.ndarray]
     ref_logp: NotRequired[np.ndarray]
+    loss_weight: NotRequired[np.ndarray]
     old_values: NotRequired[np.ndarray]
     returns: NotRequired[np.ndarray]
 
@@ -219,6 +220,7 @@ class TrainStats(TypedDict, total=False):
     tokens: float
     clip_fraction_sum: float
     behav_weight_mean_sum: float
+    dual_clip_fraction_sum: float
     kl_sum: float
     value_loss_sum: float
 

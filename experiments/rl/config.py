@@ -68,6 +68,13 @@ class RLConfig:
     """B: prompts per training step (each with group_size samples)."""
     group_size: int = 8
     """n: samples per prompt."""
+    group_std_norm: bool = True
+    """grpo: divide each group's centred rewards by the group's standard deviation; false: the
+    centred rewards as they are (Dr. GRPO: no bias toward groups of nearly equal rewards)."""
+    dynamic_sampling: bool = False
+    """grpo: drop a group whose rewards are all equal as it arrives (its advantages are all 0:
+    no learning signal) and sample other prompts in its place, so every step trains on
+    ``batch_size`` groups that carry one (DAPO). Its prompt comes again in the next epoch."""
     max_head_offpolicyness: int = 1
     """eta: the largest number of versions a trained sample's weights may lag (async mode)."""
     sync_interval: int = 1
@@ -147,6 +154,9 @@ class RLConfig:
                               f"{self.seed}")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ConfigError("group_size must be >= 2 for grpo (advantages are relative)")
+        if self.dynamic_sampling and self.algorithm != "grpo":
+            raise ConfigError("dynamic_sampling=true needs rl.algorithm=grpo (with ppo a group "
+                              "of equal rewards still has advantages, from the critic)")
         if self.sync_interval - 1 > self.eta and self.mode == "sync":
             raise ConfigError(
                 f"sync_interval={self.sync_interval}: mode=sync trains on fresh samples only "

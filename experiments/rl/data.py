@@ -207,22 +207,24 @@ class TaskSource:
         with self._lock:
             return seq in self.in_flight
 
-    def finish(self, seq: int, accepted: bool) -> Task | None:
+    def finish(self, seq: int, accepted: bool, redo: bool = True) -> Task | None:
         """A group came back (or failed). Returns its task, or None for an unknown seq (a
-        duplicate, from before a restart, or one whose lease was already released)."""
+        duplicate, from before a restart, or one whose lease was already released). A group
+        not accepted is done again, unless ``redo`` is false (it was filtered out: its prompt
+        was used, as an accepted one's, and comes in the next epoch)."""
         with self._lock:
-            return self._end(seq, accepted)
+            return self._end(seq, accepted, redo)
 
-    def _end(self, seq: int, accepted: bool) -> Task | None:
+    def _end(self, seq: int, accepted: bool, redo: bool = True) -> Task | None:
         """End ``seq``'s lease (the lock is held): free its router load and admission slot; a
-        rejected one's prompt goes back to the cursor in its own epoch."""
+        rejected one's prompt goes back to the cursor in its own epoch (if ``redo``)."""
         task = self.in_flight.pop(seq, None)
         if task is None:
             return None
         del self.deadlines[seq]
         self.router.done(task["server"], self.group_size)
         self.admission.finish(Ticket(seq, task["version"]), accepted)
-        if not accepted:
+        if not accepted and redo:
             self.cursor.give_back(task["prompt_id"], task["epoch"])
         return task
 
@@ -291,3 +293,10 @@ class TaskSource:
             st["redo"] = [[t["prompt_id"], t["epoch"]] for t in sorted(
                 self.in_flight.values(), key=lambda t: t["seq"])] + st["redo"]
             return st
+
+
+def describe_tasks(tasks: list[Task], most: int = 8) -> str:
+    """``seq 5 (prompt 12, epoch 0, worker 1), ...`` for a warning (the first ``most``)."""
+    text = ", ".join(f"seq {t['seq']} (prompt {t['prompt_id']}, epoch {t['epoch']}, worker "
+                     f"{t['worker']})" for t in tasks[:most])
+    return text + (f" and {len(tasks) - most} more" if len(tasks) > most else "")

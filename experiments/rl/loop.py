@@ -27,9 +27,10 @@ from experiments.rl.cluster import Cluster
 from experiments.rl.common import eval_prompts, group_version, load_tokenizer, model_path, \
     reward_watch, save_tokenizer
 from experiments.rl.config import RLConfig
-from experiments.rl.data import PromptCursor, Router, TaskSource
+from experiments.rl.data import PromptCursor, Router, TaskSource, describe_tasks
 from experiments.rl.episodes import unservable
 from experiments.rl.evaluate import Evaluation, evaluate
+from experiments.rl.group_filter import UniformGroups
 from experiments.rl.metrics import MetricsLog
 from experiments.rl.openai_agent import trial_agent
 from experiments.rl.state import MASTER_STATE, Admitted, LoopState, load_state, save_state
@@ -41,7 +42,6 @@ from system.launcher.config import MetricsConfig
 from system.streams import StreamPuller
 from workers.master import MasterWorker
 from workers.checkpoint_window import PREEMPT_READ_S, WindowCheck
-from workers.schema import Task
 from workers.schema_check import group_message_problem
 
 log = logging.getLogger("rl-master")
@@ -92,6 +92,7 @@ class RLLoop:
                                  rl.lease_timeout)
         self.source.expired = self.state.leases_expired
         self.source.released = self.state.leases_released
+        self.uniform = UniformGroups(rl.dynamic_sampling, len(cursor.ids), self.state.filtered)
         self.published = 0  # the weight version the servers hold (the base model's: 0)
         self.agent_failures = AgentFailures(rl.batch_size)
         self.puller = StreamPuller(master.codec, master.host, master.rpc_cfg.stream_hwm,
@@ -210,7 +211,9 @@ class RLLoop:
                "buffered": len(self.buffer), "in_flight": len(self.source.in_flight),
                "dropped_stale": self.buffer.dropped, "samples_per_s": self.samples_per_s(),
                "leases_expired": self.source.expired, "leases_released": self.source.released,
-               "prompts_skipped": len(self.source.cursor.skipped)}
+               "prompts_skipped": len(self.source.cursor.skipped),
+               "filtered_groups": self.uniform.filtered,
+               "rollout_reward": self.uniform.rollout_reward()}
         if ev is not None:
             row["eval_accuracy"], row["eval_digest"] = ev.accuracy, ev.digest
         self.metrics.log(state.step, **row)
@@ -275,13 +278,17 @@ class RLLoop:
                     self.skip_prompt(int(msg["seq"]), pid, f"its group failed {PROMPT_TRIES} "
                                      f"times in the agent function (the last: {msg['error']})")
                     continue
-            task = self.source.finish(int(msg["seq"]), accepted=not msg["failed"])
+            seq = int(msg["seq"])  # (dynamic sampling: a group of equal rewards is no signal)
+            uniform = not msg["failed"] and self.source.leased(seq) and self.uniform.drops(msg)
+            task = self.source.finish(seq, not (msg["failed"] or uniform), redo=not uniform)
             if task is None:
                 continue  # a duplicate or a leftover from before a restart
             if msg["failed"]:
                 log.warning("rollout of prompt %s failed: %s", msg["prompt_id"], msg["error"])
                 continue
             self.agent_failures.accepted(pid)
+            if uniform:
+                continue
             # before it is buffered: a checkpoint (which saves the buffer) never holds it
             check_behaviour_logprobs(msg["trajs"], self.state.step + 1)
             self.buffer.put(Admitted(msg, task["epoch"]),
@@ -307,7 +314,7 @@ class RLLoop:
         expired = self.source.expire()
         if expired:
             log.warning("released %d lease(s) older than rl.lease_timeout=%gs: %s",
-                        len(expired), self.source.lease_timeout, _describe(expired))
+                        len(expired), self.source.lease_timeout, describe_tasks(expired))
         now = time.monotonic()
         if now - self._heartbeats_read_at < 1.0:  # name resolution is a filesystem: poll gently
             return
@@ -321,7 +328,7 @@ class RLLoop:
             released = self.source.release_worker(worker)
             if released:
                 log.warning("rollout worker %d stopped heart-beating: released its %d lease(s): "
-                            "%s", worker, len(released), _describe(released))
+                            "%s", worker, len(released), describe_tasks(released))
 
     def preempt_requests(self) -> list[str]:
         """Workers warned of preemption (SIGUSR2) that wait for a checkpoint before they stop
@@ -385,7 +392,7 @@ class RLLoop:
         save_tokenizer(self.tok, os.path.join(staging, "actor"))  # (loads as a model)
         state.cursor = self.source.snapshot()
         state.loop_seconds = self.loop_seconds()
-        state.dropped_stale = self.buffer.dropped
+        state.dropped_stale, state.filtered = self.buffer.dropped, self.uniform.filtered
         state.leases_expired, state.leases_released = self.source.expired, self.source.released
         state.issued = self.source.resume_seq()
         state.buffer = self.buffer.items()  # type: ignore[assignment]
@@ -436,9 +443,3 @@ class RLLoop:
                 "plot": plot, "tensorboard": os.path.join(self.trial_dir, "tensorboard"),
                 **({"warnings": self.window.notes} if self.window.notes else {})}
 
-
-def _describe(tasks: list[Task], most: int = 8) -> str:
-    """``seq 5 (prompt 12, epoch 0, worker 1), ...`` for a warning (the first ``most``)."""
-    text = ", ".join(f"seq {t['seq']} (prompt {t['prompt_id']}, epoch {t['epoch']}, worker "
-                     f"{t['worker']})" for t in tasks[:most])
-    return text + (f" and {len(tasks) - most} more" if len(tasks) > most else "")

@@ -10,10 +10,12 @@ from experiments.rl.config import RLConfig
 from workers.schema import Trajectory
 
 
-def advantages_grpo(groups: list[list[Trajectory]], n: int) -> list[np.ndarray]:
+def advantages_grpo(groups: list[list[Trajectory]], n: int, scale: bool = True
+                    ) -> list[np.ndarray]:
     """Per-token advantages of every trajectory of ``groups`` (flattened in order): rewards
-    normalised over each group's ``n`` sessions; a trajectory gets its session's advantage
-    (``session``; without it every trajectory is its own session)."""
+    centred over each group's ``n`` sessions (and divided by their standard deviation when
+    ``scale``); a trajectory gets its session's advantage (``session``; without it every
+    trajectory is its own session)."""
     from experiments.rl.algorithms.advantages import grpo_advantages
 
     keys = [[t.get("session", i) for i, t in enumerate(g)] for g in groups]
@@ -23,7 +25,8 @@ def advantages_grpo(groups: list[list[Trajectory]], n: int) -> list[np.ndarray]:
         for s, t in zip(k, g):
             first.setdefault(s, t["reward"])
         rewards += [first[s] for s in sorted(first)]
-    adv = grpo_advantages(np.asarray(rewards, np.float32), n).reshape(len(groups), n)
+    adv = grpo_advantages(np.asarray(rewards, np.float32), n, scale=scale)
+    adv = adv.reshape(len(groups), n)
     return [np.full(len(t["mask"]), float(adv[j, s]), np.float32)
             for j, (g, k) in enumerate(zip(groups, keys)) for t, s in zip(g, k)]
 

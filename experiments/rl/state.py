@@ -54,6 +54,8 @@ class LoopState:
     leases that ran out, and leases of rollout workers found dead)."""
     leases_expired: int = 0
     leases_released: int = 0
+    filtered: int = 0
+    """Groups dynamic sampling filtered out (``rl.dynamic_sampling``: all rewards equal)."""
     eval_before: float | None = None
     loop_seconds: float = 0.0
     """Seconds the loop ran (start-up and the first evaluation excluded) up to this state, over

@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 
+from experiments.rl.algorithms.aggregation import loss_weights
 from experiments.rl.cluster import Cluster
 from experiments.rl.config import RLConfig
 from experiments.rl.shaping import advantages_grpo, advantages_ppo
@@ -23,7 +24,8 @@ def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]]
     items = train_items(cluster, rl, trajs)
     stats: dict[str, object] = {}
     if rl.algorithm == "grpo":
-        advs = advantages_grpo([a.group["trajs"] for a, _ in batch], rl.group_size)
+        advs = advantages_grpo([a.group["trajs"] for a, _ in batch], rl.group_size,
+                               rl.group_std_norm)
     else:
         seqs = [t["tokens"] for t in trajs]
         values = cluster.per_token(seqs, "critic")
@@ -65,7 +67,8 @@ def check_behaviour_logprobs(trajs: list[Trajectory], step: int) -> None:
 
 def train_items(cluster: Cluster, rl: RLConfig, trajs: list[Trajectory]) -> list[TrainItem]:
     """The batch as the model workers train on it, with proximal (decoupled async loss) and
-    reference (KL) log-probs over the completion tokens."""
+    reference (KL) log-probs over the completion tokens, and the loss aggregation's weights
+    (``rl.loss.aggregation``)."""
     seqs = [t["tokens"] for t in trajs]
     items: list[TrainItem] = [{"tokens": t["tokens"], "prompt_len": int(t["prompt_len"]),
                                "mask": t["mask"].astype(np.float32), "old_logp": t["logprobs"]}
@@ -76,6 +79,10 @@ def train_items(cluster: Cluster, rl: RLConfig, trajs: list[Trajectory]) -> list
     if rl.loss.kl_coef > 0:
         for it, lp in zip(items, cluster.per_token(seqs, "ref")):
             it["ref_logp"] = lp[it["prompt_len"] - 1:]
+    weights = loss_weights([it["mask"] for it in items], rl.loss.aggregation,
+                           rl.agent.max_new_tokens)
+    for it, w in zip(items, weights or []):
+        it["loss_weight"] = w
     return items
 
 
@@ -90,6 +97,8 @@ def step_figures(rl: RLConfig, trajs: list[Trajectory], out: TrainStats,
         "clip_fraction": out.get("clip_fraction_sum", 0.0) / tokens,
         "behav_weight_mean": out.get("behav_weight_mean_sum", 0.0) / tokens,
         "kl": out.get("kl_sum", 0.0) / tokens if rl.loss.kl_coef > 0 else None,
+        "dual_clip_fraction": (out.get("dual_clip_fraction_sum", 0.0) / tokens
+                               if rl.loss.dual_clip > 0 else None),
         "train_seconds": seconds,
         "train_tokens_per_s": out.get("train_tokens", 0.0) / max(seconds or 1e-9, 1e-9),
         "gen_tokens": gen_tokens,

@@ -387,7 +387,7 @@ def test_workers_lost_together_draw_one_stateful_recovery(fileroot):
 
 
 REPRODUCED = ("reward", "completion_len", "gen_tokens", "loss", "grad_norm", "clip_fraction",
-              "versions", "cut_samples")
+              "versions", "cut_samples", "filtered_groups", "dual_clip_fraction")
 """The figures of a step that depend on what was sampled and trained, not on timing."""
 
 
@@ -398,14 +398,18 @@ def test_a_sync_run_trains_the_same_again_with_the_same_seed(fileroot):
     (before, two such runs parted at step 2: the servers' random streams follow the order
     requests come in). The second run also fails after step 3 and recovers from its step-2
     checkpoint: the step-3 tasks, in flight at that checkpoint, are handed out again under
-    their numbers, so the recovered steps are the same too."""
+    their numbers, so the recovered steps are the same too. Both run the objectives of DAPO
+    and Dr. GRPO on top (dynamic sampling, clip-higher, dual clip, the normalised token-sum
+    aggregation, unscaled advantages): which groups were filtered replays too."""
+    objectives = ["rl.dynamic_sampling=true", "rl.loss.clip_eps_high=0.28", "rl.loss.dual_clip=3",
+                  "rl.loss.aggregation=seq-mean-token-sum-norm", "rl.group_std_norm=false"]
     rows = []
     for trial, extra in (("same-a", []), ("same-b", [
             "rl.crash_at_step=3", "rl.save_interval=2", "rl.save_interval_s=0",
             "rl.save_overhead=0", "recover.backoff=0.5"])):
         r = run_launch("exp=arith-tiny", f"trial={trial}", f"cluster.fileroot={fileroot}",
                        "rl.mode=sync", "rl.total_steps=4", *SMALL, spare_kinds("model", "master"),
-                       *extra,
+                       *objectives, *extra,
                        timeout=400)
         assert r.returncode == 0, r.stderr[-3000:]
         by_step = {row["step"]: {k: row.get(k) for k in REPRODUCED}  # (the last of a step)
@@ -413,5 +417,6 @@ def test_a_sync_run_trains_the_same_again_with_the_same_seed(fileroot):
                    if row["step"] > 0}
         rows.append([by_step[step] for step in sorted(by_step)])
     assert len(rows[0]) == 4 and rows[0] == rows[1], rows
+    assert rows[0][-1]["filtered_groups"] > 0 and rows[0][-1]["dual_clip_fraction"] is not None
     (rec,) = read_summary(fileroot, "arith-tiny", "same-b")["recoveries"]
     assert rec["resumed_from"] == 2 and rec["failed_step"] == 3, rec

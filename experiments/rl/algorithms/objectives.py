@@ -3,7 +3,9 @@
 A batch holds, per sequence: ``prompt_len`` and arrays over its completion tokens (``mask``: 1
 for tokens the policy generated, 0 for tool output; ``old_logp``: behaviour log-probs;
 ``adv``: advantages; optionally ``prox_logp`` (decoupled PPO), ``ref_logp`` (KL in the loss),
-``old_values`` and ``returns`` (critic)). Every function returns the *sum* of token losses, as
+``loss_weight`` (the loss aggregation's per-token weights, see
+:mod:`experiments.rl.algorithms.aggregation`), ``old_values`` and ``returns`` (critic)).
+Every function returns the *sum* of token losses (weighted, where weights are given), as
 :meth:`~workers.engines.torch_engine.TorchEngine.train_step` expects.
 """
 from __future__ import annotations
@@ -17,12 +19,28 @@ if TYPE_CHECKING:  # torch is imported where the losses run (model workers), not
     import torch
 
 
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                "seq-mean-token-sum-norm")
+
+
 @dataclasses.dataclass
 class ActorLossConfig:
     """The policy objective."""
 
     clip_eps: float = 0.2
-    """PPO ratio clip."""
+    """PPO ratio clip: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]."""
+    clip_eps_high: float = 0.0
+    """The upper clip (DAPO's clip-higher, 0.28 in its paper): lets unlikely tokens gain
+    probability faster than likely ones lose it; 0: clip_eps (symmetric)."""
+    dual_clip: float = 0.0
+    """Dual-clip PPO: under a negative advantage a token's loss is at most dual_clip * |A| (its
+    ratio counts up to dual_clip, 3 in the paper); 0: off, else > 1."""
+    aggregation: str = "token-mean"
+    """How token losses make the batch's loss: token-mean (every token of the batch weighs the
+    same), seq-mean-token-mean (each sequence's token mean, averaged over sequences: GRPO's
+    paper), seq-mean-token-sum (each sequence's token sum, averaged) or
+    seq-mean-token-sum-norm (the token sums over sequences times rl.agent.max_new_tokens: Dr.
+    GRPO's constant normaliser)."""
     kl_coef: float = 0.0
     """Weight of the KL to the reference model in the loss (0: no reference model)."""
     kl_kind: str = "k3"
@@ -41,6 +59,15 @@ class ActorLossConfig:
     def __post_init__(self) -> None:
         if self.clip_eps <= 0:
             raise ConfigError(f"clip_eps must be > 0, got {self.clip_eps}")
+        if self.clip_eps_high < 0:
+            raise ConfigError(f"clip_eps_high={self.clip_eps_high} is not valid; valid: 0 "
+                              "(clip_eps) or > 0")
+        if self.dual_clip != 0 and self.dual_clip <= 1:
+            raise ConfigError(f"dual_clip={self.dual_clip} is not valid; valid: 0 (off) or > 1 "
+                              "(it bounds the loss of ratios above it)")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"aggregation={self.aggregation!r} is not one of "
+                              f"{', '.join(AGGREGATIONS)}")
         if self.kl_coef < 0:
             raise ConfigError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.behav_imp_weight_cap != 0 and self.behav_imp_weight_cap <= 1:
@@ -79,15 +106,18 @@ def actor_loss(batch: Sequence[dict[str, Any]], cfg: ActorLossConfig, stats: dic
         adv = _cat(batch, idx, "adv").to(dev)
         prox = (_cat(batch, idx, "prox_logp").to(dev) if "prox_logp" in batch[idx[0]]
                 else logp.detach() if cfg.proximal == "forward" else None)
+        weights = (_cat(batch, idx, "loss_weight").to(dev) if "loss_weight" in batch[idx[0]]
+                   else None)
         n = mask.sum()
         loss, st = ppo_policy_loss(logp, old, adv, mask, cfg.clip_eps, prox,
-                                   cfg.behav_imp_weight_cap or None)
+                                   cfg.behav_imp_weight_cap or None, cfg.clip_eps_high or None,
+                                   cfg.dual_clip or None, weights)
         total = loss * n.clamp(min=1.0)
         if cfg.kl_coef > 0 and "ref_logp" in batch[idx[0]]:
             ref = _cat(batch, idx, "ref_logp").to(dev)
-            kl = (kl_penalty(logp, ref, cfg.kl_kind) * mask).sum()
-            total = total + cfg.kl_coef * kl
-            stats["kl_sum"] = stats.get("kl_sum", 0.0) + float(kl.detach())
+            kl = kl_penalty(logp, ref, cfg.kl_kind) * mask
+            total = total + cfg.kl_coef * (kl if weights is None else kl * weights).sum()
+            stats["kl_sum"] = stats.get("kl_sum", 0.0) + float(kl.detach().sum())
         for k, v in st.items():
             stats[k + "_sum"] = stats.get(k + "_sum", 0.0) + v * float(n)
         stats["tokens"] = stats.get("tokens", 0.0) + float(n)

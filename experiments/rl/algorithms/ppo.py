@@ -15,25 +15,41 @@ import torch
 def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, clip_eps: float = 0.2,
                     prox_logp: torch.Tensor | None = None,
-                    behav_imp_weight_cap: float | None = None) -> tuple[torch.Tensor, dict]:
+                    behav_imp_weight_cap: float | None = None, clip_eps_high: float | None = None,
+                    dual_clip: float | None = None, weights: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, dict]:
     """Mean over masked tokens of the clipped surrogate. ``old_logp`` are the behaviour
-    log-probs; ``prox_logp`` the recomputed proximal ones (``None``: standard PPO)."""
+    log-probs; ``prox_logp`` the recomputed proximal ones (``None``: standard PPO).
+
+    The ratio is clipped to ``[1 - clip_eps, 1 + clip_eps_high]`` (DAPO's clip-higher; None:
+    symmetric). ``dual_clip`` (> 1; None: off) bounds a token's loss under a negative advantage
+    by ``dual_clip * |A|`` (dual-clip PPO), so a token the policy moved far up does not blow the
+    loss up. ``weights``: per-token weights of the loss terms (the loss aggregation; None: 1);
+    the statistics are plain token means."""
     mask = mask.float()
     n = mask.sum().clamp(min=1.0)
     anchor = old_logp if prox_logp is None else prox_logp
     ratio = torch.exp(logp - anchor)
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-    surrogate = torch.minimum(ratio * advantages, clipped * advantages)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
+    token_loss = -torch.minimum(ratio * advantages, clipped * advantages)
+    if dual_clip is not None:
+        bounded = torch.minimum(token_loss, -dual_clip * advantages)
+        token_loss = torch.where(advantages < 0, bounded, token_loss)
     weight = torch.ones_like(ratio)
     if prox_logp is not None:
         weight = torch.exp(prox_logp - old_logp).detach()
         if behav_imp_weight_cap is not None:
             weight = torch.where(weight > behav_imp_weight_cap, torch.zeros_like(weight), weight)
-    loss = -(weight * surrogate * mask).sum() / n
+    terms = weight * token_loss * mask
+    loss = (terms if weights is None else terms * weights).sum() / n
     with torch.no_grad():
         stats = {"clip_fraction": float(((ratio != clipped).float() * mask).sum() / n),
                  "ratio_mean": float((ratio * mask).sum() / n),
                  "behav_weight_mean": float((weight * mask).sum() / n)}
+        if dual_clip is not None:
+            stats["dual_clip_fraction"] = float(
+                ((advantages < 0) & (ratio > dual_clip)).float().mul(mask).sum() / n)
     return loss, stats
 
 

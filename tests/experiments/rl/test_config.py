@@ -88,6 +88,12 @@ BAD_OVERRIDES = [  # (override, the start of its one-line error)
     ("rl.agent.max_new_tokens=128", "rl.agent.max_new_tokens=128 leaves no room"),
     ("rl.task.eval_size=-1", "rl.task.eval_size must be >= 0, got -1"),
     ("rl.task.max_operand=0", "rl.task.max_operand must be >= 1, got 0"),
+    ("rl.loss.clip_eps_high=-0.1", "rl.loss.clip_eps_high=-0.1 is not valid; valid: 0 "
+                                   "(clip_eps) or > 0"),
+    ("rl.loss.dual_clip=1", "rl.loss.dual_clip=1.0 is not valid; valid: 0 (off) or > 1"),
+    ("rl.loss.aggregation=seq-mean", "rl.loss.aggregation='seq-mean' is not one of token-mean, "
+                                     "seq-mean-token-mean, seq-mean-token-sum, "
+                                     "seq-mean-token-sum-norm"),
 ]
 
 
@@ -191,3 +197,14 @@ def test_a_context_past_the_models_positions_is_left_to_vllm_where_it_may_be_val
     with pytest.raises(ConfigError):
         check_model_len(300, {**plain, "rope_parameters": {"rope_type": "default"}}, {})
     check_model_len(300, plain, {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})  # vLLM's own override
+
+
+def test_dynamic_sampling_is_grpos():
+    from system.launch import build_config
+
+    with pytest.raises(ConfigError) as e:
+        build_config("arith-tiny", "t", ["rl.dynamic_sampling=true", "rl.algorithm=ppo"])
+    assert str(e.value).startswith("rl.dynamic_sampling=true needs rl.algorithm=grpo")
+    cfg = build_config("arith-tiny", "t", ["rl.dynamic_sampling=true",
+                                           "rl.loss.aggregation=seq-mean-token-sum-norm"])
+    assert cfg.rl.dynamic_sampling and cfg.rl.loss.aggregation == "seq-mean-token-sum-norm"

@@ -110,6 +110,25 @@ def test_task_source_gives_lost_prompts_back_and_snapshots_in_flight():
     assert src.next_task(0, 1) == {"done": True}
 
 
+def test_a_filtered_group_gives_its_slot_back_but_not_its_prompt():
+    """Dynamic sampling: a group of equal rewards ends its lease without being accepted, and
+    its prompt was used (the next task is a new prompt, and the next epoch has it again)."""
+    adm = AdmissionController(AdmissionConfig(1, 0))
+    src = TaskSource(adm, PromptCursor(list(range(3)), 1), Router(1), group_size=2)
+    first = src.next_task(0, 2)["tasks"]
+    assert len(first) == 1  # B = 1, eta = 0: one slot
+    assert src.finish(first[0]["seq"], accepted=False, redo=False) is not None
+    again = src.next_task(0, 1)["tasks"]
+    assert again and again[0]["prompt_id"] != first[0]["prompt_id"]
+    assert adm.outstanding() == 1 and src.cursor.redo == []
+    src.finish(again[0]["seq"], accepted=False, redo=False)
+    third = src.next_task(0, 1)["tasks"][0]
+    src.finish(third["seq"], accepted=False, redo=False)
+    epoch1 = src.next_task(0, 1)["tasks"][0]
+    assert epoch1["epoch"] == 1
+    assert {first[0]["prompt_id"], again[0]["prompt_id"], third["prompt_id"]} == {0, 1, 2}
+
+
 class FakeClock:
     """The master's clock, moved by hand."""
 

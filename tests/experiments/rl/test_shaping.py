@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from experiments.rl.config import RLConfig
 
@@ -33,3 +34,14 @@ def test_grpo_normalises_over_sessions_not_trajectories():
     assert len(a) == 9 and len(a[1]) == 3
     assert a[0][0] == a[1][0] == a[4][0] > 0 > a[2][0] == a[3][0]
     assert [x[0] for x in a[5:]] == [a[0][0], a[2][0], a[3][0], a[4][0]]
+
+
+def test_grpo_without_std_normalisation_keeps_the_centred_rewards():
+    """rl.group_std_norm=false (Dr. GRPO): advantages are reward minus the group's mean."""
+    from experiments.rl.shaping import advantages_grpo
+
+    group = [{"reward": r, "mask": np.ones(2)} for r in (1.0, 0.0, 0.0, 0.0)]
+    raw = advantages_grpo([group], 4, scale=False)
+    assert [float(a[0]) for a in raw] == [0.75, -0.25, -0.25, -0.25]
+    scaled = advantages_grpo([group], 4)
+    assert float(scaled[0][0]) == pytest.approx(0.75 / np.sqrt(0.1875), rel=1e-5)

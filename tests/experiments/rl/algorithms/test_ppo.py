@@ -25,6 +25,44 @@ def test_ppo_clipping_stops_the_gradient():
     assert torch.all(logp.grad == 0) and stats["clip_fraction"] == 1.0
 
 
+def test_clip_higher_lets_a_positive_advantage_raise_the_ratio_further():
+    """ratio 1.25, A > 0: clipped (no gradient) at the symmetric 0.2, not at clip_eps_high
+    0.28; the lower clip stays 0.2 (ratio 0.75 with A < 0 is clipped either way)."""
+    for high, grad in ((None, False), (0.28, True)):
+        logp = torch.log(torch.tensor([[1.25, 0.75]])).requires_grad_()
+        loss, stats = ppo_policy_loss(logp, torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]),
+                                      torch.ones(1, 2), clip_eps=0.2, clip_eps_high=high)
+        loss.backward()
+        assert bool(logp.grad[0, 0] != 0) is grad and logp.grad[0, 1] == 0
+        assert stats["clip_fraction"] == (0.5 if grad else 1.0)
+
+
+def test_dual_clip_bounds_the_loss_of_a_negative_advantage():
+    """ratio 5 under A = -1: the loss is 5 (and pushes the ratio down) without dual clip, at
+    most 3 and without gradient with dual_clip=3; a positive advantage is not touched."""
+    logp = torch.log(torch.tensor([[5.0, 1.1]])).requires_grad_()
+    old, adv, mask = torch.zeros(1, 2), torch.tensor([[-1.0, 2.0]]), torch.ones(1, 2)
+    plain, _ = ppo_policy_loss(logp, old, adv, mask)
+    assert plain.item() == pytest.approx((5.0 - 2.2) / 2)
+    logp.grad = None
+    dual, stats = ppo_policy_loss(logp, old, adv, mask, dual_clip=3.0)
+    dual.backward()
+    assert dual.item() == pytest.approx((3.0 - 2.2) / 2)
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] != 0
+    assert stats["dual_clip_fraction"] == 0.5
+
+
+def test_token_weights_scale_each_terms_share():
+    torch.manual_seed(2)
+    logp, old, adv = torch.randn(1, 4), torch.randn(1, 4), torch.randn(1, 4)
+    mask, w = torch.tensor([[1.0, 1.0, 0.0, 1.0]]), torch.tensor([[2.0, 0.5, 9.0, 1.0]])
+    each = [ppo_policy_loss(logp[:, i:i + 1], old[:, i:i + 1], adv[:, i:i + 1],
+                            mask[:, i:i + 1])[0] for i in range(4)]
+    weighted, _ = ppo_policy_loss(logp, old, adv, mask, weights=w)
+    want = sum(float(w[0, i] * each[i]) for i in (0, 1, 3)) / 3
+    assert weighted.item() == pytest.approx(want, rel=1e-5)
+
+
 def test_decoupled_ppo():
     torch.manual_seed(1)
     logp, old, adv, mask = torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 3), torch.ones(4, 3)
