@@ -5,10 +5,12 @@ fraction that leaves none after the weights, no room for one ``max_model_len`` s
 ``ValueError`` in its own terms (``--kv-cache-memory-bytes``, ``VLLM_CPU_KVCACHE_SPACE``). The
 same settings fail the same way at every restart: :func:`kv_cache_refused` turns it into a
 :class:`~system.errors.ConfigError` naming the key (the controller does not recover a
-configuration error). That error reaches the generation server only from an engine core in its
-own process (``rl.vllm.engine_process``: inline, the default on CPU at tensor_parallel_size=1);
-a separate engine core fails with vLLM's "Engine core initialization failed", its cause in the
-server's log, and is recovered as any failure. :func:`kv_cache_over_machine` refuses, at a local
+configuration error). That error reaches the generation server as such only from an engine core
+in its own process (``rl.vllm.engine_process``: inline, the default on CPU at
+tensor_parallel_size=1); a separate engine core (the default on GPUs) fails with vLLM's "Engine
+core initialization failed", and logs its cause to the stderr it shares with the server: the
+server reads that cause from what its stderr file got while the engine was built
+(:func:`core_failure_cause`) and refuses it the same way. :func:`kv_cache_over_machine` refuses, at a local
 trial's launch, sizes this machine's memory cannot hold, and :func:`kv_cache_under_one_sequence`
 (at launch and in the generation server, before vLLM starts) an explicit size too small for
 one ``max_model_len`` sequence of the model. Importable without vLLM.
@@ -19,6 +21,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 from typing import Any, Iterator, Mapping
 
 from system.errors import ConfigError
@@ -66,10 +69,19 @@ def kv_cache_refusal(error: BaseException, cfg: VllmConfig, section: str = SECTI
     return None
 
 
+CORE_FAILED = "Engine core initialization failed"
+"""vLLM's error in the calling process when a separate engine core failed to start."""
+_CORE_ERROR = re.compile(r"\bValueError: (.+)$")
+
+
 @contextlib.contextmanager
-def kv_cache_refused(cfg: VllmConfig, section: str = SECTION) -> Iterator[None]:
+def kv_cache_refused(cfg: VllmConfig, section: str = SECTION, fds: tuple[int, ...] = (1, 2)
+                     ) -> Iterator[None]:
     """Around the engine's construction: vLLM's refusal of a KV cache that cannot fit is raised
-    as a :class:`ConfigError` (:func:`kv_cache_refusal`)."""
+    as a :class:`ConfigError` (:func:`kv_cache_refusal`), from an engine core in this process
+    or in its own (its cause read from what this process's output files, ``fds``, got
+    meanwhile: vLLM logs to stdout, tracebacks go to stderr)."""
+    starts = _file_ends(fds)
     try:
         yield
     except ValueError as e:
@@ -77,6 +89,44 @@ def kv_cache_refused(cfg: VllmConfig, section: str = SECTION) -> Iterator[None]:
         if problem is None:
             raise
         raise ConfigError(problem) from None
+    except RuntimeError as e:
+        cause = core_failure_cause(starts) if CORE_FAILED in str(e) else None
+        problem = None if cause is None else kv_cache_refusal(ValueError(cause), cfg, section)
+        if problem is None:
+            raise
+        raise ConfigError(problem) from None
+
+
+def _file_ends(fds: tuple[int, ...]) -> dict[int, int]:
+    """The size of each distinct regular file open as one of ``fds`` (a terminal or a pipe is
+    left out; a file open twice, stdout and stderr into one log, is counted once)."""
+    ends: dict[int, int] = {}
+    seen = set()
+    for fd in fds:
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            ends[fd] = st.st_size
+    return ends
+
+
+def core_failure_cause(starts: dict[int, int], most: int = 1 << 20) -> str | None:
+    """The last ``ValueError`` a separate engine core (or its workers) logged to the files open
+    as the keys of ``starts`` since they were that many bytes long (their last ``most`` bytes
+    at most), or None."""
+    causes = []
+    for fd, start in starts.items():
+        try:
+            with open(os.readlink(f"/proc/self/fd/{fd}"), "rb") as f:
+                f.seek(max(start, os.fstat(f.fileno()).st_size - most))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        causes += [m.group(1).strip() for m in map(_CORE_ERROR.search, text.splitlines()) if m]
+    return causes[-1] if causes else None
 
 
 def machine_memory(cgroup: str = "/sys/fs/cgroup/memory.max") -> int:

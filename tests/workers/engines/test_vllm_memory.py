@@ -2,6 +2,7 @@
 error, not recovered), and a size past this machine's memory refused at launch."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -9,9 +10,10 @@ import pytest
 
 from system.errors import ConfigError
 from workers.engines.vllm_config import VllmConfig
-from workers.engines.vllm_memory import (kv_bytes_per_token, kv_cache_over_machine,
-                                         kv_cache_refusal, kv_cache_refused,
-                                         kv_cache_under_one_sequence, machine_memory)
+from workers.engines.vllm_memory import (CORE_FAILED, kv_bytes_per_token,
+                                         kv_cache_over_machine, kv_cache_refusal,
+                                         kv_cache_refused, kv_cache_under_one_sequence,
+                                         machine_memory)
 from tests.helpers import REPO
 
 CPU_EXPLICIT = ("Available memory on node 0 (21.45/23.54 GiB) on kv cache allocation is less "
@@ -175,3 +177,54 @@ def test_a_real_engine_refuses_the_cache_in_one_line(tiny_model_dir):
     last = r.stdout.strip().splitlines()[-1]  # (vLLM logs to stdout before)
     assert last.startswith("refused: rl.vllm.gpu_memory_utilization leaves vLLM no memory for "
                            "the KV cache once the model is loaded (NUMA node 0 has "), last
+
+
+def test_a_separate_engine_cores_refusal_is_read_from_what_the_log_got_meanwhile(tmp_path):
+    """The server's stdout and stderr files (one log): a ValueError an engine core logged
+    before the build is not this build's; the one it logged during the build is, and a cause
+    that is not a KV cache's leaves vLLM's RuntimeError as it is (recovered)."""
+    log = os.open(tmp_path / "generation-0.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.write(log, f"(EngineCore pid=1) ERROR [core.py:1] ValueError: {NO_BLOCKS}\n".encode())
+    cfg = VllmConfig(gpu_memory_utilization=0.5)
+    with pytest.raises(RuntimeError, match=CORE_FAILED):  # (an earlier build's cause)
+        with kv_cache_refused(cfg, fds=(log, log)):
+            raise RuntimeError(f"{CORE_FAILED}. See root cause above.")
+    with pytest.raises(ConfigError) as e:
+        with kv_cache_refused(cfg, fds=(log, log)):
+            os.write(log, f"(Worker pid=2) ERROR [x.py:9] ValueError: {CPU_AUTO}\n".encode())
+            raise RuntimeError(f"{CORE_FAILED}. See root cause above.")
+    assert str(e.value).startswith("rl.vllm.gpu_memory_utilization leaves vLLM no memory for "
+                                   "the KV cache once the model is loaded (NUMA node 0 has ")
+    with pytest.raises(RuntimeError, match=CORE_FAILED):
+        with kv_cache_refused(cfg, fds=(log,)):
+            os.write(log, b"(EngineCore pid=3) ERROR ValueError: some other problem\n")
+            raise RuntimeError(f"{CORE_FAILED}. See root cause above.")
+    os.close(log)
+
+
+@pytest.mark.slow  # a real engine core of its own process loads the model and refuses
+def test_a_separate_engine_cores_refusal_is_one_line_too(tiny_model_dir, tmp_path):
+    """The default on GPUs: vLLM's "Engine core initialization failed" (recovered three times,
+    each loading the model again) is the cause the core logged, said once in the trial's keys;
+    stdout and stderr into one file, as a worker's log."""
+    code = ("import sys\n"
+            "from system.errors import ConfigError\n"
+            "from workers.engines.vllm_server import GenerationEngine, VllmConfig\n"
+            "if __name__ == '__main__':\n"
+            "    try:\n"
+            f"        GenerationEngine({tiny_model_dir!r}, VllmConfig(max_model_len=128, "
+            "gpu_memory_utilization=0.001, engine_process='separate'))\n"
+            "    except ConfigError as e:\n"
+            "        print('refused:', e, flush=True)\n")
+    script = tmp_path / "build.py"
+    script.write_text(code)
+    with open(tmp_path / "generation-0.log", "w") as log:
+        r = subprocess.run([sys.executable, str(script)], cwd=REPO, stdout=log,
+                           stderr=subprocess.STDOUT, timeout=300,
+                           env={**os.environ, "PYTHONPATH": REPO})
+    text = (tmp_path / "generation-0.log").read_text()
+    assert r.returncode == 0, text[-3000:]
+    refused = [line for line in text.splitlines() if line.startswith("refused: ")]
+    assert refused and refused[-1].startswith(
+        "refused: rl.vllm.gpu_memory_utilization leaves vLLM no memory for the KV cache once "
+        "the model is loaded (NUMA node 0 has "), text[-3000:]
