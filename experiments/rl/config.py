@@ -75,7 +75,17 @@ class RLConfig:
     dynamic_sampling: bool = False
     """grpo: drop a group whose rewards are all equal as it arrives (its advantages are all 0:
     no learning signal) and sample other prompts in its place, so every step trains on
-    ``batch_size`` groups that carry one (DAPO). Its prompt comes again in the next epoch."""
+    ``batch_size`` groups that carry one (DAPO). Its prompt comes again in the next epoch.
+    Metrics: filtered_groups; rollout_reward (every arriving group's: a filtered batch's
+    reward leaves the groups all right or all wrong out)."""
+    max_filtered_batches: int = 10
+    """dynamic_sampling: once this many batches' worth of groups were filtered while one
+    step's batch filled, the rest of it takes groups as they come, with a warning (the task
+    is nearly solved, or out of reach; 0: no limit)."""
+    ppo_minibatches: int = 1
+    """Optimizer steps per training step: the batch's groups split into this many mini-batches,
+    one step each (the ratio then moves away from 1 and the clips act on the later ones; with
+    one, the clips act only where the ratio's anchor is the behaviour policy)."""
     max_head_offpolicyness: int = 1
     """eta: the largest number of versions a trained sample's weights may lag (async mode)."""
     sync_interval: int = 1
@@ -158,6 +168,28 @@ class RLConfig:
         if self.dynamic_sampling and self.algorithm != "grpo":
             raise ConfigError("dynamic_sampling=true needs rl.algorithm=grpo (with ppo a group "
                               "of equal rewards still has advantages, from the critic)")
+        if not self.group_std_norm and self.algorithm != "grpo":
+            raise ConfigError("group_std_norm=false needs rl.algorithm=grpo (ppo whitens its "
+                              "advantages over the batch)")
+        if self.max_filtered_batches < 0:
+            raise ConfigError(f"max_filtered_batches must be >= 0 (0: no limit), got "
+                              f"{self.max_filtered_batches}")
+        if not 1 <= self.ppo_minibatches <= self.batch_size:
+            raise ConfigError(f"ppo_minibatches={self.ppo_minibatches} is not valid; valid: 1 "
+                              f"to rl.batch_size={self.batch_size} (each takes whole groups)")
+        if self.ppo_minibatches == 1 and self.decoupled and (self.loss.clip_eps_high
+                                                             or self.loss.dual_clip):
+            key = "clip_eps_high" if self.loss.clip_eps_high else "dual_clip"
+            raise ConfigError(
+                f"loss.{key} acts on ratios away from 1, and the decoupled loss's ratio (to "
+                "the proximal policy) is 1 when a batch takes one optimizer step; valid with "
+                "rl.ppo_minibatches > 1 and rl.loss.proximal=recompute, or with "
+                "rl.loss.proximal=off (the ratio to the behaviour policy, staleness included)")
+        if self.ppo_minibatches > 1 and self.decoupled and self.loss.proximal == "forward":
+            raise ConfigError(
+                f"ppo_minibatches={self.ppo_minibatches} needs rl.loss.proximal=recompute "
+                "(forward takes the proximal log-probs from each step's own forward: after "
+                "the first mini-batch's step they are not the batch's proximal policy)")
         if self.sync_interval - 1 > self.eta and self.mode == "sync":
             raise ConfigError(
                 f"sync_interval={self.sync_interval}: mode=sync trains on fresh samples only "

@@ -34,6 +34,7 @@ from experiments.rl.group_filter import UniformGroups
 from experiments.rl.metrics import MetricsLog
 from experiments.rl.openai_agent import trial_agent
 from experiments.rl.state import MASTER_STATE, Admitted, LoopState, load_state, save_state
+from experiments.rl.summary import run_summary
 from experiments.rl.tasks import dataset
 from experiments.rl.train_step import check_behaviour_logprobs, train_step
 from system import names
@@ -92,7 +93,8 @@ class RLLoop:
                                  rl.lease_timeout)
         self.source.expired = self.state.leases_expired
         self.source.released = self.state.leases_released
-        self.uniform = UniformGroups(rl.dynamic_sampling, len(cursor.ids), self.state.filtered)
+        self.uniform = UniformGroups(rl.dynamic_sampling, rl.batch_size, rl.max_filtered_batches,
+                                     self.state.filtered)
         self.published = 0  # the weight version the servers hold (the base model's: 0)
         self.agent_failures = AgentFailures(rl.batch_size)
         self.puller = StreamPuller(master.codec, master.host, master.rpc_cfg.stream_hwm,
@@ -137,6 +139,7 @@ class RLLoop:
             self.state.eval_before = before.accuracy
             self.metrics.log(0, eval_accuracy=before.accuracy, eval_digest=before.digest)
         self.t_loop = time.monotonic()
+        self.master.set_progress(phase="training", resumed_from=self.state.step)  # (step 1)
         self.master.serve_tasks(self.source)  # rollouts begin
 
     def evaluate(self) -> Evaluation:
@@ -222,6 +225,7 @@ class RLLoop:
             samples_s=f"{row['samples_per_s']:.1f}",
             staleness=f"{row['staleness_max']}/{rl.eta}", version=self.published,
             eval=None if acc is None else f"{acc:.3f}", servers=self.servers(),
+            filtered=self.uniform.filtered if rl.dynamic_sampling else None,
             # also here (a poll can miss "starting"), and the same: 0 for a start from scratch
             resumed_from=self.resumed_from or 0)
         preempts = self.preempt_requests()
@@ -250,6 +254,7 @@ class RLLoop:
                 self.source.give_back([(int(a.group["prompt_id"]), a.epoch) for a in dropped])
             got = self.buffer.take(self.rl.batch_size, self.state.step)
             if got is not None:
+                self.uniform.batch_taken()
                 return got  # type: ignore[return-value]
             if self.master.stopping:
                 raise RuntimeError("stopped during training")
@@ -278,16 +283,19 @@ class RLLoop:
                     self.skip_prompt(int(msg["seq"]), pid, f"its group failed {PROMPT_TRIES} "
                                      f"times in the agent function (the last: {msg['error']})")
                     continue
-            seq = int(msg["seq"])  # (dynamic sampling: a group of equal rewards is no signal)
-            uniform = not msg["failed"] and self.source.leased(seq) and self.uniform.drops(msg)
-            task = self.source.finish(seq, not (msg["failed"] or uniform), redo=not uniform)
+            uniform = not msg["failed"] and self.uniform.drops(msg)  # (dynamic sampling)
+            task = self.source.finish(int(msg["seq"]), not (msg["failed"] or uniform),
+                                      redo=not uniform)
             if task is None:
                 continue  # a duplicate or a leftover from before a restart
             if msg["failed"]:
                 log.warning("rollout of prompt %s failed: %s", msg["prompt_id"], msg["error"])
                 continue
             self.agent_failures.accepted(pid)
-            if uniform:
+            self.uniform.arrived(msg, filtered=uniform)
+            if uniform:  # (the live line shows it while a batch fills)
+                self.master.set_progress(**{**self.master.progress(),
+                                            "filtered": self.uniform.filtered})
                 continue
             # before it is buffered: a checkpoint (which saves the buffer) never holds it
             check_behaviour_logprobs(msg["trajs"], self.state.step + 1)
@@ -420,26 +428,7 @@ class RLLoop:
         return self.seconds_at_start + time.monotonic() - self.t_loop
 
     def summary(self, t_start: float, loop_seconds: float) -> dict[str, Any]:
-        """The run's headline figures (the controller copies them into ``summary.json``):
-        ``loop_seconds`` and ``samples_per_s`` over every master that trained the trial (a
-        resumed one's alone said 0 samples/s when it had no step left to train)."""
-        rl, state = self.rl, self.state
-        rewards = [r for _, r in self.metrics.series("reward")]
-        plot = self.metrics.plot(os.path.join(self.trial_dir, "reward.png"),
-                                 f"{self.master.boot.experiment} ({rl.mode}, {rl.algorithm})")
-        self.metrics.close()
-        first3 = float(np.mean(rewards[:3])) if rewards else None
-        last3 = float(np.mean(rewards[-3:])) if rewards else None
-        evals = self.metrics.series("eval_accuracy")  # (none without held-out prompts)
-        return {"reward_first3": first3, "reward_last3": last3,
-                "reward_gain": None if last3 is None or first3 is None else last3 - first3,
-                "eval_accuracy_before": state.eval_before,
-                "eval_accuracy_after": evals[-1][1] if evals else None,
-                "mode": rl.mode, "algorithm": rl.algorithm,
-                "max_staleness_used": state.max_staleness, "max_head_offpolicyness": rl.eta,
-                "steps": state.step, "resumed_from_step": self.resumed_from,
-                "samples_per_s": state.consumed * rl.group_size / max(loop_seconds, 1e-9),
-                "loop_seconds": loop_seconds, "total_seconds": time.monotonic() - t_start,
-                "plot": plot, "tensorboard": os.path.join(self.trial_dir, "tensorboard"),
-                **({"warnings": self.window.notes} if self.window.notes else {})}
-
+        """The run's headline figures (:func:`~experiments.rl.summary.run_summary`)."""
+        return run_summary(self.rl, self.state, self.metrics, self.trial_dir,
+                           f"{self.master.boot.experiment} ({self.rl.mode}, {self.rl.algorithm})",
+                           self.resumed_from, self.window.notes, t_start, loop_seconds)

@@ -120,16 +120,19 @@ class MetricsLog:
     def series(self, key: str) -> list[tuple[int, float]]:
         return [(r["step"], r[key]) for r in self.rows if key in r and r[key] is not None]
 
-    def plot(self, path: str, title: str) -> str:
+    def plot(self, path: str, title: str, reward_key: str = "reward") -> str:
+        """The reward (``reward_key``'s series) and evaluation accuracy per step, as a PNG."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        reward = self.series("reward")
+        reward = self.series(reward_key)
         if reward:
-            ax.plot(*zip(*reward), label="training reward", color="tab:blue", lw=1)
+            label = ("training reward" if reward_key == "reward"
+                     else "rollout reward (every group, filtered or not)")
+            ax.plot(*zip(*reward), label=label, color="tab:blue", lw=1)
         acc = self.series("eval_accuracy")
         if acc:
             ax.plot(*zip(*acc), "o-", label="eval accuracy (greedy)", color="tab:red")

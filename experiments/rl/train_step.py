@@ -15,17 +15,17 @@ from workers.schema import TrainItem, TrainStats, Trajectory
 
 def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]],
                state: LoopState) -> dict[str, object]:
-    """Proximal / reference log-probs, advantages (and the critic for PPO), the actor's step;
-    returns the step's figures."""
+    """Proximal / reference log-probs, advantages (and the critic for PPO), the actor's steps
+    (one per mini-batch of groups, ``rl.ppo_minibatches``); returns the step's figures."""
     staleness = [state.step - v for _, v in batch]
     state.max_staleness = max([state.max_staleness, *staleness])
     state.history.append([[int(a.group["prompt_id"]), a.epoch] for a, _ in batch])
-    trajs = [t for a, _ in batch for t in a.group["trajs"]]
+    groups = [a.group["trajs"] for a, _ in batch]
+    trajs = [t for g in groups for t in g]
     items = train_items(cluster, rl, trajs)
     stats: dict[str, object] = {}
     if rl.algorithm == "grpo":
-        advs = advantages_grpo([a.group["trajs"] for a, _ in batch], rl.group_size,
-                               rl.group_std_norm)
+        advs = advantages_grpo(groups, rl.group_size, rl.group_std_norm)
     else:
         seqs = [t["tokens"] for t in trajs]
         values = cluster.per_token(seqs, "critic")
@@ -33,17 +33,56 @@ def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]]
         for it, v, r in zip(items, values, returns):
             it["old_values"] = v[it["prompt_len"] - 1:]
             it["returns"] = r
-        critic = cluster.train(items, critic=True)
-        stats["value_loss"] = critic.get("value_loss_sum", 0.0) / max(critic.get("tokens", 1), 1)
     for it, a in zip(items, advs):
         it["adv"] = a
-    out = cluster.train(items)
+    actor, critic, keys = [], [], session_keys(groups)
+    for part in minibatches(groups, rl.ppo_minibatches):
+        mine = [items[i] for i in part]
+        weights = loss_weights([it["mask"] for it in mine], rl.loss.aggregation,
+                               rl.agent.max_new_tokens, [keys[i] for i in part])
+        for it, w in zip(mine, weights or []):
+            it["loss_weight"] = w
+        if rl.algorithm == "ppo":
+            critic.append(cluster.train(mine, critic=True))
+        actor.append(cluster.train(mine))
+    out = merge_steps(actor)
+    if critic:
+        merged = merge_steps(critic)
+        stats["value_loss"] = merged.get("value_loss_sum", 0.0) / max(merged.get("tokens", 1), 1)
     if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])):
         raise NonFiniteTraining(
             f"step {state.step + 1}: the actor's loss {out['loss']} / grad_norm "
             f"{out['grad_norm']} is not finite: stopped before this step's weights are "
             "published or checkpointed (a recovery resumes from the last checkpoint)")
     return {**stats, **step_figures(rl, trajs, out, staleness)}
+
+
+def minibatches(groups: list[list[Trajectory]], n: int) -> list[list[int]]:
+    """The trajectory indices of each of ``n`` mini-batches: consecutive groups, whole (a
+    group's advantages are relative to one another), as even as the count allows."""
+    starts = np.cumsum([0] + [len(g) for g in groups])
+    cuts = [len(groups) * k // n for k in range(n + 1)]
+    return [list(range(int(starts[a]), int(starts[b]))) for a, b in zip(cuts, cuts[1:])]
+
+
+def session_keys(groups: list[list[Trajectory]]) -> list[tuple[int, int]]:
+    """Each trajectory's session (loss aggregation's sequence, as GRPO's advantages count
+    them): ``(group, session)``; a trajectory without ``session`` is its own."""
+    return [(g, int(t.get("session", j))) for g, trajs in enumerate(groups)
+            for j, t in enumerate(trajs)]
+
+
+def merge_steps(outs: list[TrainStats]) -> TrainStats:
+    """The figures of a training step's optimizer steps: sums add up; the loss and gradient
+    norm are their mean."""
+    merged: dict[str, float] = {}
+    for o in outs:
+        for k, v in o.items():
+            merged[k] = merged.get(k, 0.0) + float(v)  # type: ignore[arg-type]
+    for k in ("loss", "grad_norm"):
+        if k in merged:
+            merged[k] /= len(outs)
+    return merged  # type: ignore[return-value]
 
 
 class NonFiniteTraining(RuntimeError):
@@ -67,8 +106,8 @@ def check_behaviour_logprobs(trajs: list[Trajectory], step: int) -> None:
 
 def train_items(cluster: Cluster, rl: RLConfig, trajs: list[Trajectory]) -> list[TrainItem]:
     """The batch as the model workers train on it, with proximal (decoupled async loss) and
-    reference (KL) log-probs over the completion tokens, and the loss aggregation's weights
-    (``rl.loss.aggregation``)."""
+    reference (KL) log-probs over the completion tokens (the loss aggregation's weights come
+    per mini-batch, in :func:`train_step`)."""
     seqs = [t["tokens"] for t in trajs]
     items: list[TrainItem] = [{"tokens": t["tokens"], "prompt_len": int(t["prompt_len"]),
                                "mask": t["mask"].astype(np.float32), "old_logp": t["logprobs"]}
@@ -79,10 +118,6 @@ def train_items(cluster: Cluster, rl: RLConfig, trajs: list[Trajectory]) -> list
     if rl.loss.kl_coef > 0:
         for it, lp in zip(items, cluster.per_token(seqs, "ref")):
             it["ref_logp"] = lp[it["prompt_len"] - 1:]
-    weights = loss_weights([it["mask"] for it in items], rl.loss.aggregation,
-                           rl.agent.max_new_tokens)
-    for it, w in zip(items, weights or []):
-        it["loss_weight"] = w
     return items
 
 

@@ -57,7 +57,7 @@ def render(keys: list[Key]) -> list[str]:
             head += f"  (one of: {', '.join(k.choices)})"
         lines.append(head)
         if k.doc:
-            lines += textwrap.wrap(k.doc, WIDTH, initial_indent=" " * 6,
+            lines += textwrap.wrap(k.doc, WIDTH, break_on_hyphens=False, initial_indent=" " * 6,
                                    subsequent_indent=" " * 6)
     return lines
 

@@ -137,6 +137,9 @@ def apply_overrides(base: ExperimentConfig, overrides: Sequence[str]) -> Experim
         if problem:
             raise ConfigError(f"{key}={raw!r} {problem}; valid: a value without '${{' (a "
                               "shell variable: $NAME) that is not '???'")
+        if isinstance(node, BooleanNode) and isinstance(value, str) and value.lower() not in (
+                "true", "false", "yes", "no", "on", "off", "1", "0"):  # (omegaconf: 2 is true)
+            raise ConfigError(f"bad value for {key}={raw!r}: expected true or false")
         try:
             OmegaConf.update(conf, key, value, merge=True)
         except OmegaConfBaseException as e:

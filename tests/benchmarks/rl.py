@@ -17,10 +17,11 @@ Prints ``name: value`` lines:
   on disjoint cores; loop time, engine start-up excluded; target >= 1.5)
 - cpu_sets_speedup: samples/s of the default async run with CPU sets / without
   (``scheduler.local.cpus.mode=off``), and each one's training-reward gain per loop minute
-- objectives (not in the default ``--only``): arith-tiny's default async GRPO against DAPO's
-  settings (``rl.dynamic_sampling=true rl.loss.clip_eps_high=0.28``) and Dr. GRPO's
-  (``rl.group_std_norm=false rl.loss.aggregation=seq-mean-token-sum-norm``), same steps and
-  seeds: each one's gain in ``rollout_reward`` (every arriving group's mean reward, filtered or
+- objectives (not in the default ``--only``): arith-tiny's default async GRPO against four
+  optimizer steps a batch (``grpo4``: ``rl.ppo_minibatches=4 rl.loss.proximal=recompute``),
+  DAPO's settings on those (``rl.dynamic_sampling=true rl.loss.clip_eps_high=0.28``) and Dr.
+  GRPO's (``rl.group_std_norm=false rl.loss.aggregation=seq-mean-token-sum-norm``), same steps
+  and seeds: each one's gain in ``rollout_reward`` (every arriving group's mean reward, filtered or
   not; the training reward of a filtered batch is not comparable: dynamic sampling leaves out
   the groups all right or all wrong), last 10 steps against the first 10, its held-out greedy
   accuracy gain (arith-tiny holds out 6 problems: coarse), loop time, and groups generated
@@ -261,8 +262,10 @@ def async_vs_sync(steps: int = 40) -> dict[str, float]:
             "reward_gain_per_min_async_unbound": gain_per_min(out["async-unbound"])}
 
 
+MINIBATCHES = ["rl.ppo_minibatches=4", "rl.loss.proximal=recompute"]
 OBJECTIVES = {"grpo": [],
-              "dapo": ["rl.dynamic_sampling=true", "rl.loss.clip_eps_high=0.28"],
+              "grpo4": MINIBATCHES,
+              "dapo": [*MINIBATCHES, "rl.dynamic_sampling=true", "rl.loss.clip_eps_high=0.28"],
               "drgrpo": ["rl.group_std_norm=false",
                          "rl.loss.aggregation=seq-mean-token-sum-norm"]}
 

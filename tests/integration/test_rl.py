@@ -400,9 +400,11 @@ def test_a_sync_run_trains_the_same_again_with_the_same_seed(fileroot):
     checkpoint: the step-3 tasks, in flight at that checkpoint, are handed out again under
     their numbers, so the recovered steps are the same too. Both run the objectives of DAPO
     and Dr. GRPO on top (dynamic sampling, clip-higher, dual clip, the normalised token-sum
-    aggregation, unscaled advantages): which groups were filtered replays too."""
+    aggregation, unscaled advantages, two optimizer steps a batch): which groups were
+    filtered replays too."""
     objectives = ["rl.dynamic_sampling=true", "rl.loss.clip_eps_high=0.28", "rl.loss.dual_clip=3",
-                  "rl.loss.aggregation=seq-mean-token-sum-norm", "rl.group_std_norm=false"]
+                  "rl.loss.aggregation=seq-mean-token-sum-norm", "rl.group_std_norm=false",
+                  "rl.ppo_minibatches=2"]
     rows = []
     for trial, extra in (("same-a", []), ("same-b", [
             "rl.crash_at_step=3", "rl.save_interval=2", "rl.save_interval_s=0",
@@ -418,5 +420,6 @@ def test_a_sync_run_trains_the_same_again_with_the_same_seed(fileroot):
         rows.append([by_step[step] for step in sorted(by_step)])
     assert len(rows[0]) == 4 and rows[0] == rows[1], rows
     assert rows[0][-1]["filtered_groups"] > 0 and rows[0][-1]["dual_clip_fraction"] is not None
+    assert any(row["clip_fraction"] > 0 for row in rows[0])  # (the second mini-batch's ratio)
     (rec,) = read_summary(fileroot, "arith-tiny", "same-b")["recoveries"]
     assert rec["resumed_from"] == 2 and rec["failed_step"] == 3, rec

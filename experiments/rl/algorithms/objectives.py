@@ -31,16 +31,20 @@ class ActorLossConfig:
     """PPO ratio clip: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]."""
     clip_eps_high: float = 0.0
     """The upper clip (DAPO's clip-higher, 0.28 in its paper): lets unlikely tokens gain
-    probability faster than likely ones lose it; 0: clip_eps (symmetric)."""
+    probability faster than likely ones lose it; 0: clip_eps (symmetric). The clips act on
+    ratios away from 1: with rl.ppo_minibatches > 1, or against the behaviour policy
+    (proximal=off); the decoupled loss's ratio with one step a batch is 1 (refused there)."""
     dual_clip: float = 0.0
     """Dual-clip PPO: under a negative advantage a token's loss is at most dual_clip * |A| (its
-    ratio counts up to dual_clip, 3 in the paper); 0: off, else > 1."""
+    ratio counts up to dual_clip, 3 in the paper); 0: off, else > 1. Acts where
+    clip_eps_high does."""
     aggregation: str = "token-mean"
     """How token losses make the batch's loss: token-mean (every token of the batch weighs the
     same), seq-mean-token-mean (each sequence's token mean, averaged over sequences: GRPO's
     paper), seq-mean-token-sum (each sequence's token sum, averaged) or
-    seq-mean-token-sum-norm (the token sums over sequences times rl.agent.max_new_tokens: Dr.
-    GRPO's constant normaliser)."""
+    seq-mean-token-sum-norm (the token sums averaged, divided by rl.agent.max_new_tokens: Dr.
+    GRPO's constant normaliser). A sequence is an agent's session; a step's batch is a
+    mini-batch with rl.ppo_minibatches."""
     kl_coef: float = 0.0
     """Weight of the KL to the reference model in the loss (0: no reference model)."""
     kl_kind: str = "k3"

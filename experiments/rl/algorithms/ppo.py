@@ -25,7 +25,8 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     symmetric). ``dual_clip`` (> 1; None: off) bounds a token's loss under a negative advantage
     by ``dual_clip * |A|`` (dual-clip PPO), so a token the policy moved far up does not blow the
     loss up. ``weights``: per-token weights of the loss terms (the loss aggregation; None: 1);
-    the statistics are plain token means."""
+    the statistics are plain token means (``clip_fraction``: the tokens whose term the clip
+    took, as verl counts them: not those out of range on the side that is not clipped)."""
     mask = mask.float()
     n = mask.sum().clamp(min=1.0)
     anchor = old_logp if prox_logp is None else prox_logp
@@ -44,7 +45,8 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     terms = weight * token_loss * mask
     loss = (terms if weights is None else terms * weights).sum() / n
     with torch.no_grad():
-        stats = {"clip_fraction": float(((ratio != clipped).float() * mask).sum() / n),
+        active = (clipped * advantages < ratio * advantages).float()  # the clip took the term
+        stats = {"clip_fraction": float((active * mask).sum() / n),
                  "ratio_mean": float((ratio * mask).sum() / n),
                  "behav_weight_mean": float((weight * mask).sum() / n)}
         if dual_clip is not None:

@@ -203,6 +203,36 @@ def test_a_context_past_the_models_positions_is_left_to_vllm_where_it_may_be_val
     check_model_len(300, plain, {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})  # vLLM's own override
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["rl.group_std_norm=false", "rl.algorithm=ppo"], "rl.group_std_norm=false needs "
+                                                       "rl.algorithm=grpo"),
+    (["rl.ppo_minibatches=0"], "rl.ppo_minibatches=0 is not valid; valid: 1 to "
+                               "rl.batch_size=16"),
+    (["rl.ppo_minibatches=17"], "rl.ppo_minibatches=17 is not valid"),
+    (["rl.max_filtered_batches=-1"], "rl.max_filtered_batches must be >= 0"),
+    # the default async loss: its ratio is 1 with one optimizer step a batch
+    (["rl.loss.clip_eps_high=0.28"], "rl.loss.clip_eps_high acts on ratios away from 1"),
+    (["rl.loss.dual_clip=3", "rl.loss.proximal=recompute"], "rl.loss.dual_clip acts on"),
+    (["rl.ppo_minibatches=4"], "rl.ppo_minibatches=4 needs rl.loss.proximal=recompute"),
+])
+def test_objective_settings_that_cannot_act_are_refused(overrides, message):
+    from system.launch import build_config
+
+    with pytest.raises(ConfigError) as e:
+        build_config("arith-tiny", "t", overrides)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_clips_act_with_mini_batches_or_against_the_behaviour_policy():
+    from system.launch import build_config
+
+    for overrides in (["rl.ppo_minibatches=4", "rl.loss.proximal=recompute"],
+                      ["rl.loss.proximal=off"], ["rl.decoupled_loss=false"], ["rl.mode=sync"],
+                      ["rl.mode=sync", "rl.ppo_minibatches=2"]):
+        build_config("arith-tiny", "t", ["rl.loss.clip_eps_high=0.28", "rl.loss.dual_clip=3",
+                                         *overrides])
+
+
 def test_dynamic_sampling_is_grpos():
     from system.launch import build_config
 

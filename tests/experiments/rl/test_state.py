@@ -101,10 +101,10 @@ def test_no_pickle_in_the_packages():
 def test_a_state_saved_before_the_trial_wide_counters_loads_with_them_at_zero(tmp_path):
     fields = {k: v for k, v in encode_and_strip(_state()).items()
               if k not in ("staleness_bound", "dropped_stale", "leases_expired",
-                           "leases_released")}
+                           "leases_released", "filtered")}
     got = decode_state(msgpack.packb(fields))
     assert (got.staleness_bound, got.dropped_stale, got.leases_expired,
-            got.leases_released) == (None, 0, 0, 0)
+            got.leases_released, got.filtered) == (None, 0, 0, 0, 0)
 
 
 def encode_and_strip(state: LoopState) -> dict:

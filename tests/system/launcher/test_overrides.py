@@ -61,6 +61,9 @@ def test_bad_overrides_name_the_key(override, words):
     ("rl.actor.lr=abc", "bad value for rl.actor.lr='abc': expected a number"),
     ("scheduler.local.spares=maybe", "bad value for scheduler.local.spares='maybe': expected "
                                      "true or false"),
+    # omegaconf takes any integer for a boolean (2 and -1 were true)
+    ("rl.dynamic_sampling=2", "bad value for rl.dynamic_sampling='2': expected true or false"),
+    ("rl.group_std_norm=-1", "bad value for rl.group_std_norm='-1': expected true or false"),
     # a nested value in a map of strings passed the update and failed later, in a traceback
     ("rl.task.options={a: [1, 2]}", "bad value for rl.task.options='{a: [1, 2]}': [1, 2] is "
                                     "not a str; valid: a {map} of str values"),
