@@ -82,7 +82,9 @@ class AgentConfig:
     """Completion budget per trajectory (tool output included), >= 1 and less than
     ``rl.vllm.max_model_len`` (kind=openai: the agent function asks for its own)."""
     temperature: float = 1.0
-    """Sampling temperature of training rollouts, > 0 (evaluation is greedy whatever it is)."""
+    """Sampling temperature of training rollouts, > 0 (evaluation is greedy whatever it is).
+    The loss's log-probs are the untempered policy's (vLLM's raw ones, and the trainer's): at
+    another temperature the samples come from another distribution (not yet corrected)."""
     top_p: float = 1.0
     """Nucleus sampling of training rollouts, in (0, 1]."""
     max_turns: int = 4
