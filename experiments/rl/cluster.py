@@ -316,14 +316,16 @@ def train_layout(actor: TorchEngineConfig, n_model: int) -> TrainLayout:
     return TrainLayout(dp=n_model)
 
 
-def sum_stats(outs: list[TrainStats]) -> TrainStats:
+def sum_stats(outs: list[TrainStats], averaged: tuple[str, ...] = ("grad_norm", "seconds")
+              ) -> TrainStats:
     """Each rank's loss is already its share of the global token mean, so the sum is the loss;
-    ``*_sum`` figures and ``tokens`` add up; the per-rank figures are averaged."""
+    ``*_sum`` figures and ``tokens`` add up; the per-rank figures (``averaged``) are
+    averaged."""
     stats: dict[str, float] = {}
     for o in outs:
         for k, v in o.items():
             stats[k] = stats.get(k, 0.0) + float(v)  # type: ignore[arg-type]
-    for k in ("grad_norm", "seconds"):
+    for k in averaged:
         if k in stats:
             stats[k] /= len(outs)
     return stats  # type: ignore[return-value]

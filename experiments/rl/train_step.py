@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from experiments.rl.algorithms.aggregation import loss_weights
-from experiments.rl.cluster import Cluster
+from experiments.rl.cluster import Cluster, sum_stats
 from experiments.rl.config import RLConfig
 from experiments.rl.shaping import advantages_grpo, advantages_ppo
 from experiments.rl.state import Admitted, LoopState
@@ -75,14 +75,7 @@ def session_keys(groups: list[list[Trajectory]]) -> list[tuple[int, int]]:
 def merge_steps(outs: list[TrainStats]) -> TrainStats:
     """The figures of a training step's optimizer steps: sums add up; the loss and gradient
     norm are their mean."""
-    merged: dict[str, float] = {}
-    for o in outs:
-        for k, v in o.items():
-            merged[k] = merged.get(k, 0.0) + float(v)  # type: ignore[arg-type]
-    for k in ("loss", "grad_norm"):
-        if k in merged:
-            merged[k] /= len(outs)
-    return merged  # type: ignore[return-value]
+    return sum_stats(outs, averaged=("loss", "grad_norm"))
 
 
 class NonFiniteTraining(RuntimeError):
