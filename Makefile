@@ -27,6 +27,7 @@ bench: setup
 	$(PY) tests/benchmarks/control_plane.py
 	$(PY) tests/benchmarks/reshard.py
 	$(PY) tests/benchmarks/rl.py
+	$(PY) tests/benchmarks/temperature.py
 	$(PY) tests/benchmarks/chaos.py
 	$(PY) tests/benchmarks/fuzz.py
 	$(PY) tests/benchmarks/scale.py

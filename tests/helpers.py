@@ -268,11 +268,13 @@ def tiny_llm(model_dir: str, **kwargs: Any) -> Any:
     rendezvous files in this process's private directory, not left in /tmp."""
     from vllm import LLM
 
+    from workers.engines.vllm_build import WEIGHT_SYNC_EXTENSION
+    from workers.engines.vllm_config import LOGPROBS_MODE
     from workers.engines.vllm_tmp import engine_temp_dir
 
     args = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
                 kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=0,
-                worker_extension_cls="workers.engines.vllm_weight_sync.WeightSyncExtension")
+                logprobs_mode=LOGPROBS_MODE, worker_extension_cls=WEIGHT_SYNC_EXTENSION)
     with engine_temp_dir():
         return LLM(model=model_dir, **{**args, **kwargs})
 

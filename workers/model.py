@@ -171,10 +171,12 @@ class ModelWorker(Worker):
         return self._exec.submit(fn)
 
     # --- engine calls ---
-    def logprobs(self, seqs: list, which: str = "actor") -> Future:
-        """Per-token log-probs (float32 arrays of ``len - 1``) under ``actor`` or ``ref``."""
-        eng = self._engine(which)
-        return self._run(lambda: [t.numpy() for t in eng.logprobs(_tensors(seqs))])
+    def logprobs(self, seqs: list, which: str = "actor", temps: list | None = None) -> Future:
+        """Per-token log-probs (float32 arrays of ``len - 1``) under ``actor`` or ``ref``, at
+        the sampling temperatures ``temps`` (per sequence, its completion tokens'; empty or
+        None: 1)."""
+        eng, temps = self._engine(which), _temperatures(seqs, temps)
+        return self._run(lambda: [t.numpy() for t in eng.logprobs(_tensors(seqs), temps)])
 
     def values(self, seqs: list) -> Future:
         eng = self._engine("critic")
@@ -184,12 +186,13 @@ class ModelWorker(Worker):
                     ) -> Future:
         eng, make_loss = self._engine("actor"), self._actor_loss
         assert make_loss is not None  # installed with the engines
+        temps = _temperatures([b["tokens"] for b in batch], [b.get("temps") for b in batch])
 
         def step() -> TrainStats:
             stats: dict[str, float] = {}
             t0 = time.perf_counter()
             out = eng.train_step(_tensors([b["tokens"] for b in batch]),
-                                 make_loss(batch, loss, stats), global_tokens)
+                                 make_loss(batch, loss, stats), global_tokens, temps)
             return {**out, **stats, "seconds": time.perf_counter() - t0,  # type: ignore
                     "train_tokens": float(sum(len(b["tokens"]) for b in batch))}
         return self._run(step)
@@ -417,3 +420,23 @@ def _tensors(seqs: list) -> list:
     import torch
 
     return [torch.as_tensor(s, dtype=torch.long) for s in seqs]
+
+
+def _temperatures(seqs: list, temps: list | None) -> list | None:
+    """The engines' per-sequence temperature tensors (None: every sequence at 1); refuses
+    temperatures that are not finite numbers > 0, or more of them than a sequence has next
+    tokens (a caller's bug: the RPC reports it)."""
+    if temps is None or all(t is None or len(t) == 0 for t in temps):
+        return None
+    import torch
+
+    if len(temps) != len(seqs):
+        raise ValueError(f"{len(temps)} temperature arrays for {len(seqs)} sequences")
+    out = []
+    for s, t in zip(seqs, temps):
+        t = torch.as_tensor(t if t is not None else [], dtype=torch.float32)
+        if t.dim() != 1 or len(t) > len(s) - 1 or not bool(((t > 0) & t.isfinite()).all()):
+            raise ValueError(f"temperatures {t.tolist()[:4]}... of a {len(s)}-token sequence "
+                             "are not finite numbers > 0, one per completion token")
+        out.append(t)
+    return out

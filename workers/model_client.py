@@ -15,9 +15,13 @@ class ModelClient(WorkerClient):
     """The model worker's RPC surface. Every data-parallel rank must receive the same sequence
     of collective calls: call them on all model workers together."""
 
-    def logprobs(self, seqs: "list[np.ndarray]", which: str = "actor"
-                 ) -> "Pending[list[np.ndarray]]":
-        return self._call("logprobs", seqs=seqs, which=which)
+    def logprobs(self, seqs: "list[np.ndarray]", which: str = "actor",
+                 temps: "list[np.ndarray] | None" = None) -> "Pending[list[np.ndarray]]":
+        """Per-token log-probs under ``which``; ``temps``: per sequence, the sampling
+        temperatures of its completion tokens (empty: 1; None: every sequence at 1)."""
+        if temps is None:
+            return self._call("logprobs", seqs=seqs, which=which)
+        return self._call("logprobs", seqs=seqs, which=which, temps=temps)
 
     def values(self, seqs: "list[np.ndarray]") -> "Pending[list[np.ndarray]]":
         return self._call("values", seqs=seqs)

@@ -131,6 +131,9 @@ class SessionTurn(TypedDict):
     versions: np.ndarray
     """int32: the weight version that produced each completion token."""
     finish: str
+    temperature: float
+    """The request's sampling temperature (0: greedy), which the log-probs describe (vLLM's
+    processed log-probs: greedy ones are at 1)."""
 
 
 class SessionRecord(TypedDict):
@@ -166,6 +169,9 @@ class Trajectory(TypedDict):
     logprobs: np.ndarray
     versions: np.ndarray
     finish: str
+    temps: NotRequired[np.ndarray]
+    """float32, one per completion token: the temperature it was sampled at, which its
+    log-prob describes (tool tokens: 1). Absent: all 1."""
     reward: NotRequired[float]
     session: NotRequired[int]
     """Which agent session of its group produced it (OpenAI-API agents: one session may give
@@ -201,6 +207,9 @@ class TrainItem(TypedDict):
     prompt_len: int
     mask: np.ndarray
     old_logp: np.ndarray
+    temps: NotRequired[np.ndarray]
+    """The completion tokens' sampling temperatures: the trainer's log-probs are taken at
+    them (absent: 1)."""
     adv: NotRequired[np.ndarray]
     prox_logp: NotRequired[np.ndarray]
     ref_logp: NotRequired[np.ndarray]
@@ -221,6 +230,7 @@ class TrainStats(TypedDict, total=False):
     clip_fraction_sum: float
     behav_weight_mean_sum: float
     dual_clip_fraction_sum: float
+    logp_mismatch_sum: float
     kl_sum: float
     value_loss_sum: float
 

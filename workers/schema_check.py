@@ -45,6 +45,14 @@ def trajectory_problem(t: Any) -> str | None:
             return f"{key} is not a 1-d array of kind {kinds}"
         if len(a) != completion:
             return f"{key} has {len(a)} entries for {completion} completion tokens"
+    temps = t.get("temps")
+    if temps is not None:
+        if not isinstance(temps, np.ndarray) or temps.ndim != 1 or temps.dtype.kind != "f":
+            return "temps is not a 1-d float array"
+        if len(temps) != completion:
+            return f"temps has {len(temps)} entries for {completion} completion tokens"
+        if not (np.isfinite(temps) & (temps > 0)).all():
+            return "temps holds a temperature that is not a finite number > 0"
     reward = t.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)):
         return f"reward is {type(reward).__name__}, not a number"

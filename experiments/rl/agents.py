@@ -27,12 +27,13 @@ import ast
 import dataclasses
 import hashlib
 import operator
-from typing import Any, Generator, Sequence
+from typing import Any, Generator, NamedTuple, Sequence
 
 import numpy as np
 
 from experiments.rl import plugins
 from system.errors import ConfigError
+from workers.engines.vllm_config import logprob_temperature
 from workers.schema import Sample, SamplingParams, Trajectory
 
 Episode = Generator["GenRequest", list[Sample], list[Trajectory]]
@@ -83,10 +84,12 @@ class AgentConfig:
     ``rl.vllm.max_model_len`` (kind=openai: the agent function asks for its own)."""
     temperature: float = 1.0
     """Sampling temperature of training rollouts, > 0 (evaluation is greedy whatever it is).
-    The loss's log-probs are the untempered policy's (vLLM's raw ones, and the trainer's): at
-    another temperature the samples come from another distribution (not yet corrected)."""
+    The policy trained is the tempered one: vLLM's log-probs and the trainer's are both taken
+    at it (each token carries its temperature, ``Trajectory.temps``)."""
     top_p: float = 1.0
-    """Nucleus sampling of training rollouts, in (0, 1]."""
+    """Nucleus sampling of training rollouts, in (0, 1]. Below 1 the behaviour log-probs are
+    the truncated distribution's, the trainer's the whole tempered one's: the loss sees the
+    truncation as off-policy sampling (the ratio starts at the nucleus's mass, not 1)."""
     max_turns: int = 4
     """Calculator agent: at most this many generation calls per trajectory (>= 1)."""
     seeded: bool = True
@@ -119,20 +122,40 @@ class AgentConfig:
             raise ConfigError(f"top_p={self.top_p} is not valid; valid: a number in (0, 1]")
 
 
-def _traj(prompt: Sequence[int], parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]],
-          finish: str) -> Trajectory:
-    """Assemble from ``(tokens, logprobs, versions, mask_value)`` parts."""
-    toks = [np.asarray(p[0], dtype=np.int32) for p in parts]
-    comp = np.concatenate(toks) if toks else np.zeros(0, np.int32)
-    return {"tokens": np.concatenate([np.asarray(prompt, dtype=np.int32), comp]),
-            "prompt_len": len(prompt),
-            "mask": np.concatenate([np.full(len(t), p[3], np.int8) for t, p in zip(toks, parts)])
-            if parts else np.zeros(0, np.int8),
-            "logprobs": np.concatenate([np.asarray(p[1], np.float32) for p in parts])
-            if parts else np.zeros(0, np.float32),
-            "versions": np.concatenate([np.asarray(p[2], np.int32) for p in parts])
-            if parts else np.zeros(0, np.int32),
-            "finish": finish}
+class Part(NamedTuple):
+    """A run of a trajectory's completion: what the policy sampled (``mask`` 1, at
+    ``temperature``, the one its log-probs are at) or tool output (``mask`` 0)."""
+
+    tokens: Any
+    logprobs: Any
+    versions: Any
+    mask: int
+    temperature: float = 1.0
+
+
+def sampled(sample: Sample, sampling: SamplingParams) -> Part:
+    """The part of a sample the policy generated with ``sampling``."""
+    return Part(sample["tokens"], sample["logprobs"], sample["versions"], 1,
+                logprob_temperature(float(sampling.get("temperature", 1.0))))
+
+
+def _traj(prompt: Sequence[int], parts: Sequence[Part], finish: str) -> Trajectory:
+    """Assemble a trajectory from parts; ``temps`` only where a part's temperature is not 1."""
+    def cat(arrays: list[np.ndarray], dtype: Any) -> np.ndarray:
+        return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
+
+    toks = [np.asarray(p.tokens, dtype=np.int32) for p in parts]
+    traj: Trajectory = {
+        "tokens": np.concatenate([np.asarray(prompt, dtype=np.int32), cat(toks, np.int32)]),
+        "prompt_len": len(prompt),
+        "mask": cat([np.full(len(t), p.mask, np.int8) for t, p in zip(toks, parts)], np.int8),
+        "logprobs": cat([np.asarray(p.logprobs, np.float32) for p in parts], np.float32),
+        "versions": cat([np.asarray(p.versions, np.int32) for p in parts], np.int32),
+        "finish": finish}
+    if any(p.temperature != 1.0 for p in parts):
+        traj["temps"] = cat([np.full(len(t), p.temperature, np.float32)
+                             for t, p in zip(toks, parts)], np.float32)
+    return traj
 
 
 class SingleTurnAgent:
@@ -154,9 +177,9 @@ class SingleTurnAgent:
         return [self._one(prompt, n, greedy, seed)]
 
     def _one(self, prompt: list[int], n: int, greedy: bool, seed: int | None) -> Episode:
-        samples = yield GenRequest(prompt, n, self.sampling(greedy, request_seed(seed, 0, 0)))
-        return [_traj(prompt, [(s["tokens"], s["logprobs"], s["versions"], 1)], s["finish"])
-                for s in samples]
+        sampling = self.sampling(greedy, request_seed(seed, 0, 0))
+        samples = yield GenRequest(prompt, n, sampling)
+        return [_traj(prompt, [sampled(s, sampling)], s["finish"]) for s in samples]
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -212,7 +235,7 @@ class CalculatorAgent(SingleTurnAgent):
 
     def _episode(self, prompt: list[int], greedy: bool, seed: int | None,
                  episode: int) -> Episode:
-        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] = []
+        parts: list[Part] = []
         used, finish = 0, "length"
         for turn in range(self.cfg.max_turns):
             left = self.cfg.max_new_tokens - used
@@ -223,7 +246,7 @@ class CalculatorAgent(SingleTurnAgent):
                                         "stop_token_ids": [self.close_id]}
             ids = list(prompt) + [int(t) for p in parts for t in p[0]]
             s = (yield GenRequest(ids, 1, sampling))[0]
-            parts.append((s["tokens"], s["logprobs"], s["versions"], 1))
+            parts.append(sampled(s, sampling))
             used += len(s["tokens"])
             finish = s["finish"]
             toks = [int(t) for t in s["tokens"]]
@@ -236,8 +259,8 @@ class CalculatorAgent(SingleTurnAgent):
             out = out[:max(0, self.cfg.max_new_tokens - used)]
             if not out:
                 break
-            parts.append((np.asarray(out, np.int32), np.zeros(len(out), np.float32),
-                          np.full(len(out), -1, np.int32), 0))
+            parts.append(Part(np.asarray(out, np.int32), np.zeros(len(out), np.float32),
+                              np.full(len(out), -1, np.int32), 0))
             used += len(out)
         return [_traj(prompt, parts, finish)]
 

@@ -110,12 +110,17 @@ class Cluster:
             loads[r] += lengths[i]
         return parts
 
-    def per_token(self, seqs: list[np.ndarray], which: str) -> list[np.ndarray]:
-        """Per-token log-probs (``actor``, ``ref``) or values (``critic``) of every sequence,
-        data-parallel."""
+    def per_token(self, seqs: list[np.ndarray], which: str,
+                  temps: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Per-token log-probs (``actor``, ``ref``: at the sampling temperatures ``temps`` of
+        each sequence's completion, see :meth:`ModelClient.logprobs`) or values (``critic``) of
+        every sequence, data-parallel."""
         parts = self.split([len(s) for s in seqs])
         calls = [(lambda c, p=p: c.values([seqs[i] for i in p])) if which == "critic"
-                 else (lambda c, p=p: c.logprobs([seqs[i] for i in p], which)) for p in parts]
+                 else (lambda c, p=p: c.logprobs([seqs[i] for i in p], which,
+                                                 None if temps is None
+                                                 else [temps[i] for i in p]))
+                 for p in parts]
         outs = collect([calls[self.dp_rank(r)](c) for r, c in enumerate(self.models)],
                        self.rl.call_timeout, self._stopping)
         res: list[Any] = [None] * len(seqs)

@@ -6,7 +6,8 @@ Rules (pure; :func:`session_trajectories`):
   whole token sequence of an open trajectory (its prompt, then everything after) extends that
   trajectory (the latest such one): the prompt's tokens beyond it (tool or environment output,
   chat-template tokens) are appended with mask 0, log-prob 0 and version -1, then the turn's
-  completion with mask 1 and the log-probs and weight versions the engine recorded.
+  completion with mask 1 and the log-probs, weight versions and temperature the engine
+  recorded (the trainer takes its log-probs at that temperature).
 - A turn whose prompt extends no open trajectory starts a new one (its prompt is the new
   trajectory's prompt). This happens when an agent edits or re-renders its history: a chat
   template that renders earlier assistant turns differently from how they were sampled (dropped
@@ -23,10 +24,8 @@ import dataclasses
 
 import numpy as np
 
-from experiments.rl.agents import _traj
+from experiments.rl.agents import Part, _traj
 from workers.schema import SessionTurn, Trajectory
-
-Part = tuple[np.ndarray, np.ndarray, np.ndarray, int]
 
 
 @dataclasses.dataclass
@@ -45,16 +44,17 @@ def session_trajectories(turns: list[SessionTurn], reward: float, session: int
     for turn in turns:
         prompt = [int(t) for t in turn["prompt"]]
         tokens = np.asarray(turn["tokens"], np.int32)
-        policy: Part = (tokens, np.asarray(turn["logprobs"], np.float32),
-                        np.asarray(turn["versions"], np.int32), 1)
+        policy = Part(tokens, np.asarray(turn["logprobs"], np.float32),
+                      np.asarray(turn["versions"], np.int32), 1,
+                      float(turn.get("temperature", 1.0)))
         into = _extended(built, prompt)
         if into is None:
             built.append(_Open(prompt, [policy], prompt + tokens.tolist(), turn["finish"]))
             continue
         gap = np.asarray(prompt[len(into.full):], np.int32)
         if len(gap):
-            into.parts.append((gap, np.zeros(len(gap), np.float32),
-                               np.full(len(gap), -1, np.int32), 0))
+            into.parts.append(Part(gap, np.zeros(len(gap), np.float32),
+                                   np.full(len(gap), -1, np.int32), 0))
         into.parts.append(policy)
         into.full = prompt + tokens.tolist()
         into.finish = turn["finish"]

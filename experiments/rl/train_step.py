@@ -105,13 +105,28 @@ def train_items(cluster: Cluster, rl: RLConfig, trajs: list[Trajectory]) -> list
     items: list[TrainItem] = [{"tokens": t["tokens"], "prompt_len": int(t["prompt_len"]),
                                "mask": t["mask"].astype(np.float32), "old_logp": t["logprobs"]}
                               for t in trajs]
+    temps = sampling_temperatures(trajs)
+    for it, tt in zip(items, temps or []):
+        if len(tt):
+            it["temps"] = tt
     if rl.decoupled and rl.loss.proximal == "recompute":
-        for it, lp in zip(items, cluster.per_token(seqs, "actor")):
+        for it, lp in zip(items, cluster.per_token(seqs, "actor", temps)):
             it["prox_logp"] = lp[it["prompt_len"] - 1:]
-    if rl.loss.kl_coef > 0:
-        for it, lp in zip(items, cluster.per_token(seqs, "ref")):
+    if rl.loss.kl_coef > 0:  # (the reference policy at the same temperatures, as verl)
+        for it, lp in zip(items, cluster.per_token(seqs, "ref", temps)):
             it["ref_logp"] = lp[it["prompt_len"] - 1:]
     return items
+
+
+def sampling_temperatures(trajs: list[Trajectory]) -> list[np.ndarray] | None:
+    """Each trajectory's completion tokens' sampling temperatures (empty: all 1), or None when
+    every token was sampled at 1: the trainer's log-probs are taken at the temperatures vLLM's
+    behaviour log-probs describe."""
+    temps = [np.asarray(t.get("temps", ()), np.float32) for t in trajs]
+    if all(len(tt) == 0 or bool((tt == 1).all()) for tt in temps):
+        return None
+    return [tt if len(tt) and not bool((tt == 1).all()) else np.zeros(0, np.float32)
+            for tt in temps]
 
 
 def step_figures(rl: RLConfig, trajs: list[Trajectory], out: TrainStats,
@@ -125,6 +140,7 @@ def step_figures(rl: RLConfig, trajs: list[Trajectory], out: TrainStats,
         "clip_fraction": out.get("clip_fraction_sum", 0.0) / tokens,
         "behav_weight_mean": out.get("behav_weight_mean_sum", 0.0) / tokens,
         "kl": out.get("kl_sum", 0.0) / tokens if rl.loss.kl_coef > 0 else None,
+        "logp_mismatch": out.get("logp_mismatch_sum", 0.0) / tokens,
         "dual_clip_fraction": (out.get("dual_clip_fraction_sum", 0.0) / tokens
                                if rl.loss.dual_clip > 0 else None),
         "train_seconds": seconds,

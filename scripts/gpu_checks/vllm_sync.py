@@ -7,10 +7,12 @@ master weights) trains a few steps, so its weights are no longer the checkpoint'
 the same tokens are compared with those vLLM reported. Then the trainer publishes its weights
 into the engine through the resharding engine (``WeightSyncSpec`` -> executor, fast mode, as
 ``experiments.rl.cluster.Cluster`` sets it up: one training rank, one replica, tp=1), vLLM
-samples again (as weight version 1) and the comparison is repeated.
+samples again (as weight version 1) and the comparison is repeated, then at temperature
+:data:`TEMPERATURE` (vLLM's log-probs the sampled distribution's, the trainer's at it).
 
 PASS: after the update the mean |trainer - vLLM| log-prob difference is <= 0.03 on CUDA
-(bfloat16; max <= 1.0 as a sanity bound) or <= 1e-4 on CPU (float32; max <= 1e-3), every
+(bfloat16; max <= 1.0 as a sanity bound) or <= 1e-4 on CPU (float32; max <= 1e-3), at both
+temperatures, every
 sample carries version 1, and before it the difference was larger than after (the update
 really changed what vLLM serves). SKIP: no CUDA; vLLM not importable.
 
@@ -38,6 +40,8 @@ CHECK = "vllm_sync"
 CHECKS = (CHECK,)
 TOLS = {"cuda": (0.03, 1.0), "cpu": (1e-4, 1e-3)}  # (mean, max) |log-prob difference|
 PREFIX = "gpu-check-sync"
+TEMPERATURE = 0.7
+"""Also compared after the update: samples at this temperature, the trainer's log-probs at it."""
 
 
 def placement(device: str, backend: str, n: int) -> tuple[str, str, float | None] | str:
@@ -52,24 +56,27 @@ def placement(device: str, backend: str, n: int) -> tuple[str, str, float | None
     return "cuda:1", "gloo" if backend == "gloo" else "nccl", None
 
 
-def sample(gen: Any, prompts: list[list[int]], n: int, max_tokens: int, seed: int
-           ) -> list[tuple[list[int], dict[str, Any]]]:
-    """``n`` samples of every prompt (temperature 1), with vLLM's log-probs."""
+def sample(gen: Any, prompts: list[list[int]], n: int, max_tokens: int, seed: int,
+           temperature: float = 1.0) -> list[tuple[list[int], dict[str, Any]]]:
+    """``n`` samples of every prompt at ``temperature``, with vLLM's log-probs (those of the
+    distribution sampled from)."""
     from workers.engines.vllm_server import Sampling
 
-    futs = [(p, gen.submit(p, n, Sampling(max_tokens=max_tokens, temperature=1.0,
+    futs = [(p, gen.submit(p, n, Sampling(max_tokens=max_tokens, temperature=temperature,
                                           ignore_eos=True, seed=seed + i)))
             for i, p in enumerate(prompts)]
     return [(p, s) for p, f in futs for s in f.result(timeout=300)]
 
 
-def compare(trainer: Any, samples: list[tuple[list[int], dict[str, Any]]]
-            ) -> tuple[float, float]:
-    """Mean and max |trainer log-prob - vLLM log-prob| over every sampled token."""
+def compare(trainer: Any, samples: list[tuple[list[int], dict[str, Any]]],
+            temperature: float = 1.0) -> tuple[float, float]:
+    """Mean and max |trainer log-prob - vLLM log-prob| over every sampled token, the trainer's
+    at the temperature the tokens were sampled at."""
     import torch
 
     seqs = [torch.tensor(p + [int(t) for t in s["tokens"]]) for p, s in samples]
-    mine = trainer.logprobs(seqs)
+    temps = [torch.full((len(s["tokens"]),), temperature) for _, s in samples]
+    mine = trainer.logprobs(seqs, temps if temperature != 1.0 else None)
     got = [lp[len(p) - 1:].float() for lp, (p, _) in zip(mine, samples)]
     want = [torch.from_numpy(s["logprobs"]).float() for _, s in samples]
     return abs_diffs(got, want)
@@ -149,6 +156,10 @@ def check(args: Any, trainer_device: str, backend: str, mem: float | None) -> Ve
             f"versions {sorted(versions)}")
         out("vllm_sync_after_mean_abs_diff", after[0])
         out("vllm_sync_after_max_abs_diff", after[1])
+        hot = compare(trainer, sample(gen, prompts, args.n, args.max_tokens, seed=40,
+                                      temperature=TEMPERATURE), TEMPERATURE)
+        out("vllm_sync_tempered_mean_abs_diff", hot[0])
+        out("vllm_sync_tempered_max_abs_diff", hot[1])
     finally:
         gen.close()
     mean_tol, max_tol = TOLS[args.device]
@@ -156,6 +167,8 @@ def check(args: Any, trainer_device: str, backend: str, mem: float | None) -> Ve
     problems = []
     if after[0] > mean_tol or after[1] > max_tol:
         problems.append(f"after the update mean {after[0]:.3g} / max {after[1]:.3g}")
+    if hot[0] > mean_tol or hot[1] > max_tol:
+        problems.append(f"at temperature {TEMPERATURE} mean {hot[0]:.3g} / max {hot[1]:.3g}")
     if not before[0] > after[0]:
         problems.append(f"the update changed nothing (before {before[0]:.3g})")
     if versions != {1}:

@@ -75,13 +75,15 @@ def generation(rounds: int = 3) -> dict[str, float]:
 
     from system.rpc import RpcServer
     from system.wire import Codec
+    from workers.engines.vllm_build import WEIGHT_SYNC_EXTENSION
+    from workers.engines.vllm_config import LOGPROBS_MODE
     from workers.engines.vllm_server import GenerationEngine, Sampling, VllmConfig
     from workers.engines.vllm_tmp import engine_temp_dir
 
     with engine_temp_dir():  # (vLLM's sockets: not left in /tmp)
         llm = LLM(model=MODEL, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
                   gpu_memory_utilization=0.2, max_model_len=128, seed=0,
-                  worker_extension_cls="workers.engines.vllm_weight_sync.WeightSyncExtension")
+                  logprobs_mode=LOGPROBS_MODE, worker_extension_cls=WEIGHT_SYNC_EXTENSION)
     prompts = [[1] + [3 + (i * 7 + k) % 10 for k in range(5)] for i in range(64)]
     n, max_tokens = 4, 48
     params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, logprobs=0,

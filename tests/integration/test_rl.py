@@ -232,13 +232,16 @@ def test_automatic_recovery_after_master_failure_model_worker_kill_and_preemptio
 
 def test_sync_ppo_multi_turn_calculator_two_trainers_with_reference(fileroot):
     """Also: a model worker killed while the trial starts restarts every worker afresh (the
-    trial failed)."""
+    trial failed). Rollouts sample at temperature 0.6: the trainer's log-probs of the sampled
+    tokens, at that temperature, are vLLM's (the same weights in sync mode), so the loss's
+    ratios start at 1."""
     import signal
 
     code, err = _launch_signalling(fileroot, "ppo", [
         "rl.mode=sync", "rl.algorithm=ppo", "rl.agent.kind=calculator",
         "rl.agent.max_new_tokens=8", "rl.group_size=2", "model.count=2",
         "rl.loss.kl_coef=0.01", "rl.total_steps=3", "rl.weight_sync.mode=disk", NO_SPARES,
+        "rl.agent.temperature=0.6",
         *[a for a in SMALL if not a.startswith("rl.group_size")]],
         [(-1, "model", 1, signal.SIGKILL)], timeout=400)
     assert code == 0, err[-3000:]
@@ -253,6 +256,7 @@ def test_sync_ppo_multi_turn_calculator_two_trainers_with_reference(fileroot):
     trained = [row for row in rows if row["step"] > 0]
     assert all(row["kl"] is not None and "value_loss" in row for row in trained)
     assert all(row["staleness_max"] == 0 for row in trained)
+    assert all(row["logp_mismatch"] < 1e-4 for row in trained), trained
     # every sample of a sync step came from the weights published just before it
     assert [row["versions"] for row in trained] == [[0], [1], [2]]
     models = s["results"]["prompts_per_step"]

@@ -36,6 +36,7 @@ from workers.engines import megatron_weights as mw
 from workers.engines.configs import TorchEngineConfig
 from workers.engines.megatron_model import (ParallelDims, build_gpt, build_optimizer,
                                             init_parallel, transformer_config, wrap_ddp)
+from workers.engines.temperature import Temperatures, position_temperatures, tempered
 from workers.engines.torch_engine import LossFn, precision
 
 
@@ -168,20 +169,27 @@ class MegatronEngine:
             ids[row, :len(seqs[i])] = torch.as_tensor(seqs[i])
         return ids.to(self.device)
 
-    def _outputs(self, logits: torch.Tensor, ids: torch.Tensor, lens: list[int]
-                 ) -> list[torch.Tensor]:
-        """Per-sequence log-probs of the next tokens (or values) from this tp rank's logits."""
+    def _outputs(self, logits: torch.Tensor, ids: torch.Tensor, lens: list[int],
+                 temps: Temperatures = None) -> list[torch.Tensor]:
+        """Per-sequence log-probs of the next tokens (or values) from this tp rank's logits,
+        at the sampling temperatures ``temps`` (:mod:`workers.engines.temperature`)."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         full = gather_from_tensor_model_parallel_region(logits).float()
         if self.head == "value":
             return [full[r, :ln - 1, 0] for r, ln in enumerate(lens)]
-        lp = torch.gather(F.log_softmax(full[:, :-1, :self.shape.vocab_size], dim=-1), 2,
-                          ids[:, 1:, None])[..., 0]
+        rows, width = full.shape[0], full.shape[1] - 1  # (a last micro-batch's padding rows)
+        pad = rows - len(lens)
+        temp = position_temperatures(lens + [width + 1] * pad,
+                                     None if temps is None else [*temps, *[None] * pad],
+                                     width, full.device)
+        lp = torch.gather(F.log_softmax(tempered(full[:, :-1, :self.shape.vocab_size], temp),
+                                        dim=-1), 2, ids[:, 1:, None])[..., 0]
         return [lp[r, :ln - 1] for r, ln in enumerate(lens)]
 
     def _schedule(self, seqs: Sequence[torch.Tensor], forward_only: bool,
-                  loss_fn: LossFn | None = None, scale: float = 1.0) -> list[dict[str, Any]]:
+                  loss_fn: LossFn | None = None, scale: float = 1.0,
+                  temps: Temperatures = None) -> list[dict[str, Any]]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         groups, n, mbs = self._microbatches(seqs)
@@ -190,7 +198,8 @@ class MegatronEngine:
 
         def post(group: list[int], ids: torch.Tensor, logits: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-            outs = self._outputs(logits, ids, [len(seqs[i]) for i in group])
+            outs = self._outputs(logits, ids, [len(seqs[i]) for i in group],
+                                 None if temps is None else [temps[i] for i in group])
             zero_tokens = torch.zeros((), dtype=torch.int, device=self.device)
             if forward_only:
                 return logits.sum() * 0.0, zero_tokens, {"group": group, "out": outs}
@@ -233,15 +242,17 @@ class MegatronEngine:
         return buf
 
     @torch.no_grad()
-    def logprobs(self, seqs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def logprobs(self, seqs: Sequence[torch.Tensor], temps: Temperatures = None
+                 ) -> list[torch.Tensor]:
         """Per-token log-probs (``len - 1`` each; values for the critic) on the CPU, on every
-        rank of the pipeline. Collective over this rank's model-parallel group."""
+        rank of the pipeline, at the sampling temperatures ``temps`` (None: 1). Collective over
+        this rank's model-parallel group."""
         from megatron.core import parallel_state as ps
 
         self.model.eval()
         lens = [len(s) - 1 for s in seqs]
         with self.shim():
-            store = self._schedule(seqs, forward_only=True)
+            store = self._schedule(seqs, forward_only=True, temps=temps)
             flat = None
             if ps.is_pipeline_last_stage():
                 parts: list[Any] = [None] * len(seqs)
@@ -253,8 +264,8 @@ class MegatronEngine:
             flat = self._from_last_stage(flat, sum(lens))
         return [t.cpu() for t in torch.split(flat, lens)]
 
-    def train_step(self, seqs: Sequence[torch.Tensor], loss_fn: LossFn, global_tokens: int
-                   ) -> dict[str, float]:
+    def train_step(self, seqs: Sequence[torch.Tensor], loss_fn: LossFn, global_tokens: int,
+                   temps: Temperatures = None) -> dict[str, float]:
         """One optimizer step (same contract as :meth:`TorchEngine.train_step`). ``loss`` is
         this data-parallel rank's share, valid on the last pipeline stage."""
         if self.optimizer is None:
@@ -263,7 +274,7 @@ class MegatronEngine:
         with self.shim():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            store = self._schedule(seqs, False, loss_fn, 1.0 / max(1, global_tokens))
+            store = self._schedule(seqs, False, loss_fn, 1.0 / max(1, global_tokens), temps)
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("megatron optimizer step skipped (non-finite gradients)")

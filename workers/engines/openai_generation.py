@@ -114,7 +114,8 @@ class Generation:
                 if any(s in self._decode(tokens[:keep]) for s in self.req.stop):
                     break
         self._record.record(index, self._ids, tokens[:keep], self._lp[index][:keep],
-                            self._ver[index][:keep], self.texts[index].finish or "stop")
+                            self._ver[index][:keep], self.texts[index].finish or "stop",
+                            self.req.sampling.logprob_temperature)
 
     def close(self) -> None:
         """Stop whatever still runs (the reader is gone or gave up); a session's choices that

@@ -194,15 +194,17 @@ class Reservation:
         self._open = set(range(n))
 
     def record(self, index: int, prompt: list[int], tokens: list[int], logprobs: list[float],
-               versions: list[int], finish: str) -> None:
-        """Choice ``index`` finished: record it."""
+               versions: list[int], finish: str, temperature: float) -> None:
+        """Choice ``index`` finished: record it (``temperature``: the one its log-probs are
+        at)."""
         if index not in self._open:
             return
         self._open.discard(index)
         turn: SessionTurn = {"prompt": np.asarray(prompt, np.int32),
                              "tokens": np.asarray(tokens, np.int32),
                              "logprobs": np.asarray(logprobs, np.float32),
-                             "versions": np.asarray(versions, np.int32), "finish": finish}
+                             "versions": np.asarray(versions, np.int32), "finish": finish,
+                             "temperature": float(temperature)}
         self._store._settle(self.sid, self._s, self._each, turn, self._seq, index)
 
     def release(self) -> None:

@@ -30,6 +30,7 @@ from system.files import fsync_path
 from system.reshard.params import ModelShape
 from workers.engines.configs import TorchEngineConfig
 from workers.engines.optim_groups import configured, reapply
+from workers.engines.temperature import Temperatures, position_temperatures, tempered
 
 
 def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -78,6 +79,10 @@ def without_dropout(model: torch.nn.Module) -> None:
             m.p = 0.0
         if isinstance(getattr(m, "attention_dropout", None), float):  # (functional, in training)
             m.attention_dropout = 0.0
+
+
+def _pick(temps: Temperatures, group: list[int]) -> Temperatures:
+    return None if temps is None else [temps[i] for i in group]
 
 
 class TorchEngine:
@@ -139,9 +144,12 @@ class TorchEngine:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
 
-    def _forward_logprobs(self, seqs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``lm``: log-prob of each next token (``len(seq) - 1`` values per sequence);
-        ``value``: the value at every position but the last (same length)."""
+    def _forward_logprobs(self, seqs: Sequence[torch.Tensor], temps: Temperatures = None
+                          ) -> list[torch.Tensor]:
+        """``lm``: log-prob of each next token (``len(seq) - 1`` values per sequence), the
+        logits divided by each position's sampling temperature (``temps``, see
+        :mod:`workers.engines.temperature`); ``value``: the value at every position but the last
+        (same length)."""
         n = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), n, dtype=torch.long, device=self.device)
         mask = torch.zeros(len(seqs), n, dtype=torch.long, device=self.device)
@@ -154,7 +162,9 @@ class TorchEngine:
         logits = logits.float()  # the log-softmax (and values) in float32
         if self.head == "value":
             return [logits[i, :len(s) - 1, 0] for i, s in enumerate(seqs)]
-        lp = torch.gather(F.log_softmax(logits[:, :-1], dim=-1), 2, ids[:, 1:, None])[..., 0]
+        temp = position_temperatures([len(s) for s in seqs], temps, n - 1, self.device)
+        lp = torch.gather(F.log_softmax(tempered(logits[:, :-1], temp), dim=-1), 2,
+                          ids[:, 1:, None])[..., 0]
         return [lp[i, :len(s) - 1] for i, s in enumerate(seqs)]
 
     def _groups(self, seqs: Sequence[torch.Tensor]) -> list[list[int]]:
@@ -172,24 +182,28 @@ class TorchEngine:
     _PAD = torch.zeros(2, dtype=torch.long)  # the sequence an empty micro-batch runs
 
     @torch.no_grad()
-    def logprobs(self, seqs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Per-token log-probs of every sequence (micro-batched), on the CPU. Collective over
-        the data-parallel ranks when sharded."""
+    def logprobs(self, seqs: Sequence[torch.Tensor], temps: Temperatures = None
+                 ) -> list[torch.Tensor]:
+        """Per-token log-probs of every sequence (micro-batched), on the CPU, at the sampling
+        temperatures ``temps`` (None: 1). Collective over the data-parallel ranks when
+        sharded."""
         self.model.eval()
         out: list[torch.Tensor | None] = [None] * len(seqs)
         for group in self._groups(seqs):
             if not group:
                 self._forward_logprobs([self._PAD])
                 continue
-            for i, lp in zip(group, self._forward_logprobs([seqs[i] for i in group])):
+            for i, lp in zip(group, self._forward_logprobs([seqs[i] for i in group],
+                                                           _pick(temps, group))):
                 out[i] = lp.cpu()
         return out  # type: ignore[return-value]
 
-    def train_step(self, seqs: Sequence[torch.Tensor], loss_fn: LossFn, global_tokens: int
-                   ) -> dict[str, float]:
+    def train_step(self, seqs: Sequence[torch.Tensor], loss_fn: LossFn, global_tokens: int,
+                   temps: Temperatures = None) -> dict[str, float]:
         """One optimizer step. ``loss_fn`` returns the *sum* of token losses of its sequences;
         it is divided by ``global_tokens`` (loss tokens of the whole batch over every data-parallel
-        rank), so the gradient is a token mean however the batch is split."""
+        rank), so the gradient is a token mean however the batch is split. ``temps``: the
+        sampling temperatures of the log-probs it gets (None: 1)."""
         if self.optimizer is None:
             raise RuntimeError("this engine is not trainable (a reference model)")
         self.model.train()
@@ -201,7 +215,8 @@ class TorchEngine:
             if not group:  # keep step with the other ranks; contributes no gradient
                 (self._forward_logprobs([self._PAD])[0].sum() * 0.0).backward()
                 continue
-            loss = loss_fn(self._forward_logprobs([seqs[i] for i in group]), group) * scale
+            lps = self._forward_logprobs([seqs[i] for i in group], _pick(temps, group))
+            loss = loss_fn(lps, group) * scale
             loss.backward()
             total += float(loss.detach()) / self.world_size
         grad_norm = torch.nn.utils.clip_grad_norm_(

@@ -21,6 +21,22 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per token a request may ask log-probabilities of (vLLM's max_logprobs)."""
 
+LOGPROBS_MODE = "processed_logprobs"
+"""What the engine's log-probs describe: the distribution each token was sampled from, after
+the request's temperature and top_p (vLLM's default, raw_logprobs, is the untempered model's,
+which the loss would misread as the behaviour policy at any other temperature). A greedy
+request's are the model's own (temperature 1)."""
+GREEDY_BELOW = 1e-5
+"""A temperature under this samples greedily (vLLM's ``_SAMPLING_EPS``)."""
+
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The temperature the engine's log-probs of a request sampled at ``temperature`` are at
+    (see :data:`LOGPROBS_MODE`): its own, or 1 when it samples greedily (pure)."""
+    return 1.0 if temperature < GREEDY_BELOW else float(temperature)
+
+
 CPU_MEMORY_UTILIZATION = 0.2
 """On CPU, the fraction of the NUMA node's memory vLLM reserves (its default 0.92 fails)."""
 GPU_MEMORY_UTILIZATION = 0.85
@@ -262,6 +278,11 @@ class Sampling:
     seed: Optional[int] = None
     """Seed of this request's sampling (sample ``i`` of ``n`` uses ``seed + i``), in
     [0, 2**63); null: the engine's random stream."""
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the engine's log-probs of this request are at."""
+        return logprob_temperature(self.temperature)
 
     def __post_init__(self) -> None:
         self.max_tokens = as_int("max_tokens", self.max_tokens, lo=1)

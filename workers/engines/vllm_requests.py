@@ -37,11 +37,16 @@ class _Group:
     stream: OutputStream | None = None
 
 
+LOGPROB_FLOOR = -9999.0
+"""Alternatives outside a ``top_p`` nucleus have log-prob -inf in the sampled distribution;
+they are reported at this floor, as OpenAI and vLLM's own server do (JSON has no infinity)."""
+
+
 def _top(position: dict[int, Any], k: int) -> tuple[tuple[int, float], ...]:
     """The ``k`` most likely ``(token id, logprob)`` of one position of vLLM's logprobs (which
-    also holds the sampled token, whatever its rank)."""
+    also holds the sampled token, whatever its rank), none under :data:`LOGPROB_FLOOR`."""
     ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank else 1 << 62)
-    return tuple((int(t), float(lp.logprob)) for t, lp in ranked[:k])
+    return tuple((int(t), max(float(lp.logprob), LOGPROB_FLOOR)) for t, lp in ranked[:k])
 
 
 def segments_of(versions: np.ndarray) -> list[list[int]]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
@@ -32,55 +31,21 @@ import numpy as np
 from system.errors import ConfigError
 from workers.engines.output_stream import OutputStream, SampleDelta
 from workers.engines.step_clock import EngineHung, GenerationLoopDied, StepClock
+from workers.engines.vllm_build import check_logprobs_mode, make_llm
 from workers.engines.vllm_config import (Sampling, VllmConfig, as_int, check_context,
-                                         check_vocab, cpu_tensor_parallel_problem, memory_nodes,
-                                         prompt_ids)
+                                         check_vocab, prompt_ids)
 from workers.engines.vllm_requests import _Group, _Seq, _top, segments_of, vllm_request
-from workers.engines.vllm_logs import quiet_skipped_tokenizer_warmup
 from workers.engines.vllm_shutdown import shut_down
-from workers.engines.vllm_memory import kv_cache_problem, kv_cache_refused
-from workers.engines.vllm_tmp import engine_temp_dir
 
 __all__ = ["GenerationEngine", "GenerationLoopDied", "Sampling", "VllmConfig", "segments_of"]
 
 log = logging.getLogger("vllm-server")
 
-WEIGHT_SYNC_EXTENSION = "workers.engines.vllm_weight_sync.WeightSyncExtension"
-
-
 class GenerationEngine:
     """One vLLM engine plus its loop thread."""
 
     def __init__(self, model_path: str, cfg: VllmConfig, eos_token_id: int | None = None) -> None:
-        import torch
-        from vllm import LLM
-        from vllm import envs as vllm_envs
-
-        on_gpu = torch.cuda.is_available()
-        problem = kv_cache_problem(cfg, model_path, on_gpu) or (
-            None if on_gpu else cpu_tensor_parallel_problem(
-                cfg.tensor_parallel_size, memory_nodes(os.environ), os.environ,
-                key="rl.vllm.tensor_parallel_size"))
-        if problem:  # (vLLM would fail at every start, each one recovered)
-            raise ConfigError(problem)
-        args = cfg.engine_args(on_gpu=on_gpu)
-        inline = args.inline
-        # read by vLLM when the engine is made: its engine core in this process, or in its own
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if inline else "1"
-        # an earlier engine in this process froze vLLM's reading of its variables (set above)
-        getattr(vllm_envs, "disable_envs_cache", lambda: None)()
-        sized = {} if args.kv_cache_bytes is None else {"kv_cache_memory_bytes": args.kv_cache_bytes}
-        quiet_skipped_tokenizer_warmup()  # (it has none on purpose)
-        with engine_temp_dir(), kv_cache_refused(cfg):  # (its files: not left in /tmp)
-            llm = LLM(model=model_path, skip_tokenizer_init=True, dtype=args.dtype,
-                      enforce_eager=args.enforce_eager,
-                      tensor_parallel_size=cfg.tensor_parallel_size,
-                      gpu_memory_utilization=args.gpu_memory_utilization,
-                      max_model_len=cfg.max_model_len, seed=cfg.seed,
-                      enable_prefix_caching=cfg.enable_prefix_caching,
-                      worker_extension_cls=WEIGHT_SYNC_EXTENSION,
-                      distributed_executor_backend="uni" if inline else None, **sized)
-        self._attach(llm, cfg, eos_token_id, owns=True)
+        self._attach(make_llm(model_path, cfg), cfg, eos_token_id, owns=True)
         self.model_path = model_path
 
     def made_for(self, model_path: str, cfg: VllmConfig, eos_token_id: int | None) -> bool:
@@ -104,6 +69,7 @@ class GenerationEngine:
         self.llm = llm
         self._owns = owns
         self.engine = self.llm.llm_engine
+        check_logprobs_mode(self.engine.model_config)
         self.eos = eos_token_id
         self.version = 0
         self.vocab_size = int(self.engine.model_config.get_vocab_size())

@@ -124,6 +124,9 @@ def actor_loss(batch: Sequence[dict[str, Any]], cfg: ActorLossConfig, stats: dic
             stats["kl_sum"] = stats.get("kl_sum", 0.0) + float(kl.detach().sum())
         for k, v in st.items():
             stats[k + "_sum"] = stats.get(k + "_sum", 0.0) + v * float(n)
+        # the trainer's log-probs against vLLM's of the same tokens (training-inference mismatch)
+        stats["logp_mismatch_sum"] = stats.get("logp_mismatch_sum", 0.0) + float(
+            ((logp.detach() - old).abs() * mask).sum())
         stats["tokens"] = stats.get("tokens", 0.0) + float(n)
         return total
     return fn

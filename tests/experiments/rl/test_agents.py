@@ -86,6 +86,28 @@ def test_training_samples_at_a_temperature_and_evaluation_greedily():
         assert (train.sampling["temperature"], train.sampling["top_p"]) == (0.7, 0.9)
 
 
+def test_trajectories_carry_the_temperature_their_tokens_were_sampled_at():
+    """What the trainer takes its log-probs at: the agent's temperature on every sampled token,
+    1 on tool output; greedy (evaluation) episodes and temperature 1 carry none."""
+    tok = CharTok()
+    turns = iter(["[3*4]", "2</s>"])
+
+    def policy(req):
+        text = next(turns)
+        ids = tok.encode(text.replace("</s>", "")) + ([2] if text.endswith("</s>") else [])
+        return [{"tokens": np.array(ids, np.int32), "logprobs": np.zeros(len(ids), np.float32),
+                 "versions": np.zeros(len(ids), np.int32), "finish": "stop"}]
+
+    cfg = AgentConfig(kind="calculator", max_new_tokens=12, temperature=0.7)
+    (traj,) = _drive(CalculatorAgent(cfg, tok).episodes([1] + tok.encode("3*4="), 1)[0], policy)
+    assert traj["temps"].tolist() == [np.float32(0.7)] * 5 + [1.0, 1.0] + [np.float32(0.7)] * 2
+    for temperature, greedy in ((0.7, True), (1.0, False)):
+        turns = iter(["5</s>"])
+        agent = SingleTurnAgent(AgentConfig(temperature=temperature))
+        (traj,) = _drive(agent.episodes([1, 2], 1, greedy=greedy)[0], policy)
+        assert "temps" not in traj
+
+
 def test_each_task_samples_from_seeds_of_its_own():
     """A task's seed comes from the run's seed and the task's number alone (not which worker
     or server runs it); a single-turn group of n samples takes base .. base+n-1 (the server

@@ -15,12 +15,13 @@ TOK = CharTok()
 
 
 def _turn(prompt: str, completion: str, version: int, logprob: float = -0.25,
-          finish: str = "stop") -> dict:
+          finish: str = "stop", temperature: float = 1.0) -> dict:
     ids = TOK.encode(completion)
     return {"prompt": np.asarray(TOK.encode(prompt), np.int32),
             "tokens": np.asarray(ids, np.int32),
             "logprobs": np.full(len(ids), logprob, np.float32),
-            "versions": np.full(len(ids), version, np.int32), "finish": finish}
+            "versions": np.full(len(ids), version, np.int32), "finish": finish,
+            "temperature": temperature}
 
 
 def test_two_turns_with_a_tool_output_between_make_one_trajectory():
@@ -34,6 +35,21 @@ def test_two_turns_with_a_tool_output_between_make_one_trajectory():
     assert t["versions"].tolist() == [5] * 5 + [-1, -1] + [6]
     assert t["reward"] == 0.75 and t["session"] == 2 and t["finish"] == "stop"
     assert trajectory_problem(t) is None
+
+
+def test_each_turns_temperature_goes_with_its_tokens_and_tool_output_is_at_1():
+    turns = [_turn("3*4=", "[3*4]", 5, temperature=0.7),
+             _turn("3*4=[3*4]12", "2", 6, temperature=1.2)]
+    (t,) = session_trajectories(turns, 0.75, 2)
+    assert t["temps"].tolist() == pytest.approx([0.7] * 5 + [1.0, 1.0] + [1.2])
+    assert trajectory_problem(t) is None
+    (plain,) = session_trajectories([_turn("1+1=", "2", 0)], 1.0, 0)
+    assert "temps" not in plain  # every token at 1: nothing to carry
+    for bad in (np.full(2, 0.7, np.float32), np.array([0.7, 0.0, 1.0], np.float32),
+                np.array([0.7, np.nan, 1.0], np.float32), np.array([1, 1, 1])):
+        t = session_trajectories([_turn("1+1=", "2+0", 0)], 1.0, 0)[0]
+        t["temps"] = bad
+        assert "temps" in trajectory_problem(t)
 
 
 def test_a_prompt_that_does_not_extend_the_last_turn_starts_a_new_trajectory():

@@ -53,9 +53,10 @@ def test_a_two_turn_session_with_a_tool_output_is_one_trajectory_of_what_was_sam
 
     async def two_turns(client, task):
         ids = tokenizer.encode(task["prompt"])
-        for _ in range(2):  # token-id prompts: what was sampled, then the tool's text
+        for temperature in (0.5, 1.3):  # token-id prompts: what was sampled, then the tool's
             out = await client.completions.create(model="p", prompt=ids, max_tokens=3,
-                                                  logprobs=0, extra_body={"ignore_eos": True})
+                                                  logprobs=0, temperature=temperature,
+                                                  extra_body={"ignore_eos": True})
             lp = out.choices[0].logprobs
             sampled = list(lp.model_extra["token_ids"])
             seen.append((sampled, list(lp.token_logprobs)))
@@ -74,6 +75,8 @@ def test_a_two_turn_session_with_a_tool_output_is_one_trajectory_of_what_was_sam
     assert t["mask"].tolist() == [1] * 3 + [0] * 3 + [1] * 3
     assert t["logprobs"].tolist() == pytest.approx(la + [0.0] * 3 + lb, abs=1e-5)
     assert t["versions"].tolist() == [0] * 3 + [-1] * 3 + [0] * 3
+    # each turn's temperature, which its log-probs are at and the trainer takes its own at
+    assert t["temps"].tolist() == pytest.approx([0.5] * 3 + [1.0] * 3 + [1.3] * 3)
     assert t["reward"] == 0.5 and t["session"] == 0 and trajectory_problem(t) is None
     assert endpoint.sessions.held() == (0, 0)
 

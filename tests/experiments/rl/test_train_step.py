@@ -36,8 +36,10 @@ class FakeCluster:
 
     def __init__(self) -> None:
         self.steps: list[tuple[bool, list[dict]]] = []
+        self.asked: list[tuple[str, object]] = []
 
-    def per_token(self, seqs, which):
+    def per_token(self, seqs, which, temps=None):
+        self.asked.append((which, temps))
         return [np.zeros(len(s), np.float32) for s in seqs]
 
     def train(self, items, critic=False):
@@ -101,3 +103,27 @@ def test_advantages_unscaled_and_weights_by_session():
     t = sum(lengths)
     want = [t / (2 * (lengths[0] + lengths[1]))] * 2 + [t / (2 * (lengths[2] + lengths[3]))] * 2
     assert [float(it["loss_weight"][0]) for it in items] == pytest.approx(want)
+
+
+def test_sampling_temperatures_reach_every_log_prob_pass_and_the_training_step():
+    """The trainer's log-probs (proximal, reference, and the step's own) are taken at the
+    temperatures the tokens were sampled at; trajectories at 1 carry none."""
+    from experiments.rl.config import RLConfig
+    from experiments.rl.state import LoopState
+    from experiments.rl.train_step import train_step
+
+    rl = RLConfig(batch_size=1, group_size=2, mode="async",
+                  loss=ActorLossConfig(proximal="recompute", kl_coef=0.1))
+    batch = _batch([[1.0, 0.0]])
+    hot = batch[0][0].group["trajs"][1]
+    hot["temps"] = np.full(len(hot["mask"]), 0.6, np.float32)
+    cluster = FakeCluster()
+    train_step(cluster, rl, batch, LoopState())
+    assert [w for w, _ in cluster.asked] == ["actor", "ref"]
+    for _, temps in cluster.asked:
+        assert len(temps[0]) == 0 and temps[1].tolist() == pytest.approx([0.6] * 3)
+    (_, items), = cluster.steps
+    assert "temps" not in items[0] and items[1]["temps"].tolist() == pytest.approx([0.6] * 3)
+    cluster = FakeCluster()
+    train_step(cluster, rl, _batch([[1.0, 0.0]]), LoopState())
+    assert [t for _, t in cluster.asked] == [None, None]  # all at 1: the plain calls

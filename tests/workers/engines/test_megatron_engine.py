@@ -1,7 +1,7 @@
 """The megatron engine over real processes and gloo: tp, pp, tp x pp and dp layouts give the
 log-probs, the training step and the exported Hugging Face weights of the one-process FSDP/torch
-engine; its checkpoint restores the same training; publishing boxes are cut from its own
-shards."""
+engine (some sequences at sampling temperatures of their own); its checkpoint restores the
+same training; publishing boxes are cut from its own shards."""
 from __future__ import annotations
 
 import datetime
@@ -56,6 +56,13 @@ def _seqs(n: int = 6) -> list[torch.Tensor]:
             for _ in range(n)]
 
 
+def _temps(seqs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Sampling temperatures of some sequences' last positions (the trainer's log-probs are
+    taken at them; the rest at 1): every layout must place them as the torch engine does."""
+    return [torch.linspace(0.5, 1.5, min(4, len(s) - 1)) if i % 3 else None
+            for i, s in enumerate(seqs)]
+
+
 def sft_loss(lps, idx):
     return -sum(lp.sum() for lp in lps)
 
@@ -87,18 +94,19 @@ def _worker(rank, world, port, path, tp, pp, ckpt, clip, steps, head, out):
     lead = t == 0 and p == pp - 1
     seqs = _seqs()
     mine = seqs[d::dp]
+    temps = _temps(seqs)[d::dp] if head == "lm" else None
     tokens = sum(len(s) - 1 for s in seqs)
-    before = eng.logprobs(mine)
-    stats = [eng.train_step(mine, loss, tokens) for _ in range(steps)]
+    before = eng.logprobs(mine, temps)
+    stats = [eng.train_step(mine, loss, tokens, temps) for _ in range(steps)]
     if ckpt:  # the second step runs on an engine rebuilt from the checkpoint
         eng.save(ckpt, rank)
         dist.barrier()
         eng = MegatronEngine(_cfg(ckpt, tp, pp, grad_clip=clip), world_size=world, head=head)
         eng.load_optimizer(ckpt, rank)
         assert eng.steps == steps
-        stats.append(eng.train_step(mine, loss, tokens))
-    after = eng.logprobs(mine)
-    assert all(torch.equal(a, b) for a, b in zip(after, eng.logprobs(mine)))
+        stats.append(eng.train_step(mine, loss, tokens, temps))
+    after = eng.logprobs(mine, temps)
+    assert all(torch.equal(a, b) for a, b in zip(after, eng.logprobs(mine, temps)))
     state = eng.full_state_dict()
     if head == "value":  # a critic publishes nothing
         out.put(_result(rank, d, lead, stats, before, after, state))
@@ -160,10 +168,11 @@ def _reference(path: str, steps: int, clip: float = 1.0, head: str = "lm") -> di
     eng = TorchEngine(TorchEngineConfig(model_path=path, lr=1e-3, max_tokens_per_microbatch=40,
                                         grad_clip=clip), head=head)
     seqs = _seqs()
+    temps = _temps(seqs) if head == "lm" else None
     tokens = sum(len(s) - 1 for s in seqs)
-    before = eng.logprobs(seqs)
-    stats = [eng.train_step(seqs, LOSSES[head], tokens) for _ in range(steps)]
-    return {"before": before, "after": eng.logprobs(seqs), "stats": stats[0],
+    before = eng.logprobs(seqs, temps)
+    stats = [eng.train_step(seqs, LOSSES[head], tokens, temps) for _ in range(steps)]
+    return {"before": before, "after": eng.logprobs(seqs, temps), "stats": stats[0],
             "grad_norms": [s["grad_norm"] for s in stats], "state": eng.full_state_dict()}
 
 

@@ -127,6 +127,20 @@ def test_serves_completions_chat_and_models(engine, client):
     assert code == 200 and out["choices"][0]["message"]["role"] == "assistant"
 
 
+def test_alternatives_outside_the_nucleus_read_as_openais_floor(engine, client):
+    """The log-probs are the sampled distribution's: with a nucleus of one token the sampled
+    token's is 0 and every other alternative's -inf, which JSON cannot carry: -9999, as
+    OpenAI's API answers."""
+    code, out, _ = client.call("/v1/completions", {"prompt": PROMPT, "max_tokens": 3,
+                                                   "temperature": 0.8, "top_p": 1e-6,
+                                                   "logprobs": 4, "ignore_eos": True})
+    assert code == 200, out
+    lp = out["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == pytest.approx([0.0] * 3, abs=1e-5)
+    for top in lp["top_logprobs"]:
+        assert sorted(top.values()) == pytest.approx([-9999.0] * 3 + [0.0], abs=1e-5), top
+
+
 @pytest.mark.slow
 def test_the_api_key_is_required(engine, client):
     for key in (None, "wrong" * 9, client.key[:-1], client.key + "x"):

@@ -18,7 +18,8 @@ class Clock:
 
 
 def _turn(res, index, prompt, tokens, version=3):
-    res.record(index, prompt, tokens, [-0.5] * len(tokens), [version] * len(tokens), "stop")
+    res.record(index, prompt, tokens, [-0.5] * len(tokens), [version] * len(tokens), "stop",
+               0.7)
 
 
 def test_turns_come_back_in_request_order_and_are_dropped():
@@ -35,6 +36,7 @@ def test_turns_come_back_in_request_order_and_are_dropped():
     assert rec["turns"][0]["prompt"].tolist() == [1, 2, 3]
     assert rec["turns"][0]["versions"].tolist() == [3, 3]
     assert rec["turns"][0]["logprobs"].dtype.kind == "f"
+    assert rec["turns"][0]["temperature"] == 0.7  # (what the trainer takes its log-probs at)
     assert store.held() == (0, 0)  # dropped, every token given back
     (again,) = store.take(["s1"])
     assert not again["found"] and again["turns"] == []
