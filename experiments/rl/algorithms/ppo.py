@@ -12,6 +12,12 @@ from __future__ import annotations
 import torch
 
 
+LOG_RATIO_BOUND = 20.0
+"""Log-ratios are clamped to +-this before ``exp`` (as verl does): a token whose log-probs
+parted by more (a broken or far-stale behaviour log-prob) gets a large, finite ratio with no
+gradient through it, not an infinity whose loss, and every weight after it, turns NaN."""
+
+
 def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, clip_eps: float = 0.2,
                     prox_logp: torch.Tensor | None = None,
@@ -30,7 +36,7 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     mask = mask.float()
     n = mask.sum().clamp(min=1.0)
     anchor = old_logp if prox_logp is None else prox_logp
-    ratio = torch.exp(logp - anchor)
+    ratio = torch.exp(torch.clamp(logp - anchor, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     high = clip_eps if clip_eps_high is None else clip_eps_high
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
     token_loss = -torch.minimum(ratio * advantages, clipped * advantages)
@@ -39,7 +45,8 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
         token_loss = torch.where(advantages < 0, bounded, token_loss)
     weight = torch.ones_like(ratio)
     if prox_logp is not None:
-        weight = torch.exp(prox_logp - old_logp).detach()
+        weight = torch.exp(torch.clamp(prox_logp - old_logp, -LOG_RATIO_BOUND,
+                                       LOG_RATIO_BOUND)).detach()
         if behav_imp_weight_cap is not None:
             weight = torch.where(weight > behav_imp_weight_cap, torch.zeros_like(weight), weight)
     terms = weight * token_loss * mask

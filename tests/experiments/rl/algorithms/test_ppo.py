@@ -25,6 +25,23 @@ def test_ppo_clipping_stops_the_gradient():
     assert torch.all(logp.grad == 0) and stats["clip_fraction"] == 1.0
 
 
+def test_a_log_ratio_beyond_the_bound_gives_a_finite_loss_and_no_gradient_through_it():
+    """Log-probs 200 apart (exp overflows float32 at 89): the ratio and the behaviour weight are
+    clamped at e^20, the loss and every gradient stay finite (before: inf, then NaN weights;
+    the weight's size is behav_imp_weight_cap's to bound)."""
+    logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[-201.0, -1.0]])
+    for prox in (None, torch.tensor([[-1.0, -1.0]])):
+        loss, stats = ppo_policy_loss(logp, old, torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2),
+                                      prox_logp=prox, behav_imp_weight_cap=None)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(logp.grad).all(), (loss, logp.grad)
+        assert all(v == v for v in stats.values())  # (no NaN)
+        if prox is None:  # the clamped ratio passes no gradient
+            assert logp.grad[0, 0] == 0
+        logp.grad = None
+
+
 def test_clip_higher_lets_a_positive_advantage_raise_the_ratio_further():
     """ratio 1.25, A > 0: clipped (no gradient) at the symmetric 0.2, not at clip_eps_high
     0.28; the lower clip stays 0.2 (ratio 0.75 with A < 0 is clipped either way)."""
