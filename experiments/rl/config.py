@@ -8,6 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from experiments.rl.agents import AgentConfig
 from experiments.rl.algorithms.objectives import ActorLossConfig
+from experiments.rl.algorithms.overlong import OverlongConfig
 from experiments.rl.tasks import TaskConfig, dataset
 from scheduler.config import SchedulerKind
 from scheduler.gpu_plan import GpuDemand
@@ -133,6 +134,8 @@ class RLConfig:
     """The policy's training engine (model_path comes from rl.model_path)."""
     loss: ActorLossConfig = dataclasses.field(default_factory=ActorLossConfig)
     """The policy objective."""
+    overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
+    """Completions cut at rl.agent.max_new_tokens: DAPO's soft punishment and filtering."""
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     """Prompts and rewards."""
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
@@ -200,6 +203,7 @@ class RLConfig:
                 f"sync_interval={self.sync_interval} needs rl.max_head_offpolicyness >= "
                 f"{self.sync_interval - 1} (samples between syncs would all be too stale)")
         self._check_context()
+        self.overlong.check_budget(self.agent.max_new_tokens, self.agent.kind)
 
     def _check_ppo(self) -> None:
         """The critic's and GAE's settings (read with ``algorithm=ppo`` only, checked always:

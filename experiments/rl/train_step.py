@@ -6,6 +6,7 @@ import math
 import numpy as np
 
 from experiments.rl.algorithms.aggregation import loss_weights
+from experiments.rl.algorithms.overlong import overlong_penalty
 from experiments.rl.cluster import Cluster, sum_stats
 from experiments.rl.config import RLConfig
 from experiments.rl.shaping import advantages_grpo, advantages_ppo
@@ -23,13 +24,14 @@ def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]]
     groups = [a.group["trajs"] for a, _ in batch]
     trajs = [t for g in groups for t in g]
     items = train_items(cluster, rl, trajs)
-    stats: dict[str, object] = {}
+    stats: dict[str, object] = overlong_figures(rl, trajs)
+    shaped = shaped_rewards(rl, groups)
     if rl.algorithm == "grpo":
-        advs = advantages_grpo(groups, rl.group_size, rl.group_std_norm)
+        advs = advantages_grpo(shaped, rl.group_size, rl.group_std_norm)
     else:
         seqs = [t["tokens"] for t in trajs]
         values = cluster.per_token(seqs, "critic")
-        advs, returns = advantages_ppo(trajs, values, rl)
+        advs, returns = advantages_ppo([t for g in shaped for t in g], values, rl)
         for it, v, r in zip(items, values, returns):
             it["old_values"] = v[it["prompt_len"] - 1:]
             it["returns"] = r
@@ -55,6 +57,33 @@ def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]]
             f"{out['grad_norm']} is not finite: stopped before this step's weights are "
             "published or checkpointed (a recovery resumes from the last checkpoint)")
     return {**stats, **step_figures(rl, trajs, out, staleness)}
+
+
+def shaped_rewards(rl: RLConfig, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+    """The groups as the advantages see them: with DAPO's soft overlong punishment
+    (``rl.overlong.buffer``), copies of the trajectories whose reward lost the penalty of their
+    length; else the groups themselves."""
+    cfg = rl.overlong
+    if not cfg.buffer:
+        return groups
+    out = []
+    for g in groups:
+        pen = overlong_penalty(np.asarray([len(t["mask"]) for t in g]),
+                               rl.agent.max_new_tokens, cfg.buffer, cfg.penalty)
+        out.append([{**t, "reward": float(t["reward"]) + float(p)}  # type: ignore[typeddict-item]
+                    for t, p in zip(g, pen)])
+    return out
+
+
+def overlong_figures(rl: RLConfig, trajs: list[Trajectory]) -> dict[str, object]:
+    """``truncated_fraction``: the share of trajectories that stopped at the budget; with the
+    soft punishment, ``overlong_penalty``: the mean reward it took."""
+    cut = float(np.mean([t["finish"] == "length" for t in trajs])) if trajs else 0.0
+    pen = (float(np.mean(overlong_penalty(np.asarray([len(t["mask"]) for t in trajs]),
+                                          rl.agent.max_new_tokens, rl.overlong.buffer,
+                                          rl.overlong.penalty)))
+           if rl.overlong.buffer and trajs else None)
+    return {"truncated_fraction": cut, "overlong_penalty": pen}
 
 
 def minibatches(groups: list[list[Trajectory]], n: int) -> list[list[int]]:
@@ -105,6 +134,10 @@ def train_items(cluster: Cluster, rl: RLConfig, trajs: list[Trajectory]) -> list
     items: list[TrainItem] = [{"tokens": t["tokens"], "prompt_len": int(t["prompt_len"]),
                                "mask": t["mask"].astype(np.float32), "old_logp": t["logprobs"]}
                               for t in trajs]
+    if rl.overlong.filter:  # DAPO's overlong filtering: a cut trajectory trains no token
+        for it, t in zip(items, trajs):
+            if t["finish"] == "length":
+                it["mask"] = np.zeros_like(it["mask"])
     temps = sampling_temperatures(trajs)
     for it, tt in zip(items, temps or []):
         if len(tt):

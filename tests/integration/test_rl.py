@@ -391,7 +391,8 @@ def test_workers_lost_together_draw_one_stateful_recovery(fileroot):
 
 
 REPRODUCED = ("reward", "completion_len", "gen_tokens", "loss", "grad_norm", "clip_fraction",
-              "versions", "cut_samples", "filtered_groups", "dual_clip_fraction")
+              "versions", "cut_samples", "filtered_groups", "dual_clip_fraction",
+              "truncated_fraction", "overlong_penalty")
 """The figures of a step that depend on what was sampled and trained, not on timing."""
 
 
@@ -403,12 +404,12 @@ def test_a_sync_run_trains_the_same_again_with_the_same_seed(fileroot):
     requests come in). The second run also fails after step 3 and recovers from its step-2
     checkpoint: the step-3 tasks, in flight at that checkpoint, are handed out again under
     their numbers, so the recovered steps are the same too. Both run the objectives of DAPO
-    and Dr. GRPO on top (dynamic sampling, clip-higher, dual clip, the normalised token-sum
-    aggregation, unscaled advantages, two optimizer steps a batch): which groups were
-    filtered replays too."""
+    and Dr. GRPO on top (dynamic sampling, clip-higher, dual clip, overlong punishment and
+    filtering, the normalised token-sum aggregation, unscaled advantages, two optimizer steps
+    a batch): which groups were filtered replays too."""
     objectives = ["rl.dynamic_sampling=true", "rl.loss.clip_eps_high=0.28", "rl.loss.dual_clip=3",
                   "rl.loss.aggregation=seq-mean-token-sum-norm", "rl.group_std_norm=false",
-                  "rl.ppo_minibatches=2"]
+                  "rl.ppo_minibatches=2", "rl.overlong.buffer=2", "rl.overlong.filter=true"]
     rows = []
     for trial, extra in (("same-a", []), ("same-b", [
             "rl.crash_at_step=3", "rl.save_interval=2", "rl.save_interval_s=0",
@@ -425,5 +426,6 @@ def test_a_sync_run_trains_the_same_again_with_the_same_seed(fileroot):
     assert len(rows[0]) == 4 and rows[0] == rows[1], rows
     assert rows[0][-1]["filtered_groups"] > 0 and rows[0][-1]["dual_clip_fraction"] is not None
     assert any(row["clip_fraction"] > 0 for row in rows[0])  # (the second mini-batch's ratio)
+    assert any(row["truncated_fraction"] > 0 and row["overlong_penalty"] < 0 for row in rows[0])
     (rec,) = read_summary(fileroot, "arith-tiny", "same-b")["recoveries"]
     assert rec["resumed_from"] == 2 and rec["failed_step"] == 3, rec

@@ -95,6 +95,10 @@ BAD_OVERRIDES = [  # (override, the start of its one-line error)
     ("rl.loss.clip_eps_high=-0.1", "rl.loss.clip_eps_high=-0.1 is not valid; valid: 0 "
                                    "(clip_eps) or > 0"),
     ("rl.loss.dual_clip=1", "rl.loss.dual_clip=1.0 is not valid; valid: 0 (off) or > 1"),
+    ("rl.overlong.buffer=-1", "rl.overlong.buffer=-1 is not valid; valid: an integer >= 0"),
+    ("rl.overlong.buffer=5", "rl.overlong.buffer=5 is longer than the budget "
+                             "rl.agent.max_new_tokens=4; valid: 0 to 4"),
+    ("rl.overlong.penalty=-1", "rl.overlong.penalty=-1.0 is not valid; valid: a number >= 0"),
     ("rl.loss.aggregation=seq-mean", "rl.loss.aggregation='seq-mean' is not one of token-mean, "
                                      "seq-mean-token-mean, seq-mean-token-sum, "
                                      "seq-mean-token-sum-norm"),

@@ -13,7 +13,7 @@ def traj(logprobs: list[float], mask: list[int], version: int = 3) -> dict:
     n = len(logprobs)
     return {"tokens": np.arange(2 + n), "prompt_len": 2, "mask": np.array(mask, np.int8),
             "logprobs": np.array(logprobs, np.float32), "versions": np.full(n, version),
-            "reward": 0.0}
+            "reward": 0.0, "finish": "stop"}
 
 
 def test_finite_log_probs_pass_and_masked_tool_tokens_do_not_count():
