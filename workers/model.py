@@ -434,7 +434,8 @@ def _temperatures(seqs: list, temps: list | None) -> list | None:
         raise ValueError(f"{len(temps)} temperature arrays for {len(seqs)} sequences")
     out = []
     for s, t in zip(seqs, temps):
-        t = torch.as_tensor(t if t is not None else [], dtype=torch.float32)
+        # (a copy: the wire's arrays are read-only)
+        t = torch.tensor(t if t is not None else [], dtype=torch.float32)
         if t.dim() != 1 or len(t) > len(s) - 1 or not bool(((t > 0) & t.isfinite()).all()):
             raise ValueError(f"temperatures {t.tolist()[:4]}... of a {len(s)}-token sequence "
                              "are not finite numbers > 0, one per completion token")

@@ -132,8 +132,8 @@ class SessionTurn(TypedDict):
     """int32: the weight version that produced each completion token."""
     finish: str
     temperature: float
-    """The request's sampling temperature (0: greedy), which the log-probs describe (vLLM's
-    processed log-probs: greedy ones are at 1)."""
+    """The temperature its log-probs are at (vLLM's processed log-probs): the request's, at
+    least 0.01 (vLLM's lowest); 1 for a greedy request (temperature 0)."""
 
 
 class SessionRecord(TypedDict):

@@ -20,7 +20,9 @@ Prints ``name: value`` lines:
 - objectives (not in the default ``--only``): arith-tiny's default async GRPO against four
   optimizer steps a batch (``grpo4``: ``rl.ppo_minibatches=4 rl.loss.proximal=recompute``),
   DAPO's settings on those (``rl.dynamic_sampling=true rl.loss.clip_eps_high=0.28``) and Dr.
-  GRPO's (``rl.group_std_norm=false rl.loss.aggregation=seq-mean-token-sum-norm``), same steps
+  GRPO's (``rl.group_std_norm=false rl.loss.aggregation=seq-mean-token-sum-norm``), DAPO's soft
+  overlong punishment alone (``overlong``: ``rl.overlong.buffer=2`` of arith-tiny's 4 tokens)
+  and sampling at temperature 1.5 (``hot``: the tempered policy trained), same steps
   and seeds: each one's gain in ``rollout_reward`` (every arriving group's mean reward, filtered or
   not; the training reward of a filtered batch is not comparable: dynamic sampling leaves out
   the groups all right or all wrong), last 10 steps against the first 10, its held-out greedy
@@ -269,7 +271,9 @@ OBJECTIVES = {"grpo": [],
               "grpo4": MINIBATCHES,
               "dapo": [*MINIBATCHES, "rl.dynamic_sampling=true", "rl.loss.clip_eps_high=0.28"],
               "drgrpo": ["rl.group_std_norm=false",
-                         "rl.loss.aggregation=seq-mean-token-sum-norm"]}
+                         "rl.loss.aggregation=seq-mean-token-sum-norm"],
+              "overlong": ["rl.overlong.buffer=2"],
+              "hot": ["rl.agent.temperature=1.5"]}
 
 
 def objectives(seeds: str = "1", steps: int = 160, batch: int = 16) -> dict[str, float]:

@@ -183,8 +183,8 @@ class MegatronEngine:
         temp = position_temperatures(lens + [width + 1] * pad,
                                      None if temps is None else [*temps, *[None] * pad],
                                      width, full.device)
-        lp = torch.gather(F.log_softmax(tempered(full[:, :-1, :self.shape.vocab_size], temp),
-                                        dim=-1), 2, ids[:, 1:, None])[..., 0]
+        z = tempered(full[:, :-1, :self.shape.vocab_size], temp, in_place=False)
+        lp = torch.gather(F.log_softmax(z, dim=-1), 2, ids[:, 1:, None])[..., 0]
         return [lp[r, :ln - 1] for r, ln in enumerate(lens)]
 
     def _schedule(self, seqs: Sequence[torch.Tensor], forward_only: bool,

@@ -39,7 +39,14 @@ def position_temperatures(lens: Sequence[int], temps: Temperatures,
     return out.to(device)
 
 
-def tempered(logits: torch.Tensor, temps: torch.Tensor | None) -> torch.Tensor:
+def tempered(logits: torch.Tensor, temps: torch.Tensor | None, in_place: bool = True
+             ) -> torch.Tensor:
     """``logits`` (``[batch, positions, vocab]``) divided by each position's temperature
-    (``[batch, positions]``; None: as they are)."""
-    return logits if temps is None else logits / temps[..., None].to(logits.dtype)
+    (``[batch, positions]``; None: as they are), in place by default: they are a step's
+    largest tensor, and no copy of them is kept (autograd keeps the divisor, not the
+    dividend). ``in_place=False`` where autograd forbids it (a view of a custom Function's
+    output, as megatron's gather returns at tp=1)."""
+    if temps is None:
+        return logits
+    t = temps[..., None].to(logits.dtype)
+    return logits.div_(t) if in_place else logits / t

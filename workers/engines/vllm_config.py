@@ -26,15 +26,16 @@ LOGPROBS_MODE = "processed_logprobs"
 the request's temperature and top_p (vLLM's default, raw_logprobs, is the untempered model's,
 which the loss would misread as the behaviour policy at any other temperature). A greedy
 request's are the model's own (temperature 1)."""
-GREEDY_BELOW = 1e-5
-"""A temperature under this samples greedily (vLLM's ``_SAMPLING_EPS``)."""
-
+MIN_TEMPERATURE = 0.01
+"""The lowest temperature vLLM samples at (its ``_MAX_TEMP``): it raises one in (0, 0.01) to
+this; 0 samples greedily. :class:`Sampling` raises it first, so what is recorded is what ran."""
 
 
 def logprob_temperature(temperature: float) -> float:
     """The temperature the engine's log-probs of a request sampled at ``temperature`` are at
-    (see :data:`LOGPROBS_MODE`): its own, or 1 when it samples greedily (pure)."""
-    return 1.0 if temperature < GREEDY_BELOW else float(temperature)
+    (see :data:`LOGPROBS_MODE`): its own (at least :data:`MIN_TEMPERATURE`), or 1 when it
+    samples greedily (0) (pure)."""
+    return 1.0 if temperature == 0 else max(float(temperature), MIN_TEMPERATURE)
 
 
 CPU_MEMORY_UTILIZATION = 0.2
@@ -290,6 +291,8 @@ class Sampling:
         self.top_p = as_finite("top_p", self.top_p)
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # (what vLLM would sample at, and warn)
+            self.temperature = MIN_TEMPERATURE
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if hasattr(self.stop_token_ids, "tolist"):  # a numpy array

@@ -41,6 +41,7 @@ __all__ = ["GenerationEngine", "GenerationLoopDied", "Sampling", "VllmConfig", "
 
 log = logging.getLogger("vllm-server")
 
+
 class GenerationEngine:
     """One vLLM engine plus its loop thread."""
 

@@ -18,6 +18,10 @@ parted by more (a broken or far-stale behaviour log-prob) gets a large, finite r
 gradient through it, not an infinity whose loss, and every weight after it, turns NaN."""
 
 
+K3_BOUND = 10.0
+"""The largest k3 KL estimate of one token (verl's)."""
+
+
 def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, clip_eps: float = 0.2,
                     prox_logp: torch.Tensor | None = None,
@@ -63,12 +67,16 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token KL estimate between the policy and the reference (Schulman's k1/k2/k3)."""
+    """Per-token KL estimate between the policy and the reference (Schulman's k1/k2/k3). k3's
+    log-ratio is clamped to +-:data:`LOG_RATIO_BOUND` before ``exp`` and the estimate to at
+    most 10 (as verl's low_var_kl): a token the two models part far on (more likely at a low
+    temperature, which scales the gap) weighs a bounded amount, not an infinity."""
     d = ref_logp - logp
     if kind == "k1":
         return -d
     if kind == "k2":
         return 0.5 * d * d
     if kind == "k3":
-        return torch.exp(d) - 1 - d
+        d = torch.clamp(d, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        return torch.clamp(torch.exp(d) - 1 - d, max=K3_BOUND)
     raise ValueError(f"kl kind {kind!r} is not one of k1, k2, k3")

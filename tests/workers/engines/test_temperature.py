@@ -22,7 +22,23 @@ def test_temperatures_go_to_each_rows_last_positions_and_the_rest_stay_at_1():
         position_temperatures([3], [torch.tensor([0.5, 0.5, 0.5])], width=2)
     logits = torch.randn(3, 5, 7)
     assert tempered(logits, None) is logits
-    assert torch.equal(tempered(logits, got)[0, 2], logits[0, 2] / 0.5)
+    want = logits[0, 2] / 0.5
+    assert torch.equal(tempered(logits, got)[0, 2], want)
+
+
+def test_tempering_in_place_gives_the_gradient_of_the_division():
+    """The logits are divided in place (no copy of the largest tensor): autograd's gradient is
+    the out-of-place division's."""
+    torch.manual_seed(0)
+    x, temps = torch.randn(2, 4, 8), torch.tensor([[1.0, 0.5, 2.0, 1.0], [0.7, 1.0, 1.0, 3.0]])
+    grads, w0 = [], torch.randn(8, 16)
+    for in_place in (True, False):
+        w = w0.clone().requires_grad_()
+        logits = x @ w
+        z = tempered(logits, temps) if in_place else logits / temps[..., None]
+        torch.log_softmax(z, -1)[..., 3].sum().backward()
+        grads.append(w.grad)
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,13 @@ def _seqs(n: int = 6, seed: int = 0) -> list[torch.Tensor]:
             for _ in range(n)]
 
 
+def _temps(seqs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Sampling temperatures of some sequences' last positions (divided in place in the
+    logits, under FSDP2's hooks too)."""
+    return [torch.linspace(0.5, 1.5, min(4, len(s) - 1)) if i % 3 else None
+            for i, s in enumerate(seqs)]
+
+
 def sft_loss(lps, idx):  # negative log-likelihood, summed over tokens
     return -sum(lp.sum() for lp in lps)
 
@@ -162,7 +169,8 @@ def _dp_worker(rank, port, model_dir, ckpt_dir, out):
     seqs = _seqs()
     tokens = sum(len(s) - 1 for s in seqs)
     mine = seqs[rank::2]  # uneven token counts per rank on purpose
-    eng.train_step(mine, sft_loss, tokens)
+    temps = _temps(seqs)[rank::2]
+    eng.train_step(mine, sft_loss, tokens, temps)
     # checkpoint round trip: the second step runs on an engine rebuilt from the checkpoint
     # (HF safetensors written by rank 0, each rank's sharded AdamW state restored); without
     # the optimizer state the second step differs by ~2e-3
@@ -172,10 +180,10 @@ def _dp_worker(rank, port, model_dir, ckpt_dir, out):
                                                    max_tokens_per_microbatch=30), world_size=2)
     eng.load_optimizer(ckpt_dir, rank)
     assert eng.steps == 1
-    eng.train_step(mine, sft_loss, tokens)
+    eng.train_step(mine, sft_loss, tokens, temps)
     sd = eng.full_state_dict()
     # the saved engine trains on (save leaves its sharded optimizer state alone), identically
-    orig.train_step(mine, sft_loss, tokens)
+    orig.train_step(mine, sft_loss, tokens, temps)
     assert all(torch.equal(t, sd[k]) for k, t in orig.full_state_dict().items())
     if rank == 0:  # numpy copies: torch tensors would travel as handles to this process
         out.put({k: v.numpy().copy() for k, v in sd.items()})
@@ -184,7 +192,8 @@ def _dp_worker(rank, port, model_dir, ckpt_dir, out):
 
 def test_fsdp_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
     """Two data-parallel ranks splitting a batch take the same steps as one rank with all of it,
-    also across a checkpoint (sharded optimizer state saved and restored) between the steps."""
+    also across a checkpoint (sharded optimizer state saved and restored) between the steps;
+    some sequences at sampling temperatures of their own."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
@@ -203,7 +212,7 @@ def test_fsdp_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
     seqs = _seqs()
     tokens = sum(len(s) - 1 for s in seqs)
     for _ in range(2):
-        eng.train_step(seqs, sft_loss, tokens)
+        eng.train_step(seqs, sft_loss, tokens, _temps(seqs))
     single = eng.full_state_dict()
     assert single.keys() == dp.keys()
     worst = max((single[k] - dp[k]).abs().max().item() for k in single)

@@ -6,7 +6,8 @@ import pytest
 
 from system.errors import ConfigError
 from system.launch import build_config
-from workers.engines.vllm_config import VllmConfig, VllmEngineArgs, check_vocab, prompt_ids
+from workers.engines.vllm_config import (Sampling, VllmConfig, VllmEngineArgs, check_vocab,
+                                         prompt_ids)
 
 
 def test_defaults_per_device():
@@ -124,3 +125,14 @@ def test_prompts_are_checked_token_ids_in_the_vocabulary():
     check_vocab("stop_token_ids", (), 10)
     with pytest.raises(ConfigError, match="stop_token_ids must be in"):
         check_vocab("stop_token_ids", (3, 10), 10)
+
+
+def test_the_temperature_recorded_is_the_one_vllm_samples_at():
+    """vLLM samples a temperature in (0, 0.01) at 0.01 and 0 greedily (its log-probs then the
+    model's own): what the trainer takes its log-probs at."""
+    from workers.engines.vllm_config import logprob_temperature
+
+    assert Sampling(temperature=0.005).temperature == 0.01
+    assert Sampling(temperature=0.0).logprob_temperature == 1.0
+    assert Sampling(temperature=0.7).logprob_temperature == 0.7
+    assert logprob_temperature(1e-6) == 0.01 and logprob_temperature(0) == 1.0

@@ -77,35 +77,56 @@ def test_samples_carry_logprobs_and_versions(engine):
         assert s["segments"] == [[engine.version, len(s["tokens"])]]
 
 
-@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.6, 1.0), (0.7, 0.9)])
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.6, 1.0), (0.005, 1.0),
+                                               (0.7, 0.9)])
 def test_logprobs_are_the_sampled_distributions_and_the_trainer_takes_them_at_its_temperature(
         engine, tiny_model_dir, temperature, top_p):
     """vLLM's log-probs describe the distribution each token was drawn from (its temperature,
     its nucleus), and the trainer's at the same temperature are the same numbers: the loss's
     ratios and behaviour weights start at 1 whatever the sampling temperature. (Before: vLLM's
-    raw log-probs, the untempered model's, off by 0.1-1 a token at these temperatures.) With
-    top_p < 1 vLLM's are renormalised over the nucleus, the trainer's are not: they differ by
-    the log of the nucleus's mass, the same for every token of a position, never positive."""
-    fresh = TorchEngine(TorchEngineConfig(model_path=tiny_model_dir))  # the engine's weights
-    if engine.version:
-        pytest.skip("the engine's weights were updated by an earlier test")
-    samples = engine.submit(PROMPT, 4, Sampling(max_tokens=12, temperature=temperature,
-                                                top_p=top_p, seed=5)).result(120)
-    seqs = [torch.tensor(PROMPT + s["tokens"].tolist()) for s in samples]
-    comp = [torch.full((len(s["tokens"]),), temperature) for s in samples]
-    tempered = fresh.logprobs(seqs, comp)
-    raw = fresh.logprobs(seqs)
-    gaps, off = [], []
-    for s, t, r in zip(samples, tempered, raw):
-        got = torch.from_numpy(s["logprobs"])
-        gaps.append(got - t[len(PROMPT) - 1:])
-        off.append((got - r[len(PROMPT) - 1:]).abs().max())
-    gap = torch.cat(gaps)
+    raw log-probs, the untempered model's, off by 0.1-1 a token at these temperatures.) A
+    temperature under vLLM's lowest, 0.01, samples at 0.01, and a greedy request submitted
+    with them (in their batch) reports the model's own (temperature 1). With top_p < 1 vLLM's are renormalised over
+    the nucleus, the trainer's are not: they differ by the log of the nucleus's mass, never
+    positive."""
+    from workers.engines.vllm_config import logprob_temperature
+
+    fresh = TorchEngine(TorchEngineConfig(model_path=tiny_model_dir))
+    sampling = Sampling(max_tokens=12, temperature=temperature, top_p=top_p, seed=5)
+    hot = engine.submit(PROMPT, 4, sampling)  # (one batch with the greedy request)
+    greedy = engine.submit(PROMPT, 1, Sampling(max_tokens=12, temperature=0.0))
+    at = logprob_temperature(sampling.temperature)
+    assert at == max(temperature, 0.01)
+
+    def gaps(samples: list, t: float) -> tuple[torch.Tensor, torch.Tensor]:
+        seqs = [torch.tensor(PROMPT + s["tokens"].tolist()) for s in samples]
+        mine = fresh.logprobs(seqs, [torch.full((len(s["tokens"]),), t) for s in samples])
+        raw = fresh.logprobs(seqs)
+        k = len(PROMPT) - 1
+        got = [torch.from_numpy(s["logprobs"]) for s in samples]
+        return (torch.cat([g - m[k:] for g, m in zip(got, mine)]),
+                torch.cat([g - r[k:] for g, r in zip(got, raw)]))
+
+    (plain, _), (gap, off) = gaps(greedy.result(120), 1.0), gaps(hot.result(120), at)
+    if plain.abs().max() > 1e-4:
+        pytest.skip("the shared engine's weights are no longer the checkpoint's")
     if top_p == 1.0:
         assert gap.abs().max() < 1e-4, gap
     else:  # log(1 / nucleus mass) >= 0 at every token, > 0 where the nucleus cut the tail
         assert (gap > -1e-4).all() and gap.max() > 1e-3, gap
-    assert max(off) > 1e-2  # the untempered ones are not what vLLM reports
+    assert off.abs().max() > 1e-2  # the untempered ones are not what vLLM reports
+
+
+def test_an_engine_whose_logprobs_are_not_the_sampled_distributions_is_refused():
+    from types import SimpleNamespace
+
+    from system.errors import ConfigError
+    from workers.engines.vllm_build import check_logprobs_mode
+
+    check_logprobs_mode(SimpleNamespace(logprobs_mode="processed_logprobs"))
+    with pytest.raises(ConfigError, match=r"^the vLLM engine was made with "
+                                          r"logprobs_mode='raw_logprobs'; the loss needs"):
+        check_logprobs_mode(SimpleNamespace(logprobs_mode="raw_logprobs"))
 
 
 @pytest.mark.slow
