@@ -95,6 +95,12 @@ class RLConfig:
     """Async mode: decoupled PPO objective with proximal log-probs recomputed by the trainer."""
     eval_interval: int = 40
     """Evaluate (greedy) on the held-out set every this many steps (0: only before and after)."""
+    eval_samples: int = 1
+    """k: answers per held-out prompt; eval_accuracy is their mean reward (avg@k) and, with
+    k > 1, eval_pass_at_k the mean of each prompt's best (pass@k for 1/0 rewards)."""
+    eval_temperature: float = 0.0
+    """Sampling temperature of the evaluation (0: greedy; k > 1 needs > 0). Sampled answers
+    are seeded per prompt: an evaluation of the same weights repeats."""
     save_interval: int = 0
     """Checkpoint every this many steps (0: by time only, see save_interval_s)."""
     save_interval_s: float = 60.0
@@ -204,6 +210,21 @@ class RLConfig:
                 f"{self.sync_interval - 1} (samples between syncs would all be too stale)")
         self._check_context()
         self.overlong.check_budget(self.agent.max_new_tokens, self.agent.kind)
+        self._check_eval()
+
+    def _check_eval(self) -> None:
+        if self.eval_samples < 1:
+            raise ConfigError(f"eval_samples must be >= 1, got {self.eval_samples}")
+        if not (self.eval_temperature >= 0 and self.eval_temperature < float("inf")):
+            raise ConfigError(f"eval_temperature={self.eval_temperature} is not valid; valid: "
+                              "0 (greedy) or a number > 0")
+        if self.eval_samples > 1 and self.eval_temperature == 0:
+            raise ConfigError(f"eval_samples={self.eval_samples} needs rl.eval_temperature > 0 "
+                              "(greedy answers to one prompt are all the same)")
+        if self.agent.kind == "openai" and (self.eval_samples > 1 or self.eval_temperature):
+            raise ConfigError("rl.eval_samples and rl.eval_temperature are not read with "
+                              "rl.agent.kind=openai: the agent function samples as it does, "
+                              "once per held-out prompt")
 
     def _check_ppo(self) -> None:
         """The critic's and GAE's settings (read with ``algorithm=ppo`` only, checked always:

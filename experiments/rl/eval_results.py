@@ -32,10 +32,13 @@ class EvalResult(TypedDict):
     step: int
     """The training step of the checkpoint (the weights version the servers reported)."""
     accuracy: float
-    """Greedy accuracy on the held-out prompts, in [0, 1]."""
+    """Accuracy on the held-out prompts (mean reward: avg@k with ``rl.eval_samples`` k), in
+    [0, 1] for 1/0 rewards."""
     digest: str
-    """Fingerprint of the greedy answers (:class:`~experiments.rl.evaluate.Evaluation`), as the
+    """Fingerprint of the answers (:class:`~experiments.rl.evaluate.Evaluation`), as the
     training loop logs it with ``eval_accuracy`` in ``metrics.jsonl`` (``eval_digest``)."""
+    pass_at_k: float | None
+    """With ``rl.eval_samples`` k > 1: the mean of each prompt's best reward (None: k = 1)."""
     n_prompts: int
     seconds: float
     """Generation and scoring (weights loading not included)."""
@@ -55,7 +58,9 @@ def checkpoint_id(step_dir: str) -> str:
 
 
 def eval_set_id(rl: RLConfig) -> str:
-    text = json.dumps({"task": dataclasses.asdict(rl.task), "agent": dataclasses.asdict(rl.agent)},
+    text = json.dumps({"task": dataclasses.asdict(rl.task), "agent": dataclasses.asdict(rl.agent),
+                       **({"samples": rl.eval_samples, "temperature": rl.eval_temperature}
+                          if rl.eval_samples > 1 or rl.eval_temperature else {})},
                       sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

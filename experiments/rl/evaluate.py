@@ -1,13 +1,16 @@
-"""Greedy evaluation on the held-out prompts, through the generation servers. An agent function
-written against the OpenAI API (``rl.agent.kind=openai``) is evaluated as it runs: once per
-held-out prompt with its own sampling, unrecorded; the accuracy is its mean reward."""
+"""Evaluation on the held-out prompts, through the generation servers: greedy by default, or
+``rl.eval_samples`` answers per prompt at ``rl.eval_temperature``, seeded per prompt (avg@k and
+pass@k). An agent function written against the OpenAI API (``rl.agent.kind=openai``) is
+evaluated as it runs: once per held-out prompt with its own sampling, unrecorded; the accuracy
+is its mean reward."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from typing import Any, Callable, NamedTuple
 
-from experiments.rl.agents import Episode, SingleTurnAgent
+from experiments.rl.agents import Episode, SingleTurnAgent, make_agent, task_seed
 from experiments.rl.config import RLConfig
 from experiments.rl.data import Router
 from experiments.rl.episodes import run_episodes, score
@@ -22,12 +25,30 @@ log = logging.getLogger("rl-eval")
 
 class Evaluation(NamedTuple):
     accuracy: float
-    """Mean reward of the greedy answers: the fraction right for 1/0 rewards (NaN without
-    prompts)."""
+    """Mean reward of the answers (each prompt's mean over its ``rl.eval_samples``, averaged:
+    avg@k): the fraction right for 1/0 rewards (NaN without prompts)."""
     digest: str
-    """Fingerprint of every greedy completion's tokens, in prompt order: two evaluations with
-    the same digest generated the same answers (the same weights, to within what greedy
+    """Fingerprint of every completion's tokens, in prompt order: two evaluations with the same
+    digest generated the same answers (the same weights, to within what greedy or seeded
     decoding can tell)."""
+    pass_at_k: float | None = None
+    """With ``rl.eval_samples`` k > 1: the mean of each prompt's best reward (pass@k for 1/0
+    rewards)."""
+
+    def figures(self) -> dict[str, Any]:
+        """What ``metrics.jsonl`` logs of it: ``eval_accuracy``, ``eval_digest`` and, with k > 1,
+        ``eval_pass_at_k``."""
+        out: dict[str, Any] = {"eval_accuracy": self.accuracy, "eval_digest": self.digest}
+        if self.pass_at_k is not None:
+            out["eval_pass_at_k"] = self.pass_at_k
+        return out
+
+
+def eval_seed(seed: int, index: int) -> int:
+    """The sampling seed of held-out prompt ``index`` (pure): apart from every training task's
+    (:func:`~experiments.rl.agents.task_seed` of a negative number), the same at every
+    evaluation, so the same weights give the same answers."""
+    return task_seed(seed, -1 - index)
 
 
 def evaluate(gens: dict[int, GenerationClient], rl: RLConfig, tok: Any,
@@ -35,28 +56,43 @@ def evaluate(gens: dict[int, GenerationClient], rl: RLConfig, tok: Any,
              prompts: list[tuple[Prompt, list[int]]],
              alive: Callable[[int], bool] | None = None,
              watch: RewardWatch | None = None) -> Evaluation:
-    """Greedy accuracy (mean reward) on the held-out prompts, through the live servers
-    (``gens``: by replica index; ``router`` picks among the live ones)."""
+    """Accuracy (mean reward) on the held-out prompts, through the live servers (``gens``: by
+    replica index; ``router`` picks among the live ones): greedy, or ``rl.eval_samples``
+    answers each at ``rl.eval_temperature``."""
     if not prompts:
         return Evaluation(float("nan"), "")
     if isinstance(agent, OpenAIAgent):
         return Evaluation(evaluate_function(gens, rl, agent, router, prompts, alive), "")
     task = get_task(rl.task)
+    k, greedy = rl.eval_samples, rl.eval_temperature == 0
+    if not greedy:  # (the training rollouts' agent, at the evaluation's temperature)
+        agent = make_agent(dataclasses.replace(agent.cfg, temperature=rl.eval_temperature,
+                                               top_p=1.0), tok)
     episodes: list[tuple[Episode, int]] = []
-    for _, ids in prompts:
-        server = router.pick()
-        episodes += [(ep, server) for ep in agent.episodes(ids, 1, greedy=True)]
+    owner: list[int] = []
+    for i, (_, ids) in enumerate(prompts):
+        for ep in agent.episodes(ids, k, greedy=greedy,
+                                 seed=None if greedy else eval_seed(rl.seed, i)):
+            episodes.append((ep, router.pick()))
+            owner.append(i)
     try:
         results = run_episodes(episodes, gens, rl.call_timeout, alive)
     finally:
         for _, server in episodes:
             router.done(server)
-    total, digest = 0.0, hashlib.sha256()
-    for (p, _), trajs in zip(prompts, results):
+    answers: list[list[Any]] = [[] for _ in prompts]
+    for i, trajs in zip(owner, results):
+        answers[i] += trajs
+    mean, best, digest = 0.0, 0.0, hashlib.sha256()
+    for (p, _), trajs in zip(prompts, answers):
         score(trajs, tok, p["answer"], task.reward, watch=watch)
-        total += trajs[0]["reward"]
-        digest.update(trajs[0]["tokens"].astype("<i8").tobytes() + b"|")
-    return Evaluation(total / len(prompts), digest.hexdigest()[:16])
+        rewards = [t["reward"] for t in trajs]
+        mean += sum(rewards) / len(rewards)
+        best += max(rewards)
+        for t in trajs:
+            digest.update(t["tokens"].astype("<i8").tobytes() + b"|")
+    return Evaluation(mean / len(prompts), digest.hexdigest()[:16],
+                      best / len(prompts) if k > 1 else None)
 
 
 def evaluate_function(gens: dict[int, GenerationClient], rl: RLConfig, agent: OpenAIAgent,

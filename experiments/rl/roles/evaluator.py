@@ -219,6 +219,6 @@ def evaluate_one(step_dir: str, step: int, rl: RLConfig, gens: dict[int, Generat
     t1 = time.monotonic()
     ev = evaluate(gens, rl, tok, agent, router, held_out, watch=watch)
     return {"step": step, "accuracy": float(ev.accuracy), "digest": ev.digest,
-            "n_prompts": len(held_out),
+            "pass_at_k": ev.pass_at_k, "n_prompts": len(held_out),
             "seconds": time.monotonic() - t1, "load_seconds": t1 - t0, "checkpoint": weights,
             "checkpoint_id": checkpoint_id(step_dir), "eval_set": ""}
