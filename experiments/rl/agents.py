@@ -83,7 +83,7 @@ class AgentConfig:
     """Completion budget per trajectory (tool output included), >= 1 and less than
     ``rl.vllm.max_model_len`` (kind=openai: the agent function asks for its own)."""
     temperature: float = 1.0
-    """Sampling temperature of training rollouts, > 0 (evaluation is greedy whatever it is).
+    """Sampling temperature of training rollouts, > 0 (evaluation: rl.eval_temperature).
     The policy trained is the tempered one: vLLM's log-probs and the trainer's are both taken
     at it (each token carries its temperature, ``Trajectory.temps``)."""
     top_p: float = 1.0
@@ -239,7 +239,8 @@ class CalculatorAgent(SingleTurnAgent):
         used, finish = 0, "length"
         for turn in range(self.cfg.max_turns):
             left = self.cfg.max_new_tokens - used
-            if left <= 0:
+            if left <= 0:  # the budget ran out in tool output: cut, as a sample at it is
+                finish = "length"
                 break
             own = request_seed(seed, episode, turn, self.cfg.max_turns)
             sampling: SamplingParams = {**self.sampling(greedy, own), "max_tokens": left,
@@ -257,7 +258,8 @@ class CalculatorAgent(SingleTurnAgent):
             value = calculate(call) if call else None
             out = self.tok.encode("?" if value is None else str(value), add_special_tokens=False)
             out = out[:max(0, self.cfg.max_new_tokens - used)]
-            if not out:
+            if not out:  # (no room left for the tool's answer)
+                finish = "length"
                 break
             parts.append(Part(np.asarray(out, np.int32), np.zeros(len(out), np.float32),
                               np.full(len(out), -1, np.int32), 0))

@@ -94,13 +94,13 @@ class RLConfig:
     decoupled_loss: bool = True
     """Async mode: decoupled PPO objective with proximal log-probs recomputed by the trainer."""
     eval_interval: int = 40
-    """Evaluate (greedy) on the held-out set every this many steps (0: only before and after)."""
+    """Evaluate on the held-out set every this many steps (0: only before and after)."""
     eval_samples: int = 1
     """k: answers per held-out prompt; eval_accuracy is their mean reward (avg@k) and, with
     k > 1, eval_pass_at_k the mean of each prompt's best (pass@k for 1/0 rewards)."""
     eval_temperature: float = 0.0
-    """Sampling temperature of the evaluation (0: greedy; k > 1 needs > 0). Sampled answers
-    are seeded per prompt: an evaluation of the same weights repeats."""
+    """Sampling temperature of the evaluation (0: greedy; k > 1 needs > 0; top_p 1). Sampled
+    answers are seeded per prompt: an evaluation of the same weights repeats."""
     save_interval: int = 0
     """Checkpoint every this many steps (0: by time only, see save_interval_s)."""
     save_interval_s: float = 60.0
@@ -224,7 +224,8 @@ class RLConfig:
         if self.agent.kind == "openai" and (self.eval_samples > 1 or self.eval_temperature):
             raise ConfigError("rl.eval_samples and rl.eval_temperature are not read with "
                               "rl.agent.kind=openai: the agent function samples as it does, "
-                              "once per held-out prompt")
+                              "once per held-out prompt; valid: rl.eval_samples=1 "
+                              "rl.eval_temperature=0")
 
     def _check_ppo(self) -> None:
         """The critic's and GAE's settings (read with ``algorithm=ppo`` only, checked always:

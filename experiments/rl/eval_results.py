@@ -59,7 +59,8 @@ def checkpoint_id(step_dir: str) -> str:
 
 def eval_set_id(rl: RLConfig) -> str:
     text = json.dumps({"task": dataclasses.asdict(rl.task), "agent": dataclasses.asdict(rl.agent),
-                       **({"samples": rl.eval_samples, "temperature": rl.eval_temperature}
+                       **({"samples": rl.eval_samples, "temperature": rl.eval_temperature,
+                           "seed": rl.seed}
                           if rl.eval_samples > 1 or rl.eval_temperature else {})},
                       sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -100,7 +101,7 @@ def plot_accuracy(rows: Sequence[dict[str, Any]], path: str, title: str) -> str:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     points = sorted((int(r["step"]), float(r["accuracy"])) for r in rows)
     if points:
-        ax.plot(*zip(*points), "o-", color="tab:red", label="held-out accuracy (greedy)")
+        ax.plot(*zip(*points), "o-", color="tab:red", label="held-out accuracy")
         ax.legend(loc="lower right")
     ax.set_xlabel("checkpoint step")
     ax.set_ylabel("accuracy")

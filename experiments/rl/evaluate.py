@@ -51,6 +51,46 @@ def eval_seed(seed: int, index: int) -> int:
     return task_seed(seed, -1 - index)
 
 
+class EvalEpisode(NamedTuple):
+    """One episode of the evaluation: whose prompt it answers, and its weight on a server
+    (the samples its requests ask for: the router's load)."""
+
+    episode: Episode
+    prompt: int
+    weight: int
+
+
+def eval_episodes(rl: RLConfig, agent: SingleTurnAgent, tok: Any,
+                  prompts: list[tuple[Prompt, list[int]]]) -> list[EvalEpisode]:
+    """The episodes that answer every held-out prompt ``rl.eval_samples`` times (pure until
+    driven): greedy, or the training rollouts' agent at ``rl.eval_temperature`` (top_p 1),
+    seeded by :func:`eval_seed`."""
+    k, greedy = rl.eval_samples, rl.eval_temperature == 0
+    if not greedy:
+        agent = make_agent(dataclasses.replace(agent.cfg, temperature=rl.eval_temperature,
+                                               top_p=1.0), tok)
+    out = []
+    for i, (_, ids) in enumerate(prompts):
+        eps = agent.episodes(ids, k, greedy=greedy,
+                             seed=None if greedy else eval_seed(rl.seed, i))
+        out += [EvalEpisode(ep, i, k // len(eps)) for ep in eps]  # (one of k, or k of one)
+    return out
+
+
+def scored(answers: list[list[Any]], digest: Any, k: int) -> Evaluation:
+    """The figures of every prompt's rewarded answers (pure): avg@k, pass@k (k > 1), and the
+    fingerprint of their tokens in prompt order."""
+    mean, best = 0.0, 0.0
+    for trajs in answers:
+        rewards = [float(t["reward"]) for t in trajs]
+        mean += sum(rewards) / len(rewards)
+        best += max(rewards)
+        for t in trajs:
+            digest.update(t["tokens"].astype("<i8").tobytes() + b"|")
+    n = max(len(answers), 1)
+    return Evaluation(mean / n, digest.hexdigest()[:16], best / n if k > 1 else None)
+
+
 def evaluate(gens: dict[int, GenerationClient], rl: RLConfig, tok: Any,
              agent: SingleTurnAgent | OpenAIAgent, router: Router,
              prompts: list[tuple[Prompt, list[int]]],
@@ -64,35 +104,19 @@ def evaluate(gens: dict[int, GenerationClient], rl: RLConfig, tok: Any,
     if isinstance(agent, OpenAIAgent):
         return Evaluation(evaluate_function(gens, rl, agent, router, prompts, alive), "")
     task = get_task(rl.task)
-    k, greedy = rl.eval_samples, rl.eval_temperature == 0
-    if not greedy:  # (the training rollouts' agent, at the evaluation's temperature)
-        agent = make_agent(dataclasses.replace(agent.cfg, temperature=rl.eval_temperature,
-                                               top_p=1.0), tok)
-    episodes: list[tuple[Episode, int]] = []
-    owner: list[int] = []
-    for i, (_, ids) in enumerate(prompts):
-        for ep in agent.episodes(ids, k, greedy=greedy,
-                                 seed=None if greedy else eval_seed(rl.seed, i)):
-            episodes.append((ep, router.pick()))
-            owner.append(i)
+    planned = eval_episodes(rl, agent, tok, prompts)
+    episodes: list[tuple[Episode, int]] = [(e.episode, router.pick(e.weight)) for e in planned]
     try:
         results = run_episodes(episodes, gens, rl.call_timeout, alive)
     finally:
-        for _, server in episodes:
-            router.done(server)
+        for e, (_, server) in zip(planned, episodes):
+            router.done(server, e.weight)
     answers: list[list[Any]] = [[] for _ in prompts]
-    for i, trajs in zip(owner, results):
-        answers[i] += trajs
-    mean, best, digest = 0.0, 0.0, hashlib.sha256()
+    for e, trajs in zip(planned, results):
+        answers[e.prompt] += trajs
     for (p, _), trajs in zip(prompts, answers):
         score(trajs, tok, p["answer"], task.reward, watch=watch)
-        rewards = [t["reward"] for t in trajs]
-        mean += sum(rewards) / len(rewards)
-        best += max(rewards)
-        for t in trajs:
-            digest.update(t["tokens"].astype("<i8").tobytes() + b"|")
-    return Evaluation(mean / len(prompts), digest.hexdigest()[:16],
-                      best / len(prompts) if k > 1 else None)
+    return scored(answers, hashlib.sha256(), rl.eval_samples)
 
 
 def evaluate_function(gens: dict[int, GenerationClient], rl: RLConfig, agent: OpenAIAgent,

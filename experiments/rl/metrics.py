@@ -135,7 +135,10 @@ class MetricsLog:
             ax.plot(*zip(*reward), label=label, color="tab:blue", lw=1)
         acc = self.series("eval_accuracy")
         if acc:
-            ax.plot(*zip(*acc), "o-", label="eval accuracy (greedy)", color="tab:red")
+            ax.plot(*zip(*acc), "o-", label="eval accuracy", color="tab:red")
+        best = self.series("eval_pass_at_k")
+        if best:
+            ax.plot(*zip(*best), "s--", label="eval pass@k", color="tab:orange")
         ax.set_xlabel("step")
         ax.set_ylim(-0.02, 1.02)
         ax.set_title(title)

@@ -25,7 +25,7 @@ def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]]
     trajs = [t for g in groups for t in g]
     items = train_items(cluster, rl, trajs)
     stats: dict[str, object] = overlong_figures(rl, trajs)
-    shaped = shaped_rewards(rl, groups)
+    shaped = advantage_view(rl, groups)
     if rl.algorithm == "grpo":
         advs = advantages_grpo(shaped, rl.group_size, rl.group_std_norm)
     else:
@@ -40,6 +40,8 @@ def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]]
     actor, critic, keys = [], [], session_keys(groups)
     for part in minibatches(groups, rl.ppo_minibatches):
         mine = [items[i] for i in part]
+        if not any(it["mask"].any() for it in mine):
+            continue  # overlong filtering took every token: no step (AdamW would still move)
         weights = loss_weights([it["mask"] for it in mine], rl.loss.aggregation,
                                rl.agent.max_new_tokens, [keys[i] for i in part])
         for it, w in zip(mine, weights or []):
@@ -47,7 +49,7 @@ def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]]
         if rl.algorithm == "ppo":
             critic.append(cluster.train(mine, critic=True))
         actor.append(cluster.train(mine))
-    out = merge_steps(actor)
+    out = merge_steps(actor) if actor else TrainStats(loss=0.0, grad_norm=0.0)
     if critic:
         merged = merge_steps(critic)
         stats["value_loss"] = merged.get("value_loss_sum", 0.0) / max(merged.get("tokens", 1), 1)
@@ -59,19 +61,24 @@ def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]]
     return {**stats, **step_figures(rl, trajs, out, staleness)}
 
 
-def shaped_rewards(rl: RLConfig, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+def advantage_view(rl: RLConfig, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
     """The groups as the advantages see them: with DAPO's soft overlong punishment
-    (``rl.overlong.buffer``), copies of the trajectories whose reward lost the penalty of their
-    length; else the groups themselves."""
+    (``rl.overlong.buffer``) each trajectory's reward less the penalty of its length, with
+    overlong filtering a cut one's mask all 0 (PPO's whitening then leaves its tokens out), in
+    copies; else the groups themselves."""
     cfg = rl.overlong
-    if not cfg.buffer:
+    if not (cfg.buffer or cfg.filter):
         return groups
     out = []
     for g in groups:
         pen = overlong_penalty(np.asarray([len(t["mask"]) for t in g]),
                                rl.agent.max_new_tokens, cfg.buffer, cfg.penalty)
-        out.append([{**t, "reward": float(t["reward"]) + float(p)}  # type: ignore[typeddict-item]
-                    for t, p in zip(g, pen)])
+        view = []
+        for t, p in zip(g, pen):
+            cut = cfg.filter and t["finish"] == "length"
+            view.append({**t, "reward": float(t["reward"]) + float(p),  # type: ignore[misc]
+                         "mask": np.zeros_like(t["mask"]) if cut else t["mask"]})
+        out.append(view)
     return out
 
 

@@ -43,6 +43,9 @@ class OverlongConfig:
         if not (isinstance(self.penalty, (int, float)) and np.isfinite(self.penalty)
                 and self.penalty >= 0):
             raise ConfigError(f"penalty={self.penalty!r} is not valid; valid: a number >= 0")
+        if self.penalty != 1.0 and not self.buffer:
+            raise ConfigError(f"penalty={self.penalty} is read only with rl.overlong.buffer > 0 "
+                              "(the soft punishment's ramp); valid: set rl.overlong.buffer")
 
     def check_budget(self, max_new_tokens: int, agent_kind: str) -> None:
         """The shaping measures completions against the agents' own budget: it must hold the

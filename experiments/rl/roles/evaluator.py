@@ -5,8 +5,9 @@ For each checkpoint that ``results.jsonl`` does not hold yet (:func:`~experiment
 pending`): every server loads the checkpoint's policy weights from disk as weights version
 ``step`` (the disk path of weight sync, reading ``checkpoints/step_<N>/actor/`` in place: nothing
 of the trial is written), the master checks that every server reports that version, then runs
-the greedy held-out evaluation the training loop runs (:func:`~experiments.rl.evaluate.evaluate`)
-and rewrites ``<trial>/eval/results.jsonl`` and ``accuracy.png``.
+the held-out evaluation the training loop runs (greedy, or seeded samples with
+``rl.eval_samples``: :func:`~experiments.rl.evaluate.evaluate`) and rewrites
+``<trial>/eval/results.jsonl`` and ``accuracy.png``.
 """
 from __future__ import annotations
 

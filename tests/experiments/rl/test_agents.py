@@ -50,6 +50,22 @@ def test_calculator_agent_masks_tool_output():
     assert (traj["logprobs"][5:7] == 0).all()
 
 
+def test_a_calculator_episode_whose_budget_runs_out_in_tool_output_is_cut():
+    """It stopped at the budget (finish length, as a sample cut there): overlong filtering and
+    truncated_fraction count it."""
+    tok = CharTok()
+    agent = CalculatorAgent(AgentConfig(kind="calculator", max_new_tokens=6, max_turns=3), tok)
+
+    def policy(req):
+        ids = tok.encode("[3*4]")
+        return [{"tokens": np.array(ids, np.int32), "logprobs": np.zeros(len(ids), np.float32),
+                 "versions": np.zeros(len(ids), np.int32), "finish": "stop"}]
+
+    (traj,) = _drive(agent.episodes([1] + tok.encode("3*4="), 1)[0], policy)
+    assert len(traj["mask"]) == 6 and traj["mask"].tolist() == [1] * 5 + [0]  # "1" of "12"
+    assert traj["finish"] == "length"
+
+
 def test_single_turn_agent_groups():
     agent = SingleTurnAgent(AgentConfig(max_new_tokens=3))
     (ep,) = agent.episodes([1, 2], 4)

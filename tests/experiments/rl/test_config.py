@@ -96,6 +96,8 @@ BAD_OVERRIDES = [  # (override, the start of its one-line error)
                                    "(clip_eps) or > 0"),
     ("rl.loss.dual_clip=1", "rl.loss.dual_clip=1.0 is not valid; valid: 0 (off) or > 1"),
     ("rl.overlong.buffer=-1", "rl.overlong.buffer=-1 is not valid; valid: an integer >= 0"),
+    ("rl.overlong.penalty=0.5", "rl.overlong.penalty=0.5 is read only with "
+                                "rl.overlong.buffer > 0"),
     ("rl.eval_samples=0", "rl.eval_samples must be >= 1, got 0"),
     ("rl.eval_samples=4", "rl.eval_samples=4 needs rl.eval_temperature > 0 (greedy answers"),
     ("rl.eval_temperature=-1", "rl.eval_temperature=-1.0 is not valid; valid: 0 (greedy) or"),

@@ -40,7 +40,7 @@ class FakeCluster:
 
     def per_token(self, seqs, which, temps=None):
         self.asked.append((which, temps))
-        return [np.zeros(len(s), np.float32) for s in seqs]
+        return [np.zeros(len(s) - 1, np.float32) for s in seqs]  # (a value per next token)
 
     def train(self, items, critic=False):
         self.steps.append((critic, [dict(it) for it in items]))

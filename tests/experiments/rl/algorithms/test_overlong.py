@@ -23,22 +23,26 @@ def _traj(n: int, reward: float, finish: str) -> dict:
             "reward": reward, "finish": finish}
 
 
-def _step(overrides: list[str]):
+def _step(overrides: list[str], cut_group: bool = False,
+          rewards: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)):
     from experiments.rl.state import Admitted, LoopState
     from experiments.rl.train_step import train_step
     from system.launch import build_config
     from tests.experiments.rl.test_train_step import FakeCluster
 
-    rl = build_config("arith-tiny", "t", ["rl.mode=sync", "rl.batch_size=1",
+    rl = build_config("arith-tiny", "t", ["rl.mode=sync", f"rl.batch_size={1 + cut_group}",
                                           "rl.group_size=4", "rl.agent.max_new_tokens=8",
                                           *overrides]).rl
     # equal task rewards; two of the four ran into the budget of 8
-    trajs = [_traj(3, 1.0, "stop"), _traj(8, 1.0, "length"), _traj(7, 1.0, "stop"),
-             _traj(8, 1.0, "length")]
+    trajs = [_traj(n, r, finish) for n, r, finish in zip(
+        (3, 8, 7, 8), rewards, ("stop", "length", "stop", "length"))]
+    batch = [(Admitted({"prompt_id": 0, "trajs": trajs}, 0), 0)]
+    if cut_group:  # a second group, every trajectory of it cut
+        batch.append((Admitted({"prompt_id": 1, "trajs": [_traj(8, float(i % 2), "length")
+                                                          for i in range(4)]}, 0), 0))
     cluster = FakeCluster()
-    figures = train_step(cluster, rl, [(Admitted({"prompt_id": 0, "trajs": trajs}, 0), 0)],
-                         LoopState())
-    (_, items), = cluster.steps
+    figures = train_step(cluster, rl, batch, LoopState())
+    items = [it for critic, step in cluster.steps if not critic for it in step]
     return figures, items, trajs
 
 
@@ -67,3 +71,22 @@ def test_an_agent_function_is_refused_its_budget_is_its_own():
     with pytest.raises(ConfigError, match=r"^rl\.overlong needs an agent whose completions"):
         build_config("arith-tiny", "t", ["rl.overlong.filter=true", "rl.agent.kind=openai",
                                          "rl.agent.function=calculator"])
+    with pytest.raises(ConfigError, match=r"^rl\.eval_samples and rl\.eval_temperature are not "
+                                          r"read with rl\.agent\.kind=openai.*valid: "):
+        build_config("arith-tiny", "t", ["rl.eval_samples=4", "rl.eval_temperature=1",
+                                         "rl.agent.kind=openai", "rl.agent.function=calculator"])
+
+
+def test_ppo_whitens_over_the_tokens_it_trains_and_an_all_cut_step_takes_no_step():
+    """Filtered trajectories' tokens neither train nor move PPO's advantage whitening; a
+    mini-batch of cut trajectories only takes no optimizer step (AdamW's momentum and decay
+    would still move the weights)."""
+    figures, items, _ = _step(["rl.overlong.filter=true", "rl.algorithm=ppo"],
+                              rewards=(1.0, 1.0, 0.0, 0.0))
+    adv = np.concatenate([it["adv"][it["mask"] > 0] for it in items])
+    assert len(adv) == 10 and abs(float(adv.mean())) < 1e-5  # whitened over 3 + 7 tokens
+    assert float(adv.std(ddof=1)) == pytest.approx(1.0, abs=1e-4)
+    assert all((it["adv"] == 0).all() for it in items if not it["mask"].any())
+    figures, items, _ = _step(["rl.overlong.filter=true", "rl.ppo_minibatches=2"],
+                              cut_group=True)
+    assert figures["loss"] == 2.0  # one optimizer step (the FakeCluster's first), not two
