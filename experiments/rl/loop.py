@@ -354,8 +354,10 @@ class RLLoop:
         log.warning("checkpoint at step %d for the preempted %s: waiting for the restart",
                     self.state.step, ", ".join("/".join(k.split("/")[-2:]) for k in preempts))
         self.master.preempts_checkpointed(preempts)
-        while not self.master.wait_stop(0.5):
-            pass
+        while not self.master.wait_stop(0.5):  # nothing trains after this checkpoint, so it
+            late = self.master.preempt_requests()  # holds what a later request waits for too
+            if late:  # (a worker warned while it was taken: it waited for the next, in vain)
+                self.master.preempts_checkpointed(late)
         raise RuntimeError(f"stopped after the preemption checkpoint at step {self.state.step}")
 
     def resume_point(self) -> int | None:

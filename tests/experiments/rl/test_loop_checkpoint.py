@@ -98,3 +98,33 @@ def test_cheap_checkpoints_are_frequent_expensive_ones_rare(tmp_path, monkeypatc
     assert not loop.checkpoint_due()
     now[0] = 1060.0
     assert loop.checkpoint_due()
+
+
+def test_a_preemption_request_made_while_the_checkpoint_was_taken_is_answered(tmp_path):
+    """The master read the preempt keys, checkpointed and holds (no step trains after it): a
+    worker warned in between (its key written after the read: the model worker, 6 ms after the
+    master, in a real Slurm preemption) is answered too, not left waiting for a checkpoint that
+    never comes (it used to stop without its 'checkpoint committed')."""
+    from system import names
+    from system.name_resolve import FileNameResolve
+    from workers.master import MasterWorker
+
+    nr = FileNameResolve(str(tmp_path / "nr"), secret=b"s" * 32)
+    master = types.SimpleNamespace(name_resolve=nr, exp="e", trial="t", polls=0)
+    ours, late = names.preempt("e", "t", "master", 0), names.preempt("e", "t", "model", 0)
+    nr.add(ours, "1")
+
+    def wait_stop(timeout: float) -> bool:
+        master.polls += 1
+        if master.polls == 1:  # the model worker's request, after the master's read
+            nr.add(late, "2")
+        return master.polls > 3
+
+    master.wait_stop = wait_stop
+    master.preempt_requests = lambda: MasterWorker.preempt_requests(master)
+    master.preempts_checkpointed = lambda keys: MasterWorker.preempts_checkpointed(master, keys)
+    loop = _loop(tmp_path)
+    loop.master, loop.state = master, types.SimpleNamespace(step=43)
+    with pytest.raises(RuntimeError, match="stopped after the preemption checkpoint at step 43"):
+        loop.hold_for_restart(master.preempt_requests())
+    assert master.preempt_requests() == []  # both answered
