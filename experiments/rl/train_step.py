@@ -23,15 +23,16 @@ def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]]
     state.history.append([[int(a.group["prompt_id"]), a.epoch] for a, _ in batch])
     groups = [a.group["trajs"] for a, _ in batch]
     trajs = [t for g in groups for t in g]
-    items = train_items(cluster, rl, trajs)
-    stats: dict[str, object] = overlong_figures(rl, trajs)
-    shaped = advantage_view(rl, groups)
+    view = advantage_view(rl, groups)
+    seen = [t for g in view for t in g]  # (what trains: overlong filtering's masks)
+    items = train_items(cluster, rl, seen)
+    stats: dict[str, object] = overlong_figures(rl, trajs, seen)
     if rl.algorithm == "grpo":
-        advs = advantages_grpo(shaped, rl.group_size, rl.group_std_norm)
+        advs = advantages_grpo(view, rl.group_size, rl.group_std_norm)
     else:
         seqs = [t["tokens"] for t in trajs]
         values = cluster.per_token(seqs, "critic")
-        advs, returns = advantages_ppo([t for g in shaped for t in g], values, rl)
+        advs, returns = advantages_ppo(seen, values, rl)
         for it, v, r in zip(items, values, returns):
             it["old_values"] = v[it["prompt_len"] - 1:]
             it["returns"] = r
@@ -62,10 +63,10 @@ def train_step(cluster: Cluster, rl: RLConfig, batch: list[tuple[Admitted, int]]
 
 
 def advantage_view(rl: RLConfig, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
-    """The groups as the advantages see them: with DAPO's soft overlong punishment
-    (``rl.overlong.buffer``) each trajectory's reward less the penalty of its length, with
-    overlong filtering a cut one's mask all 0 (PPO's whitening then leaves its tokens out), in
-    copies; else the groups themselves."""
+    """The groups as the advantages and the loss see them: with DAPO's soft overlong
+    punishment (``rl.overlong.buffer``) each trajectory's reward less the penalty of its
+    length, with overlong filtering a cut one's mask all 0 (it trains no token, and PPO's
+    whitening leaves its tokens out), in copies; else the groups themselves."""
     cfg = rl.overlong
     if not (cfg.buffer or cfg.filter):
         return groups
@@ -82,13 +83,13 @@ def advantage_view(rl: RLConfig, groups: list[list[Trajectory]]) -> list[list[Tr
     return out
 
 
-def overlong_figures(rl: RLConfig, trajs: list[Trajectory]) -> dict[str, object]:
+def overlong_figures(rl: RLConfig, trajs: list[Trajectory], seen: list[Trajectory]
+                     ) -> dict[str, object]:
     """``truncated_fraction``: the share of trajectories that stopped at the budget; with the
-    soft punishment, ``overlong_penalty``: the mean reward it took."""
+    soft punishment, ``overlong_penalty``: the mean reward it took (``seen``: their
+    :func:`advantage_view`)."""
     cut = float(np.mean([t["finish"] == "length" for t in trajs])) if trajs else 0.0
-    pen = (float(np.mean(overlong_penalty(np.asarray([len(t["mask"]) for t in trajs]),
-                                          rl.agent.max_new_tokens, rl.overlong.buffer,
-                                          rl.overlong.penalty)))
+    pen = (float(np.mean([s["reward"] - t["reward"] for s, t in zip(seen, trajs)]))
            if rl.overlong.buffer and trajs else None)
     return {"truncated_fraction": cut, "overlong_penalty": pen}
 
@@ -141,10 +142,6 @@ def train_items(cluster: Cluster, rl: RLConfig, trajs: list[Trajectory]) -> list
     items: list[TrainItem] = [{"tokens": t["tokens"], "prompt_len": int(t["prompt_len"]),
                                "mask": t["mask"].astype(np.float32), "old_logp": t["logprobs"]}
                               for t in trajs]
-    if rl.overlong.filter:  # DAPO's overlong filtering: a cut trajectory trains no token
-        for it, t in zip(items, trajs):
-            if t["finish"] == "length":
-                it["mask"] = np.zeros_like(it["mask"])
     temps = sampling_temperatures(trajs)
     for it, tt in zip(items, temps or []):
         if len(tt):

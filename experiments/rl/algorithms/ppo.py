@@ -22,6 +22,11 @@ K3_BOUND = 10.0
 """The largest k3 KL estimate of one token (verl's)."""
 
 
+def bounded_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``exp`` of a log-ratio clamped to +-:data:`LOG_RATIO_BOUND`."""
+    return torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+
+
 def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, clip_eps: float = 0.2,
                     prox_logp: torch.Tensor | None = None,
@@ -40,7 +45,7 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     mask = mask.float()
     n = mask.sum().clamp(min=1.0)
     anchor = old_logp if prox_logp is None else prox_logp
-    ratio = torch.exp(torch.clamp(logp - anchor, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    ratio = bounded_exp(logp - anchor)
     high = clip_eps if clip_eps_high is None else clip_eps_high
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
     token_loss = -torch.minimum(ratio * advantages, clipped * advantages)
@@ -49,8 +54,7 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
         token_loss = torch.where(advantages < 0, bounded, token_loss)
     weight = torch.ones_like(ratio)
     if prox_logp is not None:
-        weight = torch.exp(torch.clamp(prox_logp - old_logp, -LOG_RATIO_BOUND,
-                                       LOG_RATIO_BOUND)).detach()
+        weight = bounded_exp(prox_logp - old_logp).detach()
         if behav_imp_weight_cap is not None:
             weight = torch.where(weight > behav_imp_weight_cap, torch.zeros_like(weight), weight)
     terms = weight * token_loss * mask
